@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs the Debian packages moetron needs to build and test (DESIGN §8). Idempotent; run as root
+# (or with sudo available). Skips apt entirely when every package is already installed.
+set -euo pipefail
+
+packages=(
+  g++ cmake ninja-build pkg-config make git
+  libopenblas-dev
+  nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libfmt-dev libcpp-httplib-dev
+  libsentencepiece-dev sentencepiece
+  libopenmpi-dev openmpi-bin
+  libgtest-dev libgmock-dev libbenchmark-dev
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+echo "setup: installing ${missing[*]}"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

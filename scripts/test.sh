@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The whole test suite: install dependencies, build (Release), run every test with CTest; then
+# rebuild the tests with AddressSanitizer + UndefinedBehaviorSanitizer and run them again.
+# Set MOETRON_SKIP_SANITIZE=1 to skip the sanitizer pass.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+BUILD_DIR=build bash scripts/build.sh
+(cd build && ctest --output-on-failure -j 2 --timeout 600)
+if [ "${MOETRON_SKIP_SANITIZE:-0}" != 1 ]; then
+  echo "== sanitizer build (ASan + UBSan) =="
+  BUILD_DIR=build-asan BUILD_TYPE=RelWithDebInfo bash scripts/build.sh -DMOETRON_SANITIZE=ON
+  (cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j 2 --timeout 900)
+fi

@@ -1,0 +1,209 @@
+// moetron bench: the benchmarks that print the figures the project claims.
+//   bench train: a few training steps of a (default: small Mixtral) model on random tokens; prints
+//   tokens/s, achieved GFLOP/s, the sgemm GFLOP/s measured in the same process, MFU, peak RSS and
+//   the FLOP formula used.
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <cblas.h>
+#include <omp.h>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "io/hf_config.h"
+#include "model/mixtral.h"
+#include "ops/matmul.h"
+#include "optim/adamw.h"
+
+namespace moetron::cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Best-of-5 GFLOP/s of a square fp32 sgemm of size n on all threads: the practical peak of this
+// process's BLAS on this machine, which MFU is measured against.
+double measure_sgemm_gflops(int n) {
+  std::vector<float> a((size_t)n * n), b((size_t)n * n), c((size_t)n * n);
+  for (size_t i = 0; i < a.size(); i++) {
+    a[i] = (float)normal_at(1, 2, i);
+    b[i] = (float)normal_at(1, 3, i);
+  }
+  double best = 0.0;
+  for (int rep = 0; rep < 6; rep++) {
+    const auto t0 = Clock::now();
+    ops::sgemm(false, true, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    const double s = seconds_since(t0);
+    if (rep > 0) best = std::max(best, 2.0 * n * (double)n * n / s / 1e9);
+  }
+  return best;
+}
+
+double peak_rss_mib() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return (double)ru.ru_maxrss / 1024.0;
+}
+
+struct FlopCount {
+  double per_token_forward_dense = 0;  // matmul FLOPs per token, forward
+  double per_token_forward_attn = 0;   // attention score/value FLOPs per token, forward (causal)
+  double per_token_train() const { return 3.0 * (per_token_forward_dense + per_token_forward_attn); }
+};
+
+FlopCount count_flops(const ModelConfig& c, int T) {
+  const double C = c.hidden_size, V = c.vocab_size, I = c.intermediate_size, L = c.num_hidden_layers;
+  const double Q = (double)c.num_attention_heads * c.head_dim, KV = (double)c.num_key_value_heads * c.head_dim;
+  const double E = c.is_moe() ? c.num_local_experts : 0, K = c.is_moe() ? c.num_experts_per_tok : 1;
+  FlopCount f;
+  f.per_token_forward_dense = 2.0 * L * (C * Q + 2 * C * KV + Q * C + C * E + K * 3 * C * I) + 2.0 * C * V;
+  // QK^T and PV over the causal half of the keys: 2 * 2 * (T/2) * Q per layer.
+  f.per_token_forward_attn = 2.0 * L * T * Q;
+  return f;
+}
+
+int run_bench_train(int argc, char** argv) {
+  CLI::App app{"Train a model for a few steps on random tokens and report throughput and MFU.", "moetron bench train"};
+  std::string model_dir;
+  int hidden = 512, layers = 4, heads = 8, kv_heads = 2, experts = 8, top_k = 2, inter = 1408, vocab = 32000;
+  int seq = 512, micro_batch = 4, steps = 5, warmup = 1, threads = 0, sgemm_n = 2048;
+  bool json = false;
+  app.add_option("--model", model_dir, "take the model shape from this HF directory's config.json instead");
+  app.add_option("--hidden", hidden);
+  app.add_option("--layers", layers);
+  app.add_option("--heads", heads);
+  app.add_option("--kv-heads", kv_heads);
+  app.add_option("--experts", experts, "0 for a dense (Mistral) model");
+  app.add_option("--top-k", top_k);
+  app.add_option("--intermediate", inter);
+  app.add_option("--vocab", vocab);
+  app.add_option("--seq", seq);
+  app.add_option("--micro-batch", micro_batch);
+  app.add_option("--steps", steps, "timed steps");
+  app.add_option("--warmup", warmup, "untimed steps first");
+  app.add_option("--threads", threads, "threads for OpenMP and BLAS (default: all)");
+  app.add_option("--sgemm-size", sgemm_n, "size of the square sgemm that sets the peak");
+  app.add_flag("--json", json, "also print one JSON line with the figures");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (steps < 1) fail("--steps must be at least 1");
+  if (threads > 0) {
+    omp_set_num_threads(threads);
+    openblas_set_num_threads(threads);
+  }
+  ModelConfig cfg;
+  if (!model_dir.empty()) {
+    cfg = load_model_config((std::filesystem::path(model_dir) / "config.json").string());
+  } else {
+    nlohmann::json j = {{"architectures", {experts > 0 ? "MixtralForCausalLM" : "MistralForCausalLM"}},
+                        {"model_type", experts > 0 ? "mixtral" : "mistral"},
+                        {"vocab_size", vocab},
+                        {"hidden_size", hidden},
+                        {"intermediate_size", inter},
+                        {"num_hidden_layers", layers},
+                        {"num_attention_heads", heads},
+                        {"num_key_value_heads", kv_heads},
+                        {"rms_norm_eps", 1e-5},
+                        {"rope_theta", 1e6},
+                        {"router_aux_loss_coef", 0.02},
+                        {"tie_word_embeddings", false}};
+    if (experts > 0) {
+      j["num_local_experts"] = experts;
+      j["num_experts_per_tok"] = top_k;
+    }
+    cfg = model_config_from_json(j, "bench train flags");
+  }
+
+  const int nthreads = omp_get_max_threads();
+  std::printf("bench train: %s hidden %d, %d layers, %d heads (%d kv), experts %d top-%d, intermediate %d, "
+              "vocab %d, seq %d, micro-batch %d, %d threads\n",
+              cfg.architecture.c_str(), cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+              cfg.num_key_value_heads, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
+              cfg.vocab_size, seq, micro_batch, nthreads);
+  const double peak = measure_sgemm_gflops(sgemm_n);
+
+  MixtralModel model(cfg);
+  init_parameters(model.table(), cfg, 1234, model.params().data());
+  AdamWConfig acfg;
+  acfg.lr = 1e-4;
+  AdamW opt(model.table(), acfg);
+  Batch batch;
+  batch.B = micro_batch;
+  batch.T = seq;
+  batch.input_ids.resize((size_t)micro_batch * seq);
+  for (size_t i = 0; i < batch.input_ids.size(); i++)
+    batch.input_ids[i] = (int32_t)(mix64(i * 7919 + 17) % (uint64_t)cfg.vocab_size);
+  batch.labels = batch.input_ids;
+  LossWeights w;
+  w.ce_scale = 1.0 / (double)count_loss_tokens(batch);
+  w.aux_coef = cfg.router_aux_loss_coef;
+
+  std::vector<double> times;
+  double last_loss = 0;
+  for (int s = 0; s < warmup + steps; s++) {
+    const auto t0 = Clock::now();
+    model.zero_grads();
+    const Losses l = model.forward(batch, w);
+    model.backward();
+    const double norm = global_grad_norm(model.grads().data(), model.grads().size());
+    opt.step(model.params().data(), model.grads().data(), acfg.lr, (float)clip_coefficient(norm, 1.0));
+    const double dt = seconds_since(t0);
+    last_loss = l.loss;
+    if (s >= warmup) times.push_back(dt);
+    std::printf("  step %d: %.3f s  loss %.4f%s\n", s + 1, dt, l.loss, s < warmup ? "  (warm-up)" : "");
+  }
+  const double step_s = median(times);
+  const double tokens = (double)micro_batch * seq;
+  const double tps = tokens / step_s;
+  const FlopCount fc = count_flops(cfg, seq);
+  const double gflops = tps * fc.per_token_train() / 1e9;
+  const double mfu = gflops / peak;
+  std::printf("FLOP formula: per token 3 x forward; forward = 2*L*(C*Q + 2*C*KV + Q*C + C*E + K*3*C*I) + 2*C*V "
+              "[matmuls] + 2*L*T*Q [causal attention] = %.4g + %.4g FLOP\n",
+              fc.per_token_forward_dense, fc.per_token_forward_attn);
+  std::printf("step time (median of %d): %.3f s\n", steps, step_s);
+  std::printf("tokens/s: %.1f\n", tps);
+  std::printf("achieved GFLOP/s: %.2f\n", gflops);
+  std::printf("sgemm peak GFLOP/s (%dx%d, same process): %.2f\n", sgemm_n, sgemm_n, peak);
+  std::printf("MFU: %.1f%%\n", 100.0 * mfu);
+  std::printf("peak RSS: %.0f MiB\n", peak_rss_mib());
+  if (json)
+    std::printf("{\"tokens_per_s\": %.2f, \"gflops\": %.3f, \"sgemm_peak_gflops\": %.3f, \"mfu\": %.4f, "
+                "\"step_s\": %.4f, \"peak_rss_mib\": %.1f, \"threads\": %d, \"final_loss\": %.6f}\n",
+                tps, gflops, peak, mfu, step_s, peak_rss_mib(), nthreads, last_loss);
+  return 0;
+}
+
+}  // namespace
+
+int run_bench(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: moetron bench train [options]   (see moetron bench train --help)\n");
+    return 2;
+  }
+  const std::string what = argv[1];
+  if (what == "train") return run_bench_train(argc - 1, argv + 1);
+  std::fprintf(stderr, "moetron bench: unknown benchmark '%s' (available: train)\n", what.c_str());
+  return 2;
+}
+
+}  // namespace moetron::cli

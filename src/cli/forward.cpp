@@ -1,0 +1,81 @@
+// moetron forward: one forward (and backward) pass of an HF model directory on one batch.
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "io/hf_config.h"
+#include "io/model_files.h"
+#include "io/safetensors.h"
+#include "model/batch_io.h"
+#include "model/mixtral.h"
+#include "model/weights.h"
+
+namespace moetron::cli {
+
+int run_forward(int argc, char** argv) {
+  CLI::App app{"One forward (and backward) pass of a Hugging Face Mixtral/Mistral/Llama model directory.\n"
+               "Writes logits and, when the input has labels, ce_loss, aux_loss, z_loss and loss.",
+               "moetron forward"};
+  std::string model_dir, input, output, grads_path, aux_kind = "hf_pooled";
+  double z_coef = 0.0;
+  app.add_option("--model", model_dir, "HF model directory (config.json + safetensors)")->required();
+  app.add_option("--input", input, "input safetensors: input_ids [B,T], optional labels, attention_mask, "
+                                   "position_ids, segment_ids")->required();
+  app.add_option("--output", output, "output safetensors")->required();
+  app.add_option("--grads", grads_path, "also write d loss / d param for every parameter (F32, HF names)");
+  app.add_option("--aux-loss", aux_kind, "load-balancing formula: hf_pooled | per_layer")
+      ->check(CLI::IsMember({"hf_pooled", "per_layer"}));
+  app.add_option("--z-loss-coef", z_coef, "router z-loss coefficient (default 0)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  const ModelConfig cfg = load_model_config((std::filesystem::path(model_dir) / "config.json").string());
+  const Batch batch = read_batch_safetensors(input);
+  if (!grads_path.empty() && batch.labels.empty())
+    fail("--grads needs labels: '{}' has no 'labels' tensor", input);
+
+  MixtralModel model(cfg);
+  const ModelTensors files = ModelTensors::open(model_dir);
+  load_hf_weights(files, model.table(), model.params().data(), model_dir);
+
+  LossWeights w;
+  const long loss_tokens = count_loss_tokens(batch);
+  w.ce_scale = loss_tokens > 0 ? 1.0 / (double)loss_tokens : 0.0;
+  w.aux_coef = cfg.router_aux_loss_coef;
+  w.z_coef = z_coef;
+  w.aux_kind = aux_kind == "per_layer" ? AuxLossKind::per_layer : AuxLossKind::hf_pooled;
+  const Losses losses = model.forward(batch, w);
+
+  SafetensorsWriter out;
+  out.add_f32("logits", {batch.B, batch.T, cfg.vocab_size}, model.logits());
+  const float scalars[4] = {(float)losses.ce_loss, (float)losses.aux_loss, (float)losses.z_loss, (float)losses.loss};
+  if (!batch.labels.empty()) {
+    out.add_copy("ce_loss", DType::F32, {}, &scalars[0]);
+    out.add_copy("aux_loss", DType::F32, {}, &scalars[1]);
+    out.add_copy("z_loss", DType::F32, {}, &scalars[2]);
+    out.add_copy("loss", DType::F32, {}, &scalars[3]);
+    out.set_metadata("loss_tokens", std::to_string(loss_tokens));
+  }
+  out.write(output);  // before backward: backward overwrites the logits in place
+  if (!batch.labels.empty())
+    std::printf("loss %.6f  ce_loss %.6f  aux_loss %.6f  z_loss %.6f  (%ld loss tokens)\n", losses.loss,
+                losses.ce_loss, losses.aux_loss, losses.z_loss, loss_tokens);
+
+  if (!grads_path.empty()) {
+    model.zero_grads();
+    model.backward();
+    SafetensorsWriter g;
+    add_hf_tensors(g, model.table(), model.grads().data(), DType::F32);
+    g.write(grads_path);
+  }
+  return 0;
+}
+
+}  // namespace moetron::cli

@@ -1,0 +1,47 @@
+// moetron: one binary, one subcommand per job (DESIGN §2).
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "cli/commands.h"
+#include "core/error.h"
+
+namespace {
+
+void print_usage(FILE* f) {
+  std::fprintf(f,
+               "usage: moetron <command> [options]\n"
+               "\n"
+               "commands:\n"
+               "  forward   one forward (and backward) pass of an HF model directory on a batch\n"
+               "  bench     benchmarks (bench train)\n"
+               "\n"
+               "Run 'moetron <command> --help' for a command's options.\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    print_usage(stderr);
+    return 2;
+  }
+  const std::string cmd = argv[1];
+  if (cmd == "-h" || cmd == "--help" || cmd == "help") {
+    print_usage(stdout);
+    return 0;
+  }
+  try {
+    if (cmd == "forward") return moetron::cli::run_forward(argc - 1, argv + 1);
+    if (cmd == "bench") return moetron::cli::run_bench(argc - 1, argv + 1);
+  } catch (const moetron::Error& e) {
+    std::fprintf(stderr, "moetron %s: error: %s\n", cmd.c_str(), e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moetron %s: unexpected error: %s\n", cmd.c_str(), e.what());
+    return 1;
+  }
+  std::fprintf(stderr, "moetron: unknown command '%s'\n", cmd.c_str());
+  print_usage(stderr);
+  return 2;
+}

@@ -1,0 +1,60 @@
+// Element types of tensors on disk and in memory, and conversions between them.
+//
+// Names follow safetensors ("F32", "F16", "BF16", "I32", "I64", "U8", "BOOL"). Conversions to a
+// narrower float type round to nearest, ties to even (as PyTorch and CUDA do); NaN stays NaN (the
+// sign and the high payload bits are kept and the quiet bit is set), infinities stay infinite, and
+// values beyond the target's range become infinity. fp16 covers IEEE binary16 in full, subnormals
+// included. The host is assumed little-endian (as safetensors data is).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+namespace moetron {
+
+enum class DType { F32, F16, BF16, I32, I64, U8, BOOL };
+
+// "BF16" -> DType::BF16; anything else not in the list above throws Error naming the string.
+DType dtype_from_string(std::string_view name);
+// DType::BF16 -> "BF16" (the safetensors name).
+const char* dtype_name(DType dtype);
+// Bytes per element.
+size_t dtype_size(DType dtype);
+// True for F32, F16 and BF16.
+bool dtype_is_float(DType dtype);
+
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+inline float f32_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// bf16 is the top half of an fp32: widening is exact.
+inline float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even; overflow carries into infinity
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float f16_to_f32(uint16_t h);
+uint16_t f32_to_f16(float f);
+
+// out[i] = src[i] as fp32 for n elements of `dtype` (any DType; integers convert by value, BOOL to
+// 0/1). `src` need not be aligned.
+void convert_to_f32(float* out, const void* src, DType dtype, size_t n);
+// Writes n elements of `dtype` (F32, F16 or BF16; other dtypes throw Error) from fp32 values.
+// `out` need not be aligned.
+void convert_from_f32(void* out, DType dtype, const float* src, size_t n);
+
+}  // namespace moetron

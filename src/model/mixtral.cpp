@@ -1,0 +1,332 @@
+// Mixtral forward and backward.  The backward is the forward's call list in reverse; parameter
+// gradients accumulate (+=) into grads(), activation gradients flow through scratch buffers.
+#include "model/mixtral.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+#include "ops/attention.h"
+#include "ops/cross_entropy.h"
+#include "ops/embedding.h"
+#include "ops/matmul.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+
+namespace moetron {
+
+namespace {
+
+// y[n] += x[n] for n floats
+void add_inplace(float* y, const float* x, long n) {
+#pragma omp parallel for schedule(static)
+  for (long i = 0; i < n; i++) y[i] += x[i];
+}
+
+}  // namespace
+
+long count_loss_tokens(const Batch& b) {
+  if (b.labels.empty()) return 0;
+  long count = 0;
+  for (int r = 0; r < b.B; r++)
+    for (int t = 0; t + 1 < b.T; t++) {
+      const long i = (long)r * b.T + t;
+      if (!b.segment_ids.empty() && b.segment_ids[i] != b.segment_ids[i + 1]) continue;
+      if (b.labels[i + 1] != ops::IGNORE_INDEX) count++;
+    }
+  return count;
+}
+
+MixtralModel::MixtralModel(const ModelConfig& cfg) : cfg_(cfg), table_(cfg) {
+  params_.assign(table_.total(), 0.0f);
+  grads_.assign(table_.total(), 0.0f);
+}
+
+void MixtralModel::zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
+
+void MixtralModel::validate_batch(const Batch& b) const {
+  if (b.B <= 0 || b.T <= 0) fail("batch: B and T must be positive (got B={}, T={})", b.B, b.T);
+  const size_t n = (size_t)b.B * b.T;
+  auto check = [&](const std::vector<int32_t>& v, const char* name, bool required) {
+    if (v.empty() && !required) return;
+    if (v.size() != n) fail("batch: '{}' has {} values, expected B*T = {}x{} = {}", name, v.size(), b.B, b.T, n);
+  };
+  check(b.input_ids, "input_ids", true);
+  check(b.labels, "labels", false);
+  check(b.attention_mask, "attention_mask", false);
+  check(b.position_ids, "position_ids", false);
+  check(b.segment_ids, "segment_ids", false);
+  for (size_t i = 0; i < n; i++) {
+    const int32_t id = b.input_ids[i];
+    if (id < 0 || id >= cfg_.vocab_size)
+      fail("batch: input_ids[{}][{}] = {} is outside the vocabulary [0, {})", i / b.T, i % b.T, id,
+           cfg_.vocab_size);
+    if (!b.labels.empty() && b.labels[i] != ops::IGNORE_INDEX && (b.labels[i] < 0 || b.labels[i] >= cfg_.vocab_size))
+      fail("batch: labels[{}][{}] = {} is neither -100 nor inside the vocabulary [0, {})", i / b.T, i % b.T,
+           b.labels[i], cfg_.vocab_size);
+    if (!b.position_ids.empty() && b.position_ids[i] < 0)
+      fail("batch: position_ids[{}][{}] = {} is negative", i / b.T, i % b.T, b.position_ids[i]);
+    if (!b.attention_mask.empty() && b.attention_mask[i] != 0 && b.attention_mask[i] != 1)
+      fail("batch: attention_mask[{}][{}] = {}, expected 0 or 1", i / b.T, i % b.T, b.attention_mask[i]);
+  }
+}
+
+void MixtralModel::allocate(int B, int T) {
+  if (B == B_ && T == T_ && !layers_.empty()) return;
+  B_ = B;
+  T_ = T;
+  const long N = (long)B * T;
+  const long C = cfg_.hidden_size, V = cfg_.vocab_size, I = cfg_.intermediate_size;
+  const long Q = (long)cfg_.num_attention_heads * cfg_.head_dim;
+  const long KVd = (long)cfg_.num_key_value_heads * cfg_.head_dim;
+  const bool moe = cfg_.is_moe();
+  const long E = moe ? cfg_.num_local_experts : 1, K = moe ? cfg_.num_experts_per_tok : 1;
+  const long M = N * K;
+  const long NH = cfg_.num_attention_heads;
+  const int L = cfg_.num_hidden_layers;
+
+  // Two passes: the first measures, the second hands out pointers.
+  size_t used = 0;
+  float* base = nullptr;
+  auto take = [&](long n) -> float* {
+    float* p = base ? base + used : nullptr;
+    used += (size_t)(n + 15) / 16 * 16;
+    return p;
+  };
+  layers_.assign(L, LayerActs{});
+  for (int pass = 0; pass < 2; pass++) {
+    used = 0;
+    for (int l = 0; l < L; l++) {
+      LayerActs& a = layers_[l];
+      a.x = take(N * C);
+      a.ln1 = take(N * C);
+      a.rstd1 = take(N);
+      a.q = take(N * Q);
+      a.k = take(N * KVd);
+      a.v = take(N * KVd);
+      a.probs = take((long)B * NH * T * T);
+      a.att = take(N * Q);
+      a.h = take(N * C);
+      a.ln2 = take(N * C);
+      a.rstd2 = take(N);
+      a.rlogits = moe ? take(N * E) : nullptr;
+      a.rprobs = moe ? take(N * E) : nullptr;
+      a.topk_w = moe ? take(N * K) : nullptr;
+      a.xperm = moe ? take(M * C) : nullptr;
+      a.h1 = take(M * I);
+      a.h3 = take(M * I);
+      a.act = take(M * I);
+      a.yperm = moe ? take(M * C) : nullptr;
+    }
+    x_final_ = take(N * C);
+    lnf_ = take(N * C);
+    rstdf_ = take(N);
+    logits_ = take(N * V);
+    lse_ = take(N);
+    dres_ = take(N * C);
+    dln_ = take(N * C);
+    tmp_ = take(N * C);
+    datt_ = take(N * Q);
+    dq_ = take(N * Q);
+    dk_ = take(N * KVd);
+    dv_ = take(N * KVd);
+    drlogits_ = moe ? take(N * E) : nullptr;
+    dtopk_ = moe ? take(N * K) : nullptr;
+    dxperm_ = moe ? take(M * C) : nullptr;
+    dyperm_ = moe ? take(M * C) : nullptr;
+    ffn_scratch_ = take(2 * M * I);
+    if (pass == 0) {
+      arena_.assign(used, 0.0f);
+      base = arena_.data();
+    }
+  }
+  topk_arena_.assign(moe ? (size_t)L * M : 0, 0);
+  for (int l = 0; l < L; l++) layers_[l].topk_idx = moe ? topk_arena_.data() + (size_t)l * M : nullptr;
+  if (!moe) {
+    // A dense FFN is one expert that every token visits with weight 1: the identity plan.
+    std::vector<int32_t> zeros(N, 0);
+    for (LayerActs& a : layers_) ops::moe_plan_build(a.plan, zeros.data(), N, 1, 1);
+  }
+}
+
+Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
+  validate_batch(batch);
+  allocate(batch.B, batch.T);
+  const int B = batch.B, T = batch.T;
+  const long N = (long)B * T;
+  const int C = cfg_.hidden_size, V = cfg_.vocab_size, I = cfg_.intermediate_size;
+  const int NH = cfg_.num_attention_heads, NKV = cfg_.num_key_value_heads, HD = cfg_.head_dim;
+  const int Q = NH * HD, KVd = NKV * HD;
+  const bool moe = cfg_.is_moe();
+  const int E = moe ? cfg_.num_local_experts : 1, K = moe ? cfg_.num_experts_per_tok : 1;
+  const float eps = (float)cfg_.rms_norm_eps, theta = (float)cfg_.rope_theta;
+  const float* P = params_.data();
+  auto W = [&](ParamKind kind, int layer = -1) { return P + table_.at(kind, layer).offset; };
+
+  weights_ = weights;
+  tokens_ = batch.input_ids;
+  // Positions: given, or 0..T-1 restarting at each segment start.
+  positions_.resize(N);
+  for (int b = 0; b < B; b++)
+    for (int t = 0; t < T; t++) {
+      const long i = (long)b * T + t;
+      if (!batch.position_ids.empty()) positions_[i] = batch.position_ids[i];
+      else if (!batch.segment_ids.empty() && t > 0 && batch.segment_ids[i] == batch.segment_ids[i - 1])
+        positions_[i] = positions_[i - 1] + 1;
+      else if (!batch.segment_ids.empty()) positions_[i] = 0;
+      else positions_[i] = t;
+    }
+  // Targets: the next token's label within the same segment.
+  has_labels_ = !batch.labels.empty();
+  targets_.assign(N, ops::IGNORE_INDEX);
+  if (has_labels_)
+    for (int b = 0; b < B; b++)
+      for (int t = 0; t + 1 < T; t++) {
+        const long i = (long)b * T + t;
+        if (!batch.segment_ids.empty() && batch.segment_ids[i] != batch.segment_ids[i + 1]) continue;
+        targets_[i] = batch.labels[i + 1];
+      }
+  has_token_mask_ = !batch.attention_mask.empty();
+  token_mask_.assign(N, 1);
+  if (has_token_mask_)
+    for (long i = 0; i < N; i++) token_mask_[i] = batch.attention_mask[i] != 0;
+  const uint8_t* tmask = has_token_mask_ ? token_mask_.data() : nullptr;
+
+  ops::AttentionMask amask;
+  amask.attention_mask = batch.attention_mask.empty() ? nullptr : batch.attention_mask.data();
+  amask.segment_ids = batch.segment_ids.empty() ? nullptr : batch.segment_ids.data();
+  amask.sliding_window = cfg_.sliding_window;
+
+  const int L = cfg_.num_hidden_layers;
+  router_stats_.assign(moe ? L : 0, ops::RouterLayerStats{});
+
+  ops::embedding_forward(layers_[0].x, tokens_.data(), W(ParamKind::embedding), N, C, V);
+  for (int l = 0; l < L; l++) {
+    LayerActs& a = layers_[l];
+    float* x_next = l + 1 < L ? layers_[l + 1].x : x_final_;
+    // Attention block: h = x + o_proj(attn(rope(q), rope(k), v)).
+    ops::rmsnorm_forward(a.ln1, a.rstd1, a.x, W(ParamKind::input_norm, l), N, C, eps);
+    ops::matmul_forward(a.q, a.ln1, W(ParamKind::q_proj, l), N, C, Q);
+    ops::matmul_forward(a.k, a.ln1, W(ParamKind::k_proj, l), N, C, KVd);
+    ops::matmul_forward(a.v, a.ln1, W(ParamKind::v_proj, l), N, C, KVd);
+    ops::rope_forward(a.q, a.q, positions_.data(), N, NH, HD, theta);
+    ops::rope_forward(a.k, a.k, positions_.data(), N, NKV, HD, theta);
+    ops::attention_forward(a.att, a.probs, a.q, a.k, a.v, amask, B, T, NH, NKV, HD);
+    std::memcpy(a.h, a.x, sizeof(float) * N * C);
+    ops::matmul_forward_accumulate(a.h, a.att, W(ParamKind::o_proj, l), N, Q, C);
+    // FFN block: x_next = h + ffn(rmsnorm(h)).
+    ops::rmsnorm_forward(a.ln2, a.rstd2, a.h, W(ParamKind::post_norm, l), N, C, eps);
+    const float* w1 = W(ParamKind::ffn_w1, l);
+    const float* w3 = W(ParamKind::ffn_w3, l);
+    const float* w2 = W(ParamKind::ffn_w2, l);
+    if (moe) {
+      ops::matmul_forward(a.rlogits, a.ln2, W(ParamKind::router, l), N, C, E);
+      ops::router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, N, E, K);
+      ops::router_layer_stats(router_stats_[l], a.rlogits, a.rprobs, a.topk_idx, tmask, N, E, K);
+      ops::moe_plan_build(a.plan, a.topk_idx, N, E, K);
+      ops::moe_permute_forward(a.xperm, a.ln2, a.plan, C);
+      ops::moe_experts_forward(a.yperm, a.h1, a.h3, a.act, a.xperm, w1, w3, w2, a.plan, C, I);
+      ops::moe_combine_forward(x_next, a.yperm, a.topk_w, a.plan, C);
+    } else {
+      ops::moe_experts_forward(x_next, a.h1, a.h3, a.act, a.ln2, w1, w3, w2, a.plan, C, I);
+    }
+    add_inplace(x_next, a.h, N * C);
+  }
+  ops::rmsnorm_forward(lnf_, rstdf_, x_final_, W(ParamKind::final_norm), N, C, eps);
+  ops::matmul_forward(logits_, lnf_, W(ParamKind::lm_head), N, C, V);
+
+  Losses out;
+  aux_dprobs_.assign(moe ? L : 0, std::vector<double>(E, 0.0));
+  if (moe) {
+    if (weights.aux_kind == AuxLossKind::hf_pooled) {
+      std::vector<double> d;
+      out.aux_loss = ops::load_balancing_loss_pooled(router_stats_, E, K, &d);
+      for (int l = 0; l < L; l++)
+        for (int e = 0; e < E; e++) aux_dprobs_[l][e] = weights.aux_coef * d[e];
+    } else {
+      for (int l = 0; l < L; l++) {
+        std::vector<double> d;
+        out.aux_loss += ops::load_balancing_loss_layer(router_stats_[l], E, K, &d);
+        for (int e = 0; e < E; e++) aux_dprobs_[l][e] = weights.aux_coef * d[e];
+      }
+    }
+    for (int l = 0; l < L; l++) out.z_loss += ops::router_z_loss_layer(router_stats_[l]);
+  }
+  if (has_labels_) {
+    out.ce_sum = ops::cross_entropy_forward(lse_, logits_, targets_.data(), N, V, 1.0f);
+    out.loss_tokens = 0;
+    for (long i = 0; i < N; i++) out.loss_tokens += targets_[i] != ops::IGNORE_INDEX;
+    out.ce_loss = weights.ce_scale * out.ce_sum;
+    out.loss = out.ce_loss + weights.aux_coef * out.aux_loss + weights.z_coef * out.z_loss;
+  }
+  forward_done_ = true;
+  return out;
+}
+
+void MixtralModel::backward() {
+  if (!forward_done_ || !has_labels_) fail("[MixtralModel::backward] needs a forward pass with labels first");
+  forward_done_ = false;
+  const int B = B_, T = T_;
+  const long N = (long)B * T;
+  const int C = cfg_.hidden_size, V = cfg_.vocab_size, I = cfg_.intermediate_size;
+  const int NH = cfg_.num_attention_heads, NKV = cfg_.num_key_value_heads, HD = cfg_.head_dim;
+  const int Q = NH * HD, KVd = NKV * HD;
+  const bool moe = cfg_.is_moe();
+  const int E = moe ? cfg_.num_local_experts : 1, K = moe ? cfg_.num_experts_per_tok : 1;
+  const float theta = (float)cfg_.rope_theta;
+  const float* P = params_.data();
+  float* G = grads_.data();
+  auto W = [&](ParamKind kind, int layer = -1) { return P + table_.at(kind, layer).offset; };
+  auto D = [&](ParamKind kind, int layer = -1) { return G + table_.at(kind, layer).offset; };
+  const uint8_t* tmask = has_token_mask_ ? token_mask_.data() : nullptr;
+  const int L = cfg_.num_hidden_layers;
+
+  // Head and final norm.  The logits buffer becomes dlogits in place.
+  ops::cross_entropy_backward(logits_, logits_, lse_, targets_.data(), N, V, (float)weights_.ce_scale);
+  ops::matmul_backward(dln_, D(ParamKind::lm_head), logits_, lnf_, W(ParamKind::lm_head), N, C, V);
+  ops::rmsnorm_backward(dres_, D(ParamKind::final_norm), dln_, x_final_, W(ParamKind::final_norm), rstdf_, N, C);
+
+  for (int l = L - 1; l >= 0; l--) {
+    LayerActs& a = layers_[l];
+    // FFN block: dres is d(x_next); it flows to h unchanged plus through the FFN.
+    const float* w1 = W(ParamKind::ffn_w1, l);
+    const float* w3 = W(ParamKind::ffn_w3, l);
+    const float* w2 = W(ParamKind::ffn_w2, l);
+    float* dw1 = D(ParamKind::ffn_w1, l);
+    float* dw3 = D(ParamKind::ffn_w3, l);
+    float* dw2 = D(ParamKind::ffn_w2, l);
+    if (moe) {
+      ops::moe_combine_backward(dyperm_, dtopk_, dres_, a.yperm, a.topk_w, a.plan, C);
+      ops::moe_experts_backward(dxperm_, dw1, dw3, dw2, ffn_scratch_, dyperm_, a.h1, a.h3, a.act, a.xperm, w1,
+                                w3, w2, a.plan, C, I);
+      ops::moe_permute_backward(dln_, dxperm_, a.plan, C);
+      ops::router_backward(drlogits_, dtopk_, aux_dprobs_[l].data(), tmask, a.rprobs, a.topk_idx, a.topk_w, N,
+                           E, K);
+      if (weights_.z_coef != 0.0)
+        ops::router_z_loss_backward(drlogits_, a.rlogits, a.rprobs, tmask, N, E, (float)weights_.z_coef);
+      ops::matmul_backward(tmp_, D(ParamKind::router, l), drlogits_, a.ln2, W(ParamKind::router, l), N, C, E);
+      add_inplace(dln_, tmp_, N * C);
+    } else {
+      ops::moe_experts_backward(dln_, dw1, dw3, dw2, ffn_scratch_, dres_, a.h1, a.h3, a.act, a.ln2, w1, w3, w2,
+                                a.plan, C, I);
+    }
+    ops::rmsnorm_backward(tmp_, D(ParamKind::post_norm, l), dln_, a.h, W(ParamKind::post_norm, l), a.rstd2, N, C);
+    add_inplace(dres_, tmp_, N * C);  // dres is now d(h)
+
+    // Attention block: h = x + o_proj(att).
+    ops::matmul_backward(datt_, D(ParamKind::o_proj, l), dres_, a.att, W(ParamKind::o_proj, l), N, Q, C);
+    ops::attention_backward(dq_, dk_, dv_, datt_, a.probs, a.q, a.k, a.v, B, T, NH, NKV, HD);
+    ops::rope_backward(dq_, dq_, positions_.data(), N, NH, HD, theta);
+    ops::rope_backward(dk_, dk_, positions_.data(), N, NKV, HD, theta);
+    ops::matmul_backward(dln_, D(ParamKind::q_proj, l), dq_, a.ln1, W(ParamKind::q_proj, l), N, C, Q);
+    ops::matmul_backward(tmp_, D(ParamKind::k_proj, l), dk_, a.ln1, W(ParamKind::k_proj, l), N, C, KVd);
+    add_inplace(dln_, tmp_, N * C);
+    ops::matmul_backward(tmp_, D(ParamKind::v_proj, l), dv_, a.ln1, W(ParamKind::v_proj, l), N, C, KVd);
+    add_inplace(dln_, tmp_, N * C);
+    ops::rmsnorm_backward(tmp_, D(ParamKind::input_norm, l), dln_, a.x, W(ParamKind::input_norm, l), a.rstd1, N, C);
+    add_inplace(dres_, tmp_, N * C);  // dres is now d(x) of this layer
+  }
+  ops::embedding_backward(D(ParamKind::embedding), dres_, tokens_.data(), N, C, V);
+}
+
+}  // namespace moetron

@@ -1,0 +1,34 @@
+#include "ops/matmul.h"
+
+#include <cblas.h>
+
+namespace moetron::ops {
+
+void sgemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda,
+           const float* B, int ldb, float beta, float* C, int ldc) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int i = 0; i < M; i++)
+      for (int j = 0; j < N; j++) C[(long)i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[(long)i * ldc + j];
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+              M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+void matmul_forward(float* out, const float* inp, const float* weight, int N, int IC, int OC) {
+  sgemm(false, true, N, OC, IC, 1.0f, inp, IC, weight, IC, 0.0f, out, OC);
+}
+
+void matmul_forward_accumulate(float* out, const float* inp, const float* weight, int N, int IC,
+                               int OC) {
+  sgemm(false, true, N, OC, IC, 1.0f, inp, IC, weight, IC, 1.0f, out, OC);
+}
+
+void matmul_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                     const float* weight, int N, int IC, int OC) {
+  if (dinp) sgemm(false, false, N, IC, OC, 1.0f, dout, OC, weight, IC, 0.0f, dinp, IC);
+  if (dweight && N > 0) sgemm(true, false, OC, IC, N, 1.0f, dout, OC, inp, IC, 1.0f, dweight, IC);
+}
+
+}  // namespace moetron::ops

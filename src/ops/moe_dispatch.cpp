@@ -1,0 +1,179 @@
+// Dropless MoE dispatch / combine and the grouped expert FFN; see moe_dispatch.h.
+//   N tokens, C hidden, E experts, K experts per token, I expert FFN width, M = N*K routed rows.
+// Parameter gradients accumulate (+=); activation gradients assign (=).
+// Threading: permute and combine run OpenMP loops over tokens (or rows) in which each iteration
+// writes only its own outputs and sums over k in slot order, so results do not depend on the
+// thread count.  The expert GEMMs are issued from a serial loop over experts, never from inside
+// an OpenMP region: OpenBLAS (pthread build) parallelises each GEMM itself.
+#include "ops/moe_dispatch.h"
+
+#include <climits>
+#include <cstring>
+
+#include "core/error.h"
+#include "ops/matmul.h"
+#include "ops/swiglu.h"
+
+namespace moetron::ops {
+
+namespace {
+
+void check_plan(const MoePlan& plan, const char* op) {
+  MOETRON_OP_CHECK(plan.E >= 1 && plan.K >= 1 && plan.N >= 0, op,
+                   "plan is not built (N={}, E={}, K={})", plan.N, plan.E, plan.K);
+  const size_t M = (size_t)plan.N * (size_t)plan.K;
+  MOETRON_OP_CHECK(plan.expert_offsets.size() == (size_t)plan.E + 1 && plan.row_token.size() == M &&
+                       plan.row_of.size() == M,
+                   op, "plan arrays have inconsistent sizes for N={}, E={}, K={}", plan.N, plan.E,
+                   plan.K);
+}
+
+}  // namespace
+
+void moe_plan_build(MoePlan& plan, const int32_t* topk_idx, long N, int E, int K) {
+  MOETRON_OP_CHECK(N >= 0 && N <= INT32_MAX, "moe_plan_build", "token count N={} out of range", N);
+  MOETRON_OP_CHECK(E >= 1 && K >= 1 && K <= E, "moe_plan_build", "need 1 <= K <= E, got E={} K={}",
+                   E, K);
+  const long M = N * K;
+  MOETRON_OP_CHECK(M <= INT32_MAX, "moe_plan_build", "N*K = {} routed rows exceed int32", M);
+  plan.N = N;
+  plan.E = E;
+  plan.K = K;
+  plan.expert_offsets.assign(E + 1, 0);
+  plan.row_token.resize(M);
+  plan.row_of.resize(M);
+  // counting sort: histogram, exclusive prefix sum, then a stable scatter in (token, slot) order
+  for (long i = 0; i < M; i++) {
+    const int32_t e = topk_idx[i];
+    MOETRON_OP_CHECK(e >= 0 && e < E, "moe_plan_build", "topk_idx[{},{}] = {} is outside [0, E={})",
+                     i / K, i % K, e, E);
+    plan.expert_offsets[e + 1]++;
+  }
+  for (int e = 0; e < E; e++) plan.expert_offsets[e + 1] += plan.expert_offsets[e];
+  std::vector<int64_t> cursor(plan.expert_offsets.begin(), plan.expert_offsets.end() - 1);
+  for (long i = 0; i < M; i++) {
+    const int64_t row = cursor[topk_idx[i]]++;
+    plan.row_token[row] = (int32_t)(i / K);
+    plan.row_of[i] = (int32_t)row;
+  }
+}
+
+void moe_permute_forward(float* xperm, const float* x, const MoePlan& plan, int C) {
+  check_plan(plan, "moe_permute_forward");
+  const long M = plan.N * plan.K;
+#pragma omp parallel for schedule(static)
+  for (long m = 0; m < M; m++)
+    std::memcpy(xperm + m * C, x + (long)plan.row_token[m] * C, sizeof(float) * C);
+}
+
+void moe_permute_backward(float* dx, const float* dxperm, const MoePlan& plan, int C) {
+  check_plan(plan, "moe_permute_backward");
+  const int K = plan.K;
+#pragma omp parallel for schedule(static)
+  for (long n = 0; n < plan.N; n++) {
+    float* d = dx + n * C;
+    std::memcpy(d, dxperm + (long)plan.row_of[n * K] * C, sizeof(float) * C);
+    for (int k = 1; k < K; k++) {
+      const float* src = dxperm + (long)plan.row_of[n * K + k] * C;
+      for (int c = 0; c < C; c++) d[c] += src[c];
+    }
+  }
+}
+
+void moe_combine_forward(float* out, const float* yperm, const float* topk_weight,
+                         const MoePlan& plan, int C) {
+  check_plan(plan, "moe_combine_forward");
+  const int K = plan.K;
+#pragma omp parallel for schedule(static)
+  for (long n = 0; n < plan.N; n++) {
+    float* o = out + n * C;
+    for (int k = 0; k < K; k++) {
+      const float w = topk_weight[n * K + k];
+      const float* y = yperm + (long)plan.row_of[n * K + k] * C;
+      if (k == 0)
+        for (int c = 0; c < C; c++) o[c] = w * y[c];
+      else
+        for (int c = 0; c < C; c++) o[c] += w * y[c];
+    }
+  }
+}
+
+void moe_combine_backward(float* dyperm, float* dtopk_weight, const float* dout, const float* yperm,
+                          const float* topk_weight, const MoePlan& plan, int C) {
+  check_plan(plan, "moe_combine_backward");
+  const int K = plan.K;
+#pragma omp parallel for schedule(static)
+  for (long n = 0; n < plan.N; n++) {
+    const float* g = dout + n * C;
+    for (int k = 0; k < K; k++) {
+      const long row = plan.row_of[n * K + k];
+      const float w = topk_weight[n * K + k];
+      const float* y = yperm + row * C;
+      float* dy = dyperm + row * C;
+      double dot = 0.0;
+      for (int c = 0; c < C; c++) {
+        dy[c] = w * g[c];
+        dot += (double)g[c] * (double)y[c];
+      }
+      dtopk_weight[n * K + k] = (float)dot;
+    }
+  }
+}
+
+void moe_experts_forward(float* y, float* h1, float* h3, float* act, const float* xperm,
+                         const float* w1, const float* w3, const float* w2, const MoePlan& plan,
+                         int C, int I) {
+  check_plan(plan, "moe_experts_forward");
+  const long IC = (long)I * C;
+  for (int e = 0; e < plan.E; e++) {
+    const long off = plan.expert_offsets[e];
+    const long rows = plan.expert_offsets[e + 1] - off;
+    if (rows == 0) continue;
+    const float* xe = xperm + off * C;
+    float* h1e = h1 + off * I;
+    float* h3e = h3 + off * I;
+    float* acte = act + off * I;
+    matmul_forward(h1e, xe, w1 + e * IC, (int)rows, C, I);   // [rows,I]
+    matmul_forward(h3e, xe, w3 + e * IC, (int)rows, C, I);   // [rows,I]
+    swiglu_forward(acte, h1e, h3e, rows, I);                  // [rows,I]
+    matmul_forward(y + off * C, acte, w2 + e * IC, (int)rows, I, C);  // [rows,C]
+  }
+}
+
+void moe_experts_backward(float* dxperm, float* dw1, float* dw3, float* dw2, float* scratch,
+                          const float* dy, const float* h1, const float* h3, const float* act,
+                          const float* xperm, const float* w1, const float* w3, const float* w2,
+                          const MoePlan& plan, int C, int I) {
+  check_plan(plan, "moe_experts_backward");
+  const long IC = (long)I * C;
+  const long M = plan.N * plan.K;
+  // scratch[0, M*I): dact, then overwritten in place by dh3; scratch[M*I, 2*M*I): dh1.
+  // swiglu_backward is elementwise and reads dout[i] for dgate[i] before writing dup[i], so its dup
+  // output may alias dout (tests/test_ops_moe.cpp checks these gradients by finite differences).
+  float* dact_all = scratch;
+  float* dh1_all = scratch + M * I;
+  for (int e = 0; e < plan.E; e++) {
+    const long off = plan.expert_offsets[e];
+    const long rows = plan.expert_offsets[e + 1] - off;
+    if (rows == 0) continue;
+    const int r = (int)rows;
+    const float* xe = xperm + off * C;
+    const float* w1e = w1 + e * IC;
+    const float* w3e = w3 + e * IC;
+    const float* w2e = w2 + e * IC;
+    float* dact = dact_all + off * I;
+    float* dh1 = dh1_all + off * I;
+    float* dh3 = dact;
+    float* dxe = dxperm + off * C;
+    // y = act @ w2^T: dact = dy @ w2, dw2 += dy^T @ act
+    matmul_backward(dact, dw2 + e * IC, dy + off * C, act + off * I, w2e, r, I, C);
+    // act = silu(h1) * h3
+    swiglu_backward(dh1, dh3, dact, h1 + off * I, h3 + off * I, rows, I);
+    // h1 = x @ w1^T, h3 = x @ w3^T: dx = dh1 @ w1 + dh3 @ w3, dw1 += dh1^T x, dw3 += dh3^T x
+    matmul_backward(dxe, dw1 + e * IC, dh1, xe, w1e, r, C, I);
+    matmul_backward(nullptr, dw3 + e * IC, dh3, xe, w3e, r, C, I);
+    sgemm(false, false, r, C, I, 1.0f, dh3, I, w3e, C, 1.0f, dxe, C);
+  }
+}
+
+}  // namespace moetron::ops

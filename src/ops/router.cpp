@@ -1,0 +1,200 @@
+// MoE router (softmax, top-K, renormalisation) and its auxiliary losses; see router.h for the maths.
+//   N tokens, E experts, K experts per token.
+// Activation gradients assign (=): router_backward overwrites dlogits.  router_z_loss_backward is
+// the one exception and accumulates (+=) into dlogits, as its header states.
+// Determinism: every per-token loop writes only its own token's outputs, and every reduction over
+// tokens runs serially in token order, so results do not depend on the number of threads.
+#include "ops/router.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace moetron::ops {
+
+namespace {
+
+bool is_real(const uint8_t* token_mask, long n) { return token_mask == nullptr || token_mask[n] != 0; }
+
+// logsumexp of one row of logits, in double.
+double row_logsumexp(const float* row, int E) {
+  double mx = row[0];
+  for (int e = 1; e < E; e++) mx = std::fmax(mx, (double)row[e]);
+  double s = 0.0;
+  for (int e = 0; e < E; e++) s += std::exp((double)row[e] - mx);
+  return mx + std::log(s);
+}
+
+void check_dims(const char* op, long N, int E, int K) {
+  MOETRON_OP_CHECK(N >= 0, op, "token count N must be >= 0, got {}", N);
+  MOETRON_OP_CHECK(E >= 1, op, "expert count E must be >= 1, got {}", E);
+  MOETRON_OP_CHECK(K >= 1 && K <= E, op, "experts per token K must be in [1, E={}], got {}", E, K);
+}
+
+}  // namespace
+
+void router_forward(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, long N,
+                    int E, int K) {
+  check_dims("router_forward", N, E, K);
+#pragma omp parallel
+  {
+    std::vector<char> chosen(E);
+#pragma omp for schedule(static)
+    for (long n = 0; n < N; n++) {
+      const float* l = logits + n * E;
+      float* p = probs + n * E;
+      // softmax in fp32 (the sum is accumulated in double, then rounded once)
+      float mx = l[0];
+      for (int e = 1; e < E; e++) mx = std::fmax(mx, l[e]);
+      double s = 0.0;
+      for (int e = 0; e < E; e++) {
+        p[e] = std::exp(l[e] - mx);
+        s += p[e];
+      }
+      const float inv = (float)(1.0 / s);
+      for (int e = 0; e < E; e++) p[e] *= inv;
+      // top-K: K passes of argmax over the unchosen experts; strict '>' keeps the lower index on
+      // ties, and a NaN row still yields K distinct valid indices (the NaN then propagates).
+      std::fill(chosen.begin(), chosen.end(), 0);
+      int32_t* idx = topk_idx + n * K;
+      float* w = topk_weight + n * K;
+      float sum = 0.0f;
+      for (int k = 0; k < K; k++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+          if (chosen[e]) continue;
+          if (best < 0 || p[e] > p[best]) best = e;
+        }
+        chosen[best] = 1;
+        idx[k] = best;
+        w[k] = p[best];
+        sum += p[best];  // fp32, in descending order, as torch sums the top-K values
+      }
+      for (int k = 0; k < K; k++) w[k] /= sum;
+    }
+  }
+}
+
+void router_backward(float* dlogits, const float* dtopk_weight, const double* dprobs_per_expert,
+                     const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
+                     const float* topk_weight, long N, int E, int K) {
+  check_dims("router_backward", N, E, K);
+#pragma omp parallel
+  {
+    std::vector<double> dp(E);
+#pragma omp for schedule(static)
+    for (long n = 0; n < N; n++) {
+      const float* p = probs + n * E;
+      std::fill(dp.begin(), dp.end(), 0.0);
+      if (dtopk_weight != nullptr) {
+        // w_k = p_k / S, S = sum_j p_j over the chosen: dp_k = (dw_k - sum_j dw_j w_j) / S
+        const int32_t* idx = topk_idx + n * K;
+        const float* w = topk_weight + n * K;
+        const float* dw = dtopk_weight + n * K;
+        double S = 0.0, dot = 0.0;
+        for (int k = 0; k < K; k++) {
+          S += p[idx[k]];
+          dot += (double)dw[k] * (double)w[k];
+        }
+        for (int k = 0; k < K; k++) dp[idx[k]] += ((double)dw[k] - dot) / S;
+      }
+      if (dprobs_per_expert != nullptr && is_real(token_mask, n))
+        for (int e = 0; e < E; e++) dp[e] += dprobs_per_expert[e];
+      // softmax backward: dlogit_e = p_e * (dp_e - sum_j p_j dp_j)
+      double pdp = 0.0;
+      for (int e = 0; e < E; e++) pdp += (double)p[e] * dp[e];
+      float* dl = dlogits + n * E;
+      for (int e = 0; e < E; e++) dl[e] = (float)((double)p[e] * (dp[e] - pdp));
+    }
+  }
+}
+
+void router_layer_stats(RouterLayerStats& st, const float* logits, const float* probs,
+                        const int32_t* topk_idx, const uint8_t* token_mask, long N, int E, int K) {
+  check_dims("router_layer_stats", N, E, K);
+  st.assigned.assign(E, 0.0);
+  st.prob_sum.assign(E, 0.0);
+  st.tokens = 0.0;
+  st.z_sum = 0.0;
+  for (long n = 0; n < N; n++) {
+    if (!is_real(token_mask, n)) continue;
+    st.tokens += 1.0;
+    for (int e = 0; e < E; e++) st.prob_sum[e] += probs[n * E + e];
+    for (int k = 0; k < K; k++) {
+      const int32_t e = topk_idx[n * K + k];
+      MOETRON_OP_CHECK(e >= 0 && e < E, "router_layer_stats",
+                       "topk_idx[{},{}] = {} is outside [0, E={})", n, k, e, E);
+      st.assigned[e] += 1.0;
+    }
+    const double lse = row_logsumexp(logits + n * E, E);
+    st.z_sum += lse * lse;
+  }
+}
+
+double load_balancing_loss_pooled(const std::vector<RouterLayerStats>& layers, int E, int K,
+                                  std::vector<double>* dprobs_per_expert) {
+  MOETRON_OP_CHECK(E >= 1 && K >= 1 && K <= E, "load_balancing_loss_pooled",
+                   "need 1 <= K <= E, got E={} K={}", E, K);
+  std::vector<double> assigned(E, 0.0), prob_sum(E, 0.0);
+  double tokens = 0.0;
+  for (size_t l = 0; l < layers.size(); l++) {
+    const RouterLayerStats& st = layers[l];
+    MOETRON_OP_CHECK((int)st.assigned.size() == E && (int)st.prob_sum.size() == E,
+                     "load_balancing_loss_pooled", "layer {} has statistics for {} experts, expected {}",
+                     l, st.assigned.size(), E);
+    for (int e = 0; e < E; e++) {
+      assigned[e] += st.assigned[e];
+      prob_sum[e] += st.prob_sum[e];
+    }
+    tokens += st.tokens;
+  }
+  if (dprobs_per_expert) dprobs_per_expert->assign(E, 0.0);
+  if (tokens <= 0.0) return 0.0;
+  const double inv2 = 1.0 / (tokens * tokens);
+  double aux = 0.0;
+  for (int e = 0; e < E; e++) aux += assigned[e] * prob_sum[e];
+  aux *= (double)E * inv2;
+  if (dprobs_per_expert)
+    for (int e = 0; e < E; e++) (*dprobs_per_expert)[e] = (double)E * assigned[e] * inv2;
+  return aux;
+}
+
+double load_balancing_loss_layer(const RouterLayerStats& st, int E, int K,
+                                 std::vector<double>* dprobs_per_expert) {
+  MOETRON_OP_CHECK(E >= 1 && K >= 1 && K <= E, "load_balancing_loss_layer",
+                   "need 1 <= K <= E, got E={} K={}", E, K);
+  MOETRON_OP_CHECK((int)st.assigned.size() == E && (int)st.prob_sum.size() == E,
+                   "load_balancing_loss_layer", "statistics for {} experts, expected {}",
+                   st.assigned.size(), E);
+  if (dprobs_per_expert) dprobs_per_expert->assign(E, 0.0);
+  if (st.tokens <= 0.0) return 0.0;
+  const double scale = (double)E / (st.tokens * st.tokens * (double)K);
+  double aux = 0.0;
+  for (int e = 0; e < E; e++) aux += st.prob_sum[e] * st.assigned[e];
+  if (dprobs_per_expert)
+    for (int e = 0; e < E; e++) (*dprobs_per_expert)[e] = scale * st.assigned[e];
+  return scale * aux;
+}
+
+double router_z_loss_layer(const RouterLayerStats& st) {
+  return st.tokens > 0.0 ? st.z_sum / st.tokens : 0.0;
+}
+
+void router_z_loss_backward(float* dlogits, const float* logits, const float* probs,
+                            const uint8_t* token_mask, long N, int E, float scale) {
+  MOETRON_OP_CHECK(N >= 0 && E >= 1, "router_z_loss_backward", "need N >= 0 and E >= 1, got N={} E={}",
+                   N, E);
+  long real = 0;
+  for (long n = 0; n < N; n++) real += is_real(token_mask, n) ? 1 : 0;
+  if (real == 0) return;
+  const double c = 2.0 * (double)scale / (double)real;
+#pragma omp parallel for schedule(static)
+  for (long n = 0; n < N; n++) {
+    if (!is_real(token_mask, n)) continue;
+    const double g = c * row_logsumexp(logits + n * E, E);
+    for (int e = 0; e < E; e++) dlogits[n * E + e] += (float)(g * (double)probs[n * E + e]);
+  }
+}
+
+}  // namespace moetron::ops

@@ -1,0 +1,65 @@
+// MoE router and its auxiliary losses.
+//   N tokens, E experts, K experts per token (K <= E).
+// Router (HF Mixtral): probs = softmax(logits) in fp32 over ALL experts; the K largest probs are
+// chosen (descending; ties go to the lower expert index); their weights are renormalised to sum
+// to 1.  Activation gradients assign (=) unless stated.
+//
+// Auxiliary losses, all computed over "real" tokens only (token_mask[n] != 0, or all tokens when
+// token_mask is null):
+//  - hf_pooled (HF load_balancing_loss_func, the default): statistics are pooled over ALL layers:
+//      aux = E * sum_e (assigned[e] / tokens) * (prob_sum[e] / tokens)
+//    where, summed over layers and real tokens, assigned[e] counts tokens whose top-K contains e,
+//    prob_sum[e] sums probs[., e], tokens counts (layer, token) pairs.
+//    Gradient: d aux / d probs[l,n,e] = E * assigned[e] / tokens^2 for every real token of every layer.
+//  - per_layer (Switch / Megatron): aux_l = E / (N_l^2 * K) * sum_e prob_sum_l[e] * assigned_l[e],
+//    and the total is the SUM over layers (Megatron applies the coefficient per layer).
+//    Gradient: d aux_l / d probs[n,e] = E * assigned_l[e] / (N_l^2 * K).
+//  - router z-loss (ST-MoE): z_l = mean over real tokens of logsumexp(logits[n])^2; total = SUM
+//    over layers.  Gradient: d z_l / d logits[n,e] = 2 * lse[n] * probs[n,e] / N_l.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace moetron::ops {
+
+// probs[N,E], topk_idx[N,K], topk_weight[N,K] from logits[N,E].
+void router_forward(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, long N,
+                    int E, int K);
+
+// dlogits[N,E] (assign) = softmax backward of the total gradient on probs, which is
+//   the chain through the renormalised top-K weights (dtopk_weight[N,K])
+//   + dprobs_per_expert[e] for real tokens (the aux-loss gradient; null: none).
+void router_backward(float* dlogits, const float* dtopk_weight, const double* dprobs_per_expert,
+                     const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
+                     const float* topk_weight, long N, int E, int K);
+
+// One layer's routing statistics over its real tokens.
+struct RouterLayerStats {
+  std::vector<double> assigned;  // [E] tokens whose top-K contains e
+  std::vector<double> prob_sum;  // [E] sum of probs[., e]
+  double tokens = 0;             // real tokens
+  double z_sum = 0;              // sum of logsumexp(logits[n])^2
+};
+
+// Overwrites st with the statistics of one layer.
+void router_layer_stats(RouterLayerStats& st, const float* logits, const float* probs,
+                        const int32_t* topk_idx, const uint8_t* token_mask, long N, int E, int K);
+
+// HF pooled load-balancing loss over all layers.  When dprobs_per_expert is not null it receives
+// [E] values: d aux / d probs[l,n,e] for any real token of any layer.
+double load_balancing_loss_pooled(const std::vector<RouterLayerStats>& layers, int E, int K,
+                                  std::vector<double>* dprobs_per_expert);
+
+// Switch/Megatron per-layer loss aux_l for one layer, and its [E] gradient on probs.
+double load_balancing_loss_layer(const RouterLayerStats& st, int E, int K,
+                                 std::vector<double>* dprobs_per_expert);
+
+// z_l for one layer (0 when the layer has no real tokens).
+double router_z_loss_layer(const RouterLayerStats& st);
+
+// dlogits[N,E] += scale * d z_l / d logits  (accumulate; the caller passes scale = z coefficient).
+void router_z_loss_backward(float* dlogits, const float* logits, const float* probs,
+                            const uint8_t* token_mask, long N, int E, float scale);
+
+}  // namespace moetron::ops
