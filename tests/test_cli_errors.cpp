@@ -1,0 +1,155 @@
+// Bad input through the CLI: each case must exit with status 1 (not a signal, not 0), print an
+// error naming the file or field and what was expected, and leave no output file behind.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kGolden = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "mixtral_gqa";
+
+struct CliResult {
+  int exit_code = -1;
+  bool signalled = false;
+  std::string err;
+};
+
+class CliErrors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    tmp_ = fs::temp_directory_path() /
+           ("moetron_cli_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(tmp_);
+    fs::create_directories(tmp_);
+    model_ = tmp_ / "model";
+    fs::copy(kGolden, model_);
+    input_ = model_ / "input.safetensors";
+  }
+  void TearDown() override { fs::remove_all(tmp_); }
+
+  CliResult forward() {
+    const fs::path err = tmp_ / "stderr.txt";
+    const std::string cmd = std::string(MOETRON_BINARY) + " forward --model " + model_.string() + " --input " +
+                            input_.string() + " --output " + out().string() + " > /dev/null 2> " + err.string();
+    const int status = std::system(cmd.c_str());
+    CliResult r;
+    r.signalled = WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) > 128);
+    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    std::ifstream f(err);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    r.err = ss.str();
+    return r;
+  }
+  fs::path out() const { return tmp_ / "out.safetensors"; }
+
+  void expect_clean_failure(const CliResult& r, const std::string& needle) {
+    EXPECT_FALSE(r.signalled) << "crashed: " << r.err;
+    EXPECT_EQ(r.exit_code, 1) << r.err;
+    EXPECT_NE(r.err.find(needle), std::string::npos) << "message lacks '" << needle << "': " << r.err;
+    EXPECT_FALSE(fs::exists(out())) << "no output may be written on failure";
+    EXPECT_FALSE(fs::exists(out().string() + ".tmp")) << "no temporary file may be left behind";
+  }
+
+  void edit_config(const std::function<void(nlohmann::json&)>& edit) {
+    std::ifstream in(model_ / "config.json");
+    nlohmann::json j = nlohmann::json::parse(in);
+    edit(j);
+    std::ofstream(model_ / "config.json") << j.dump(2);
+  }
+
+  std::string read_bytes(const fs::path& p) {
+    std::ifstream f(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  }
+  void write_bytes(const fs::path& p, const std::string& s) { std::ofstream(p, std::ios::binary) << s; }
+
+  fs::path tmp_, model_, input_;
+};
+
+TEST_F(CliErrors, TheUnmodifiedCopyWorks) {
+  const CliResult r = forward();
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(out()));
+}
+
+TEST_F(CliErrors, TruncatedSafetensors) {
+  const fs::path w = model_ / "model.safetensors";
+  std::string bytes = read_bytes(w);
+  write_bytes(w, bytes.substr(0, bytes.size() / 2));
+  expect_clean_failure(forward(), "model.safetensors");
+}
+
+TEST_F(CliErrors, HeaderLengthBeyondTheFile) {
+  const fs::path w = model_ / "model.safetensors";
+  std::string bytes = read_bytes(w);
+  const uint64_t huge = (uint64_t)bytes.size() * 4;
+  std::memcpy(bytes.data(), &huge, 8);
+  write_bytes(w, bytes);
+  expect_clean_failure(forward(), "model.safetensors");
+}
+
+TEST_F(CliErrors, ConfigMissingARequiredField) {
+  edit_config([](nlohmann::json& j) { j.erase("vocab_size"); });
+  expect_clean_failure(forward(), "vocab_size");
+}
+
+TEST_F(CliErrors, ConfigTopKLargerThanExperts) {
+  edit_config([](nlohmann::json& j) { j["num_experts_per_tok"] = 9; });
+  expect_clean_failure(forward(), "num_experts_per_tok");
+}
+
+TEST_F(CliErrors, ConfigHeadsNotDividingHidden) {
+  edit_config([](nlohmann::json& j) {
+    j["num_attention_heads"] = 5;
+    j["num_key_value_heads"] = 5;
+    j.erase("head_dim");
+  });
+  expect_clean_failure(forward(), "num_attention_heads");
+}
+
+TEST_F(CliErrors, ConfigDisagreeingWithTheWeights) {
+  edit_config([](nlohmann::json& j) { j["intermediate_size"] = (int)j["intermediate_size"] + 2; });
+  expect_clean_failure(forward(), "shape");
+}
+
+TEST_F(CliErrors, TokenIdBeyondTheVocabulary) {
+  // Rewrite the input with one id = vocab_size.
+  std::string bytes = read_bytes(input_);
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, bytes.data(), 8);
+  const nlohmann::json header = nlohmann::json::parse(bytes.substr(8, header_len));
+  const auto& ids = header["input_ids"];
+  ASSERT_EQ(ids["dtype"], "I64");
+  const size_t begin = 8 + header_len + (size_t)ids["data_offsets"][0];
+  std::ifstream cin(model_ / "config.json");
+  const int64_t vocab = nlohmann::json::parse(cin)["vocab_size"];
+  std::memcpy(bytes.data() + begin + 3 * 8, &vocab, 8);
+  write_bytes(input_, bytes);
+  expect_clean_failure(forward(), "input_ids[0][3]");
+}
+
+TEST_F(CliErrors, InputWithoutInputIds) {
+  input_ = model_ / "model.safetensors";  // a valid safetensors file without input_ids
+  expect_clean_failure(forward(), "input_ids");
+}
+
+TEST_F(CliErrors, PickleCheckpointIsRefusedWithAHint) {
+  fs::remove(model_ / "model.safetensors");
+  write_bytes(model_ / "pytorch_model.bin", "not really a pickle");
+  expect_clean_failure(forward(), "pytorch_model.bin");
+}
+
+}  // namespace
