@@ -5,7 +5,7 @@ set -euo pipefail
 
 packages=(
   g++ cmake ninja-build pkg-config make git
-  libopenblas-dev
+  libopenblas-dev libopenblas0-openmp
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libfmt-dev libcpp-httplib-dev
   libsentencepiece-dev sentencepiece
   libopenmpi-dev openmpi-bin

@@ -12,7 +12,6 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
-#include <cblas.h>
 #include <omp.h>
 
 #include "cli/commands.h"
@@ -20,6 +19,7 @@
 #include "core/rng.h"
 #include "io/hf_config.h"
 #include "model/mixtral.h"
+#include "ops/blas.h"
 #include "ops/matmul.h"
 #include "optim/adamw.h"
 
@@ -108,7 +108,7 @@ int run_bench_train(int argc, char** argv) {
   if (steps < 1) fail("--steps must be at least 1");
   if (threads > 0) {
     omp_set_num_threads(threads);
-    openblas_set_num_threads(threads);
+    ops::blas_set_num_threads(threads);
   }
   ModelConfig cfg;
   if (!model_dir.empty()) {
@@ -140,6 +140,8 @@ int run_bench_train(int argc, char** argv) {
               cfg.num_key_value_heads, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
               cfg.vocab_size, seq, micro_batch, nthreads);
   const double peak = measure_sgemm_gflops(sgemm_n);
+  std::printf("BLAS: %s, kernels %s (core type from %s)\n", ops::blas_library().path.c_str(),
+              ops::blas_library().core_name.c_str(), ops::blas_library().coretype_source.c_str());
 
   MixtralModel model(cfg);
   init_parameters(model.table(), cfg, 1234, model.params().data());

@@ -1,6 +1,6 @@
 #include "ops/matmul.h"
 
-#include <cblas.h>
+#include "ops/blas.h"
 
 namespace moetron::ops {
 
@@ -12,8 +12,7 @@ void sgemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const f
       for (int j = 0; j < N; j++) C[(long)i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[(long)i * ldc + j];
     return;
   }
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-              M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  blas_sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 void matmul_forward(float* out, const float* inp, const float* weight, int N, int IC, int OC) {
