@@ -16,6 +16,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/profile.h"
 #include "core/rng.h"
 #include "io/hf_config.h"
 #include "model/mixtral.h"
@@ -83,7 +84,7 @@ int run_bench_train(int argc, char** argv) {
   std::string model_dir;
   int hidden = 512, layers = 4, heads = 8, kv_heads = 2, experts = 8, top_k = 2, inter = 1408, vocab = 32000;
   int seq = 512, micro_batch = 4, steps = 5, warmup = 1, threads = 0, sgemm_n = 2048;
-  bool json = false;
+  bool json = false, profile = false;
   app.add_option("--model", model_dir, "take the model shape from this HF directory's config.json instead");
   app.add_option("--hidden", hidden);
   app.add_option("--layers", layers);
@@ -100,6 +101,7 @@ int run_bench_train(int argc, char** argv) {
   app.add_option("--threads", threads, "threads for OpenMP and BLAS (default: all)");
   app.add_option("--sgemm-size", sgemm_n, "size of the square sgemm that sets the peak");
   app.add_flag("--json", json, "also print one JSON line with the figures");
+  app.add_flag("--profile", profile, "print the time spent per section of the timed steps");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -159,15 +161,25 @@ int run_bench_train(int argc, char** argv) {
   w.ce_scale = 1.0 / (double)count_loss_tokens(batch);
   w.aux_coef = cfg.router_aux_loss_coef;
 
+  Profile prof;
+  Profile* pp = profile ? &prof : nullptr;
+  model.set_profile(pp);
   std::vector<double> times;
   double last_loss = 0;
   for (int s = 0; s < warmup + steps; s++) {
+    if (s == warmup) prof.clear();
     const auto t0 = Clock::now();
-    model.zero_grads();
+    {
+      ScopedTimer t(pp, "zero_grads");
+      model.zero_grads();
+    }
     const Losses l = model.forward(batch, w);
     model.backward();
-    const double norm = global_grad_norm(model.grads().data(), model.grads().size());
-    opt.step(model.params().data(), model.grads().data(), acfg.lr, (float)clip_coefficient(norm, 1.0));
+    {
+      ScopedTimer t(pp, "optimizer");
+      const double norm = global_grad_norm(model.grads().data(), model.grads().size());
+      opt.step(model.params().data(), model.grads().data(), acfg.lr, (float)clip_coefficient(norm, 1.0));
+    }
     const double dt = seconds_since(t0);
     last_loss = l.loss;
     if (s >= warmup) times.push_back(dt);
@@ -188,6 +200,18 @@ int run_bench_train(int argc, char** argv) {
   std::printf("sgemm peak GFLOP/s (%dx%d, same process): %.2f\n", sgemm_n, sgemm_n, peak);
   std::printf("MFU: %.1f%%\n", 100.0 * mfu);
   std::printf("peak RSS: %.0f MiB\n", peak_rss_mib());
+  if (profile) {
+    std::vector<std::pair<double, std::string>> rows;
+    double total = 0;
+    for (const auto& [name, e] : prof.sections()) {
+      rows.emplace_back(e.seconds / steps, name);
+      total += e.seconds / steps;
+    }
+    std::sort(rows.rbegin(), rows.rend());
+    std::printf("profile (seconds per step, %d timed steps; sections sum to %.3f of %.3f s):\n", steps, total,
+                step_s);
+    for (const auto& [sec, name] : rows) std::printf("  %-20s %8.3f  %5.1f%%\n", name.c_str(), sec, 100.0 * sec / step_s);
+  }
   if (json)
     std::printf("{\"tokens_per_s\": %.2f, \"gflops\": %.3f, \"sgemm_peak_gflops\": %.3f, \"mfu\": %.4f, "
                 "\"step_s\": %.4f, \"peak_rss_mib\": %.1f, \"threads\": %d, \"final_loss\": %.6f}\n",

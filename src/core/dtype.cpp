@@ -76,7 +76,7 @@ uint16_t f32_to_f16(float f) {
     const uint32_t m = a & 0x7fffffu;
     uint32_t h = (static_cast<uint32_t>(e + 15) << 10) | (m >> 13);
     const uint32_t rem = m & 0x1fffu;
-    if (rem >= 0x1000u) ++h;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
     return static_cast<uint16_t>(sign | h);
   }
   // Subnormal half: value = M * 2^(e-23) with M the 24-bit significand; result r = value / 2^-24.

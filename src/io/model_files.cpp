@@ -6,7 +6,6 @@
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
-#include <regex>
 #include <set>
 #include <sstream>
 #include <system_error>
@@ -40,6 +39,17 @@ nlohmann::json read_json_file(const std::string& path) {
   } catch (const nlohmann::json::exception& e) {
     fail("{}: not valid JSON: {}", path, e.what());
   }
+}
+
+// "model-DDDDD-of-DDDDD.safetensors"
+bool is_shard_name(const std::string& name) {
+  const std::string pattern = "model-#####-of-#####.safetensors";
+  if (name.size() != pattern.size()) return false;
+  for (size_t i = 0; i < name.size(); ++i) {
+    const bool ok = pattern[i] == '#' ? (name[i] >= '0' && name[i] <= '9') : name[i] == pattern[i];
+    if (!ok) return false;
+  }
+  return true;
 }
 
 std::string shard_name(size_t k, size_t n) {
@@ -215,10 +225,9 @@ void write_model_safetensors(const std::string& dir, const std::vector<ModelTens
   }
 
   // Remove what an earlier save left behind and this one did not rewrite.
-  static const std::regex shard_re(R"(model-\d{5}-of-\d{5}\.safetensors)");
   for (const auto& entry : fs::directory_iterator(root, ec)) {
     const std::string name = entry.path().filename().string();
-    const bool ours = name == kSingleFile || name == kIndexFile || std::regex_match(name, shard_re);
+    const bool ours = name == kSingleFile || name == kIndexFile || is_shard_name(name);
     if (ours && written.count(name) == 0) fs::remove(entry.path(), ec);
   }
 }

@@ -2,7 +2,7 @@
 //
 //   DIR/model.safetensors                       one file, or
 //   DIR/model.safetensors.index.json            {"metadata": {"total_size": BYTES},
-//                                                "weight_map": {"tensor.name": "model-00001-of-00003.safetensors", ...}}
+//                                                "weight_map": {"tensor.name": "FILE", ...}}
 //   DIR/model-0000K-of-0000N.safetensors        the shards it names
 // When both exist, model.safetensors wins (as in transformers).
 #pragma once

@@ -116,7 +116,8 @@ TensorView parse_entry(const std::string& path, const std::string& name, const j
       t.shape.push_back(static_cast<int64_t>(u));
     } else {
       const int64_t s = d.get<int64_t>();
-      if (s < 0) fail("{}: tensor '{}': negative dimension {} in shape {}", path, name, s, sh->dump());
+      if (s < 0)
+        fail("{}: tensor '{}': negative dimension {} in shape {}", path, name, s, sh->dump());
       t.shape.push_back(s);
     }
   }
@@ -179,7 +180,8 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
 
   const json header = parse_header(
       path, std::string_view(reinterpret_cast<const char*>(base + 8), header_len));
-  if (!header.is_object()) fail("{}: header must be a JSON object, got {}", path, header.type_name());
+  if (!header.is_object())
+    fail("{}: header must be a JSON object, got {}", path, header.type_name());
 
   const size_t data_start = 8 + static_cast<size_t>(header_len);
   const size_t data_size = size - data_start;
@@ -388,7 +390,8 @@ class TmpFile {
     committed_ = true;
     // Make the rename durable.
     const std::filesystem::path parent = std::filesystem::path(final_).parent_path();
-    const int dfd = ::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    const int dfd =
+        ::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd >= 0) {
       ::fsync(dfd);
       ::close(dfd);

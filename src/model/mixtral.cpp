@@ -59,8 +59,7 @@ void MixtralModel::validate_batch(const Batch& b) const {
   for (size_t i = 0; i < n; i++) {
     const int32_t id = b.input_ids[i];
     if (id < 0 || id >= cfg_.vocab_size)
-      fail("batch: input_ids[{}][{}] = {} is outside the vocabulary [0, {})", i / b.T, i % b.T, id,
-           cfg_.vocab_size);
+      fail("batch: input_ids[{}][{}] = {} is outside the vocabulary [0, {})", i / b.T, i % b.T, id, cfg_.vocab_size);
     if (!b.labels.empty() && b.labels[i] != ops::IGNORE_INDEX && (b.labels[i] < 0 || b.labels[i] >= cfg_.vocab_size))
       fail("batch: labels[{}][{}] = {} is neither -100 nor inside the vocabulary [0, {})", i / b.T, i % b.T,
            b.labels[i], cfg_.vocab_size);
@@ -170,11 +169,14 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
   for (int b = 0; b < B; b++)
     for (int t = 0; t < T; t++) {
       const long i = (long)b * T + t;
-      if (!batch.position_ids.empty()) positions_[i] = batch.position_ids[i];
+      if (!batch.position_ids.empty())
+        positions_[i] = batch.position_ids[i];
       else if (!batch.segment_ids.empty() && t > 0 && batch.segment_ids[i] == batch.segment_ids[i - 1])
         positions_[i] = positions_[i - 1] + 1;
-      else if (!batch.segment_ids.empty()) positions_[i] = 0;
-      else positions_[i] = t;
+      else if (!batch.segment_ids.empty())
+        positions_[i] = 0;
+      else
+        positions_[i] = t;
     }
   // Targets: the next token's label within the same segment.
   has_labels_ = !batch.labels.empty();
@@ -200,40 +202,80 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
   const int L = cfg_.num_hidden_layers;
   router_stats_.assign(moe ? L : 0, ops::RouterLayerStats{});
 
-  ops::embedding_forward(layers_[0].x, tokens_.data(), W(ParamKind::embedding), N, C, V);
+  {
+    ScopedTimer t(profile_, "fwd.embedding");
+    ops::embedding_forward(layers_[0].x, tokens_.data(), W(ParamKind::embedding), N, C, V);
+  }
   for (int l = 0; l < L; l++) {
     LayerActs& a = layers_[l];
     float* x_next = l + 1 < L ? layers_[l + 1].x : x_final_;
     // Attention block: h = x + o_proj(attn(rope(q), rope(k), v)).
-    ops::rmsnorm_forward(a.ln1, a.rstd1, a.x, W(ParamKind::input_norm, l), N, C, eps);
-    ops::matmul_forward(a.q, a.ln1, W(ParamKind::q_proj, l), N, C, Q);
-    ops::matmul_forward(a.k, a.ln1, W(ParamKind::k_proj, l), N, C, KVd);
-    ops::matmul_forward(a.v, a.ln1, W(ParamKind::v_proj, l), N, C, KVd);
-    ops::rope_forward(a.q, a.q, positions_.data(), N, NH, HD, theta);
-    ops::rope_forward(a.k, a.k, positions_.data(), N, NKV, HD, theta);
-    ops::attention_forward(a.att, a.probs, a.q, a.k, a.v, amask, B, T, NH, NKV, HD);
-    std::memcpy(a.h, a.x, sizeof(float) * N * C);
-    ops::matmul_forward_accumulate(a.h, a.att, W(ParamKind::o_proj, l), N, Q, C);
-    // FFN block: x_next = h + ffn(rmsnorm(h)).
-    ops::rmsnorm_forward(a.ln2, a.rstd2, a.h, W(ParamKind::post_norm, l), N, C, eps);
+    {
+      ScopedTimer t(profile_, "fwd.norms");
+      ops::rmsnorm_forward(a.ln1, a.rstd1, a.x, W(ParamKind::input_norm, l), N, C, eps);
+    }
+    {
+      ScopedTimer t(profile_, "fwd.attn_proj");
+      ops::matmul_forward(a.q, a.ln1, W(ParamKind::q_proj, l), N, C, Q);
+      ops::matmul_forward(a.k, a.ln1, W(ParamKind::k_proj, l), N, C, KVd);
+      ops::matmul_forward(a.v, a.ln1, W(ParamKind::v_proj, l), N, C, KVd);
+    }
+    {
+      ScopedTimer t(profile_, "fwd.rope");
+      ops::rope_forward(a.q, a.q, positions_.data(), N, NH, HD, theta);
+      ops::rope_forward(a.k, a.k, positions_.data(), N, NKV, HD, theta);
+    }
+    {
+      ScopedTimer t(profile_, "fwd.attention");
+      ops::attention_forward(a.att, a.probs, a.q, a.k, a.v, amask, B, T, NH, NKV, HD);
+    }
+    {
+      ScopedTimer t(profile_, "fwd.attn_proj");
+      std::memcpy(a.h, a.x, sizeof(float) * N * C);
+      ops::matmul_forward_accumulate(a.h, a.att, W(ParamKind::o_proj, l), N, Q, C);
+    }
+    {
+      ScopedTimer t(profile_, "fwd.norms");
+      // FFN block: x_next = h + ffn(rmsnorm(h)).
+      ops::rmsnorm_forward(a.ln2, a.rstd2, a.h, W(ParamKind::post_norm, l), N, C, eps);
+    }
     const float* w1 = W(ParamKind::ffn_w1, l);
     const float* w3 = W(ParamKind::ffn_w3, l);
     const float* w2 = W(ParamKind::ffn_w2, l);
     if (moe) {
-      ops::matmul_forward(a.rlogits, a.ln2, W(ParamKind::router, l), N, C, E);
-      ops::router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, N, E, K);
-      ops::router_layer_stats(router_stats_[l], a.rlogits, a.rprobs, a.topk_idx, tmask, N, E, K);
-      ops::moe_plan_build(a.plan, a.topk_idx, N, E, K);
-      ops::moe_permute_forward(a.xperm, a.ln2, a.plan, C);
-      ops::moe_experts_forward(a.yperm, a.h1, a.h3, a.act, a.xperm, w1, w3, w2, a.plan, C, I);
-      ops::moe_combine_forward(x_next, a.yperm, a.topk_w, a.plan, C);
+      {
+        ScopedTimer t(profile_, "fwd.router");
+        ops::matmul_forward(a.rlogits, a.ln2, W(ParamKind::router, l), N, C, E);
+        ops::router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, N, E, K);
+        ops::router_layer_stats(router_stats_[l], a.rlogits, a.rprobs, a.topk_idx, tmask, N, E, K);
+        ops::moe_plan_build(a.plan, a.topk_idx, N, E, K);
+      }
+      {
+        ScopedTimer t(profile_, "fwd.moe_permute");
+        ops::moe_permute_forward(a.xperm, a.ln2, a.plan, C);
+      }
+      {
+        ScopedTimer t(profile_, "fwd.experts");
+        ops::moe_experts_forward(a.yperm, a.h1, a.h3, a.act, a.xperm, w1, w3, w2, a.plan, C, I);
+      }
+      {
+        ScopedTimer t(profile_, "fwd.moe_permute");
+        ops::moe_combine_forward(x_next, a.yperm, a.topk_w, a.plan, C);
+      }
     } else {
+      ScopedTimer t(profile_, "fwd.experts");
       ops::moe_experts_forward(x_next, a.h1, a.h3, a.act, a.ln2, w1, w3, w2, a.plan, C, I);
     }
-    add_inplace(x_next, a.h, N * C);
+    {
+      ScopedTimer t(profile_, "fwd.residual");
+      add_inplace(x_next, a.h, N * C);
+    }
   }
-  ops::rmsnorm_forward(lnf_, rstdf_, x_final_, W(ParamKind::final_norm), N, C, eps);
-  ops::matmul_forward(logits_, lnf_, W(ParamKind::lm_head), N, C, V);
+  {
+    ScopedTimer t(profile_, "fwd.head");
+    ops::rmsnorm_forward(lnf_, rstdf_, x_final_, W(ParamKind::final_norm), N, C, eps);
+    ops::matmul_forward(logits_, lnf_, W(ParamKind::lm_head), N, C, V);
+  }
 
   Losses out;
   aux_dprobs_.assign(moe ? L : 0, std::vector<double>(E, 0.0));
@@ -253,6 +295,7 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
     for (int l = 0; l < L; l++) out.z_loss += ops::router_z_loss_layer(router_stats_[l]);
   }
   if (has_labels_) {
+    ScopedTimer t(profile_, "fwd.cross_entropy");
     out.ce_sum = ops::cross_entropy_forward(lse_, logits_, targets_.data(), N, V, 1.0f);
     out.loss_tokens = 0;
     for (long i = 0; i < N; i++) out.loss_tokens += targets_[i] != ops::IGNORE_INDEX;
@@ -282,9 +325,15 @@ void MixtralModel::backward() {
   const int L = cfg_.num_hidden_layers;
 
   // Head and final norm.  The logits buffer becomes dlogits in place.
-  ops::cross_entropy_backward(logits_, logits_, lse_, targets_.data(), N, V, (float)weights_.ce_scale);
-  ops::matmul_backward(dln_, D(ParamKind::lm_head), logits_, lnf_, W(ParamKind::lm_head), N, C, V);
-  ops::rmsnorm_backward(dres_, D(ParamKind::final_norm), dln_, x_final_, W(ParamKind::final_norm), rstdf_, N, C);
+  {
+    ScopedTimer t(profile_, "bwd.cross_entropy");
+    ops::cross_entropy_backward(logits_, logits_, lse_, targets_.data(), N, V, (float)weights_.ce_scale);
+  }
+  {
+    ScopedTimer t(profile_, "bwd.head");
+    ops::matmul_backward(dln_, D(ParamKind::lm_head), logits_, lnf_, W(ParamKind::lm_head), N, C, V);
+    ops::rmsnorm_backward(dres_, D(ParamKind::final_norm), dln_, x_final_, W(ParamKind::final_norm), rstdf_, N, C);
+  }
 
   for (int l = L - 1; l >= 0; l--) {
     LayerActs& a = layers_[l];
@@ -296,36 +345,65 @@ void MixtralModel::backward() {
     float* dw3 = D(ParamKind::ffn_w3, l);
     float* dw2 = D(ParamKind::ffn_w2, l);
     if (moe) {
-      ops::moe_combine_backward(dyperm_, dtopk_, dres_, a.yperm, a.topk_w, a.plan, C);
-      ops::moe_experts_backward(dxperm_, dw1, dw3, dw2, ffn_scratch_, dyperm_, a.h1, a.h3, a.act, a.xperm, w1,
-                                w3, w2, a.plan, C, I);
-      ops::moe_permute_backward(dln_, dxperm_, a.plan, C);
-      ops::router_backward(drlogits_, dtopk_, aux_dprobs_[l].data(), tmask, a.rprobs, a.topk_idx, a.topk_w, N,
-                           E, K);
+      {
+        ScopedTimer t(profile_, "bwd.moe_permute");
+        ops::moe_combine_backward(dyperm_, dtopk_, dres_, a.yperm, a.topk_w, a.plan, C);
+      }
+      {
+        ScopedTimer t(profile_, "bwd.experts");
+        ops::moe_experts_backward(dxperm_, dw1, dw3, dw2, ffn_scratch_, dyperm_, a.h1, a.h3, a.act, a.xperm, w1, w3, w2,
+                                  a.plan, C, I);
+      }
+      {
+        ScopedTimer t(profile_, "bwd.moe_permute");
+        ops::moe_permute_backward(dln_, dxperm_, a.plan, C);
+      }
+      ScopedTimer t(profile_, "bwd.router");
+      ops::router_backward(drlogits_, dtopk_, aux_dprobs_[l].data(), tmask, a.rprobs, a.topk_idx, a.topk_w, N, E, K);
       if (weights_.z_coef != 0.0)
         ops::router_z_loss_backward(drlogits_, a.rlogits, a.rprobs, tmask, N, E, (float)weights_.z_coef);
       ops::matmul_backward(tmp_, D(ParamKind::router, l), drlogits_, a.ln2, W(ParamKind::router, l), N, C, E);
       add_inplace(dln_, tmp_, N * C);
     } else {
-      ops::moe_experts_backward(dln_, dw1, dw3, dw2, ffn_scratch_, dres_, a.h1, a.h3, a.act, a.ln2, w1, w3, w2,
-                                a.plan, C, I);
+      ScopedTimer t(profile_, "bwd.experts");
+      ops::moe_experts_backward(dln_, dw1, dw3, dw2, ffn_scratch_, dres_, a.h1, a.h3, a.act, a.ln2, w1, w3, w2, a.plan,
+                                C, I);
     }
-    ops::rmsnorm_backward(tmp_, D(ParamKind::post_norm, l), dln_, a.h, W(ParamKind::post_norm, l), a.rstd2, N, C);
-    add_inplace(dres_, tmp_, N * C);  // dres is now d(h)
+    {
+      ScopedTimer t(profile_, "bwd.norms");
+      ops::rmsnorm_backward(tmp_, D(ParamKind::post_norm, l), dln_, a.h, W(ParamKind::post_norm, l), a.rstd2, N, C);
+      add_inplace(dres_, tmp_, N * C);
+    }  // dres is now d(h)
+    {
+      ScopedTimer t(profile_, "bwd.attn_proj");
 
-    // Attention block: h = x + o_proj(att).
-    ops::matmul_backward(datt_, D(ParamKind::o_proj, l), dres_, a.att, W(ParamKind::o_proj, l), N, Q, C);
-    ops::attention_backward(dq_, dk_, dv_, datt_, a.probs, a.q, a.k, a.v, B, T, NH, NKV, HD);
-    ops::rope_backward(dq_, dq_, positions_.data(), N, NH, HD, theta);
-    ops::rope_backward(dk_, dk_, positions_.data(), N, NKV, HD, theta);
-    ops::matmul_backward(dln_, D(ParamKind::q_proj, l), dq_, a.ln1, W(ParamKind::q_proj, l), N, C, Q);
-    ops::matmul_backward(tmp_, D(ParamKind::k_proj, l), dk_, a.ln1, W(ParamKind::k_proj, l), N, C, KVd);
-    add_inplace(dln_, tmp_, N * C);
-    ops::matmul_backward(tmp_, D(ParamKind::v_proj, l), dv_, a.ln1, W(ParamKind::v_proj, l), N, C, KVd);
-    add_inplace(dln_, tmp_, N * C);
-    ops::rmsnorm_backward(tmp_, D(ParamKind::input_norm, l), dln_, a.x, W(ParamKind::input_norm, l), a.rstd1, N, C);
-    add_inplace(dres_, tmp_, N * C);  // dres is now d(x) of this layer
+      // Attention block: h = x + o_proj(att).
+      ops::matmul_backward(datt_, D(ParamKind::o_proj, l), dres_, a.att, W(ParamKind::o_proj, l), N, Q, C);
+    }
+    {
+      ScopedTimer t(profile_, "bwd.attention");
+      ops::attention_backward(dq_, dk_, dv_, datt_, a.probs, a.q, a.k, a.v, B, T, NH, NKV, HD);
+    }
+    {
+      ScopedTimer t(profile_, "bwd.rope");
+      ops::rope_backward(dq_, dq_, positions_.data(), N, NH, HD, theta);
+      ops::rope_backward(dk_, dk_, positions_.data(), N, NKV, HD, theta);
+    }
+    {
+      ScopedTimer t(profile_, "bwd.attn_proj");
+      ops::matmul_backward(dln_, D(ParamKind::q_proj, l), dq_, a.ln1, W(ParamKind::q_proj, l), N, C, Q);
+      ops::matmul_backward(tmp_, D(ParamKind::k_proj, l), dk_, a.ln1, W(ParamKind::k_proj, l), N, C, KVd);
+      add_inplace(dln_, tmp_, N * C);
+      ops::matmul_backward(tmp_, D(ParamKind::v_proj, l), dv_, a.ln1, W(ParamKind::v_proj, l), N, C, KVd);
+      add_inplace(dln_, tmp_, N * C);
+    }
+    {
+      ScopedTimer t(profile_, "bwd.norms");
+      ops::rmsnorm_backward(tmp_, D(ParamKind::input_norm, l), dln_, a.x, W(ParamKind::input_norm, l), a.rstd1, N, C);
+      add_inplace(dres_, tmp_, N * C);
+    }  // dres is now d(x) of this layer
   }
+  ScopedTimer t(profile_, "bwd.embedding");
   ops::embedding_backward(D(ParamKind::embedding), dres_, tokens_.data(), N, C, V);
 }
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/profile.h"
 #include "io/hf_config.h"
 #include "model/params.h"
 #include "ops/moe_dispatch.h"
@@ -72,6 +73,9 @@ class MixtralModel {
 
   // [B,T,V] logits of the last forward (until backward).
   const float* logits() const { return logits_; }
+  // Time the forward/backward sections into `profile` (null: off).  The caller owns it.
+  void set_profile(Profile* profile) { profile_ = profile; }
+
   // Routing statistics per MoE layer of the last forward (empty for dense models).
   const std::vector<ops::RouterLayerStats>& router_stats() const { return router_stats_; }
 
@@ -110,6 +114,7 @@ class MixtralModel {
   std::vector<ops::RouterLayerStats> router_stats_;
   std::vector<std::vector<double>> aux_dprobs_;  // [L][E] d(aux_coef*aux)/d probs
   bool forward_done_ = false;
+  Profile* profile_ = nullptr;
 };
 
 }  // namespace moetron

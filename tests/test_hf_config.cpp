@@ -1,0 +1,487 @@
+// Tests for io/hf_config: real HF configs (Mixtral-8x7B, Mistral, Llama), transformers-5 style
+// fields, defaults, round trips through model_config_to_json, and one test per validation error.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <initializer_list>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "io/hf_config.h"
+
+using namespace moetron;
+using nlohmann::json;
+
+namespace {
+
+// mistralai/Mixtral-8x7B-v0.1 config.json as published on the Hub.
+const char* kMixtralConfig = R"({
+  "architectures": ["MixtralForCausalLM"],
+  "attention_dropout": 0.0,
+  "bos_token_id": 1,
+  "eos_token_id": 2,
+  "hidden_act": "silu",
+  "hidden_size": 4096,
+  "initializer_range": 0.02,
+  "intermediate_size": 14336,
+  "max_position_embeddings": 32768,
+  "model_type": "mixtral",
+  "num_attention_heads": 32,
+  "num_experts_per_tok": 2,
+  "num_hidden_layers": 32,
+  "num_key_value_heads": 8,
+  "num_local_experts": 8,
+  "output_router_logits": false,
+  "rms_norm_eps": 1e-05,
+  "rope_theta": 1000000.0,
+  "router_aux_loss_coef": 0.02,
+  "sliding_window": null,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.36.0.dev0",
+  "use_cache": true,
+  "vocab_size": 32000
+})";
+
+json tiny_mixtral() {
+  return json::parse(R"({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+    "num_experts_per_tok": 2})");
+}
+
+json tiny_mistral() {
+  return json::parse(R"({"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2})");
+}
+
+// Expects parsing `j` to fail with a message naming the source and containing `parts`.
+void expect_config_error(const json& j, std::initializer_list<std::string> parts) {
+  try {
+    model_config_from_json(j, "cfg.json");
+    ADD_FAILURE() << "expected an Error for " << j.dump();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("cfg.json: ", 0), 0u) << "message does not start with the source: " << msg;
+    for (const std::string& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << "message lacks '" << p << "': " << msg;
+  }
+}
+
+void expect_same(const ModelConfig& a, const ModelConfig& b) {
+  EXPECT_EQ(a.architecture, b.architecture);
+  EXPECT_EQ(a.model_type, b.model_type);
+  EXPECT_EQ(a.vocab_size, b.vocab_size);
+  EXPECT_EQ(a.hidden_size, b.hidden_size);
+  EXPECT_EQ(a.intermediate_size, b.intermediate_size);
+  EXPECT_EQ(a.num_hidden_layers, b.num_hidden_layers);
+  EXPECT_EQ(a.num_attention_heads, b.num_attention_heads);
+  EXPECT_EQ(a.num_key_value_heads, b.num_key_value_heads);
+  EXPECT_EQ(a.head_dim, b.head_dim);
+  EXPECT_EQ(a.num_local_experts, b.num_local_experts);
+  EXPECT_EQ(a.num_experts_per_tok, b.num_experts_per_tok);
+  EXPECT_EQ(a.rms_norm_eps, b.rms_norm_eps);
+  EXPECT_EQ(a.rope_theta, b.rope_theta);
+  EXPECT_EQ(a.sliding_window, b.sliding_window);
+  EXPECT_EQ(a.max_position_embeddings, b.max_position_embeddings);
+  EXPECT_EQ(a.router_aux_loss_coef, b.router_aux_loss_coef);
+  EXPECT_EQ(a.initializer_range, b.initializer_range);
+  EXPECT_EQ(a.tie_word_embeddings, b.tie_word_embeddings);
+  EXPECT_EQ(a.bos_token_id, b.bos_token_id);
+  EXPECT_EQ(a.eos_token_id, b.eos_token_id);
+  EXPECT_EQ(a.pad_token_id, b.pad_token_id);
+  EXPECT_EQ(a.eos_token_ids, b.eos_token_ids);
+  EXPECT_EQ(a.torch_dtype, b.torch_dtype);
+  EXPECT_EQ(a.hidden_act, b.hidden_act);
+  EXPECT_EQ(a.extra, b.extra);
+}
+
+}  // namespace
+
+TEST(HfConfig, Mixtral8x7B) {
+  const ModelConfig c = model_config_from_json(json::parse(kMixtralConfig), "mixtral.json");
+  EXPECT_EQ(c.architecture, "MixtralForCausalLM");
+  EXPECT_EQ(c.model_type, "mixtral");
+  EXPECT_TRUE(c.is_moe());
+  EXPECT_EQ(c.vocab_size, 32000);
+  EXPECT_EQ(c.hidden_size, 4096);
+  EXPECT_EQ(c.intermediate_size, 14336);
+  EXPECT_EQ(c.num_hidden_layers, 32);
+  EXPECT_EQ(c.num_attention_heads, 32);
+  EXPECT_EQ(c.num_key_value_heads, 8);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.num_local_experts, 8);
+  EXPECT_EQ(c.num_experts_per_tok, 2);
+  EXPECT_EQ(c.rope_theta, 1e6);
+  EXPECT_EQ(c.rms_norm_eps, 1e-5);
+  EXPECT_EQ(c.router_aux_loss_coef, 0.02);
+  EXPECT_EQ(c.sliding_window, 0);
+  EXPECT_EQ(c.max_position_embeddings, 32768);
+  EXPECT_EQ(c.initializer_range, 0.02);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_EQ(c.bos_token_id, 1);
+  EXPECT_EQ(c.eos_token_id, 2);
+  EXPECT_EQ(c.pad_token_id, -1);
+  EXPECT_EQ(c.torch_dtype, "bfloat16");
+  EXPECT_EQ(c.hidden_act, "silu");
+  EXPECT_EQ(c.extra, json::parse(R"({"attention_dropout": 0.0, "output_router_logits": false,
+      "transformers_version": "4.36.0.dev0", "use_cache": true})"));
+}
+
+TEST(HfConfig, RoundTripPreservesEverything) {
+  const json original = json::parse(kMixtralConfig);
+  const ModelConfig c = model_config_from_json(original, "mixtral.json");
+  const json written = model_config_to_json(c);
+  // Every original field comes back with its value.
+  for (const auto& [k, v] : original.items()) {
+    ASSERT_TRUE(written.contains(k)) << k;
+    EXPECT_EQ(written[k], v) << k;
+  }
+  EXPECT_EQ(written["head_dim"], 128);
+  EXPECT_EQ(written["rope_parameters"], json::parse(R"({"rope_type":"default","rope_theta":1e6})"));
+  expect_same(model_config_from_json(written, "written.json"), c);
+}
+
+TEST(HfConfig, RoundTripDenseAndEosList) {
+  json j = tiny_mistral();
+  j["eos_token_id"] = {2, 32000};
+  j["pad_token_id"] = 0;
+  j["sliding_window"] = 4096;
+  j["attention_bias"] = false;
+  j["custom_field"] = {{"nested", {1, 2}}};
+  const ModelConfig c = model_config_from_json(j, "m.json");
+  EXPECT_FALSE(c.is_moe());
+  EXPECT_EQ(c.eos_token_id, 2);
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int>{2, 32000}));
+  EXPECT_EQ(c.pad_token_id, 0);
+  EXPECT_EQ(c.sliding_window, 4096);
+  const json w = model_config_to_json(c);
+  EXPECT_EQ(w["eos_token_id"], json({2, 32000}));
+  EXPECT_EQ(w["custom_field"], j["custom_field"]);
+  EXPECT_EQ(w["attention_bias"], false);
+  EXPECT_FALSE(w.contains("num_local_experts"));
+  expect_same(model_config_from_json(w, "w.json"), c);
+}
+
+TEST(HfConfig, LoadFromFile) {
+  std::string templ = (std::filesystem::temp_directory_path() / "moetron_cfg_XXXXXX").string();
+  ASSERT_NE(mkdtemp(templ.data()), nullptr);
+  const std::string path = templ + "/config.json";
+  std::ofstream(path) << kMixtralConfig;
+  EXPECT_EQ(load_model_config(path).num_local_experts, 8);
+  std::ofstream(path) << "{\"vocab_size\": ";
+  try {
+    load_model_config(path);
+    ADD_FAILURE() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(path + ": not valid JSON"), std::string::npos) << e.what();
+  }
+  std::filesystem::remove_all(templ);
+  try {
+    load_model_config(path);
+    ADD_FAILURE() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+}
+
+TEST(HfConfig, Transformers5Style) {
+  json j = tiny_mixtral();
+  j["rope_parameters"] = {{"rope_theta", 500000.0}, {"rope_type", "default"}};
+  j["dtype"] = "bfloat16";
+  const ModelConfig c = model_config_from_json(j, "cfg.json");
+  EXPECT_EQ(c.rope_theta, 500000.0);
+  EXPECT_EQ(c.torch_dtype, "bfloat16");
+  EXPECT_FALSE(c.extra.contains("dtype"));
+  EXPECT_FALSE(c.extra.contains("rope_parameters"));
+  j["rope_theta"] = 500000;  // both spellings, agreeing (an integer is a fine number)
+  EXPECT_EQ(model_config_from_json(j, "cfg.json").rope_theta, 500000.0);
+}
+
+TEST(HfConfig, MixtralDefaults) {
+  const ModelConfig c = model_config_from_json(tiny_mixtral(), "cfg.json");
+  EXPECT_EQ(c.head_dim, 16);
+  EXPECT_EQ(c.rope_theta, 1e6);
+  EXPECT_EQ(c.rms_norm_eps, 1e-5);
+  EXPECT_EQ(c.router_aux_loss_coef, 0.001);  // as transformers' MixtralConfig
+  EXPECT_EQ(c.sliding_window, 0);
+  EXPECT_EQ(c.max_position_embeddings, 131072);
+  EXPECT_EQ(c.initializer_range, 0.02);
+  EXPECT_EQ(c.bos_token_id, -1);
+  EXPECT_EQ(c.eos_token_id, -1);
+  EXPECT_TRUE(c.eos_token_ids.empty());
+  EXPECT_EQ(c.torch_dtype, "");
+  EXPECT_TRUE(c.extra.empty());
+  json j = tiny_mixtral();
+  j.erase("num_key_value_heads");
+  EXPECT_EQ(model_config_from_json(j, "cfg.json").num_key_value_heads, 4);
+  j["head_dim"] = nullptr;
+  EXPECT_EQ(model_config_from_json(j, "cfg.json").head_dim, 16);
+}
+
+TEST(HfConfig, MistralAndLlamaDefaults) {
+  ModelConfig m = model_config_from_json(tiny_mistral(), "cfg.json");
+  EXPECT_EQ(m.sliding_window, 4096);  // MistralConfig's default when the key is absent
+  EXPECT_EQ(m.rope_theta, 10000.0);
+  EXPECT_EQ(m.rms_norm_eps, 1e-6);
+  EXPECT_EQ(m.num_local_experts, 0);
+  EXPECT_EQ(m.num_experts_per_tok, 0);
+  EXPECT_EQ(m.router_aux_loss_coef, 0.0);
+  json j = tiny_mistral();
+  j["sliding_window"] = nullptr;
+  EXPECT_EQ(model_config_from_json(j, "cfg.json").sliding_window, 0);
+
+  json l = tiny_mistral();
+  l["architectures"] = {"LlamaForCausalLM"};
+  l["model_type"] = "llama";
+  l["sliding_window"] = 256;  // LlamaForCausalLM ignores it: kept as an unmodelled field
+  const ModelConfig c = model_config_from_json(l, "cfg.json");
+  EXPECT_EQ(c.sliding_window, 0);
+  EXPECT_EQ(c.extra["sliding_window"], 256);
+  EXPECT_EQ(c.max_position_embeddings, 2048);
+  EXPECT_EQ(model_config_to_json(c)["sliding_window"], 256);
+}
+
+TEST(HfConfig, ArchitectureFromModelTypeAndBack) {
+  json j = tiny_mixtral();
+  j.erase("architectures");
+  EXPECT_EQ(model_config_from_json(j, "cfg.json").architecture, "MixtralForCausalLM");
+  j = tiny_mixtral();
+  j.erase("model_type");
+  EXPECT_EQ(model_config_from_json(j, "cfg.json").model_type, "mixtral");
+}
+
+TEST(HfConfig, HeadDimGivenExplicitly) {
+  json j = tiny_mixtral();
+  j["hidden_size"] = 60;  // 4 heads do not divide 60, fine when head_dim is given
+  j["head_dim"] = 32;
+  EXPECT_EQ(model_config_from_json(j, "cfg.json").head_dim, 32);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors, one per case.
+
+TEST(HfConfigErrors, MissingRequiredFields) {
+  for (const char* key : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                          "num_attention_heads", "num_local_experts", "num_experts_per_tok"}) {
+    json j = tiny_mixtral();
+    j.erase(key);
+    expect_config_error(j, {"missing required field", std::string("'") + key + "'"});
+  }
+  for (const char* key : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                          "num_attention_heads"}) {
+    json j = tiny_mistral();
+    j.erase(key);
+    expect_config_error(j, {"missing required field", std::string("'") + key + "'"});
+  }
+  json j = tiny_mixtral();
+  j["vocab_size"] = nullptr;
+  expect_config_error(j, {"'vocab_size'", "integer", "null"});
+}
+
+TEST(HfConfigErrors, MissingArchitecture) {
+  json j = tiny_mixtral();
+  j.erase("architectures");
+  j.erase("model_type");
+  expect_config_error(j, {"'architectures'"});
+}
+
+TEST(HfConfigErrors, WrongJsonTypes) {
+  const std::vector<std::pair<const char*, json>> cases = {
+      {"hidden_size", "64"},          {"hidden_size", 64.0},
+      {"num_local_experts", true},    {"rms_norm_eps", "1e-5"},
+      {"rope_theta", json::array()},  {"tie_word_embeddings", "false"},
+      {"architectures", "MixtralForCausalLM"},
+      {"model_type", 3},              {"bos_token_id", "1"},
+      {"eos_token_id", json::array()}, {"torch_dtype", 16},
+      {"rope_parameters", 1e6},       {"sliding_window", 4096.5},
+      {"vocab_size", 1e12},           {"attention_bias", "no"}};
+  for (const auto& [key, value] : cases) {
+    json j = tiny_mixtral();
+    j[key] = value;
+    SCOPED_TRACE(std::string(key) + " = " + value.dump());
+    expect_config_error(j, {key});
+  }
+  json j = tiny_mixtral();
+  j["vocab_size"] = 3000000000LL;
+  expect_config_error(j, {"'vocab_size'", "out of range"});
+}
+
+TEST(HfConfigErrors, NonPositiveSizes) {
+  for (const char* key : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                          "num_attention_heads", "num_key_value_heads", "num_local_experts",
+                          "max_position_embeddings", "head_dim"}) {
+    for (int bad : {0, -4}) {
+      json j = tiny_mixtral();
+      j[key] = bad;
+      SCOPED_TRACE(std::string(key) + " = " + std::to_string(bad));
+      expect_config_error(j, {std::string("'") + key + "'"});
+    }
+  }
+  json j = tiny_mixtral();
+  j["rms_norm_eps"] = 0.0;
+  expect_config_error(j, {"'rms_norm_eps'", "positive"});
+  j = tiny_mixtral();
+  j["rope_theta"] = -1.0;
+  expect_config_error(j, {"'rope_theta'", "positive"});
+  j = tiny_mixtral();
+  j["sliding_window"] = -1;
+  expect_config_error(j, {"'sliding_window'"});
+  j = tiny_mixtral();
+  j["router_aux_loss_coef"] = -0.01;
+  expect_config_error(j, {"'router_aux_loss_coef'"});
+  j = tiny_mixtral();
+  j["bos_token_id"] = -1;
+  expect_config_error(j, {"'bos_token_id'", "non-negative"});
+}
+
+TEST(HfConfigErrors, HeadsDoNotDivideHiddenWithoutHeadDim) {
+  json j = tiny_mixtral();
+  j["hidden_size"] = 66;
+  expect_config_error(j, {"'head_dim'", "hidden_size 66", "num_attention_heads 4"});
+}
+
+TEST(HfConfigErrors, KvHeadsMustDivideHeads) {
+  json j = tiny_mixtral();
+  j["num_key_value_heads"] = 3;
+  expect_config_error(j, {"'num_key_value_heads'", "(3)", "(4)"});
+  j["num_key_value_heads"] = 8;  // more kv heads than heads
+  expect_config_error(j, {"'num_key_value_heads'"});
+}
+
+TEST(HfConfigErrors, ExpertsPerTokenOutOfRange) {
+  json j = tiny_mixtral();
+  j["num_experts_per_tok"] = 5;
+  expect_config_error(j, {"'num_experts_per_tok'", "num_local_experts = 4", "got 5"});
+  j["num_experts_per_tok"] = 0;
+  expect_config_error(j, {"'num_experts_per_tok'", "got 0"});
+}
+
+TEST(HfConfigErrors, UnknownArchitecture) {
+  json j = tiny_mixtral();
+  j["architectures"] = {"Qwen2MoeForCausalLM"};
+  expect_config_error(j, {"'architectures'", "Qwen2MoeForCausalLM"});
+  j = tiny_mixtral();
+  j.erase("architectures");
+  j["model_type"] = "gpt2";
+  expect_config_error(j, {"'model_type'", "gpt2"});
+  j = tiny_mixtral();
+  j["architectures"] = {"MixtralForCausalLM", "MistralForCausalLM"};
+  expect_config_error(j, {"'architectures'", "expected one"});
+}
+
+TEST(HfConfigErrors, ModelTypeMismatch) {
+  json j = tiny_mixtral();
+  j["model_type"] = "mistral";
+  expect_config_error(j, {"'model_type'", "mistral", "mixtral"});
+}
+
+TEST(HfConfigErrors, RopeScalingNotSupported) {
+  json j = tiny_mixtral();
+  j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+  expect_config_error(j, {"'rope_scaling'", "not supported"});
+  j["rope_scaling"] = nullptr;  // null is the normal "no scaling"
+  EXPECT_NO_THROW(model_config_from_json(j, "cfg.json"));
+  j = tiny_mixtral();
+  j["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e6}, {"factor", 4.0}};
+  expect_config_error(j, {"'rope_parameters.", "not supported"});
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e6}, {"factor", 4.0}};
+  expect_config_error(j, {"'rope_parameters.factor'", "not supported"});
+  j = tiny_mixtral();
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e6}};
+  j["rope_theta"] = 1e4;
+  expect_config_error(j, {"'rope_theta'", "disagrees"});
+}
+
+TEST(HfConfigErrors, TiedEmbeddingsNotSupported) {
+  json j = tiny_mixtral();
+  j["tie_word_embeddings"] = true;
+  expect_config_error(j, {"'tie_word_embeddings'", "not supported"});
+}
+
+TEST(HfConfigErrors, OnlySiluActivation) {
+  json j = tiny_mixtral();
+  j["hidden_act"] = "gelu";
+  expect_config_error(j, {"'hidden_act'", "gelu", "silu"});
+}
+
+TEST(HfConfigErrors, BiasesNotSupported) {
+  for (const char* key : {"attention_bias", "mlp_bias"}) {
+    json j = tiny_mistral();
+    j[key] = true;
+    expect_config_error(j, {std::string("'") + key + "'", "not supported"});
+  }
+}
+
+TEST(HfConfigErrors, TorchDtype) {
+  json j = tiny_mixtral();
+  j["torch_dtype"] = "float64";
+  expect_config_error(j, {"'torch_dtype'", "float64"});
+  j["torch_dtype"] = "float32";
+  j["dtype"] = "bfloat16";
+  expect_config_error(j, {"'torch_dtype'", "'dtype'", "disagree"});
+}
+
+TEST(HfConfigErrors, NotAnObject) { expect_config_error(json::array(), {"JSON object"}); }
+
+TEST(HfConfigErrors, ValidateProgrammaticConfig) {
+  ModelConfig c = model_config_from_json(tiny_mixtral(), "cfg.json");
+  c.num_experts_per_tok = 9;
+  try {
+    validate_model_config(c, "yaml model.config");
+    ADD_FAILURE() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("yaml model.config: field 'num_experts_per_tok'"),
+              std::string::npos)
+        << e.what();
+  }
+  ModelConfig d = model_config_from_json(tiny_mistral(), "cfg.json");
+  d.num_local_experts = 2;
+  EXPECT_THROW(validate_model_config(d, "x"), Error);
+}
+
+// The committed golden configs were written by transformers 5 (rope_parameters, "dtype",
+// "head_dim": null for Mixtral).
+TEST(HfConfig, GoldenConfigsFromTransformers) {
+  struct Case {
+    const char* dir;
+    const char* arch;
+    int V, C, I, NH, NKV, HD, E, K, window;
+    double theta;
+  };
+  const Case cases[] = {
+      {"mixtral_gqa", "MixtralForCausalLM", 128, 32, 64, 4, 2, 8, 4, 2, 0, 1e6},
+      {"mixtral_e3_k1", "MixtralForCausalLM", 100, 48, 80, 6, 2, 8, 3, 1, 0, 1e6},
+      {"mixtral_swa_padded", "MixtralForCausalLM", 112, 32, 56, 4, 2, 8, 4, 2, 5, 1e6},
+      {"mistral_dense", "MistralForCausalLM", 128, 32, 64, 4, 2, 8, 0, 0, 0, 1e6},
+      {"llama_dense", "LlamaForCausalLM", 120, 32, 56, 4, 4, 8, 0, 0, 0, 1e4},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.dir);
+    const ModelConfig c = load_model_config(std::string(MOETRON_SOURCE_DIR) + "/tests/golden/" +
+                                            k.dir + "/config.json");
+    EXPECT_EQ(c.architecture, k.arch);
+    EXPECT_EQ(c.vocab_size, k.V);
+    EXPECT_EQ(c.hidden_size, k.C);
+    EXPECT_EQ(c.intermediate_size, k.I);
+    EXPECT_EQ(c.num_hidden_layers, 2);
+    EXPECT_EQ(c.num_attention_heads, k.NH);
+    EXPECT_EQ(c.num_key_value_heads, k.NKV);
+    EXPECT_EQ(c.head_dim, k.HD);
+    EXPECT_EQ(c.num_local_experts, k.E);
+    EXPECT_EQ(c.num_experts_per_tok, k.K);
+    EXPECT_EQ(c.sliding_window, k.window);
+    EXPECT_EQ(c.rope_theta, k.theta);
+    EXPECT_EQ(c.rms_norm_eps, 1e-5);
+    EXPECT_EQ(c.router_aux_loss_coef, k.E > 0 ? 0.02 : 0.0);
+    EXPECT_EQ(c.torch_dtype, "float32");
+    EXPECT_EQ(c.bos_token_id, 1);
+    EXPECT_EQ(c.eos_token_id, 2);
+    EXPECT_EQ(c.pad_token_id, -1);
+  }
+}
