@@ -20,11 +20,14 @@ struct AttentionMask {
   int sliding_window = 0;                   // 0: none
 };
 
-// probs[B,NH,T,T] is saved for the backward (softmax weights, 0 where masked).
+// probs[B,NH,T,T] is saved for the backward (softmax weights, 0 where masked; every element is
+// written).  Uses internal scratch the size of k.
 void attention_forward(float* out, float* probs, const float* q, const float* k, const float* v,
                        const AttentionMask& mask, int B, int T, int NH, int NKV, int HD);
 
-// dq[B,T,NH,HD], dk[B,T,NKV,HD], dv[B,T,NKV,HD] (assign).
+// dq[B,T,NH,HD], dk[B,T,NKV,HD], dv[B,T,NKV,HD] (assign).  Needs no mask: entries with
+// probs == 0 contribute nothing, and probs must be 0 above the diagonal (causal), as the forward
+// writes it.  Uses internal scratch the size of v.
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* probs,
                         const float* q, const float* k, const float* v, int B, int T, int NH,
                         int NKV, int HD);

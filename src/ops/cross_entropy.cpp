@@ -23,15 +23,13 @@ void check_targets(const char* op, const int32_t* targets, long N, int V) {
   for (long n = 0; n < N; n++) {
     const int32_t t = targets[n];
     MOETRON_OP_CHECK(t == IGNORE_INDEX || (t >= 0 && t < V), op,
-                     "target {} at row {} is outside [0, {}) and is not the ignore index {}", t, n,
-                     V, IGNORE_INDEX);
+                     "target {} at row {} is outside [0, {}) and is not the ignore index {}", t, n, V, IGNORE_INDEX);
   }
 }
 
 }  // namespace
 
-double cross_entropy_forward(float* lse, const float* logits, const int32_t* targets, long N, int V,
-                             float scale) {
+double cross_entropy_forward(float* lse, const float* logits, const int32_t* targets, long N, int V, float scale) {
   MOETRON_OP_CHECK(N >= 0 && V > 0, "cross_entropy_forward", "bad dimensions N={} V={}", N, V);
   check_targets("cross_entropy_forward", targets, N, V);
   std::vector<double> row_loss(N, 0.0);
@@ -39,7 +37,7 @@ double cross_entropy_forward(float* lse, const float* logits, const int32_t* tar
   for (long n = 0; n < N; n++) {
     const float* x = logits + n * V;
     float m = x[0];
-    for (int v = 1; v < V; v++) m = std::fmax(m, x[v]);
+    for (int v = 1; v < V; v++) m = x[v] > m ? x[v] : m;  // a NaN logit makes the loss NaN
     double s = 0.0;
     for (int v = 0; v < V; v++) s += (double)std::exp(x[v] - m);
     const double l = (double)m + std::log(s);
@@ -53,8 +51,8 @@ double cross_entropy_forward(float* lse, const float* logits, const int32_t* tar
   return total * (double)scale;
 }
 
-void cross_entropy_backward(float* dlogits, const float* logits, const float* lse,
-                            const int32_t* targets, long N, int V, float scale) {
+void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets, long N,
+                            int V, float scale) {
   MOETRON_OP_CHECK(N >= 0 && V > 0, "cross_entropy_backward", "bad dimensions N={} V={}", N, V);
   check_targets("cross_entropy_backward", targets, N, V);
 #pragma omp parallel for schedule(static) if (N * V >= kParallelMin)

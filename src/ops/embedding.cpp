@@ -18,16 +18,14 @@ constexpr long kParallelMin = 1 << 15;
 void check_tokens(const char* op, const int32_t* tokens, long N, int V) {
   for (long n = 0; n < N; n++) {
     const int32_t id = tokens[n];
-    MOETRON_OP_CHECK(id >= 0 && id < V, op, "token id {} at position {} is outside the vocabulary [0, {})",
-                     id, n, V);
+    MOETRON_OP_CHECK(id >= 0 && id < V, op, "token id {} at position {} is outside the vocabulary [0, {})", id, n, V);
   }
 }
 
 }  // namespace
 
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, long N, int C, int V) {
-  MOETRON_OP_CHECK(N >= 0 && C > 0 && V > 0, "embedding_forward", "bad dimensions N={} C={} V={}", N,
-                   C, V);
+  MOETRON_OP_CHECK(N >= 0 && C > 0 && V > 0, "embedding_forward", "bad dimensions N={} C={} V={}", N, C, V);
   check_tokens("embedding_forward", tokens, N, V);
 #pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
   for (long n = 0; n < N; n++) {
@@ -36,8 +34,7 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, long
 }
 
 void embedding_backward(float* dwte, const float* dout, const int32_t* tokens, long N, int C, int V) {
-  MOETRON_OP_CHECK(N >= 0 && C > 0 && V > 0, "embedding_backward", "bad dimensions N={} C={} V={}",
-                   N, C, V);
+  MOETRON_OP_CHECK(N >= 0 && C > 0 && V > 0, "embedding_backward", "bad dimensions N={} C={} V={}", N, C, V);
   check_tokens("embedding_backward", tokens, N, V);
   // Parallel over column chunks: each dwte element is owned by one thread and receives its
   // contributions in token order, so the result is bitwise independent of the thread count.

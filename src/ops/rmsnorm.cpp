@@ -15,8 +15,7 @@ namespace {
 constexpr long kParallelMin = 1 << 15;
 }  // namespace
 
-void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, long N, int C,
-                     float eps) {
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, long N, int C, float eps) {
   MOETRON_OP_CHECK(N >= 0 && C > 0, "rmsnorm_forward", "bad dimensions N={} C={}", N, C);
 #pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
   for (long n = 0; n < N; n++) {
@@ -31,8 +30,8 @@ void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* wei
   }
 }
 
-void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                      const float* weight, const float* rstd, long N, int C) {
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, long N, int C) {
   MOETRON_OP_CHECK(N >= 0 && C > 0, "rmsnorm_backward", "bad dimensions N={} C={}", N, C);
   // dinp: y_i = w_i x_i r with r = (mean(x^2) + eps)^(-1/2), dr/dx_i = -r^3 x_i / C, so
   //   dx_i = r w_i dy_i - (r^3 / C) x_i sum_j w_j dy_j x_j.

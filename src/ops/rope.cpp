@@ -31,10 +31,10 @@ std::vector<float> rope_inv_freq(int HD, float theta) {
 }
 
 // sign = +1: forward rotation; sign = -1: inverse rotation (the transpose, for the backward).
-void rope_apply(const char* op, float* out, const float* inp, const int32_t* pos, long N, int H,
-                int HD, float theta, float sign) {
-  MOETRON_OP_CHECK(N >= 0 && H > 0 && HD > 0 && HD % 2 == 0, op,
-                   "bad dimensions N={} H={} HD={} (HD must be even)", N, H, HD);
+void rope_apply(const char* op, float* out, const float* inp, const int32_t* pos, long N, int H, int HD, float theta,
+                float sign) {
+  MOETRON_OP_CHECK(N >= 0 && H > 0 && HD > 0 && HD % 2 == 0, op, "bad dimensions N={} H={} HD={} (HD must be even)", N,
+                   H, HD);
   MOETRON_OP_CHECK(theta > 0.0f, op, "rope theta must be positive, got {}", theta);
   const int half = HD / 2;
   const std::vector<float> inv_freq = rope_inv_freq(HD, theta);
@@ -65,13 +65,11 @@ void rope_apply(const char* op, float* out, const float* inp, const int32_t* pos
 
 }  // namespace
 
-void rope_forward(float* out, const float* inp, const int32_t* pos, long N, int H, int HD,
-                  float theta) {
+void rope_forward(float* out, const float* inp, const int32_t* pos, long N, int H, int HD, float theta) {
   rope_apply("rope_forward", out, inp, pos, N, H, HD, theta, 1.0f);
 }
 
-void rope_backward(float* dinp, const float* dout, const int32_t* pos, long N, int H, int HD,
-                   float theta) {
+void rope_backward(float* dinp, const float* dout, const int32_t* pos, long N, int H, int HD, float theta) {
   // The rotation is orthogonal, so the gradient is the inverse rotation (sin -> -sin).
   rope_apply("rope_backward", dinp, dout, pos, N, H, HD, theta, -1.0f);
 }

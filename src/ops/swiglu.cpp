@@ -6,7 +6,7 @@ namespace moetron::ops {
 
 void swiglu_forward(float* out, const float* gate, const float* up, long N, int I) {
   const long n = N * I;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= 32768)
   for (long i = 0; i < n; i++) {
     const float g = gate[i];
     const float sig = 1.0f / (1.0f + std::exp(-g));
@@ -17,7 +17,7 @@ void swiglu_forward(float* out, const float* gate, const float* up, long N, int 
 void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate,
                      const float* up, long N, int I) {
   const long n = N * I;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= 32768)
   for (long i = 0; i < n; i++) {
     const float g = gate[i];
     const float sig = 1.0f / (1.0f + std::exp(-g));
