@@ -41,6 +41,16 @@ struct Block {
   std::vector<float> w3;    // [E,I,C]
   std::vector<float> w2;    // [E,C,I]
   long M() const { return N * K; }
+  // The ops take gate and up stacked per expert: w13[E,2I,C] = [w1[e]; w3[e]].
+  std::vector<float> w13() const {
+    const size_t IC = (size_t)I * C;
+    std::vector<float> out(2 * IC * E);
+    for (int e = 0; e < E; e++) {
+      std::copy(w1.begin() + IC * e, w1.begin() + IC * (e + 1), out.begin() + 2 * IC * e);
+      std::copy(w3.begin() + IC * e, w3.begin() + IC * (e + 1), out.begin() + 2 * IC * e + IC);
+    }
+    return out;
+  }
 };
 
 struct Acts {
@@ -49,7 +59,8 @@ struct Acts {
   std::vector<float> weight;         // [N,K]
   ops::MoePlan plan;
   std::vector<float> xperm, y;       // [M,C]
-  std::vector<float> h1, h3, act;    // [M,I]
+  std::vector<float> h13;            // [M,2I]
+  std::vector<float> act;            // [M,I]
   std::vector<float> out;            // [N,C]
 };
 
@@ -65,16 +76,16 @@ void forward(Acts& a, const Block& b) {
   a.weight.resize(N * b.K);
   a.xperm.resize(M * b.C);
   a.y.resize(M * b.C);
-  a.h1.resize(M * b.I);
-  a.h3.resize(M * b.I);
+  a.h13.resize(2 * M * b.I);
   a.act.resize(M * b.I);
   a.out.resize(N * b.C);
   ops::matmul_forward(a.logits.data(), b.x.data(), b.gate.data(), (int)N, b.C, b.E);
   ops::router_forward(a.probs.data(), a.idx.data(), a.weight.data(), a.logits.data(), N, b.E, b.K);
   ops::moe_plan_build(a.plan, a.idx.data(), N, b.E, b.K);
   ops::moe_permute_forward(a.xperm.data(), b.x.data(), a.plan, b.C);
-  ops::moe_experts_forward(a.y.data(), a.h1.data(), a.h3.data(), a.act.data(), a.xperm.data(),
-                           b.w1.data(), b.w3.data(), b.w2.data(), a.plan, b.C, b.I);
+  const std::vector<float> w13 = b.w13();
+  ops::moe_experts_forward(a.y.data(), a.h13.data(), a.act.data(), a.xperm.data(), w13.data(),
+                           b.w2.data(), a.plan, b.C, b.I);
   ops::moe_combine_forward(a.out.data(), a.y.data(), a.weight.data(), a.plan, b.C);
 }
 
@@ -87,12 +98,19 @@ Grads backward(const Acts& a, const Block& b, const std::vector<float>& dout) {
   g.w1.assign(b.w1.size(), 0.0f);
   g.w3.assign(b.w3.size(), 0.0f);
   g.w2.assign(b.w2.size(), 0.0f);
-  std::vector<float> dy(M * b.C), dw(N * b.K), dxperm(M * b.C), scratch(2 * M * b.I);
+  std::vector<float> dy(M * b.C), dw(N * b.K), dxperm(M * b.C), scratch(3 * M * b.I);
   std::vector<float> dlogits(N * b.E), dx_router(N * b.C);
   ops::moe_combine_backward(dy.data(), dw.data(), dout.data(), a.y.data(), a.weight.data(), a.plan, b.C);
-  ops::moe_experts_backward(dxperm.data(), g.w1.data(), g.w3.data(), g.w2.data(), scratch.data(),
-                            dy.data(), a.h1.data(), a.h3.data(), a.act.data(), a.xperm.data(),
-                            b.w1.data(), b.w3.data(), b.w2.data(), a.plan, b.C, b.I);
+  const std::vector<float> w13 = b.w13();
+  std::vector<float> dw13(w13.size(), 0.0f);
+  ops::moe_experts_backward(dxperm.data(), dw13.data(), g.w2.data(), scratch.data(), dy.data(),
+                            a.h13.data(), a.act.data(), a.xperm.data(), w13.data(), b.w2.data(),
+                            a.plan, b.C, b.I);
+  const size_t IC = (size_t)b.I * b.C;
+  for (int e = 0; e < b.E; e++) {
+    std::copy(dw13.begin() + 2 * IC * e, dw13.begin() + 2 * IC * e + IC, g.w1.begin() + IC * e);
+    std::copy(dw13.begin() + 2 * IC * e + IC, dw13.begin() + 2 * IC * (e + 1), g.w3.begin() + IC * e);
+  }
   ops::moe_permute_backward(g.x.data(), dxperm.data(), a.plan, b.C);
   ops::router_backward(dlogits.data(), dw.data(), nullptr, nullptr, a.probs.data(), a.idx.data(),
                        a.weight.data(), N, b.E, b.K);
@@ -304,19 +322,18 @@ TEST(MoeBlock, ParameterGradientsAccumulate) {
   forward(a, b);
   const long M = b.M();
   const auto dy = random_vector(M * b.C, 5);
-  std::vector<float> dx(M * b.C), scratch(2 * M * b.I);
-  std::vector<float> dw1(b.w1.size(), 0.0f), dw3 = dw1, dw2(b.w2.size(), 0.0f);
+  std::vector<float> dx(M * b.C), scratch(3 * M * b.I);
+  const std::vector<float> w13 = b.w13();
+  std::vector<float> dw13(w13.size(), 0.0f), dw2(b.w2.size(), 0.0f);
   auto run = [&]() {
-    ops::moe_experts_backward(dx.data(), dw1.data(), dw3.data(), dw2.data(), scratch.data(), dy.data(),
-                              a.h1.data(), a.h3.data(), a.act.data(), a.xperm.data(), b.w1.data(),
-                              b.w3.data(), b.w2.data(), a.plan, b.C, b.I);
+    ops::moe_experts_backward(dx.data(), dw13.data(), dw2.data(), scratch.data(), dy.data(), a.h13.data(),
+                              a.act.data(), a.xperm.data(), w13.data(), b.w2.data(), a.plan, b.C, b.I);
   };
   run();
-  const auto once1 = dw1, once3 = dw3, once2 = dw2, dx1 = dx;
+  const auto once13 = dw13, once2 = dw2, dx1 = dx;
   run();
   // x + x is exact in binary floating point, so "accumulate" means exactly twice
-  for (size_t i = 0; i < dw1.size(); i++) ASSERT_EQ(dw1[i], 2.0f * once1[i]);
-  for (size_t i = 0; i < dw3.size(); i++) ASSERT_EQ(dw3[i], 2.0f * once3[i]);
+  for (size_t i = 0; i < dw13.size(); i++) ASSERT_EQ(dw13[i], 2.0f * once13[i]);
   for (size_t i = 0; i < dw2.size(); i++) ASSERT_EQ(dw2[i], 2.0f * once2[i]);
   EXPECT_EQ(dx, dx1);  // activation gradient assigns
 }

@@ -112,8 +112,7 @@ void MixtralModel::allocate(int B, int T) {
       a.rprobs = moe ? take(N * E) : nullptr;
       a.topk_w = moe ? take(N * K) : nullptr;
       a.xperm = moe ? take(M * C) : nullptr;
-      a.h1 = take(M * I);
-      a.h3 = take(M * I);
+      a.h13 = take(2 * M * I);
       a.act = take(M * I);
       a.yperm = moe ? take(M * C) : nullptr;
     }
@@ -133,7 +132,7 @@ void MixtralModel::allocate(int B, int T) {
     dtopk_ = moe ? take(N * K) : nullptr;
     dxperm_ = moe ? take(M * C) : nullptr;
     dyperm_ = moe ? take(M * C) : nullptr;
-    ffn_scratch_ = take(2 * M * I);
+    ffn_scratch_ = take(3 * M * I);
     if (pass == 0) {
       arena_.assign(used, 0.0f);
       base = arena_.data();
@@ -239,8 +238,7 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
       // FFN block: x_next = h + ffn(rmsnorm(h)).
       ops::rmsnorm_forward(a.ln2, a.rstd2, a.h, W(ParamKind::post_norm, l), N, C, eps);
     }
-    const float* w1 = W(ParamKind::ffn_w1, l);
-    const float* w3 = W(ParamKind::ffn_w3, l);
+    const float* w13 = W(ParamKind::ffn_w13, l);
     const float* w2 = W(ParamKind::ffn_w2, l);
     if (moe) {
       {
@@ -256,7 +254,7 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
       }
       {
         ScopedTimer t(profile_, "fwd.experts");
-        ops::moe_experts_forward(a.yperm, a.h1, a.h3, a.act, a.xperm, w1, w3, w2, a.plan, C, I);
+        ops::moe_experts_forward(a.yperm, a.h13, a.act, a.xperm, w13, w2, a.plan, C, I);
       }
       {
         ScopedTimer t(profile_, "fwd.moe_permute");
@@ -264,7 +262,7 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
       }
     } else {
       ScopedTimer t(profile_, "fwd.experts");
-      ops::moe_experts_forward(x_next, a.h1, a.h3, a.act, a.ln2, w1, w3, w2, a.plan, C, I);
+      ops::moe_experts_forward(x_next, a.h13, a.act, a.ln2, w13, w2, a.plan, C, I);
     }
     {
       ScopedTimer t(profile_, "fwd.residual");
@@ -338,11 +336,9 @@ void MixtralModel::backward() {
   for (int l = L - 1; l >= 0; l--) {
     LayerActs& a = layers_[l];
     // FFN block: dres is d(x_next); it flows to h unchanged plus through the FFN.
-    const float* w1 = W(ParamKind::ffn_w1, l);
-    const float* w3 = W(ParamKind::ffn_w3, l);
+    const float* w13 = W(ParamKind::ffn_w13, l);
     const float* w2 = W(ParamKind::ffn_w2, l);
-    float* dw1 = D(ParamKind::ffn_w1, l);
-    float* dw3 = D(ParamKind::ffn_w3, l);
+    float* dw13 = D(ParamKind::ffn_w13, l);
     float* dw2 = D(ParamKind::ffn_w2, l);
     if (moe) {
       {
@@ -351,8 +347,8 @@ void MixtralModel::backward() {
       }
       {
         ScopedTimer t(profile_, "bwd.experts");
-        ops::moe_experts_backward(dxperm_, dw1, dw3, dw2, ffn_scratch_, dyperm_, a.h1, a.h3, a.act, a.xperm, w1, w3, w2,
-                                  a.plan, C, I);
+        ops::moe_experts_backward(dxperm_, dw13, dw2, ffn_scratch_, dyperm_, a.h13, a.act, a.xperm, w13, w2, a.plan, C,
+                                  I);
       }
       {
         ScopedTimer t(profile_, "bwd.moe_permute");
@@ -366,8 +362,7 @@ void MixtralModel::backward() {
       add_inplace(dln_, tmp_, N * C);
     } else {
       ScopedTimer t(profile_, "bwd.experts");
-      ops::moe_experts_backward(dln_, dw1, dw3, dw2, ffn_scratch_, dres_, a.h1, a.h3, a.act, a.ln2, w1, w3, w2, a.plan,
-                                C, I);
+      ops::moe_experts_backward(dln_, dw13, dw2, ffn_scratch_, dres_, a.h13, a.act, a.ln2, w13, w2, a.plan, C, I);
     }
     {
       ScopedTimer t(profile_, "bwd.norms");

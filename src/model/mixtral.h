@@ -84,7 +84,7 @@ class MixtralModel {
     float *x, *ln1, *rstd1, *q, *k, *v, *probs, *att, *h, *ln2, *rstd2;
     float *rlogits, *rprobs, *topk_w;
     int32_t* topk_idx;
-    float *xperm, *h1, *h3, *act, *yperm;
+    float *xperm, *h13, *act, *yperm;
     ops::MoePlan plan;
   };
   void validate_batch(const Batch& b) const;

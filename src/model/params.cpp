@@ -14,30 +14,35 @@ std::string layer_prefix(int layer) { return fmt::format("model.layers.{}.", lay
 std::string spec_name(ParamKind kind, int layer, bool moe) {
   const std::string p = layer >= 0 ? layer_prefix(layer) : "";
   switch (kind) {
-    case ParamKind::embedding: return "model.embed_tokens.weight";
-    case ParamKind::input_norm: return p + "input_layernorm.weight";
-    case ParamKind::q_proj: return p + "self_attn.q_proj.weight";
-    case ParamKind::k_proj: return p + "self_attn.k_proj.weight";
-    case ParamKind::v_proj: return p + "self_attn.v_proj.weight";
-    case ParamKind::o_proj: return p + "self_attn.o_proj.weight";
-    case ParamKind::post_norm: return p + "post_attention_layernorm.weight";
-    case ParamKind::router: return p + "block_sparse_moe.gate.weight";
-    case ParamKind::ffn_w1: return p + (moe ? "block_sparse_moe.experts.w1" : "mlp.gate_proj.weight");
-    case ParamKind::ffn_w3: return p + (moe ? "block_sparse_moe.experts.w3" : "mlp.up_proj.weight");
-    case ParamKind::ffn_w2: return p + (moe ? "block_sparse_moe.experts.w2" : "mlp.down_proj.weight");
-    case ParamKind::final_norm: return "model.norm.weight";
-    case ParamKind::lm_head: return "lm_head.weight";
+    case ParamKind::embedding:
+      return "model.embed_tokens.weight";
+    case ParamKind::input_norm:
+      return p + "input_layernorm.weight";
+    case ParamKind::q_proj:
+      return p + "self_attn.q_proj.weight";
+    case ParamKind::k_proj:
+      return p + "self_attn.k_proj.weight";
+    case ParamKind::v_proj:
+      return p + "self_attn.v_proj.weight";
+    case ParamKind::o_proj:
+      return p + "self_attn.o_proj.weight";
+    case ParamKind::post_norm:
+      return p + "post_attention_layernorm.weight";
+    case ParamKind::router:
+      return p + "block_sparse_moe.gate.weight";
+    case ParamKind::ffn_w13:
+      return p + (moe ? "block_sparse_moe.experts.w13" : "mlp.gate_up_proj");
+    case ParamKind::ffn_w2:
+      return p + (moe ? "block_sparse_moe.experts.w2" : "mlp.down_proj.weight");
+    case ParamKind::final_norm:
+      return "model.norm.weight";
+    case ParamKind::lm_head:
+      return "lm_head.weight";
   }
   return "";
 }
 
-const char* expert_suffix(ParamKind kind) {
-  switch (kind) {
-    case ParamKind::ffn_w1: return "w1";
-    case ParamKind::ffn_w3: return "w3";
-    default: return "w2";
-  }
-}
+bool is_ffn(ParamKind kind) { return kind == ParamKind::ffn_w13 || kind == ParamKind::ffn_w2; }
 
 }  // namespace
 
@@ -55,27 +60,32 @@ ParamTable::ParamTable(const ModelConfig& cfg) : num_layers_(cfg.num_hidden_laye
     add(ParamKind::o_proj, l, {C, Q}, true);
     add(ParamKind::post_norm, l, {C}, false);
     if (moe_) add(ParamKind::router, l, {E, C}, true);
-    add(ParamKind::ffn_w1, l, {E, I, C}, true);
-    add(ParamKind::ffn_w3, l, {E, I, C}, true);
+    add(ParamKind::ffn_w13, l, {E, 2 * I, C}, true);
     add(ParamKind::ffn_w2, l, {E, C, I}, true);
   }
   add(ParamKind::final_norm, -1, {C}, false);
   add(ParamKind::lm_head, -1, {V, C}, true);
 
+  // The HF tensors: experts (or the dense FFN) split out of the stacked storage.
   for (size_t si = 0; si < specs_.size(); si++) {
     const ParamSpec& s = specs_[si];
-    const bool stacked = s.kind == ParamKind::ffn_w1 || s.kind == ParamKind::ffn_w3 || s.kind == ParamKind::ffn_w2;
-    if (stacked && moe_) {
-      const size_t per = s.numel / (size_t)s.shape[0];
-      for (int e = 0; e < s.shape[0]; e++) {
-        hf_tensors_.push_back({fmt::format("{}block_sparse_moe.experts.{}.{}.weight", layer_prefix(s.layer), e,
-                                           expert_suffix(s.kind)),
-                               {s.shape[1], s.shape[2]}, s.offset + per * e, per, si, e});
-      }
-    } else if (stacked) {
-      hf_tensors_.push_back({s.name, {s.shape[1], s.shape[2]}, s.offset, s.numel, si, -1});
-    } else {
+    if (!is_ffn(s.kind)) {
       hf_tensors_.push_back({s.name, s.shape, s.offset, s.numel, si, -1});
+      continue;
+    }
+    const std::string p = layer_prefix(s.layer);
+    const size_t IC = (size_t)I * C;
+    for (int e = 0; e < s.shape[0]; e++) {
+      auto name = [&](const char* expert_suffix, const char* dense_name) {
+        return moe_ ? fmt::format("{}block_sparse_moe.experts.{}.{}.weight", p, e, expert_suffix) : p + dense_name;
+      };
+      if (s.kind == ParamKind::ffn_w13) {
+        const size_t base = s.offset + 2 * IC * e;
+        hf_tensors_.push_back({name("w1", "mlp.gate_proj.weight"), {I, C}, base, IC, si, e});
+        hf_tensors_.push_back({name("w3", "mlp.up_proj.weight"), {I, C}, base + IC, IC, si, e});
+      } else {
+        hf_tensors_.push_back({name("w2", "mlp.down_proj.weight"), {C, I}, s.offset + IC * e, IC, si, e});
+      }
     }
   }
 }
@@ -90,8 +100,7 @@ void ParamTable::add(ParamKind kind, int layer, std::vector<int64_t> shape, bool
   s.shape = std::move(shape);
   s.offset = total_;
   s.weight_decay = decay;
-  const bool stacked = kind == ParamKind::ffn_w1 || kind == ParamKind::ffn_w3 || kind == ParamKind::ffn_w2;
-  s.n_stacked = stacked && moe_ ? (int)s.shape[0] : 0;
+  s.n_stacked = is_ffn(kind) ? (int)s.shape[0] : 0;
   // Keep every tensor 16-float aligned (64 bytes) for vector loads.
   total_ += (s.numel + 15) / 16 * 16;
   specs_.push_back(std::move(s));

@@ -2,10 +2,11 @@
 // Parameters, gradients and optimizer state are each one allocation of `total` floats with the same
 // offsets, so an optimizer or a reduction walks them as flat arrays.
 //
-// Expert weights are stored stacked, [E, I, C] for w1/w3 and [E, C, I] for w2, so a grouped GEMM can
-// run over them; on disk (Hugging Face names) they are E separate tensors
-// `model.layers.N.block_sparse_moe.experts.e.{w1,w3,w2}.weight`.  A dense model's FFN
-// (`mlp.{gate,up,down}_proj`) is stored exactly like one expert: [1, I, C] / [1, C, I].
+// Expert weights are stored stacked so a grouped GEMM can run over them: w13 [E, 2I, C] holds per
+// expert the gate rows (w1) then the up rows (w3) -- transformers-5's gate_up_proj layout, so one
+// GEMM computes gate and up -- and w2 [E, C, I].  On disk (Hugging Face names) they are separate
+// tensors `model.layers.N.block_sparse_moe.experts.e.{w1,w3,w2}.weight`.  A dense model's FFN
+// (`mlp.{gate,up,down}_proj`) is stored exactly like one expert: [1, 2I, C] / [1, C, I].
 #pragma once
 
 #include <cstdint>
@@ -25,8 +26,7 @@ enum class ParamKind {
   o_proj,      // [C, NH*HD]
   post_norm,   // [C]
   router,      // [E, C]
-  ffn_w1,      // [E, I, C] gate (dense: [1, I, C])
-  ffn_w3,      // [E, I, C] up
+  ffn_w13,     // [E, 2I, C] gate rows then up rows per expert (dense: E = 1)
   ffn_w2,      // [E, C, I] down
   final_norm,  // [C]
   lm_head,     // [V, C]
@@ -40,7 +40,7 @@ struct ParamSpec {
   size_t offset = 0;           // in floats, into the flat allocation
   size_t numel = 0;
   bool weight_decay = true;    // false for RMSNorm weights
-  int n_stacked = 0;           // >0: stored as n_stacked HF tensors, one per leading index
+  int n_stacked = 0;           // experts stacked along dim 0 (0: not an expert tensor)
   bool is_norm() const { return !weight_decay; }
 };
 
@@ -51,7 +51,7 @@ struct HfTensorRef {
   size_t offset = 0;
   size_t numel = 0;
   size_t spec_index = 0;  // into ParamTable::specs()
-  int stacked_index = -1;  // expert index for stacked tensors
+  int stacked_index = -1;  // expert index for stacked tensors (0 for a dense FFN)
 };
 
 class ParamTable {
@@ -60,6 +60,7 @@ class ParamTable {
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
   size_t total() const { return total_; }
+  bool is_moe() const { return moe_; }
   const ParamSpec& at(ParamKind kind, int layer = -1) const;
   // The tensors as Hugging Face names them (experts expanded, dense FFN under mlp.* names).
   const std::vector<HfTensorRef>& hf_tensors() const { return hf_tensors_; }

@@ -1,9 +1,8 @@
 #include "model/weights.h"
 
-#include <map>
-#include <set>
-
 #include <fmt/format.h>
+
+#include <set>
 
 #include "core/error.h"
 #include "io/model_files.h"
@@ -18,71 +17,69 @@ std::string shape_str(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-// transformers-5 names of one layer's packed MoE tensors.
-std::string packed_name(int layer, const char* what) { return fmt::format("model.layers.{}.mlp.{}", layer, what); }
+// transformers-5 in-memory name of a whole stacked MoE tensor, or "" when there is none.
+std::string packed_name(const ParamSpec& spec) {
+  const std::string p = fmt::format("model.layers.{}.mlp.", spec.layer);
+  switch (spec.kind) {
+    case ParamKind::router:
+      return p + "gate.weight";
+    case ParamKind::ffn_w13:
+      return p + "experts.gate_up_proj";
+    case ParamKind::ffn_w2:
+      return p + "experts.down_proj";
+    default:
+      return "";
+  }
+}
 
 }  // namespace
 
 void load_hf_weights(const ModelTensors& files, const ParamTable& table, float* params, const std::string& source) {
-  std::set<std::string> used;
-  // Packed expert tensors are read once per layer and sliced.
-  std::map<std::string, std::vector<float>> packed_cache;
-  auto packed = [&](const TensorView& t) -> const std::vector<float>& {
-    auto it = packed_cache.find(t.name);
-    if (it == packed_cache.end()) it = packed_cache.emplace(t.name, to_f32(t)).first;
-    return it->second;
-  };
+  // The HF tensors of each parameter.
+  std::vector<std::vector<const HfTensorRef*>> refs_of(table.specs().size());
+  for (const HfTensorRef& ref : table.hf_tensors()) refs_of[ref.spec_index].push_back(&ref);
 
-  for (const HfTensorRef& ref : table.hf_tensors()) {
-    const ParamSpec& spec = table.spec_of(ref);
-    float* dst = params + ref.offset;
-    if (const TensorView* t = files.find(ref.name)) {
-      if (t->shape != ref.shape)
-        fail("{}: tensor '{}' has shape {}, but config.json implies {}", source, ref.name, shape_str(t->shape),
-             shape_str(ref.shape));
-      read_f32(*t, dst, ref.numel);
-      used.insert(ref.name);
+  std::set<std::string> used;
+  for (size_t si = 0; si < table.specs().size(); si++) {
+    const ParamSpec& spec = table.specs()[si];
+    const std::vector<const HfTensorRef*>& refs = refs_of[si];
+    size_t present = 0;
+    for (const HfTensorRef* ref : refs) present += files.find(ref->name) != nullptr;
+    // The transformers-5 packing stores a whole stacked MoE tensor in exactly our layout.
+    const std::string packed = table.is_moe() ? packed_name(spec) : "";
+    const TensorView* whole = present == 0 && !packed.empty() ? files.find(packed) : nullptr;
+    if (whole) {
+      if (whole->shape != spec.shape)
+        fail("{}: tensor '{}' has shape {}, but config.json implies {}", source, whole->name, shape_str(whole->shape),
+             shape_str(spec.shape));
+      read_f32(*whole, params + spec.offset, spec.numel);
+      used.insert(whole->name);
       continue;
     }
-    // transformers-5 packing for MoE layers.
-    const TensorView* t = nullptr;
-    if (spec.kind == ParamKind::router) t = files.find(packed_name(spec.layer, "gate.weight"));
-    if (spec.kind == ParamKind::ffn_w1 || spec.kind == ParamKind::ffn_w3)
-      t = files.find(packed_name(spec.layer, "experts.gate_up_proj"));
-    if (spec.kind == ParamKind::ffn_w2) t = files.find(packed_name(spec.layer, "experts.down_proj"));
-    if (!t || (spec.n_stacked == 0 && spec.kind != ParamKind::router))
-      fail("{}: tensor '{}' (shape {}) is missing", source, ref.name, shape_str(ref.shape));
-    used.insert(t->name);
-    if (spec.kind == ParamKind::router) {
-      if (t->shape != ref.shape)
-        fail("{}: tensor '{}' has shape {}, expected {}", source, t->name, shape_str(t->shape), shape_str(ref.shape));
-      read_f32(*t, dst, ref.numel);
-      continue;
+    for (const HfTensorRef* ref : refs) {
+      const TensorView* t = files.find(ref->name);
+      if (!t) fail("{}: tensor '{}' (shape {}) is missing", source, ref->name, shape_str(ref->shape));
+      if (t->shape != ref->shape)
+        fail("{}: tensor '{}' has shape {}, but config.json implies {}", source, ref->name, shape_str(t->shape),
+             shape_str(ref->shape));
+      read_f32(*t, params + ref->offset, ref->numel);
+      used.insert(ref->name);
     }
-    const int64_t E = spec.shape[0], A = spec.shape[1], Bd = spec.shape[2];
-    const std::vector<int64_t> want =
-        spec.kind == ParamKind::ffn_w2 ? std::vector<int64_t>{E, A, Bd} : std::vector<int64_t>{E, 2 * A, Bd};
-    if (t->shape != want)
-      fail("{}: tensor '{}' has shape {}, expected {}", source, t->name, shape_str(t->shape), shape_str(want));
-    const std::vector<float>& all = packed(*t);
-    const int e = ref.stacked_index;
-    const size_t per = (size_t)A * Bd;
-    size_t src_off = spec.kind == ParamKind::ffn_w2 ? per * e : per * (2 * e);
-    if (spec.kind == ParamKind::ffn_w3) src_off += per;  // up rows follow the gate rows
-    std::copy(all.begin() + src_off, all.begin() + src_off + per, dst);
   }
   for (const std::string& name : files.names()) {
     if (used.count(name)) continue;
     if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;  // a buffer, not a parameter
-    fail("{}: tensor '{}' is not a parameter of the model config.json describes (architecture, layer count "
-         "or expert count mismatch?)",
-         source, name);
+    fail(
+        "{}: tensor '{}' is not a parameter of the model config.json describes (architecture, layer count "
+        "or expert count mismatch?)",
+        source, name);
   }
 }
 
 void add_hf_tensors(SafetensorsWriter& writer, const ParamTable& table, const float* values, DType storage,
                     const std::string& prefix) {
-  for (const HfTensorRef& ref : table.hf_tensors()) writer.add_f32(prefix + ref.name, ref.shape, values + ref.offset, storage);
+  for (const HfTensorRef& ref : table.hf_tensors())
+    writer.add_f32(prefix + ref.name, ref.shape, values + ref.offset, storage);
 }
 
 }  // namespace moetron

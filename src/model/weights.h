@@ -1,7 +1,8 @@
 // Moving parameters between the flat parameter table and Hugging Face tensor files.
 // Reading accepts the Hub names (`block_sparse_moe.experts.e.w1.weight`, ...) and the
 // transformers-5 in-memory packing (`mlp.gate.weight`, `mlp.experts.gate_up_proj` [E,2I,C] with the
-// gate rows first, `mlp.experts.down_proj` [E,C,I]); writing always uses the Hub names.
+// gate rows first, `mlp.experts.down_proj` [E,C,I] -- exactly moetron's stacked storage) for MoE
+// models; writing always uses the Hub names.
 #pragma once
 
 #include <string>

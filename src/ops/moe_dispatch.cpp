@@ -120,59 +120,43 @@ void moe_combine_backward(float* dyperm, float* dtopk_weight, const float* dout,
   }
 }
 
-void moe_experts_forward(float* y, float* h1, float* h3, float* act, const float* xperm,
-                         const float* w1, const float* w3, const float* w2, const MoePlan& plan,
-                         int C, int I) {
+void moe_experts_forward(float* y, float* h13, float* act, const float* xperm, const float* w13,
+                         const float* w2, const MoePlan& plan, int C, int I) {
   check_plan(plan, "moe_experts_forward");
   const long IC = (long)I * C;
   for (int e = 0; e < plan.E; e++) {
     const long off = plan.expert_offsets[e];
     const long rows = plan.expert_offsets[e + 1] - off;
     if (rows == 0) continue;
-    const float* xe = xperm + off * C;
-    float* h1e = h1 + off * I;
-    float* h3e = h3 + off * I;
+    float* h13e = h13 + off * 2 * I;
     float* acte = act + off * I;
-    matmul_forward(h1e, xe, w1 + e * IC, (int)rows, C, I);   // [rows,I]
-    matmul_forward(h3e, xe, w3 + e * IC, (int)rows, C, I);   // [rows,I]
-    swiglu_forward(acte, h1e, h3e, rows, I);                  // [rows,I]
-    matmul_forward(y + off * C, acte, w2 + e * IC, (int)rows, I, C);  // [rows,C]
+    matmul_forward(h13e, xperm + off * C, w13 + e * 2 * IC, (int)rows, C, 2 * I);  // [rows,2I]
+    swiglu_forward(acte, h13e, rows, I);                                              // [rows,I]
+    matmul_forward(y + off * C, acte, w2 + e * IC, (int)rows, I, C);                 // [rows,C]
   }
 }
 
-void moe_experts_backward(float* dxperm, float* dw1, float* dw3, float* dw2, float* scratch,
-                          const float* dy, const float* h1, const float* h3, const float* act,
-                          const float* xperm, const float* w1, const float* w3, const float* w2,
-                          const MoePlan& plan, int C, int I) {
+void moe_experts_backward(float* dxperm, float* dw13, float* dw2, float* scratch, const float* dy,
+                          const float* h13, const float* act, const float* xperm, const float* w13,
+                          const float* w2, const MoePlan& plan, int C, int I) {
   check_plan(plan, "moe_experts_backward");
   const long IC = (long)I * C;
   const long M = plan.N * plan.K;
-  // scratch[0, M*I): dact, then overwritten in place by dh3; scratch[M*I, 2*M*I): dh1.
-  // swiglu_backward is elementwise and reads dout[i] for dgate[i] before writing dup[i], so its dup
-  // output may alias dout (tests/test_ops_moe.cpp checks these gradients by finite differences).
-  float* dact_all = scratch;
-  float* dh1_all = scratch + M * I;
+  float* dact_all = scratch;          // [M,I]
+  float* dh13_all = scratch + M * I;  // [M,2I]
   for (int e = 0; e < plan.E; e++) {
     const long off = plan.expert_offsets[e];
     const long rows = plan.expert_offsets[e + 1] - off;
     if (rows == 0) continue;
     const int r = (int)rows;
-    const float* xe = xperm + off * C;
-    const float* w1e = w1 + e * IC;
-    const float* w3e = w3 + e * IC;
-    const float* w2e = w2 + e * IC;
     float* dact = dact_all + off * I;
-    float* dh1 = dh1_all + off * I;
-    float* dh3 = dact;
-    float* dxe = dxperm + off * C;
+    float* dh13 = dh13_all + off * 2 * I;
     // y = act @ w2^T: dact = dy @ w2, dw2 += dy^T @ act
-    matmul_backward(dact, dw2 + e * IC, dy + off * C, act + off * I, w2e, r, I, C);
-    // act = silu(h1) * h3
-    swiglu_backward(dh1, dh3, dact, h1 + off * I, h3 + off * I, rows, I);
-    // h1 = x @ w1^T, h3 = x @ w3^T: dx = dh1 @ w1 + dh3 @ w3, dw1 += dh1^T x, dw3 += dh3^T x
-    matmul_backward(dxe, dw1 + e * IC, dh1, xe, w1e, r, C, I);
-    matmul_backward(nullptr, dw3 + e * IC, dh3, xe, w3e, r, C, I);
-    sgemm(false, false, r, C, I, 1.0f, dh3, I, w3e, C, 1.0f, dxe, C);
+    matmul_backward(dact, dw2 + e * IC, dy + off * C, act + off * I, w2 + e * IC, r, I, C);
+    // act = silu(gate) * up
+    swiglu_backward(dh13, dact, h13 + off * 2 * I, rows, I);
+    // h13 = x @ w13^T: dx = dh13 @ w13, dw13 += dh13^T @ x
+    matmul_backward(dxperm + off * C, dw13 + e * 2 * IC, dh13, xperm + off * C, w13 + e * 2 * IC, r, C, 2 * I);
   }
 }
 

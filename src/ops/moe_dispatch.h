@@ -4,7 +4,8 @@
 // each expert runs its GEMMs over its contiguous rows, and outputs are scattered back weighted by
 // the router's renormalised top-K weights.  An expert with zero rows is skipped.
 // Parameter gradients accumulate (+=); activation gradients assign (=).
-// Experts are stored stacked: w1[E,I,C] (gate), w3[E,I,C] (up), w2[E,C,I] (down), HF row-major.
+// Experts are stored stacked: w13[E,2I,C] (per expert the gate rows w1 then the up rows w3, as
+// transformers-5's gate_up_proj) and w2[E,C,I] (down), HF row-major.
 #pragma once
 
 #include <cstdint>
@@ -35,16 +36,14 @@ void moe_combine_forward(float* out, const float* yperm, const float* topk_weigh
 void moe_combine_backward(float* dyperm, float* dtopk_weight, const float* dout, const float* yperm,
                           const float* topk_weight, const MoePlan& plan, int C);
 
-// For each expert e over its rows: h1 = x@w1[e]^T, h3 = x@w3[e]^T, act = silu(h1)*h3 (all [M,I],
-// saved), y[M,C] = act@w2[e]^T.
-void moe_experts_forward(float* y, float* h1, float* h3, float* act, const float* xperm,
-                         const float* w1, const float* w3, const float* w2, const MoePlan& plan,
-                         int C, int I);
+// For each expert e over its rows: h13 = x @ w13[e]^T ([rows, 2I]: gate columns then up columns,
+// saved), act = silu(h13[:, :I]) * h13[:, I:] ([rows, I], saved), y[M,C] = act @ w2[e]^T.
+void moe_experts_forward(float* y, float* h13, float* act, const float* xperm, const float* w13,
+                         const float* w2, const MoePlan& plan, int C, int I);
 
-// dxperm[M,C] (assign); dw1, dw3 [E,I,C] and dw2 [E,C,I] (accumulate).  scratch: 2*M*I floats.
-void moe_experts_backward(float* dxperm, float* dw1, float* dw3, float* dw2, float* scratch,
-                          const float* dy, const float* h1, const float* h3, const float* act,
-                          const float* xperm, const float* w1, const float* w3, const float* w2,
-                          const MoePlan& plan, int C, int I);
+// dxperm[M,C] (assign); dw13 [E,2I,C] and dw2 [E,C,I] (accumulate).  scratch: 3*M*I floats.
+void moe_experts_backward(float* dxperm, float* dw13, float* dw2, float* scratch, const float* dy,
+                          const float* h13, const float* act, const float* xperm, const float* w13,
+                          const float* w2, const MoePlan& plan, int C, int I);
 
 }  // namespace moetron::ops

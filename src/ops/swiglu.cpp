@@ -4,27 +4,34 @@
 
 namespace moetron::ops {
 
-void swiglu_forward(float* out, const float* gate, const float* up, long N, int I) {
-  const long n = N * I;
-#pragma omp parallel for schedule(static) if (n >= 32768)
-  for (long i = 0; i < n; i++) {
-    const float g = gate[i];
-    const float sig = 1.0f / (1.0f + std::exp(-g));
-    out[i] = g * sig * up[i];
+void swiglu_forward(float* out, const float* gate_up, long N, int I) {
+#pragma omp parallel for schedule(static) if (N * I >= 32768)
+  for (long n = 0; n < N; n++) {
+    const float* gate = gate_up + n * 2 * I;
+    const float* up = gate + I;
+    float* o = out + n * I;
+    for (int i = 0; i < I; i++) {
+      const float g = gate[i];
+      o[i] = g / (1.0f + std::exp(-g)) * up[i];
+    }
   }
 }
 
-void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate,
-                     const float* up, long N, int I) {
-  const long n = N * I;
-#pragma omp parallel for schedule(static) if (n >= 32768)
-  for (long i = 0; i < n; i++) {
-    const float g = gate[i];
-    const float sig = 1.0f / (1.0f + std::exp(-g));
-    const float silu = g * sig;
-    // d silu/dg = sig * (1 + g * (1 - sig))
-    dgate[i] = dout[i] * up[i] * sig * (1.0f + g * (1.0f - sig));
-    dup[i] = dout[i] * silu;
+void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, long N, int I) {
+#pragma omp parallel for schedule(static) if (N * I >= 32768)
+  for (long n = 0; n < N; n++) {
+    const float* gate = gate_up + n * 2 * I;
+    const float* up = gate + I;
+    const float* d = dout + n * I;
+    float* dgate = dgate_up + n * 2 * I;
+    float* dup = dgate + I;
+    for (int i = 0; i < I; i++) {
+      const float g = gate[i];
+      const float sig = 1.0f / (1.0f + std::exp(-g));
+      // d silu / dg = sig * (1 + g * (1 - sig))
+      dgate[i] = d[i] * up[i] * sig * (1.0f + g * (1.0f - sig));
+      dup[i] = d[i] * g * sig;
+    }
   }
 }
 
