@@ -1,0 +1,136 @@
+// Loading parameters from HF model directories: Hub names and transformers-5 packed MoE names give
+// the same parameters; a missing or misshapen tensor is an error naming it.
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "io/hf_config.h"
+#include "io/model_files.h"
+#include "model/params.h"
+#include "model/weights.h"
+
+namespace fs = std::filesystem;
+using namespace moetron;
+
+namespace {
+
+const fs::path kGolden = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "mixtral_gqa";
+
+struct TempDir {
+  fs::path path;
+  explicit TempDir(const std::string& tag) {
+    path = fs::temp_directory_path() / ("moetron_weights_" + tag + "_" + std::to_string(::getpid()));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+std::vector<float> load(const fs::path& dir, const ParamTable& table) {
+  std::vector<float> p(table.total(), 0.0f);
+  load_hf_weights(ModelTensors::open(dir.string()), table, p.data(), dir.string());
+  return p;
+}
+
+}  // namespace
+
+TEST(Weights, TransformersFivePackedNamesLoadLikeHubNames) {
+  const ModelConfig cfg = load_model_config((kGolden / "config.json").string());
+  const ParamTable table(cfg);
+  const std::vector<float> hub = load(kGolden, table);
+
+  // Write the same model with the packed names: mlp.gate.weight, mlp.experts.gate_up_proj [E,2I,C],
+  // mlp.experts.down_proj [E,C,I]; everything else under its usual name.
+  const ModelTensors src = ModelTensors::open(kGolden.string());
+  const int E = cfg.num_local_experts, I = cfg.intermediate_size, C = cfg.hidden_size;
+  std::vector<std::vector<float>> keep;
+  std::vector<ModelTensorToWrite> out;
+  for (const std::string& name : src.names()) {
+    if (name.find("block_sparse_moe") != std::string::npos) continue;
+    keep.push_back(to_f32(src.get(name)));
+    out.push_back({name, DType::F32, src.get(name).shape, keep.back().data()});
+  }
+  keep.reserve(keep.size() + 3 * cfg.num_hidden_layers);
+  for (int l = 0; l < cfg.num_hidden_layers; l++) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    keep.push_back(to_f32(src.get(p + "block_sparse_moe.gate.weight")));
+    out.push_back({p + "mlp.gate.weight", DType::F32, {E, C}, keep.back().data()});
+    std::vector<float> gate_up, down;
+    for (int e = 0; e < E; e++) {
+      const std::string x = p + "block_sparse_moe.experts." + std::to_string(e) + ".";
+      for (const char* w : {"w1", "w3"}) {
+        const std::vector<float> v = to_f32(src.get(x + w + ".weight"));
+        gate_up.insert(gate_up.end(), v.begin(), v.end());
+      }
+      const std::vector<float> v = to_f32(src.get(x + "w2.weight"));
+      down.insert(down.end(), v.begin(), v.end());
+    }
+    keep.push_back(std::move(gate_up));
+    out.push_back({p + "mlp.experts.gate_up_proj", DType::F32, {E, 2 * I, C}, keep.back().data()});
+    keep.push_back(std::move(down));
+    out.push_back({p + "mlp.experts.down_proj", DType::F32, {E, C, I}, keep.back().data()});
+  }
+  TempDir dir("packed");
+  write_model_safetensors(dir.path.string(), out);
+  const std::vector<float> packed = load(dir.path, table);
+  ASSERT_EQ(packed.size(), hub.size());
+  EXPECT_EQ(std::memcmp(packed.data(), hub.data(), hub.size() * sizeof(float)), 0);
+}
+
+TEST(Weights, MissingTensorIsNamed) {
+  const ModelConfig cfg = load_model_config((kGolden / "config.json").string());
+  const ParamTable table(cfg);
+  const ModelTensors src = ModelTensors::open(kGolden.string());
+  std::vector<std::vector<float>> keep;
+  std::vector<ModelTensorToWrite> out;
+  keep.reserve(src.names().size());
+  for (const std::string& name : src.names()) {
+    if (name == "model.layers.1.block_sparse_moe.experts.2.w3.weight") continue;
+    keep.push_back(to_f32(src.get(name)));
+    out.push_back({name, DType::BF16, src.get(name).shape, keep.back().data()});
+  }
+  TempDir dir("missing");
+  write_model_safetensors(dir.path.string(), out);
+  try {
+    load(dir.path, table);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.layers.1.block_sparse_moe.experts.2.w3.weight"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Weights, Bf16CheckpointsConvertOnLoad) {
+  const ModelConfig cfg = load_model_config((kGolden / "config.json").string());
+  const ParamTable table(cfg);
+  const std::vector<float> f32 = load(kGolden, table);
+  const ModelTensors src = ModelTensors::open(kGolden.string());
+  std::vector<std::vector<float>> keep;
+  std::vector<ModelTensorToWrite> out;
+  keep.reserve(src.names().size());
+  for (const std::string& name : src.names()) {
+    keep.push_back(to_f32(src.get(name)));
+    out.push_back({name, DType::BF16, src.get(name).shape, keep.back().data()});
+  }
+  TempDir dir("bf16");
+  write_model_safetensors(dir.path.string(), out, /*max_shard_bytes=*/20000);  // several shards
+  EXPECT_TRUE(fs::exists(dir.path / "model.safetensors.index.json"));
+  const std::vector<float> bf = load(dir.path, table);
+  // Loading a bf16 file gives exactly the bf16 rounding of the fp32 weights (tests/test_dtype.cpp
+  // checks that rounding itself), and it does change the values.
+  size_t changed = 0;
+  for (size_t i = 0; i < f32.size(); i++) {
+    ASSERT_EQ(bf[i], bf16_to_f32(f32_to_bf16(f32[i]))) << i;
+    changed += bf[i] != f32[i];
+  }
+  EXPECT_GT(changed, f32.size() / 2);
+}
