@@ -14,6 +14,8 @@ void print_usage(FILE* f) {
                "\n"
                "commands:\n"
                "  forward   one forward (and backward) pass of an HF model directory on a batch\n"
+               "  tokenizer train a SentencePiece tokenizer (tokenizer train)\n"
+               "  data      prepare chat / prompt-completion / text JSONL into token datasets (data prepare)\n"
                "  bench     benchmarks (bench train)\n"
                "\n"
                "Run 'moetron <command> --help' for a command's options.\n");
@@ -34,6 +36,8 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "forward") return moetron::cli::run_forward(argc - 1, argv + 1);
     if (cmd == "bench") return moetron::cli::run_bench(argc - 1, argv + 1);
+    if (cmd == "tokenizer") return moetron::cli::run_tokenizer(argc - 1, argv + 1);
+    if (cmd == "data") return moetron::cli::run_data(argc - 1, argv + 1);
   } catch (const moetron::Error& e) {
     std::fprintf(stderr, "moetron %s: error: %s\n", cmd.c_str(), e.what());
     return 1;
