@@ -75,13 +75,8 @@ void MixtralModel::allocate(int B, int T) {
   B_ = B;
   T_ = T;
   const long N = (long)B * T;
-  const long C = cfg_.hidden_size, V = cfg_.vocab_size, I = cfg_.intermediate_size;
-  const long Q = (long)cfg_.num_attention_heads * cfg_.head_dim;
-  const long KVd = (long)cfg_.num_key_value_heads * cfg_.head_dim;
-  const bool moe = cfg_.is_moe();
-  const long E = moe ? cfg_.num_local_experts : 1, K = moe ? cfg_.num_experts_per_tok : 1;
+  const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
   const long M = N * K;
-  const long NH = cfg_.num_attention_heads;
   const int L = cfg_.num_hidden_layers;
 
   // Two passes: the first measures, the second hands out pointers.
@@ -147,16 +142,27 @@ void MixtralModel::allocate(int B, int T) {
   }
 }
 
+MixtralModel::Dims MixtralModel::dims() const {
+  const bool moe = cfg_.is_moe();
+  return Dims{cfg_.hidden_size,
+              cfg_.vocab_size,
+              cfg_.intermediate_size,
+              cfg_.num_attention_heads,
+              cfg_.num_key_value_heads,
+              cfg_.head_dim,
+              cfg_.num_attention_heads * cfg_.head_dim,
+              cfg_.num_key_value_heads * cfg_.head_dim,
+              moe ? cfg_.num_local_experts : 1,
+              moe ? cfg_.num_experts_per_tok : 1,
+              moe};
+}
+
 Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
   validate_batch(batch);
   allocate(batch.B, batch.T);
   const int B = batch.B, T = batch.T;
   const long N = (long)B * T;
-  const int C = cfg_.hidden_size, V = cfg_.vocab_size, I = cfg_.intermediate_size;
-  const int NH = cfg_.num_attention_heads, NKV = cfg_.num_key_value_heads, HD = cfg_.head_dim;
-  const int Q = NH * HD, KVd = NKV * HD;
-  const bool moe = cfg_.is_moe();
-  const int E = moe ? cfg_.num_local_experts : 1, K = moe ? cfg_.num_experts_per_tok : 1;
+  const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
   const float eps = (float)cfg_.rms_norm_eps, theta = (float)cfg_.rope_theta;
   const float* P = params_.data();
   auto W = [&](ParamKind kind, int layer = -1) { return P + table_.at(kind, layer).offset; };
@@ -309,11 +315,7 @@ void MixtralModel::backward() {
   forward_done_ = false;
   const int B = B_, T = T_;
   const long N = (long)B * T;
-  const int C = cfg_.hidden_size, V = cfg_.vocab_size, I = cfg_.intermediate_size;
-  const int NH = cfg_.num_attention_heads, NKV = cfg_.num_key_value_heads, HD = cfg_.head_dim;
-  const int Q = NH * HD, KVd = NKV * HD;
-  const bool moe = cfg_.is_moe();
-  const int E = moe ? cfg_.num_local_experts : 1, K = moe ? cfg_.num_experts_per_tok : 1;
+  const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
   const float theta = (float)cfg_.rope_theta;
   const float* P = params_.data();
   float* G = grads_.data();

@@ -87,6 +87,12 @@ class MixtralModel {
     float *xperm, *h13, *act, *yperm;
     ops::MoePlan plan;
   };
+  // The dimension letters of this model (E = K = 1 for a dense FFN).
+  struct Dims {
+    int C, V, I, NH, NKV, HD, Q, KVd, E, K;
+    bool moe;
+  };
+  Dims dims() const;
   void validate_batch(const Batch& b) const;
   void allocate(int B, int T);
 

@@ -1,0 +1,226 @@
+#include "data/jsonl.h"
+
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace moetron {
+
+RecordFormat parse_record_format(std::string_view name) {
+  if (name == "auto") return RecordFormat::auto_detect;
+  if (name == "chat") return RecordFormat::chat;
+  if (name == "prompt_completion") return RecordFormat::prompt_completion;
+  if (name == "text") return RecordFormat::text;
+  fail("unknown input format '{}' (expected auto, chat, prompt_completion or text)", name);
+}
+
+const char* record_format_name(RecordFormat f) {
+  switch (f) {
+    case RecordFormat::auto_detect: return "auto";
+    case RecordFormat::chat: return "chat";
+    case RecordFormat::prompt_completion: return "prompt_completion";
+    case RecordFormat::text: return "text";
+  }
+  return "?";
+}
+
+const char* skip_reason_name(SkipReason r) {
+  switch (r) {
+    case SkipReason::invalid_json: return "invalid_json";
+    case SkipReason::invalid_utf8: return "invalid_utf8";
+    case SkipReason::missing_field: return "missing_field";
+    case SkipReason::unknown_role: return "unknown_role";
+    case SkipReason::bad_role_order: return "bad_role_order";
+    case SkipReason::empty_assistant: return "empty_assistant";
+    case SkipReason::no_loss_tokens: return "no_loss_tokens";
+  }
+  return "?";
+}
+
+SkipReason skip_reason_of(ChatErrorKind k) {
+  switch (k) {
+    case ChatErrorKind::unknown_role: return SkipReason::unknown_role;
+    case ChatErrorKind::bad_role_order: return SkipReason::bad_role_order;
+    case ChatErrorKind::empty_assistant: return SkipReason::empty_assistant;
+  }
+  return SkipReason::bad_role_order;
+}
+
+bool is_valid_utf8(std::string_view s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  size_t i = 0;
+  while (i < n) {
+    // ASCII fast path, 8 bytes at a time.
+    while (i + 8 <= n) {
+      uint64_t w;
+      std::memcpy(&w, p + i, 8);
+      if (w & 0x8080808080808080ull) break;
+      i += 8;
+    }
+    if (i >= n) break;
+    const unsigned c = p[i];
+    if (c < 0x80) {
+      i++;
+      continue;
+    }
+    size_t len;
+    unsigned lo = 0x80, hi = 0xBF;  // allowed range of the second byte
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;  // overlong
+      if (c == 0xED) hi = 0x9F;  // UTF-16 surrogates
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;  // overlong
+      if (c == 0xF4) hi = 0x8F;  // above U+10FFFF
+    } else {
+      return false;
+    }
+    if (i + len > n) return false;
+    if (p[i + 1] < lo || p[i + 1] > hi) return false;
+    for (size_t k = 2; k < len; k++)
+      if ((p[i + k] & 0xC0) != 0x80) return false;
+    i += len;
+  }
+  return true;
+}
+
+namespace {
+
+bool set_error(RecordError& err, SkipReason r, std::string msg) {
+  err.reason = r;
+  err.message = std::move(msg);
+  return false;
+}
+
+RecordFormat format_of_object(const nlohmann::json& j) {
+  if (!j.is_object()) return RecordFormat::auto_detect;
+  if (j.contains("messages")) return RecordFormat::chat;
+  if (j.contains("prompt") && j.contains("completion")) return RecordFormat::prompt_completion;
+  if (j.contains("text")) return RecordFormat::text;
+  return RecordFormat::auto_detect;
+}
+
+// Points at a string member, or returns nullptr.
+const std::string* string_member(const nlohmann::json& j, const char* key) {
+  const auto it = j.find(key);
+  if (it == j.end() || !it->is_string()) return nullptr;
+  return it->get_ptr<const std::string*>();
+}
+
+}  // namespace
+
+bool parse_record(std::string_view line, RecordFormat format, Record& out, RecordError& err) {
+  MOETRON_ASSERT(format != RecordFormat::auto_detect);
+  out.format = format;
+  out.messages.clear();
+  out.text.clear();
+  if (!is_valid_utf8(line)) return set_error(err, SkipReason::invalid_utf8, "the line is not valid UTF-8");
+  nlohmann::json j = nlohmann::json::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return set_error(err, SkipReason::invalid_json, "the line is not valid JSON");
+  if (!j.is_object()) return set_error(err, SkipReason::invalid_json, "the line is JSON but not an object");
+  switch (format) {
+    case RecordFormat::chat: {
+      const auto it = j.find("messages");
+      if (it == j.end()) return set_error(err, SkipReason::missing_field, "no 'messages' (the file's format is chat)");
+      if (!it->is_array()) return set_error(err, SkipReason::missing_field, "'messages' is not an array");
+      out.messages.reserve(it->size());
+      for (size_t i = 0; i < it->size(); i++) {
+        const nlohmann::json& m = (*it)[i];
+        if (!m.is_object())
+          return set_error(err, SkipReason::missing_field, fmt::format("messages[{}] is not an object", i));
+        const std::string* role = string_member(m, "role");
+        if (!role) return set_error(err, SkipReason::missing_field, fmt::format("messages[{}] has no string 'role'", i));
+        const std::string* content = string_member(m, "content");
+        if (!content)
+          return set_error(err, SkipReason::missing_field, fmt::format("messages[{}] has no string 'content'", i));
+        ChatMessage cm;
+        try {
+          cm.role = parse_role(*role);
+        } catch (const ChatError& e) {
+          return set_error(err, skip_reason_of(e.kind()), fmt::format("messages[{}]: {}", i, e.what()));
+        }
+        cm.content = *content;
+        out.messages.push_back(std::move(cm));
+      }
+      return true;
+    }
+    case RecordFormat::prompt_completion: {
+      const std::string* prompt = string_member(j, "prompt");
+      const std::string* completion = string_member(j, "completion");
+      if (!prompt || !completion)
+        return set_error(err, SkipReason::missing_field,
+                         "needs string 'prompt' and 'completion' (the file's format is prompt_completion)");
+      out.messages.push_back({Role::user, *prompt});
+      out.messages.push_back({Role::assistant, *completion});
+      return true;
+    }
+    case RecordFormat::text: {
+      const std::string* text = string_member(j, "text");
+      if (!text) return set_error(err, SkipReason::missing_field, "no string 'text' (the file's format is text)");
+      out.text = *text;
+      return true;
+    }
+    case RecordFormat::auto_detect: break;
+  }
+  return set_error(err, SkipReason::missing_field, "unknown format");
+}
+
+RecordFormat detect_file_format(const std::string& path, size_t max_lines) {
+  LineReader r(path);
+  std::string line;
+  while (r.line_number() < max_lines && r.next(line)) {
+    if (!is_valid_utf8(line)) continue;
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded()) continue;
+    const RecordFormat f = format_of_object(j);
+    if (f != RecordFormat::auto_detect) return f;
+  }
+  return RecordFormat::auto_detect;
+}
+
+LineReader::LineReader(const std::string& path) : path_(path) {
+  f_ = std::fopen(path.c_str(), "rb");
+  if (!f_) fail("{}: cannot open: {}", path, std::strerror(errno));
+  struct stat st {};
+  if (::fstat(::fileno(f_), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) {
+      std::fclose(f_);
+      f_ = nullptr;
+      fail("{}: is a directory, expected a JSONL file", path);
+    }
+    file_size_ = (uint64_t)st.st_size;
+  }
+  std::setvbuf(f_, nullptr, _IOFBF, 1 << 20);
+}
+
+LineReader::~LineReader() {
+  if (f_) std::fclose(f_);
+  std::free(buf_);
+}
+
+bool LineReader::next(std::string& line) {
+  errno = 0;
+  const ssize_t n = ::getline(&buf_, &cap_, f_);
+  if (n < 0) {
+    if (std::ferror(f_)) fail("{}: read error after line {}: {}", path_, line_number_, std::strerror(errno));
+    return false;
+  }
+  bytes_read_ += (uint64_t)n;
+  line_number_++;
+  size_t len = (size_t)n;
+  if (len > 0 && buf_[len - 1] == '\n') len--;
+  line.assign(buf_, len);
+  return true;
+}
+
+}  // namespace moetron

@@ -1,0 +1,90 @@
+// JSONL training records: reading files line by line and parsing one line into a record.
+//
+// A line is one JSON object in one of three formats:
+//   chat               {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+//                      (OpenAI / Hugging Face style, the No Robots schema; other keys are ignored)
+//   prompt_completion  {"prompt": "...", "completion": "..."}  -> a user and an assistant message
+//   text               {"text": "..."}                         -> a plain document
+// `auto` detects the format of a file from its first object that has one of these keys, checked in
+// the order messages, prompt+completion, text (No Robots lines carry both "prompt" and "messages").
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tokenizer/chat_template.h"
+
+namespace moetron {
+
+enum class RecordFormat : uint8_t { auto_detect, chat, prompt_completion, text };
+// "auto" | "chat" | "prompt_completion" | "text"; Error otherwise.
+RecordFormat parse_record_format(std::string_view name);
+const char* record_format_name(RecordFormat f);
+
+// Why a line was not used; counted per kind in dataset.json.
+enum class SkipReason : uint8_t {
+  invalid_json,     // not parseable JSON, or not an object
+  invalid_utf8,     // the line's bytes are not valid UTF-8
+  missing_field,    // the file's format needs a key the line lacks, or a value has the wrong type
+  unknown_role,     // a message role other than system/user/assistant
+  bad_role_order,   // an order of roles the chat template cannot express
+  empty_assistant,  // an empty assistant message (mistral template, as mistral-common)
+  no_loss_tokens,   // the document has no token in the loss (no assistant message) and
+                    // --train-on-prompt is off
+};
+constexpr int kSkipReasonCount = 7;
+const char* skip_reason_name(SkipReason r);
+SkipReason skip_reason_of(ChatErrorKind k);
+
+// Strict UTF-8 (RFC 3629): no overlong forms, no surrogates, nothing above U+10FFFF.
+bool is_valid_utf8(std::string_view s);
+
+// One parsed line.
+struct Record {
+  RecordFormat format = RecordFormat::chat;
+  std::vector<ChatMessage> messages;  // chat and prompt_completion
+  std::string text;                   // text
+};
+
+struct RecordError {
+  SkipReason reason = SkipReason::invalid_json;
+  std::string message;
+};
+
+// Parses one line of a file whose format is `format` (not auto_detect).  Returns false and fills
+// `err` when the line cannot be used; never throws for bad input.
+bool parse_record(std::string_view line, RecordFormat format, Record& out, RecordError& err);
+
+// The format of a file from its first JSON object with a recognised key, reading at most
+// `max_lines` lines; auto_detect when there is none.  Error naming the file if it cannot be read.
+RecordFormat detect_file_format(const std::string& path, size_t max_lines = 10000);
+
+// Reads a text file line by line ('\n' separated; the '\n' is dropped, a final line without one is
+// still a line).  Memory: the current line only.
+class LineReader {
+ public:
+  explicit LineReader(const std::string& path);  // Error naming the file if it cannot be opened
+  ~LineReader();
+  LineReader(const LineReader&) = delete;
+  LineReader& operator=(const LineReader&) = delete;
+
+  // Reads the next line into `line`; false at the end of the file.  Error on a read error.
+  bool next(std::string& line);
+  size_t line_number() const { return line_number_; }  // 1-based number of the last line read
+  uint64_t bytes_read() const { return bytes_read_; }
+  uint64_t file_size() const { return file_size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  FILE* f_ = nullptr;
+  char* buf_ = nullptr;
+  size_t cap_ = 0;
+  size_t line_number_ = 0;
+  uint64_t bytes_read_ = 0, file_size_ = 0;
+};
+
+}  // namespace moetron

@@ -1,0 +1,124 @@
+#include "tokenizer/tokenizer.h"
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include <sentencepiece_processor.h>
+
+#include "core/error.h"
+#include "tokenizer/sha256.h"
+
+namespace moetron {
+
+namespace {
+
+// The serialized ModelProto with NormalizerSpec.add_dummy_prefix forced to false.  Protocol buffers
+// merge a repeated occurrence of an embedded message field into the earlier one, and for a scalar
+// field the last value wins, so appending
+//   0x1A 0x02      field 3 of ModelProto (normalizer_spec), length-delimited, 2 bytes:
+//   0x18 0x00      field 3 of NormalizerSpec (add_dummy_prefix), varint, 0
+// overrides exactly that one flag and keeps everything else (the installed SentencePiece ships no
+// protobuf headers to edit the message directly).
+std::string without_dummy_prefix(const std::string& serialized) {
+  std::string s = serialized;
+  const char patch[4] = {0x1A, 0x02, 0x18, 0x00};
+  s.append(patch, sizeof patch);
+  return s;
+}
+
+std::unique_ptr<sentencepiece::SentencePieceProcessor> load_proto(const std::string& bytes, const std::string& name) {
+  auto sp = std::make_unique<sentencepiece::SentencePieceProcessor>();
+  const auto st = sp->LoadFromSerializedProto(bytes);
+  if (!st.ok()) fail("tokenizer '{}': not a SentencePiece model ({})", name, st.ToString());
+  return sp;
+}
+
+}  // namespace
+
+Tokenizer::Tokenizer() = default;
+Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
+Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
+Tokenizer::~Tokenizer() = default;
+
+Tokenizer Tokenizer::load(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) fail("tokenizer '{}': cannot open: {}", path, std::strerror(errno));
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  if (f.bad()) fail("tokenizer '{}': read error", path);
+  return from_bytes(ss.str(), path);
+}
+
+Tokenizer Tokenizer::from_bytes(const std::string& bytes, const std::string& name) {
+  if (bytes.empty()) fail("tokenizer '{}': empty file, expected a SentencePiece model", name);
+  Tokenizer t;
+  t.sp_ = load_proto(bytes, name);
+  t.literal_ = load_proto(without_dummy_prefix(bytes), name);
+  t.path_ = name;
+  t.sha256_ = sha256_hex(bytes);
+  t.vocab_size_ = t.sp_->GetPieceSize();
+  if (t.vocab_size_ <= 0) fail("tokenizer '{}': empty vocabulary", name);
+  t.bos_id_ = t.sp_->bos_id();
+  t.eos_id_ = t.sp_->eos_id();
+  t.unk_id_ = t.sp_->unk_id();
+  t.pad_id_ = t.sp_->pad_id();
+  // The two processors differ exactly by the dummy prefix; a one-letter text shows whether the model
+  // adds one.
+  t.dummy_prefix_ = t.sp_->EncodeAsPieces("a") != t.literal_->EncodeAsPieces("a");
+  return t;
+}
+
+void Tokenizer::encode_append(std::string_view text, std::vector<int32_t>& out) const {
+  std::vector<int> ids;
+  const auto st = sp_->Encode(text, &ids);
+  if (!st.ok()) fail("tokenizer '{}': encode failed: {}", path_, st.ToString());
+  out.insert(out.end(), ids.begin(), ids.end());
+}
+
+void Tokenizer::encode_literal_append(std::string_view text, std::vector<int32_t>& out) const {
+  std::vector<int> ids;
+  const auto st = literal_->Encode(text, &ids);
+  if (!st.ok()) fail("tokenizer '{}': encode failed: {}", path_, st.ToString());
+  out.insert(out.end(), ids.begin(), ids.end());
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
+  std::vector<int32_t> out;
+  encode_append(text, out);
+  return out;
+}
+
+std::vector<int32_t> Tokenizer::encode_literal(std::string_view text) const {
+  std::vector<int32_t> out;
+  encode_literal_append(text, out);
+  return out;
+}
+
+std::string Tokenizer::decode(std::span<const int32_t> ids) const {
+  std::vector<int> v(ids.begin(), ids.end());
+  for (size_t i = 0; i < v.size(); i++)
+    if (v[i] < 0 || v[i] >= vocab_size_)
+      fail("tokenizer '{}': cannot decode id {} at position {}: outside the vocabulary [0, {})", path_, v[i], i,
+           vocab_size_);
+  std::string text;
+  const auto st = sp_->Decode(v, &text);
+  if (!st.ok()) fail("tokenizer '{}': decode failed: {}", path_, st.ToString());
+  return text;
+}
+
+std::string Tokenizer::id_to_piece(int32_t id) const {
+  if (id < 0 || id >= vocab_size_)
+    fail("tokenizer '{}': id {} is outside the vocabulary [0, {})", path_, id, vocab_size_);
+  return sp_->IdToPiece(id);
+}
+
+int32_t Tokenizer::piece_to_id(std::string_view piece) const {
+  const int id = sp_->PieceToId(piece);
+  // SentencePiece answers unk_id for an unknown piece; only "<unk>" itself may map there.
+  if (id == unk_id_ && sp_->IdToPiece(id) != piece) return -1;
+  return id;
+}
+
+}  // namespace moetron

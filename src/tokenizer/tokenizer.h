@@ -1,0 +1,72 @@
+// A SentencePiece tokenizer (`tokenizer.model` as shipped in Hugging Face Llama/Mistral/Mixtral model
+// directories, or written by `moetron tokenizer train`).
+//
+// Two encodings of a text:
+//   encode()          exactly SentencePiece's Encode: the model's normaliser, including its "dummy
+//                     prefix" (a "▁" before the text when the model sets add_dummy_prefix, as
+//                     Llama/Mistral models do).  This is what mistral-common and Meta's Llama code
+//                     call, once per piece of a chat template.
+//   encode_literal()  the same model without the dummy prefix: the pieces spell the text exactly,
+//                     so consecutive segments concatenate like one text (ChatML markup).
+// All methods are const and thread-safe (SentencePieceProcessor's encode/decode are const).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace sentencepiece {
+class SentencePieceProcessor;
+}
+
+namespace moetron {
+
+class Tokenizer {
+ public:
+  // Loads a SentencePiece model file.  Error naming the file when it is missing, unreadable or not
+  // a SentencePiece model.
+  static Tokenizer load(const std::string& path);
+  // The same from the file's bytes; `name` is used in messages and returned by path().
+  static Tokenizer from_bytes(const std::string& bytes, const std::string& name);
+
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+  ~Tokenizer();
+
+  std::vector<int32_t> encode(std::string_view text) const;
+  void encode_append(std::string_view text, std::vector<int32_t>& out) const;
+  std::vector<int32_t> encode_literal(std::string_view text) const;
+  void encode_literal_append(std::string_view text, std::vector<int32_t>& out) const;
+
+  // Text of the ids (control tokens such as <s> decode to nothing, byte pieces to their bytes).
+  // Error naming the id when one is outside [0, vocab_size).
+  std::string decode(std::span<const int32_t> ids) const;
+  // The piece string of one id ("▁the", "<0x0A>", "<s>"); Error when out of range.
+  std::string id_to_piece(int32_t id) const;
+  // The id of a piece string, or -1 when the vocabulary has no such piece.
+  int32_t piece_to_id(std::string_view piece) const;
+
+  int32_t vocab_size() const { return vocab_size_; }
+  int32_t bos_id() const { return bos_id_; }  // -1 when the model has none (likewise below)
+  int32_t eos_id() const { return eos_id_; }
+  int32_t unk_id() const { return unk_id_; }
+  int32_t pad_id() const { return pad_id_; }
+  bool adds_dummy_prefix() const { return dummy_prefix_; }
+
+  const std::string& path() const { return path_; }
+  // sha256 (hex) of the model file's bytes: identifies the tokenizer in dataset.json.
+  const std::string& sha256() const { return sha256_; }
+
+ private:
+  Tokenizer();
+  std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;       // as stored
+  std::unique_ptr<sentencepiece::SentencePieceProcessor> literal_;  // add_dummy_prefix = false
+  std::string path_, sha256_;
+  int32_t vocab_size_ = 0, bos_id_ = -1, eos_id_ = -1, unk_id_ = -1, pad_id_ = -1;
+  bool dummy_prefix_ = false;
+};
+
+}  // namespace moetron
