@@ -19,6 +19,7 @@
 #include "core/profile.h"
 #include "core/rng.h"
 #include "io/hf_config.h"
+#include "model/flops.h"
 #include "model/mixtral.h"
 #include "ops/blas.h"
 #include "ops/matmul.h"
@@ -61,23 +62,6 @@ double peak_rss_mib() {
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
   return (double)ru.ru_maxrss / 1024.0;
-}
-
-struct FlopCount {
-  double per_token_forward_dense = 0;  // matmul FLOPs per token, forward
-  double per_token_forward_attn = 0;   // attention score/value FLOPs per token, forward (causal)
-  double per_token_train() const { return 3.0 * (per_token_forward_dense + per_token_forward_attn); }
-};
-
-FlopCount count_flops(const ModelConfig& c, int T) {
-  const double C = c.hidden_size, V = c.vocab_size, I = c.intermediate_size, L = c.num_hidden_layers;
-  const double Q = (double)c.num_attention_heads * c.head_dim, KV = (double)c.num_key_value_heads * c.head_dim;
-  const double E = c.is_moe() ? c.num_local_experts : 0, K = c.is_moe() ? c.num_experts_per_tok : 1;
-  FlopCount f;
-  f.per_token_forward_dense = 2.0 * L * (C * Q + 2 * C * KV + Q * C + C * E + K * 3 * C * I) + 2.0 * C * V;
-  // QK^T and PV over the causal half of the keys: 2 * 2 * (T/2) * Q per layer.
-  f.per_token_forward_attn = 2.0 * L * T * Q;
-  return f;
 }
 
 int run_bench_train(int argc, char** argv) {
@@ -191,11 +175,11 @@ int run_bench_train(int argc, char** argv) {
   const double tokens = (double)micro_batch * seq;
   const double tps = tokens / step_s;
   const FlopCount fc = count_flops(cfg, seq);
-  const double gflops = tps * fc.per_token_train() / 1e9;
+  const double gflops = tps * fc.train_per_token() / 1e9;
   const double mfu = gflops / peak;
   std::printf("FLOP formula: per token 3 x forward; forward = 2*L*(C*Q + 2*C*KV + Q*C + C*E + K*3*C*I) + 2*C*V "
               "[matmuls] + 2*L*T*Q [causal attention] = %.4g + %.4g FLOP\n",
-              fc.per_token_forward_dense, fc.per_token_forward_attn);
+              fc.forward_matmul_per_token, fc.forward_attention_per_token);
   std::printf("step time (median of %d): %.3f s\n", steps, step_s);
   std::printf("tokens/s: %.1f\n", tps);
   std::printf("achieved GFLOP/s: %.2f\n", gflops);
