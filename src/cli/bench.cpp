@@ -39,25 +39,6 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Best-of-`reps` GFLOP/s of a square fp32 sgemm of size n on all threads: the practical peak of
-// this process's BLAS on this machine, which MFU is measured against.  The bench measures it before
-// and after the training steps and keeps the higher figure, so a noisy moment cannot flatter MFU.
-double measure_sgemm_gflops(int n, int reps) {
-  std::vector<float> a((size_t)n * n), b((size_t)n * n), c((size_t)n * n);
-  for (size_t i = 0; i < a.size(); i++) {
-    a[i] = (float)normal_at(1, 2, i);
-    b[i] = (float)normal_at(1, 3, i);
-  }
-  double best = 0.0;
-  for (int rep = 0; rep <= reps; rep++) {
-    const auto t0 = Clock::now();
-    ops::sgemm(false, true, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
-    const double s = seconds_since(t0);
-    if (rep > 0) best = std::max(best, 2.0 * n * (double)n * n / s / 1e9);
-  }
-  return best;
-}
-
 double peak_rss_mib() {
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
@@ -126,7 +107,7 @@ int run_bench_train(int argc, char** argv) {
               cfg.architecture.c_str(), cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
               cfg.num_key_value_heads, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
               cfg.vocab_size, seq, micro_batch, nthreads);
-  double peak = measure_sgemm_gflops(sgemm_n, 8);
+  double peak = ops::measure_sgemm_gflops(sgemm_n, 8);
   std::printf("BLAS: %s, kernels %s (core type from %s)\n", ops::blas_library().path.c_str(),
               ops::blas_library().core_name.c_str(), ops::blas_library().coretype_source.c_str());
 
@@ -170,7 +151,7 @@ int run_bench_train(int argc, char** argv) {
     if (s >= warmup) times.push_back(dt);
     std::printf("  step %d: %.3f s  loss %.4f%s\n", s + 1, dt, l.loss, s < warmup ? "  (warm-up)" : "");
   }
-  peak = std::max(peak, measure_sgemm_gflops(sgemm_n, 8));
+  peak = std::max(peak, ops::measure_sgemm_gflops(sgemm_n, 8));
   const double step_s = median(times);
   const double tokens = (double)micro_batch * seq;
   const double tps = tokens / step_s;
