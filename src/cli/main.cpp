@@ -16,6 +16,7 @@ void print_usage(FILE* f) {
                "  forward   one forward (and backward) pass of an HF model directory on a batch\n"
                "  tokenizer train a SentencePiece tokenizer (tokenizer train)\n"
                "  data      prepare chat / prompt-completion / text JSONL into token datasets (data prepare)\n"
+               "  train     train from a YAML config (train -c CONFIG [key=value ...])\n"
                "  bench     benchmarks (bench train)\n"
                "\n"
                "Run 'moetron <command> --help' for a command's options.\n");

@@ -1,12 +1,11 @@
 #include "ops/matmul.h"
 
-#include "ops/blas.h"
-
 #include <algorithm>
 #include <chrono>
 #include <vector>
 
 #include "core/rng.h"
+#include "ops/blas.h"
 
 namespace moetron::ops {
 

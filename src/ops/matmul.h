@@ -26,8 +26,6 @@ void sgemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const f
 
 namespace moetron::ops {
 
-// The bench measures it before and after the training steps and keeps the higher figure, so a noisy
-// moment cannot flatter MFU.
 // Best-of-`reps` GFLOP/s of a square n x n x n fp32 sgemm on all threads (after one untimed call):
 // the practical peak of this process's BLAS on this machine, which MFU figures are measured against.
 double measure_sgemm_gflops(int n, int reps);
