@@ -244,6 +244,7 @@ TEST(TrainConfig, EveryValidationRuleHasItsMessage) {
       {{"train.adam_eps=0"}, "train.adam_eps: must be > 0, got 0"},
       {{"train.grad_clip=-1"}, "train.grad_clip: must be >= 0 (0: no clipping), got -1"},
       {{"train.nan_skip_limit=0"}, "train.nan_skip_limit: must be a positive integer, got 0"},
+      {{"train.exit_interval=-1"}, "train.exit_interval: must be >= 0 (0: never), got -1"},
       {{"moe.aux_loss_coef=-0.01"}, "moe.aux_loss_coef: must be >= 0 (or null: the model's), got -0.01"},
       {{"moe.aux_loss=switch"}, "moe.aux_loss: expected one of hf_pooled | per_layer, got 'switch'"},
       {{"moe.z_loss_coef=-1"}, "moe.z_loss_coef: must be >= 0, got -1"},
@@ -333,7 +334,7 @@ TEST(TrainConfig, JsonHasEveryKeyInItsSection) {
   EXPECT_EQ(j["moe"]["capacity_factor"], 2.0);
   EXPECT_TRUE(j["moe"]["aux_loss_coef"].is_null());
   EXPECT_EQ(j["model"]["config"]["hidden_size"], 64);
-  EXPECT_EQ(train_config_keys().size(), 39u);  // update with the key table
+  EXPECT_EQ(train_config_keys().size(), 40u);  // update with the key table
 }
 
 TEST(TrainConfig, TinyMixtralExampleLoads) {

@@ -60,6 +60,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"train.adam_eps", &c.train.adam_eps},
       {"train.grad_clip", &c.train.grad_clip},
       {"train.nan_skip_limit", &c.train.nan_skip_limit},
+      {"train.exit_interval", &c.train.exit_interval},
       {"moe.aux_loss_coef", &c.moe.aux_loss_coef},
       {"moe.aux_loss", &c.moe.aux_loss},
       {"moe.z_loss_coef", &c.moe.z_loss_coef},
@@ -559,6 +560,8 @@ void validate(const TrainConfig& c, const std::string& source, const std::map<st
   if (!(c.train.adam_eps > 0)) fail("{}: train.adam_eps: must be > 0, got {}", at("train.adam_eps"), c.train.adam_eps);
   at_least("train.grad_clip", c.train.grad_clip, 0.0, " (0: no clipping)");
   positive("train.nan_skip_limit", c.train.nan_skip_limit);
+  if (c.train.exit_interval < 0)
+    fail("{}: train.exit_interval: must be >= 0 (0: never), got {}", at("train.exit_interval"), c.train.exit_interval);
 
   if (c.moe.aux_loss_coef) at_least("moe.aux_loss_coef", *c.moe.aux_loss_coef, 0.0, " (or null: the model's)");
   one_of("moe.aux_loss", c.moe.aux_loss, {"hf_pooled", "per_layer"});

@@ -62,6 +62,8 @@ struct TrainConfig {
     std::string schedule = "cosine";  // cosine | linear | constant
     double weight_decay = 0.1, adam_beta1 = 0.9, adam_beta2 = 0.95, adam_eps = 1e-8, grad_clip = 1.0;
     int nan_skip_limit = 5;  // this many non-finite steps in a row abort the run
+    long exit_interval = 0;  // save and exit after every step that is a multiple of this (0: never), as
+                             // Megatron's --exit-interval: fits a long run into time-limited jobs
     bool operator==(const Train&) const = default;
   } train;
 
