@@ -5,7 +5,10 @@ namespace moetron::cli {
 
 int run_forward(int argc, char** argv);
 int run_bench(int argc, char** argv);
+int run_train(int argc, char** argv);  // src/cli/train.cpp
+int run_bench_data(int argc, char** argv);  // src/cli/bench_data.cpp (moetron bench data)
 int run_tokenizer(int argc, char** argv);  // src/cli/tokenizer.cpp
 int run_data(int argc, char** argv);       // src/cli/data.cpp
+int run_convert(int argc, char** argv);    // src/cli/convert.cpp
 
 }  // namespace moetron::cli

@@ -17,6 +17,7 @@ void print_usage(FILE* f) {
                "  tokenizer train a SentencePiece tokenizer (tokenizer train)\n"
                "  data      prepare chat / prompt-completion / text JSONL into token datasets (data prepare)\n"
                "  train     train from a YAML config (train -c CONFIG [key=value ...])\n"
+               "  convert   re-encode a model / checkpoint directory: dtype, shard size, optimizer state\n"
                "  bench     benchmarks (bench train)\n"
                "\n"
                "Run 'moetron <command> --help' for a command's options.\n");
@@ -36,9 +37,11 @@ int main(int argc, char** argv) {
   }
   try {
     if (cmd == "forward") return moetron::cli::run_forward(argc - 1, argv + 1);
+    if (cmd == "train") return moetron::cli::run_train(argc - 1, argv + 1);
     if (cmd == "bench") return moetron::cli::run_bench(argc - 1, argv + 1);
     if (cmd == "tokenizer") return moetron::cli::run_tokenizer(argc - 1, argv + 1);
     if (cmd == "data") return moetron::cli::run_data(argc - 1, argv + 1);
+    if (cmd == "convert") return moetron::cli::run_convert(argc - 1, argv + 1);
   } catch (const moetron::Error& e) {
     std::fprintf(stderr, "moetron %s: error: %s\n", cmd.c_str(), e.what());
     return 1;

@@ -1,0 +1,505 @@
+#include "train/trainer.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+
+#include "core/error.h"
+#include "data/loader.h"
+#include "io/hf_config.h"
+#include "io/model_files.h"
+#include "model/flops.h"
+#include "model/mixtral.h"
+#include "model/params.h"
+#include "model/weights.h"
+#include "ops/matmul.h"
+#include "optim/adamw.h"
+#include "optim/lr_schedule.h"
+#include "train/checkpoint.h"
+#include "train/tensorboard.h"
+
+namespace fs = std::filesystem;
+
+namespace moetron {
+
+namespace {
+
+// The one piece of process-wide state: a signal handler can only talk to the loop through a
+// volatile sig_atomic_t.  Set by SIGTERM/SIGINT while run_training is active, read once per step.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+// Installs the handlers for the duration of a run and restores the previous ones.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, &old_term_);
+    sigaction(SIGINT, &sa, &old_int_);
+  }
+  ~StopSignals() {
+    sigaction(SIGTERM, &old_term_, nullptr);
+    sigaction(SIGINT, &old_int_, nullptr);
+  }
+  int received() const { return g_stop_signal; }
+
+ private:
+  struct sigaction old_term_ {
+  }, old_int_{};
+};
+
+using Clock = std::chrono::steady_clock;
+
+// RUN/log.txt and the terminal: a live progress line on a TTY, plain lines otherwise.
+class RunLog {
+ public:
+  explicit RunLog(const fs::path& path) : file_(path, std::ios::app), tty_(isatty(fileno(stdout))) {
+    if (!file_) fail("{}: cannot open for writing", path.string());
+  }
+  void line(const std::string& text) {
+    end_progress();
+    std::printf("%s\n", text.c_str());
+    std::fflush(stdout);
+    file_ << text << '\n';
+    file_.flush();
+  }
+  void progress(const std::string& text) {
+    file_ << text << '\n';
+    file_.flush();
+    if (tty_) {
+      std::printf("\r\033[K%s", text.c_str());
+      progress_open_ = true;
+    } else {
+      std::printf("%s\n", text.c_str());
+    }
+    std::fflush(stdout);
+  }
+  void end_progress() {
+    if (progress_open_) std::printf("\n");
+    progress_open_ = false;
+  }
+
+ private:
+  std::ofstream file_;
+  bool tty_;
+  bool progress_open_ = false;
+};
+
+// Keeps metrics.jsonl lines up to `step` (after a resume, lines of steps that were redone go).
+void truncate_metrics(const fs::path& path, long step) {
+  if (!fs::exists(path)) return;
+  std::ifstream in(path);
+  std::vector<std::string> keep;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.contains("step") && j["step"].is_number() && j["step"].get<long>() <= step)
+      keep.push_back(line);
+  }
+  in.close();
+  std::ofstream out(path, std::ios::trunc);
+  for (const auto& l : keep) out << l << '\n';
+}
+
+std::string format_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  const long t = (long)s;
+  if (t >= 3600) return fmt::format("{}h{:02d}m", t / 3600, (t % 3600) / 60);
+  if (t >= 60) return fmt::format("{}m{:02d}s", t / 60, t % 60);
+  return fmt::format("{}s", t);
+}
+
+// Per MoE layer telemetry over one step: each expert's share of the routed assignments.
+nlohmann::json moe_telemetry(const std::vector<std::vector<double>>& assigned) {
+  nlohmann::json layers = nlohmann::json::array();
+  for (size_t l = 0; l < assigned.size(); l++) {
+    const std::vector<double>& a = assigned[l];
+    double total = 0;
+    for (double x : a) total += x;
+    if (total <= 0) continue;
+    double mx = 0, mn = 1, mean = 1.0 / a.size(), var = 0;
+    for (double x : a) {
+      const double share = x / total;
+      mx = std::max(mx, share);
+      mn = std::min(mn, share);
+      var += (share - mean) * (share - mean);
+    }
+    layers.push_back({{"layer", l},
+                      {"max_share", mx},
+                      {"min_share", mn},
+                      {"cv", std::sqrt(var / a.size()) / mean},
+                      {"dropped_fraction", 0.0}});
+  }
+  return layers;
+}
+
+struct StepResult {
+  double loss = 0, ce_loss = 0, aux_loss = 0, z_loss = 0;
+  long loss_tokens = 0, tokens = 0;
+};
+
+class Training {
+ public:
+  explicit Training(const TrainConfig& cfg) : cfg_(cfg) {}
+  TrainSummary run();
+
+ private:
+  void setup();
+  StepResult train_step(long step);
+  double evaluate();
+  std::string save(long step, bool final_save);
+  nlohmann::json trainer_state(long step) const;
+
+  const TrainConfig& cfg_;
+  fs::path run_dir_;
+  std::optional<RunLog> log_;
+  ModelConfig mcfg_;
+  std::optional<MixtralModel> model_;
+  std::optional<AdamW> opt_;
+  std::optional<DataLoader> train_data_, valid_data_;
+  std::optional<LoaderState> valid_start_;
+  LrSchedule schedule_;
+  LossWeights weights_;
+  double aux_coef_ = 0;   // the load-balancing coefficient (config, or the model's router_aux_loss_coef)
+  std::string init_dir_;  // source of tokenizer files, when initialised from an HF directory
+  long total_steps_ = 0;
+  long start_step_ = 0;  // last step done before this invocation
+  long micro_per_step_ = 0;
+  long consumed_samples_ = 0, consumed_tokens_ = 0;
+  FlopCount flops_;
+  std::vector<Batch> micro_;  // the current step's micro-batches
+  nlohmann::json last_moe_;   // MoE telemetry of the last step
+  std::optional<TensorBoardWriter> tb_;
+  double sgemm_peak_ = 0;  // GFLOP/s, for MFU
+};
+
+void Training::setup() {
+  if (cfg_.device != "cpu")
+    fail("device: '{}' is not available in this build yet (only 'cpu'); set device: cpu", cfg_.device);
+  if (cfg_.parallel.tp != 1 || cfg_.parallel.pp != 1 || cfg_.parallel.ep != 1)
+    fail(
+        "parallel: tp={}, pp={}, ep={} needs distributed training, which this build does not have yet; "
+        "use tp=1, pp=1, ep=1",
+        cfg_.parallel.tp, cfg_.parallel.pp, cfg_.parallel.ep);
+  if (cfg_.model.dtype != "fp32") fail("model.dtype: '{}' is not supported on CPU; use fp32", cfg_.model.dtype);
+  if (cfg_.moe.capacity_factor) fail("moe.capacity_factor: token dropping is not implemented yet; use null (dropless)");
+
+  // Model config: from the init directory or from model.config.
+  if (cfg_.model.init == "random") {
+    mcfg_ = model_config_from_json(cfg_.model.config, "model.config");
+  } else {
+    init_dir_ = cfg_.model.init;
+    mcfg_ = load_model_config((fs::path(init_dir_) / "config.json").string());
+    if (!cfg_.model.config.empty())
+      fail(
+          "model.config must be empty when model.init is a directory ('{}'): the directory's config.json "
+          "defines the model",
+          init_dir_);
+  }
+  // Data: checked before any allocation-heavy work.
+  const fs::path data = cfg_.data.path;
+  if (!fs::exists(data / "train.idx"))
+    fail("data.path: '{}' has no train.idx/train.bin; create it with `moetron data prepare`", data.string());
+  LoaderConfig lc;
+  lc.seq_length = cfg_.data.seq_length;
+  lc.micro_batch_size = cfg_.train.micro_batch_size;
+  lc.packing = cfg_.data.packing;
+  lc.over_long = cfg_.data.over_long == "drop" ? LoaderConfig::OverLong::drop : LoaderConfig::OverLong::split;
+  lc.seed = cfg_.seed;
+  lc.global_batch_size = cfg_.train.global_batch_size;
+  const fs::path mask = data / "train_mask.idx";
+  train_data_.emplace((data / "train").string(), fs::exists(mask) ? (data / "train_mask").string() : "", lc);
+  if (fs::exists(data / "valid.idx") && cfg_.eval.every_steps > 0 && cfg_.eval.batches > 0) {
+    LoaderConfig vc = lc;
+    vc.shuffle = false;
+    vc.global_batch_size = 0;
+    const fs::path vmask = data / "valid_mask.idx";
+    valid_data_.emplace((data / "valid").string(), fs::exists(vmask) ? (data / "valid_mask").string() : "", vc);
+    valid_start_ = valid_data_->state();
+  }
+  const DataLoader& td = *train_data_;
+  total_steps_ = cfg_.train.max_steps > 0 ? cfg_.train.max_steps
+                                          : (long)std::ceil(cfg_.train.epochs * (double)td.steps_per_epoch(0));
+  if (total_steps_ <= 0)
+    fail("train: the run has no steps (max_steps={}, epochs={})", cfg_.train.max_steps, cfg_.train.epochs);
+  micro_per_step_ = cfg_.train.global_batch_size / cfg_.train.micro_batch_size;
+
+  schedule_.lr = cfg_.train.lr;
+  schedule_.min_lr = cfg_.train.min_lr;
+  schedule_.warmup_steps = cfg_.train.warmup_steps;
+  schedule_.decay_steps = total_steps_;
+  schedule_.decay = lr_decay_from_string(cfg_.train.schedule);
+
+  aux_coef_ = cfg_.moe.aux_loss_coef ? *cfg_.moe.aux_loss_coef : mcfg_.router_aux_loss_coef;
+  weights_.aux_kind = cfg_.moe.aux_loss == "per_layer" ? AuxLossKind::per_layer : AuxLossKind::hf_pooled;
+  flops_ = count_flops(mcfg_, cfg_.data.seq_length);
+
+  // The run directory and the resolved config.
+  run_dir_ = cfg_.run_dir;
+  fs::create_directories(run_dir_);
+  {
+    const fs::path tmp = run_dir_ / "config.yaml.tmp";
+    std::ofstream(tmp) << train_config_to_yaml(cfg_);
+    fs::rename(tmp, run_dir_ / "config.yaml");
+  }
+  log_.emplace(run_dir_ / "log.txt");
+  if (cfg_.log.tensorboard) tb_.emplace((run_dir_ / "tb").string());
+  sgemm_peak_ = ops::measure_sgemm_gflops(1024, 3);
+
+  model_.emplace(mcfg_);
+  AdamWConfig ac;
+  ac.lr = cfg_.train.lr;
+  ac.beta1 = cfg_.train.adam_beta1;
+  ac.beta2 = cfg_.train.adam_beta2;
+  ac.eps = cfg_.train.adam_eps;
+  ac.weight_decay = cfg_.train.weight_decay;
+  opt_.emplace(model_->table(), ac);
+
+  // Resume, or initialise.
+  std::string resume_dir;
+  if (cfg_.checkpoint.resume == "auto")
+    resume_dir = find_latest_checkpoint(run_dir_.string());
+  else if (cfg_.checkpoint.resume != "none")
+    resume_dir = cfg_.checkpoint.resume;
+  if (!resume_dir.empty()) {
+    const LoadedCheckpoint ck = load_checkpoint(resume_dir, mcfg_, model_->table(), model_->params().data(),
+                                                opt_->exp_avg().data(), opt_->exp_avg_sq().data());
+    opt_->set_steps_taken(ck.optimizer_steps);
+    const nlohmann::json& st = ck.trainer_state;
+    start_step_ = st.at("step").get<long>();
+    consumed_samples_ = st.value("consumed_samples", 0L);
+    consumed_tokens_ = st.value("consumed_tokens", 0L);
+    train_data_->restore(st.at("loader_state").get<LoaderState>());
+    truncate_metrics(run_dir_ / "metrics.jsonl", start_step_);
+    log_->line(fmt::format("resumed from {} at step {}", resume_dir, start_step_));
+  } else if (cfg_.model.init == "random") {
+    init_parameters(model_->table(), mcfg_, cfg_.seed, model_->params().data());
+    truncate_metrics(run_dir_ / "metrics.jsonl", 0);
+  } else {
+    load_hf_weights(ModelTensors::open(init_dir_), model_->table(), model_->params().data(), init_dir_);
+    truncate_metrics(run_dir_ / "metrics.jsonl", 0);
+  }
+  const LoaderStats& ls = td.stats();
+  log_->line(fmt::format(
+      "model {}: {} layers, hidden {}, {} experts top-{}, {:.1f}M parameters; data {}: {} documents, {} blocks of {} "
+      "tokens per epoch ({} split, {} dropped); {} steps of {} sequences ({} micro-batches of {})",
+      mcfg_.architecture, mcfg_.num_hidden_layers, mcfg_.hidden_size, mcfg_.num_local_experts,
+      mcfg_.num_experts_per_tok, (double)model_->table().total() / 1e6, cfg_.data.path, ls.documents, ls.blocks,
+      cfg_.data.seq_length, ls.split_documents, ls.dropped_documents, total_steps_, cfg_.train.global_batch_size,
+      micro_per_step_, cfg_.train.micro_batch_size));
+}
+
+StepResult Training::train_step(long step) {
+  (void)step;
+  StepResult r;
+  micro_.resize(micro_per_step_);
+  long loss_tokens = 0;
+  for (Batch& b : micro_) {
+    train_data_->next(b);
+    loss_tokens += count_loss_tokens(b);
+    for (int32_t m : b.attention_mask) r.tokens += m != 0;
+  }
+  r.loss_tokens = loss_tokens;
+  weights_.ce_scale = loss_tokens > 0 ? 1.0 / (double)loss_tokens : 0.0;
+  // The router losses are averaged over the micro-batches that hold real tokens (the last step of an
+  // epoch can carry all-padding rows, whose aux loss is 0 by definition).
+  long active = 0;
+  for (const Batch& b : micro_)
+    active += std::any_of(b.attention_mask.begin(), b.attention_mask.end(), [](int32_t m) { return m != 0; });
+  active = std::max(1L, active);
+  weights_.aux_coef = aux_coef_ / (double)active;
+  weights_.z_coef = cfg_.moe.z_loss_coef / (double)active;
+  model_->zero_grads();
+  const int L = mcfg_.num_hidden_layers, E = mcfg_.is_moe() ? mcfg_.num_local_experts : 0;
+  std::vector<std::vector<double>> assigned(mcfg_.is_moe() ? L : 0, std::vector<double>(E, 0.0));
+  for (const Batch& b : micro_) {
+    const Losses l = model_->forward(b, weights_);
+    model_->backward();
+    r.loss += l.loss;
+    r.ce_loss += l.ce_loss;
+    r.aux_loss += l.aux_loss / (double)active;
+    r.z_loss += l.z_loss / (double)active;
+    for (int i = 0; i < (int)model_->router_stats().size(); i++)
+      for (int e = 0; e < E; e++) assigned[i][e] += model_->router_stats()[i].assigned[e];
+  }
+  last_moe_ = moe_telemetry(assigned);
+  return r;
+}
+
+double Training::evaluate() {
+  // The same batches every time: the validation loader restarts from its first row.
+  valid_data_->restore(*valid_start_);
+  double ce_sum = 0;
+  long tokens = 0;
+  LossWeights w = weights_;
+  w.ce_scale = 1.0;
+  Batch b;
+  for (int i = 0; i < cfg_.eval.batches; i++) {
+    valid_data_->next(b);
+    const Losses l = model_->forward(b, w);
+    ce_sum += l.ce_sum;
+    tokens += l.loss_tokens;
+  }
+  return tokens > 0 ? ce_sum / (double)tokens : std::nan("");
+}
+
+nlohmann::json Training::trainer_state(long step) const {
+  return {{"step", step},
+          {"total_steps", total_steps_},
+          {"consumed_samples", consumed_samples_},
+          {"consumed_tokens", consumed_tokens_},
+          {"loader_state", train_data_->state()},
+          {"rng", {{"kind", "counter-based"}, {"seed", cfg_.seed}}},
+          {"lr_schedule",
+           {{"lr", schedule_.lr},
+            {"min_lr", schedule_.min_lr},
+            {"warmup_steps", schedule_.warmup_steps},
+            {"decay_steps", schedule_.decay_steps},
+            {"schedule", cfg_.train.schedule},
+            {"next_lr", schedule_.at(step + 1)}}},
+          {"config", train_config_to_json(cfg_)}};
+}
+
+std::string Training::save(long step, bool final_save) {
+  // Never write a checkpoint that could not be resumed usefully.
+  const double param_norm = global_grad_norm(model_->params().data(), model_->params().size());
+  if (!std::isfinite(param_norm)) {
+    log_->line(fmt::format("step {}: parameters are not finite; checkpoint NOT saved", step));
+    return "";
+  }
+  CheckpointContents c;
+  c.model_config = &mcfg_;
+  c.table = &model_->table();
+  c.params = model_->params().data();
+  c.exp_avg = opt_->exp_avg().data();
+  c.exp_avg_sq = opt_->exp_avg_sq().data();
+  c.optimizer_steps = opt_->steps_taken();
+  c.trainer_state = trainer_state(step);
+  SaveOptions o;
+  o.keep_last = cfg_.checkpoint.keep_last;
+  o.tokenizer_source_dir = init_dir_;
+  const auto t0 = Clock::now();
+  const std::string dir = save_checkpoint(run_dir_.string(), step, c, o);
+  log_->line(fmt::format("{} checkpoint {} ({:.2f} s)", final_save ? "saved final" : "saved", dir,
+                         std::chrono::duration<double>(Clock::now() - t0).count()));
+  return dir;
+}
+
+TrainSummary Training::run() {
+  setup();
+  StopSignals signals;
+  TrainSummary summary;
+  summary.first_step = start_step_ + 1;
+  summary.total_steps = total_steps_;
+  summary.last_step = start_step_;
+  std::ofstream metrics(run_dir_ / "metrics.jsonl", std::ios::app);
+  if (!metrics) fail("{}: cannot open for writing", (run_dir_ / "metrics.jsonl").string());
+  const auto run_t0 = Clock::now();
+  int nan_in_row = 0;
+  for (long step = start_step_ + 1; step <= total_steps_; step++) {
+    const auto t0 = Clock::now();
+    const StepResult r = train_step(step);
+    const double grad_norm = global_grad_norm(model_->grads().data(), model_->grads().size());
+    const double lr = schedule_.at(step);
+    const bool finite = std::isfinite(r.loss) && std::isfinite(grad_norm);
+    if (finite) {
+      nan_in_row = 0;
+      opt_->step(model_->params().data(), model_->grads().data(), lr,
+                 (float)clip_coefficient(grad_norm, cfg_.train.grad_clip));
+    } else {
+      nan_in_row++;
+      log_->line(fmt::format("step {}: non-finite {} (loss {}, grad norm {}); update skipped ({} in a row, limit {})",
+                             step, std::isfinite(r.loss) ? "gradient" : "loss", r.loss, grad_norm, nan_in_row,
+                             cfg_.train.nan_skip_limit));
+      if (nan_in_row >= cfg_.train.nan_skip_limit)
+        fail(
+            "training diverged: {} non-finite steps in a row (train.nan_skip_limit); the last good checkpoint "
+            "is {}",
+            nan_in_row, summary.last_checkpoint.empty() ? std::string("none") : summary.last_checkpoint);
+    }
+    consumed_samples_ += cfg_.train.global_batch_size;
+    consumed_tokens_ += r.tokens;
+    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double tps = (double)cfg_.train.global_batch_size * cfg_.data.seq_length / dt;
+    summary.last_step = step;
+    summary.last_loss = r.loss;
+
+    if (cfg_.log.every_steps > 0 && (step % cfg_.log.every_steps == 0 || step == total_steps_)) {
+      nlohmann::json m = {{"step", step},           {"loss", r.loss},      {"ce_loss", r.ce_loss},
+                          {"aux_loss", r.aux_loss}, {"z_loss", r.z_loss},  {"lr", lr},
+                          {"grad_norm", grad_norm}, {"tokens_per_s", tps}, {"loss_tokens", r.loss_tokens},
+                          {"step_time_s", dt},      {"skipped", !finite}};
+      const double param_norm = global_grad_norm(model_->params().data(), model_->params().size());
+      const double mfu = tps * flops_.train_per_token() / 1e9 / sgemm_peak_;
+      m["param_norm"] = param_norm;
+      m["mfu"] = mfu;
+      if (!last_moe_.empty()) m["moe"] = last_moe_;
+      metrics << m.dump() << '\n';
+      metrics.flush();
+      if (tb_) {
+        for (const char* k :
+             {"loss", "ce_loss", "aux_loss", "z_loss", "lr", "grad_norm", "param_norm", "tokens_per_s", "mfu"})
+          tb_->scalar(k, step, m[k].get<double>());
+        for (const auto& layer : last_moe_)
+          for (const char* k : {"max_share", "min_share", "cv", "dropped_fraction"})
+            tb_->scalar(fmt::format("moe/layer_{}/{}", layer["layer"].get<int>(), k), step, layer[k].get<double>());
+        tb_->flush();
+      }
+      const double elapsed = std::chrono::duration<double>(Clock::now() - run_t0).count();
+      const double eta = elapsed / (double)(step - start_step_) * (double)(total_steps_ - step);
+      log_->progress(
+          fmt::format("step {}/{}  loss {:.4f}  ce {:.4f}  aux {:.4f}  lr {:.3g}  grad norm {:.3f}  "
+                      "{:.0f} tok/s  {:.1f} GFLOP/s  ETA {}",
+                      step, total_steps_, r.loss, r.ce_loss, r.aux_loss, lr, grad_norm, tps,
+                      tps * flops_.train_per_token() / 1e9, format_duration(eta)));
+    }
+    if (valid_data_ && cfg_.eval.every_steps > 0 && (step % cfg_.eval.every_steps == 0 || step == total_steps_)) {
+      const double val = evaluate();
+      metrics << nlohmann::json{{"step", step}, {"val_loss", val}, {"val_ppl", std::exp(val)}}.dump() << '\n';
+      metrics.flush();
+      if (tb_) {
+        tb_->scalar("val_loss", step, val);
+        tb_->flush();
+      }
+      log_->line(fmt::format("step {}: val_loss {:.4f}  perplexity {:.2f}", step, val, std::exp(val)));
+    }
+    const bool exit_now = cfg_.train.exit_interval > 0 && step % cfg_.train.exit_interval == 0 && step < total_steps_;
+    const bool stop = signals.received() != 0 || exit_now;
+    const bool periodic = cfg_.checkpoint.every_steps > 0 && step % cfg_.checkpoint.every_steps == 0;
+    if (periodic || step == total_steps_ || stop) {
+      const std::string dir = save(step, step == total_steps_ || stop);
+      if (!dir.empty()) summary.last_checkpoint = dir;
+    }
+    if (stop) {
+      if (signals.received())
+        log_->line(
+            fmt::format("received signal {}: stopped after step {} with a checkpoint", signals.received(), step));
+      else
+        log_->line(fmt::format("train.exit_interval: stopped after step {} with a checkpoint", step));
+      summary.interrupted = true;
+      break;
+    }
+  }
+  log_->end_progress();
+  return summary;
+}
+
+}  // namespace
+
+TrainSummary run_training(const TrainConfig& cfg) { return Training(cfg).run(); }
+
+}  // namespace moetron
