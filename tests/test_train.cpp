@@ -218,42 +218,107 @@ TEST_F(TrainTest, DivergenceAbortsWithoutABadCheckpoint) {
     }
 }
 
-// SIGTERM (Slurm preemption) finishes the current step, saves and exits 0.
-TEST_F(TrainTest, SigtermSavesAndExitsZero) {
-  const fs::path cfg = root_ / "long.yaml";
-  std::ofstream(cfg) << yaml("sig");
+// Runs `moetron train -c CONFIG args...` in a child process with output to LOG; returns its pid.
+pid_t spawn_train(const fs::path& config, const fs::path& log, const std::vector<std::string>& args) {
   const pid_t pid = fork();
-  ASSERT_GE(pid, 0);
   if (pid == 0) {
-    const std::string out = (root_ / "sig.out").string();
-    freopen(out.c_str(), "w", stdout);
-    freopen(out.c_str(), "a", stderr);
-    execl(MOETRON_BINARY, MOETRON_BINARY, "train", "-c", cfg.c_str(), "train.max_steps=100000",
-          "checkpoint.every_steps=0", "eval.every_steps=0", (char*)nullptr);
+    std::freopen(log.c_str(), "w", stdout);
+    std::freopen(log.c_str(), "a", stderr);
+    std::vector<std::string> argv_s = {MOETRON_BINARY, "train", "-c", config.string()};
+    argv_s.insert(argv_s.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(MOETRON_BINARY, argv.data());
     _exit(127);
   }
-  // Wait for a few steps to be logged.
+  return pid;
+}
+
+int wait_exit_code(pid_t pid) {
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status);
+}
+
+// SIGTERM (Slurm preemption) finishes the current step, saves and exits 0; resuming then gives
+// exactly the losses of an uninterrupted run.
+TEST_F(TrainTest, SigtermSavesExitsZeroAndResumesExactly) {
+  const fs::path cfg = root_ / "sig.yaml";
+  std::ofstream(cfg) << yaml("sig");
+  const std::vector<std::string> args = {"train.max_steps=60", "checkpoint.every_steps=0", "eval.every_steps=0"};
+  const pid_t pid = spawn_train(cfg, root_ / "sig.out", args);
+  ASSERT_GT(pid, 0);
   const fs::path m = root_ / "sig" / "metrics.jsonl";
-  for (int i = 0; i < 600; i++) {
+  for (int i = 0; i < 600; i++) {  // wait until a few steps are logged
     std::ifstream f(m);
     int lines = 0;
     for (std::string l; std::getline(f, l);) lines++;
     if (lines >= 3) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   ASSERT_EQ(kill(pid, SIGTERM), 0);
-  int status = 0;
-  ASSERT_EQ(waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_EQ(wait_exit_code(pid), 0);
   const auto steps = metrics("sig", "loss");
   ASSERT_GE(steps.size(), 3u);
+  const long stopped = steps.back()["step"].get<long>();
+  ASSERT_LT(stopped, 60) << "the signal must arrive mid-run for this test to mean anything";
   std::ifstream latest(root_ / "sig" / "checkpoints" / "latest");
   std::string name;
   latest >> name;
   char expect[32];
-  std::snprintf(expect, sizeof(expect), "step-%06ld", steps.back()["step"].get<long>());
+  std::snprintf(expect, sizeof(expect), "step-%06ld", stopped);
   EXPECT_EQ(name, expect) << "the checkpoint is the last completed step";
+
+  // Resume to the end, and compare with an uninterrupted run.
+  EXPECT_EQ(wait_exit_code(spawn_train(cfg, root_ / "sig2.out", args)), 0);
+  const std::string straight_yaml = yaml("straight");
+  const fs::path cfg2 = root_ / "straight.yaml";
+  std::ofstream(cfg2) << straight_yaml;
+  EXPECT_EQ(wait_exit_code(spawn_train(cfg2, root_ / "straight.out", args)), 0);
+  const auto a = losses("straight"), b = losses("sig");
+  ASSERT_EQ(a.size(), 60u);
+  ASSERT_EQ(b.size(), 60u);
+  for (size_t i = 0; i < a.size(); i++) EXPECT_EQ(std::memcmp(&a[i], &b[i], sizeof(double)), 0) << "step " << i + 1;
+}
+
+// An injected NaN gradient skips that update and is logged; nan_skip_limit in a row abort with a
+// non-zero exit and no checkpoint of the bad state.
+TEST_F(TrainTest, InjectedNanIsSkippedThenRepeatedNansAbort) {
+  const fs::path cfg = root_ / "nan.yaml";
+  std::ofstream(cfg) << yaml("nan");
+  EXPECT_EQ(wait_exit_code(spawn_train(cfg, root_ / "nan.out", {"--debug-inject-nan", "2", "checkpoint.every_steps=1"})), 0);
+  const auto steps = metrics("nan", "loss");
+  ASSERT_EQ(steps.size(), 10u);
+  EXPECT_TRUE(steps[1]["skipped"].get<bool>());
+  EXPECT_FALSE(steps[2]["skipped"].get<bool>());
+  std::ifstream log(root_ / "nan" / "log.txt");
+  const std::string text((std::istreambuf_iterator<char>(log)), {});
+  EXPECT_NE(text.find("step 2: non-finite gradient"), std::string::npos) << text;
+
+  EXPECT_EQ(wait_exit_code(spawn_train(cfg, root_ / "nan2.out",
+                                       {"--debug-inject-nan", "4,5,6", "run_dir=" + (root_ / "nan2").string(),
+                                        "train.nan_skip_limit=3", "checkpoint.every_steps=1"})),
+            1);
+  std::ifstream latest(root_ / "nan2" / "checkpoints" / "latest");
+  std::string name;
+  latest >> name;
+  EXPECT_EQ(name, "step-000005") << "steps 4 and 5 were skipped (unchanged weights, still good); 6 aborted";
+  EXPECT_FALSE(fs::exists(root_ / "nan2" / "checkpoints" / "step-000006"));
+}
+
+// Config errors: one message, exit code 2, nothing done.
+TEST_F(TrainTest, ConfigErrorsExitTwoBeforeAnyWork) {
+  const fs::path cfg = root_ / "c.yaml";
+  std::ofstream(cfg) << yaml("never");
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"train.learning_rate=0.1"}, {"train.max_steps=ten"}, {"data.path=/nonexistent/data"}}) {
+    EXPECT_EQ(wait_exit_code(spawn_train(cfg, root_ / "c.out", args)), 2) << args[0];
+    std::ifstream f(root_ / "c.out");
+    const std::string out((std::istreambuf_iterator<char>(f)), {});
+    EXPECT_NE(out.find("error"), std::string::npos) << out;
+    EXPECT_FALSE(fs::exists(root_ / "never")) << args[0];
+  }
 }
 
 TEST_F(TrainTest, ConfigErrorsComeBeforeAnyWork) {

@@ -138,7 +138,10 @@ nlohmann::json moe_telemetry(const std::vector<std::vector<double>>& assigned) {
       mn = std::min(mn, share);
       var += (share - mean) * (share - mean);
     }
+    std::vector<double> shares(a.size());
+    for (size_t e = 0; e < a.size(); e++) shares[e] = a[e] / total;
     layers.push_back({{"layer", l},
+                      {"shares", shares},
                       {"max_share", mx},
                       {"min_share", mn},
                       {"cv", std::sqrt(var / a.size()) / mean},
@@ -154,7 +157,7 @@ struct StepResult {
 
 class Training {
  public:
-  explicit Training(const TrainConfig& cfg) : cfg_(cfg) {}
+  Training(const TrainConfig& cfg, const TrainOptions& options) : cfg_(cfg), options_(options) {}
   TrainSummary run();
 
  private:
@@ -165,6 +168,7 @@ class Training {
   nlohmann::json trainer_state(long step) const;
 
   const TrainConfig& cfg_;
+  const TrainOptions& options_;
   fs::path run_dir_;
   std::optional<RunLog> log_;
   ModelConfig mcfg_;
@@ -400,7 +404,13 @@ std::string Training::save(long step, bool final_save) {
 }
 
 TrainSummary Training::run() {
-  setup();
+  try {
+    setup();
+  } catch (const SetupError&) {
+    throw;
+  } catch (const Error& e) {
+    throw SetupError(e.what());
+  }
   StopSignals signals;
   TrainSummary summary;
   summary.first_step = start_step_ + 1;
@@ -413,6 +423,9 @@ TrainSummary Training::run() {
   for (long step = start_step_ + 1; step <= total_steps_; step++) {
     const auto t0 = Clock::now();
     const StepResult r = train_step(step);
+    if (std::find(options_.inject_nan_steps.begin(), options_.inject_nan_steps.end(), step) !=
+        options_.inject_nan_steps.end())
+      model_->grads()[0] = std::nanf("");
     const double grad_norm = global_grad_norm(model_->grads().data(), model_->grads().size());
     const double lr = schedule_.at(step);
     const bool finite = std::isfinite(r.loss) && std::isfinite(grad_norm);
@@ -500,6 +513,6 @@ TrainSummary Training::run() {
 
 }  // namespace
 
-TrainSummary run_training(const TrainConfig& cfg) { return Training(cfg).run(); }
+TrainSummary run_training(const TrainConfig& cfg, const TrainOptions& options) { return Training(cfg, options).run(); }
 
 }  // namespace moetron

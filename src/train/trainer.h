@@ -12,6 +12,9 @@
 #include <cstdint>
 #include <string>
 
+#include <vector>
+
+#include "core/error.h"
 #include "train/config.h"
 
 namespace moetron {
@@ -25,7 +28,20 @@ struct TrainSummary {
   std::string last_checkpoint;
 };
 
-// Runs the whole training described by cfg (validated first; errors are thrown before any work).
-TrainSummary run_training(const TrainConfig& cfg);
+// A problem found before any training work (config, data, model or checkpoint to resume): the CLI
+// exits 2 for these, 1 for failures during training.
+class SetupError : public Error {
+ public:
+  explicit SetupError(const std::string& what) : Error(what) {}
+};
+
+// Options that are not part of the run's config.
+struct TrainOptions {
+  // Debugging aid for the divergence handling: make the gradient of these steps NaN.
+  std::vector<long> inject_nan_steps;
+};
+
+// Runs the whole training described by cfg (validated first: SetupError before any work).
+TrainSummary run_training(const TrainConfig& cfg, const TrainOptions& options = {});
 
 }  // namespace moetron
