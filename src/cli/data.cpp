@@ -1,12 +1,84 @@
-// moetron data: placeholder until the dataset-preparation work lands (issue 3).
+// moetron data prepare: chat / prompt-completion / text JSONL -> token and loss-mask datasets.
+//   moetron data prepare --input F.jsonl... --tokenizer T.model --output DIR [--template mistral]
+//                        [--format auto] [--valid-fraction 0.01 | --valid-input V.jsonl...]
+//                        [--train-on-prompt] [--threads N] [--strict] [--seed S]
+#include <unistd.h>
+
 #include <cstdio>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
 
 #include "cli/commands.h"
+#include "core/error.h"
+#include "data/prepare.h"
 
 namespace moetron::cli {
 
-int run_data(int, char**) {
-  std::fprintf(stderr, "moetron data: not implemented yet\n");
+namespace {
+
+int run_data_prepare(int argc, char** argv) {
+  CLI::App app{"Tokenize JSONL ('messages' chats, 'prompt'+'completion' pairs or 'text' documents) with a chat "
+               "template into Megatron .bin/.idx token and loss-mask datasets plus dataset.json.",
+               "moetron data prepare"};
+  PrepareOptions o;
+  std::string tmpl = "mistral", format = "auto";
+  bool quiet = false;
+  app.add_option("--input", o.inputs, "JSONL input files")->required();
+  app.add_option("--tokenizer", o.tokenizer_path, "SentencePiece tokenizer.model")->required();
+  app.add_option("--output", o.output_dir, "output directory")->required();
+  app.add_option("--template", tmpl, "chat template: mistral | llama2 | chatml | raw")
+      ->check(CLI::IsMember({"mistral", "llama2", "chatml", "raw"}));
+  app.add_option("--format", format, "auto | chat | prompt_completion | text (auto: detected per file)")
+      ->check(CLI::IsMember({"auto", "chat", "prompt_completion", "text"}));
+  auto* frac = app.add_option("--valid-fraction", o.valid_fraction,
+                              "fraction of the input lines that go to the valid split (default 0.01)");
+  auto* vin = app.add_option("--valid-input", o.valid_inputs, "JSONL files for the valid split instead");
+  frac->excludes(vin);
+  app.add_flag("--train-on-prompt", o.train_on_prompt, "put every token in the loss, not only the assistant's");
+  app.add_option("--threads", o.threads, "tokenizer threads (default: all)");
+  app.add_flag("--strict", o.strict, "stop at the first unusable line (exit 1, nothing written)");
+  app.add_option("--seed", o.seed, "seed of the train/valid split");
+  app.add_flag("--quiet", quiet, "do not list skipped lines on stderr");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  o.chat_template = parse_chat_template(tmpl);
+  o.format = parse_record_format(format);
+  o.progress = ::isatty(STDERR_FILENO);
+  if (quiet) o.log = nullptr;
+  const PrepareReport r = prepare_dataset(o);
+  std::printf("wrote %s: train %llu documents, %llu tokens (%llu in the loss); valid %llu documents, %llu tokens "
+              "(%llu in the loss); %llu lines read, %llu skipped, %llu blank; %.1f s with %d threads\n",
+              o.output_dir.c_str(), (unsigned long long)r.train.documents, (unsigned long long)r.train.tokens,
+              (unsigned long long)r.train.loss_tokens, (unsigned long long)r.valid.documents,
+              (unsigned long long)r.valid.tokens, (unsigned long long)r.valid.loss_tokens,
+              (unsigned long long)r.lines, (unsigned long long)r.skipped, (unsigned long long)r.blank_lines, r.seconds,
+              r.threads);
+  if (r.skipped) {
+    std::printf("skipped lines by reason:");
+    for (int k = 0; k < kSkipReasonCount; k++)
+      if (r.skipped_by_reason[k])
+        std::printf(" %s %llu", skip_reason_name((SkipReason)k), (unsigned long long)r.skipped_by_reason[k]);
+    std::printf(" (listed in dataset.json)\n");
+  }
+  return 0;
+}
+
+}  // namespace
+
+int run_data(int argc, char** argv) {
+  if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
+    std::fprintf(argc < 2 ? stderr : stdout,
+                 "usage: moetron data prepare --input F.jsonl... --tokenizer T.model --output DIR [options]\n");
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string what = argv[1];
+  if (what == "prepare") return run_data_prepare(argc - 1, argv + 1);
+  std::fprintf(stderr, "moetron data: unknown subcommand '%s' (available: prepare)\n", what.c_str());
   return 2;
 }
 

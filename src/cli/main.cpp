@@ -16,8 +16,11 @@ void print_usage(FILE* f) {
                "  forward   one forward (and backward) pass of an HF model directory on a batch\n"
                "  tokenizer train a SentencePiece tokenizer (tokenizer train)\n"
                "  data      prepare chat / prompt-completion / text JSONL into token datasets (data prepare)\n"
+               "  generate  greedy generation from a model directory (generate --model DIR --prompt TEXT [--chat])\n"
                "  train     train from a YAML config (train -c CONFIG [key=value ...])\n"
+               "  plan      validate a parallel layout; per-rank memory, FLOPs, communication (plan C.yaml -n N)\n"
                "  convert   re-encode a model / checkpoint directory: dtype, shard size, optimizer state\n"
+               "  report    an HTML page of a run's curves and expert-load heatmaps (report RUN_DIR)\n"
                "  bench     benchmarks (bench train)\n"
                "\n"
                "Run 'moetron <command> --help' for a command's options.\n");
@@ -37,11 +40,14 @@ int main(int argc, char** argv) {
   }
   try {
     if (cmd == "forward") return moetron::cli::run_forward(argc - 1, argv + 1);
+    if (cmd == "generate") return moetron::cli::run_generate(argc - 1, argv + 1);
     if (cmd == "train") return moetron::cli::run_train(argc - 1, argv + 1);
     if (cmd == "bench") return moetron::cli::run_bench(argc - 1, argv + 1);
     if (cmd == "tokenizer") return moetron::cli::run_tokenizer(argc - 1, argv + 1);
     if (cmd == "data") return moetron::cli::run_data(argc - 1, argv + 1);
     if (cmd == "convert") return moetron::cli::run_convert(argc - 1, argv + 1);
+    if (cmd == "report") return moetron::cli::run_report(argc - 1, argv + 1);
+    if (cmd == "plan") return moetron::cli::run_plan(argc - 1, argv + 1);
   } catch (const moetron::Error& e) {
     std::fprintf(stderr, "moetron %s: error: %s\n", cmd.c_str(), e.what());
     return 1;

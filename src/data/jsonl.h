@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "tokenizer/chat_template.h"
+#include "tokenizer/utf8.h"  // is_valid_utf8
 
 namespace moetron {
 
@@ -39,9 +40,6 @@ constexpr int kSkipReasonCount = 7;
 const char* skip_reason_name(SkipReason r);
 SkipReason skip_reason_of(ChatErrorKind k);
 
-// Strict UTF-8 (RFC 3629): no overlong forms, no surrogates, nothing above U+10FFFF.
-bool is_valid_utf8(std::string_view s);
-
 // One parsed line.
 struct Record {
   RecordFormat format = RecordFormat::chat;
@@ -54,8 +52,8 @@ struct RecordError {
   std::string message;
 };
 
-// Parses one line of a file whose format is `format` (not auto_detect).  Returns false and fills
-// `err` when the line cannot be used; never throws for bad input.
+// Parses one line of a file whose format is `format` (auto_detect: this line's own keys decide).
+// Returns false and fills `err` when the line cannot be used; never throws for bad input.
 bool parse_record(std::string_view line, RecordFormat format, Record& out, RecordError& err);
 
 // The format of a file from its first JSON object with a recognised key, reading at most

@@ -8,6 +8,7 @@
 #include <sentencepiece_processor.h>
 
 #include "core/error.h"
+#include "tokenizer/bpe.h"
 #include "tokenizer/sha256.h"
 
 namespace moetron {
@@ -67,10 +68,23 @@ Tokenizer Tokenizer::from_bytes(const std::string& bytes, const std::string& nam
   // The two processors differ exactly by the dummy prefix; a one-letter text shows whether the model
   // adds one.
   t.dummy_prefix_ = t.sp_->EncodeAsPieces("a") != t.literal_->EncodeAsPieces("a");
+  t.fast_ = FastBpe::create(bytes, &t.why_not_fast_);
+  if (t.fast_ && t.fast_->model_adds_dummy_prefix() != t.dummy_prefix_) {
+    t.fast_.reset();
+    t.why_not_fast_ = "its reading of add_dummy_prefix disagrees with SentencePiece";
+  }
   return t;
 }
 
+std::vector<int32_t> Tokenizer::encode_reference(std::string_view text, bool literal) const {
+  std::vector<int> ids;
+  const auto st = (literal ? literal_ : sp_)->Encode(text, &ids);
+  if (!st.ok()) fail("tokenizer '{}': encode failed: {}", path_, st.ToString());
+  return std::vector<int32_t>(ids.begin(), ids.end());
+}
+
 void Tokenizer::encode_append(std::string_view text, std::vector<int32_t>& out) const {
+  if (fast_ && fast_->encode(text, dummy_prefix_, out)) return;
   std::vector<int> ids;
   const auto st = sp_->Encode(text, &ids);
   if (!st.ok()) fail("tokenizer '{}': encode failed: {}", path_, st.ToString());
@@ -78,6 +92,7 @@ void Tokenizer::encode_append(std::string_view text, std::vector<int32_t>& out) 
 }
 
 void Tokenizer::encode_literal_append(std::string_view text, std::vector<int32_t>& out) const {
+  if (fast_ && fast_->encode(text, false, out)) return;
   std::vector<int> ids;
   const auto st = literal_->Encode(text, &ids);
   if (!st.ok()) fail("tokenizer '{}': encode failed: {}", path_, st.ToString());

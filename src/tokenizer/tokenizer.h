@@ -8,6 +8,9 @@
 //                     call, once per piece of a chat template.
 //   encode_literal()  the same model without the dummy prefix: the pieces spell the text exactly,
 //                     so consecutive segments concatenate like one text (ChatML markup).
+// For BPE models with the identity normaliser (Llama, Mistral, Mixtral, `moetron tokenizer train`)
+// both run on FastBpe (bpe.h), which gives SentencePiece's ids several times faster; other models
+// and non-UTF-8 texts go through SentencePiece itself.  encode_reference() always does.
 // All methods are const and thread-safe (SentencePieceProcessor's encode/decode are const).
 #pragma once
 
@@ -23,6 +26,8 @@ class SentencePieceProcessor;
 }
 
 namespace moetron {
+
+class FastBpe;
 
 class Tokenizer {
  public:
@@ -40,6 +45,11 @@ class Tokenizer {
   void encode_append(std::string_view text, std::vector<int32_t>& out) const;
   std::vector<int32_t> encode_literal(std::string_view text) const;
   void encode_literal_append(std::string_view text, std::vector<int32_t>& out) const;
+  // The same through SentencePiece itself (the oracle FastBpe is tested against).
+  std::vector<int32_t> encode_reference(std::string_view text, bool literal = false) const;
+  // True when encode() runs on FastBpe; why_not_fast() says why not otherwise.
+  bool fast() const { return fast_ != nullptr; }
+  const std::string& why_not_fast() const { return why_not_fast_; }
 
   // Text of the ids (control tokens such as <s> decode to nothing, byte pieces to their bytes).
   // Error naming the id when one is outside [0, vocab_size).
@@ -64,7 +74,8 @@ class Tokenizer {
   Tokenizer();
   std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;       // as stored
   std::unique_ptr<sentencepiece::SentencePieceProcessor> literal_;  // add_dummy_prefix = false
-  std::string path_, sha256_;
+  std::unique_ptr<FastBpe> fast_;                                   // null when the model needs SentencePiece
+  std::string path_, sha256_, why_not_fast_;
   int32_t vocab_size_ = 0, bos_id_ = -1, eos_id_ = -1, unk_id_ = -1, pad_id_ = -1;
   bool dummy_prefix_ = false;
 };

@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
-#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -280,27 +279,6 @@ void write_file_atomic(const std::string& path, const std::string& text) {
   }
   const fs::path parent = fs::path(path).parent_path();
   fsync_directory(parent.empty() ? "." : parent.string());
-}
-
-size_t parse_byte_size(const std::string& text, const std::string& what) {
-  size_t i = 0;
-  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) i++;
-  const std::string number = text.substr(0, i);
-  std::string unit = text.substr(i);
-  for (char& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  double value = 0;
-  bool ok = !number.empty() && std::count(number.begin(), number.end(), '.') <= 1 && number != ".";
-  if (ok) value = std::strtod(number.c_str(), nullptr);
-  static const std::pair<const char*, double> kUnits[] = {
-      {"", 1},     {"B", 1},          {"KB", 1e3},       {"MB", 1e6},       {"GB", 1e9},
-      {"TB", 1e12}, {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0}};
-  double mult = 0;
-  for (const auto& [name, m] : kUnits)
-    if (unit == name) mult = m;
-  const double bytes = value * mult;
-  if (!ok || mult == 0 || !(bytes >= 1) || bytes > 1.8e19)
-    fail("{}: '{}' is not a size (expected e.g. 5GB, 500MB, 2GiB or a byte count)", what, text);
-  return static_cast<size_t>(std::llround(bytes));
 }
 
 // ---- sharded safetensors -------------------------------------------------------------------------

@@ -164,11 +164,6 @@ class ShardedSafetensors {
   std::map<std::string, const TensorView*> tensors_;
 };
 
-// "5GB" -> 5e9, "500MB", "2GiB" -> 2^31, "100KB", "1.5GB", "4096" (bytes). Units are case-insensitive:
-// B, KB, MB, GB, TB (powers of 1000, as transformers' max_shard_size) and KiB, MiB, GiB, TiB (of 1024).
-// Error naming `what` for anything else or for 0.
-size_t parse_byte_size(const std::string& text, const std::string& what);
-
 // Writes `text` to PATH.tmp-PID, fsyncs, renames it to PATH and fsyncs the directory.
 void write_file_atomic(const std::string& path, const std::string& text);
 // fsync of a directory (its entries); Error naming it.

@@ -1,0 +1,379 @@
+// moetron plan: layout validation (one test per rule), the Mixtral-8x7B recipe's parameter totals and
+// per-rank sums, ZeRO-1 and EP sharding of optimizer state, --device-memory, and the CLI's exit codes.
+// Counts are exact integers; the only floating-point comparisons are on printed/rounded figures.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "io/hf_config.h"
+#include "model/params.h"
+#include "train/config.h"
+#include "train/plan.h"
+
+namespace fs = std::filesystem;
+using namespace moetron;
+
+namespace {
+
+const fs::path kSrc = MOETRON_SOURCE_DIR;
+const fs::path kRecipe = kSrc / "configs" / "mixtral-8x7b-sft.yaml";
+const fs::path kMixtralDir = kSrc / "configs" / "models" / "mixtral-8x7b";
+
+TrainConfig recipe(std::vector<std::string> overrides = {}) {
+  overrides.insert(overrides.begin(), "model.init=" + kMixtralDir.string());
+  return load_train_config(kRecipe.string(), overrides);
+}
+
+ModelConfig mixtral() { return load_model_config((kMixtralDir / "config.json").string()); }
+
+// A small MoE config whose numbers each rule test changes one at a time.
+nlohmann::json small_json() {
+  return {{"architectures", {"MixtralForCausalLM"}},
+          {"vocab_size", 1024},
+          {"hidden_size", 256},
+          {"head_dim", 32},
+          {"intermediate_size", 512},
+          {"num_hidden_layers", 8},
+          {"num_attention_heads", 8},
+          {"num_key_value_heads", 4},
+          {"num_local_experts", 8},
+          {"num_experts_per_tok", 2},
+          {"max_position_embeddings", 4096}};
+}
+
+TrainConfig small_cfg(int tp, int pp, int ep, int gbs = 32, int mbs = 1, int seq = 128) {
+  TrainConfig c;
+  c.device = "cuda";
+  c.model.dtype = "bf16";
+  c.data.seq_length = seq;
+  c.train.global_batch_size = gbs;
+  c.train.micro_batch_size = mbs;
+  c.parallel.tp = tp;
+  c.parallel.pp = pp;
+  c.parallel.ep = ep;
+  return c;
+}
+
+Plan small_plan(int world, int tp, int pp, int ep, nlohmann::json patch = nlohmann::json::object(), int gbs = 32,
+                int mbs = 1, int seq = 128) {
+  nlohmann::json j = small_json();
+  if (!patch.is_null()) j.update(patch);  // `{}` at a call site is a null json
+  return make_plan(small_cfg(tp, pp, ep, gbs, mbs, seq), model_config_from_json(j, "test"), world);
+}
+
+// The Error message of `f`, or "" when it does not throw.
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void expect_rule(const std::string& msg, const std::string& needle) {
+  ASSERT_FALSE(msg.empty()) << "expected an error containing '" << needle << "'";
+  EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << "one line: " << msg;
+}
+
+}  // namespace
+
+TEST(PlanTotals, Mixtral8x7bParameterCounts) {
+  const Plan p = make_plan(recipe(), mixtral(), 64);
+  // Independent of the plan: the exact counts from the HF shapes.
+  const int64_t C = 4096, V = 32000, I = 14336, L = 32, E = 8, K = 2, KV = 8 * 128;
+  const int64_t experts = L * E * 3 * I * C;
+  const int64_t per_layer = 2 * C * C + 2 * KV * C + 2 * C + E * C;
+  const int64_t total = 2 * V * C + C + L * per_layer + experts;
+  EXPECT_EQ(p.params_total, total);
+  EXPECT_EQ(p.params_experts, experts);
+  EXPECT_EQ(p.params_active, total - experts / E * (E - K));
+  EXPECT_EQ(format_count((double)p.params_total, 1), "46.7B");
+  EXPECT_EQ(format_count((double)p.params_active, 1), "12.9B");
+  EXPECT_NEAR(p.params_total / 1e9, 46.70, 0.005);  // the published 46.7B, to the printed 2 decimals
+  EXPECT_NEAR(p.params_active / 1e9, 12.88, 0.005);
+  // The same from the parameter table (no padding).
+  const ParamTable t(mixtral());
+  int64_t sum = 0;
+  for (const ParamSpec& s : t.specs()) sum += (int64_t)s.numel;
+  EXPECT_EQ(p.params_total, sum);
+}
+
+TEST(PlanLayout, RecipeOn64Ranks) {
+  const Plan p = make_plan(recipe(), mixtral(), 64);
+  EXPECT_EQ(p.tp, 8);
+  EXPECT_EQ(p.pp, 8);
+  EXPECT_EQ(p.dp, 1);
+  EXPECT_EQ(p.micro_batches, 32);
+  EXPECT_EQ(p.tokens_per_step, 32 * 2048);
+  ASSERT_EQ(p.stages.size(), 8u);
+  EXPECT_DOUBLE_EQ(p.bubble, 7.0 / 39.0);
+  EXPECT_TRUE(p.warnings.empty());
+  // First, middle and last stages differ: embedding first, head and final norm last, in-flight counts.
+  EXPECT_GT(p.stages[0].params.embedding, 0);
+  EXPECT_EQ(p.stages[3].params.embedding, 0);
+  EXPECT_GT(p.stages[7].params.lm_head, 0);
+  EXPECT_EQ(p.stages[0].in_flight, 8);
+  EXPECT_EQ(p.stages[3].in_flight, 5);
+  EXPECT_EQ(p.stages[7].in_flight, 1);
+  for (const StagePlan& s : p.stages) {
+    EXPECT_EQ(s.num_layers, 4);
+    EXPECT_EQ(s.param_bytes, 2 * s.params.total());      // bf16 weights
+    EXPECT_EQ(s.grad_bytes, 4 * s.params.total());       // fp32 gradients
+    EXPECT_EQ(s.optimizer_bytes, 12 * s.params.total());  // dp 1: nothing to shard
+    EXPECT_EQ(s.comm.dp, 0);
+    EXPECT_EQ(s.comm.ep, 0);
+    EXPECT_GT(s.comm.tp, 0);
+    EXPECT_GT(s.comm.pp, 0);
+    EXPECT_LT(s.total_bytes(), 80LL * 1000 * 1000 * 1000) << "the recipe fits 80 GB GPUs";
+  }
+  // Every stage's FLOPs over the tp ranks of all stages add up to the model's (dp = 1).
+  double flops = 0;
+  for (const StagePlan& s : p.stages) flops += s.flops * p.tp;
+  EXPECT_NEAR(flops / p.flops_per_step, 1.0, 1e-12);  // reassociated double sums
+}
+
+TEST(PlanLayout, PerRankParametersSumToTheModel) {
+  // Sum over the tp x pp ranks; tensors every tp rank holds in full (norms, router) counted once.
+  for (int tp : {1, 2, 8}) {
+    const TrainConfig cfg = recipe({"parallel.tp=" + std::to_string(tp)});
+    const Plan p = make_plan(cfg, mixtral(), tp * 8);
+    const ParamTable t(mixtral());
+    int64_t sum = 0;
+    for (const StagePlan& s : p.stages) {
+      int64_t replicated = 0;  // from the table, independently of the plan
+      for (const ParamSpec& spec : t.specs()) {
+        const bool in_stage = spec.layer >= s.first_layer && spec.layer < s.first_layer + s.num_layers;
+        const bool tail = spec.layer < 0 && s.stage == p.pp - 1 && spec.kind == ParamKind::final_norm;
+        if ((in_stage || tail) && (spec.is_norm() || spec.kind == ParamKind::router)) replicated += (int64_t)spec.numel;
+      }
+      EXPECT_EQ(s.params.norms + s.params.router, replicated) << "tp " << tp << " stage " << s.stage;
+      sum += tp * s.params.total() - (tp - 1) * replicated;
+    }
+    EXPECT_EQ(sum, p.params_total) << "tp " << tp;
+  }
+}
+
+TEST(PlanLayout, KvHeadsReplicatedWhenFewerThanTp) {
+  // NKV 4 < tp 8: each rank holds one kv head, so summed over tp the k, v weights count tp/NKV = 2 times.
+  const Plan p = small_plan(8, 8, 1, 1);
+  const int64_t C = 256, HD = 32, L = 8;
+  const int64_t q_o = 2 * (8 * HD * C) / 8, kv = 2 * HD * C;  // per rank per layer
+  EXPECT_EQ(p.stages[0].params.attention, L * (q_o + kv));
+}
+
+TEST(PlanLayout, Zero1ShardsOptimizerStateOverDp) {
+  // tp 8 x pp 8 x dp 8 = 512 ranks.
+  const Plan on = make_plan(recipe(), mixtral(), 512);
+  const Plan off = make_plan(recipe({"parallel.zero1=false"}), mixtral(), 512);
+  ASSERT_EQ(on.dp, 8);
+  for (size_t i = 0; i < on.stages.size(); i++) {
+    const StagePlan &a = on.stages[i], &b = off.stages[i];
+    EXPECT_EQ(a.params.total(), b.params.total());
+    EXPECT_EQ(b.optimizer_bytes, 12 * b.params.total());
+    EXPECT_EQ(a.optimizer_bytes, 12 * ((a.params.dense() + 7) / 8 + (a.params.experts + 7) / 8));
+    EXPECT_NEAR((double)b.optimizer_bytes / (double)a.optimizer_bytes, 8.0, 1e-5);  // ceil of shards only
+    EXPECT_EQ(a.grad_bytes, b.grad_bytes) << "ZeRO-1 keeps full gradients";
+    EXPECT_GT(a.comm.dp, 0);
+  }
+  // Expert parallelism over the same 8 dp ranks: experts split 8 ways, their optimizer state not sharded
+  // further (each expert lives on dp/ep = 1 rank); the dense part still shards over dp.
+  const Plan ep = make_plan(recipe({"parallel.ep=8"}), mixtral(), 512);
+  for (size_t i = 0; i < ep.stages.size(); i++) {
+    const StagePlan &e = ep.stages[i], &a = on.stages[i];
+    EXPECT_EQ(e.params.experts * 8, a.params.experts);
+    EXPECT_EQ(e.params.dense(), a.params.dense());
+    EXPECT_EQ(e.optimizer_bytes, 12 * ((e.params.dense() + 7) / 8 + e.params.experts));
+    EXPECT_GT(e.comm.ep, 0);
+  }
+}
+
+TEST(PlanLayout, PipelineThatCannotFillIsAWarning) {
+  const Plan p = small_plan(4, 1, 4, 1, {}, 2, 1);  // m = 2 < pp = 4
+  ASSERT_EQ(p.warnings.size(), 1u);
+  EXPECT_NE(p.warnings[0].find("2 micro-batches"), std::string::npos) << p.warnings[0];
+  EXPECT_DOUBLE_EQ(p.bubble, 3.0 / 5.0);
+  EXPECT_EQ(p.stages[0].in_flight, 2);
+}
+
+TEST(PlanRules, WorldNotDivisibleByTpTimesPp) {
+  expect_rule(error_of([] { make_plan(recipe(), mixtral(), 60); }),
+              "world size 60 is not divisible by tp 8 x pp 8 = 64");
+}
+
+TEST(PlanRules, EpMustDivideDp) {
+  expect_rule(error_of([] { make_plan(recipe({"parallel.ep=4"}), mixtral(), 128); }),
+              "ep 4 does not divide the data-parallel size 2");
+}
+
+TEST(PlanRules, HeadsDivisibleByTp) {
+  expect_rule(error_of([] { small_plan(8, 8, 1, 1, {{"num_attention_heads", 12}}); }),
+              "tp 8 does not divide num_attention_heads 12");
+}
+
+TEST(PlanRules, KvHeadsAndTp) {
+  // tp 6 divides NH 12, I 600 and V 1200, but neither 4 % 6 nor 6 % 4 is 0.
+  expect_rule(error_of([] {
+                small_plan(6, 6, 1, 1, {{"num_attention_heads", 12}, {"intermediate_size", 600}, {"vocab_size", 1200}});
+              }),
+              "num_key_value_heads 4 and tp 6");
+  EXPECT_EQ(error_of([] { small_plan(2, 2, 1, 1); }), "") << "NKV 4 split over tp 2";
+}
+
+TEST(PlanRules, LayersDivisibleByPp) {
+  expect_rule(error_of([] { small_plan(3, 1, 3, 1, {}, 33); }), "pp 3 does not divide num_hidden_layers 8");
+}
+
+TEST(PlanRules, ExpertsDivisibleByEp) {
+  expect_rule(error_of([] { small_plan(3, 1, 1, 3, {}, 33, 1); }), "ep 3 does not divide num_local_experts 8");
+}
+
+TEST(PlanRules, DenseModelNeedsEp1) {
+  nlohmann::json dense = small_json();
+  dense.erase("num_local_experts");
+  dense.erase("num_experts_per_tok");
+  dense["architectures"] = {"MistralForCausalLM"};
+  const ModelConfig m = model_config_from_json(dense, "test");
+  expect_rule(error_of([&] { make_plan(small_cfg(1, 1, 2), m, 2); }), "ep 2 needs an MoE model");
+  EXPECT_EQ(make_plan(small_cfg(1, 1, 1), m, 2).params_active, make_plan(small_cfg(1, 1, 1), m, 2).params_total);
+}
+
+TEST(PlanRules, IntermediateDivisibleByTp) {
+  expect_rule(error_of([] { small_plan(8, 8, 1, 1, {{"intermediate_size", 500}}); }),
+              "tp 8 does not divide intermediate_size 500");
+}
+
+TEST(PlanRules, VocabDivisibleByTp) {
+  expect_rule(error_of([] { small_plan(8, 8, 1, 1, {{"vocab_size", 1004}}); }), "tp 8 does not divide vocab_size 1004");
+}
+
+TEST(PlanRules, GlobalBatchDivisibleByMicroBatchTimesDp) {
+  expect_rule(error_of([] { small_plan(4, 1, 1, 1, {}, 30, 2); }),
+              "global_batch_size 30 is not divisible by micro_batch_size 2 x data-parallel size 4 = 8");
+}
+
+TEST(PlanRules, SeqLengthWithinMaxPositions) {
+  expect_rule(error_of([] { small_plan(1, 1, 1, 1, {}, 32, 1, 8192); }),
+              "data.seq_length 8192 exceeds the model's max_position_embeddings 4096");
+}
+
+TEST(PlanBytes, ParseByteSize) {
+  EXPECT_EQ(parse_byte_size("80GB"), 80'000'000'000LL);
+  EXPECT_EQ(parse_byte_size("80GiB"), 80LL << 30);
+  EXPECT_EQ(parse_byte_size("80gib"), 80LL << 30);
+  EXPECT_EQ(parse_byte_size("1.5TB"), 1'500'000'000'000LL);
+  EXPECT_EQ(parse_byte_size("512MiB"), 512LL << 20);
+  EXPECT_EQ(parse_byte_size("85899345920"), 85899345920LL);
+  for (const char* bad : {"", "GB", "80XB", "-5GB", "1.2.3GB", "0"})
+    EXPECT_THROW(parse_byte_size(bad), Error) << bad;
+  EXPECT_EQ(format_bytes(1536.0), "1.50 KiB");
+}
+
+TEST(PlanActivations, GrowWithSequenceAndMicroBatch) {
+  const Plan a = small_plan(1, 1, 1, 1, {}, 32, 1, 128);
+  const Plan b = small_plan(1, 1, 1, 1, {}, 32, 2, 128);
+  const Plan c = small_plan(1, 1, 1, 1, {}, 32, 1, 256);
+  // Linear in B with flash-style attention (device cuda); T doubles, so does everything here.
+  EXPECT_EQ(b.stages[0].activation_bytes_per_micro_batch, 2 * a.stages[0].activation_bytes_per_micro_batch);
+  EXPECT_EQ(c.stages[0].activation_bytes_per_micro_batch, 2 * a.stages[0].activation_bytes_per_micro_batch);
+  // On CPU the stored attention probabilities are quadratic in T.
+  TrainConfig cpu = small_cfg(1, 1, 1);
+  cpu.device = "cpu";
+  cpu.model.dtype = "fp32";
+  const ModelConfig m = model_config_from_json(small_json(), "test");
+  const Plan d = make_plan(cpu, m, 1);
+  cpu.data.seq_length = 256;
+  const Plan e = make_plan(cpu, m, 1);
+  EXPECT_GT(e.stages[0].activation_bytes_per_micro_batch, 2 * d.stages[0].activation_bytes_per_micro_batch);
+  EXPECT_EQ(d.stages[0].optimizer_bytes, 8 * d.stages[0].params.total()) << "fp32: the weights are the master";
+}
+
+// ---- the CLI -------------------------------------------------------------------------------------
+
+namespace {
+
+struct CliRun {
+  int code = -1;
+  std::string out, err;
+};
+
+CliRun run_cli(const std::string& args) {
+  const fs::path dir = fs::temp_directory_path() / ("moetron_plan_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string cmd = "cd " + kSrc.string() + " && " + MOETRON_BINARY + " plan " + args + " > " +
+                          (dir / "out").string() + " 2> " + (dir / "err").string();
+  const int status = std::system(cmd.c_str());
+  CliRun r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  auto slurp = [](const fs::path& p) {
+    std::ifstream f(p);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  };
+  r.out = slurp(dir / "out");
+  r.err = slurp(dir / "err");
+  fs::remove_all(dir);
+  return r;
+}
+
+}  // namespace
+
+TEST(PlanCli, RecipeFromTheRepositoryRoot) {
+  const CliRun r = run_cli("configs/mixtral-8x7b-sft.yaml --world-size 64");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("46.7B total"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("12.9B active per token"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("world 64 = pp 8 x dp 1 x tp 8"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("memory per rank"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("bubble"), std::string::npos) << r.out;
+}
+
+TEST(PlanCli, JsonMatchesTheLibrary) {
+  const CliRun r = run_cli("--config configs/mixtral-8x7b-sft.yaml -n 64 --json --device-memory 80GB");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  const Plan p = make_plan(recipe(), mixtral(), 64);
+  EXPECT_EQ(j["params"]["total"].get<int64_t>(), p.params_total);
+  EXPECT_EQ(j["params"]["active"].get<int64_t>(), p.params_active);
+  EXPECT_EQ(j["max_rank_bytes"].get<int64_t>(), p.largest_stage().total_bytes());
+  EXPECT_EQ(j["stages"].size(), 8u);
+  EXPECT_TRUE(j["fits"].get<bool>());
+}
+
+TEST(PlanCli, DeviceMemoryTooSmallExits1) {
+  const CliRun r = run_cli("configs/mixtral-8x7b-sft.yaml --world-size 64 --device-memory 4GiB");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("more than --device-memory 4GiB"), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("memory per rank"), std::string::npos) << "the plan is still printed";
+}
+
+TEST(PlanCli, InvalidLayoutExits1WithOneLine) {
+  const CliRun r = run_cli("configs/mixtral-8x7b-sft.yaml --world-size 60");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("world size 60 is not divisible by tp 8 x pp 8 = 64"), std::string::npos) << r.err;
+  EXPECT_TRUE(r.out.empty()) << "nothing printed before validation: " << r.out;
+  const CliRun o = run_cli("configs/mixtral-8x7b-sft.yaml -n 64 parallel.tp=3");
+  EXPECT_EQ(o.code, 1);
+  EXPECT_NE(o.err.find("tp 3"), std::string::npos) << o.err;
+}
+
+TEST(PlanCli, UsageErrors) {
+  EXPECT_NE(run_cli("--world-size 64").code, 0);                             // no config
+  EXPECT_NE(run_cli("configs/mixtral-8x7b-sft.yaml").code, 0);               // no world size
+  EXPECT_EQ(run_cli("configs/mixtral-8x7b-sft.yaml -n 64 --device-memory 80XB").code, 1);
+  const CliRun bad = run_cli("configs/mixtral-8x7b-sft.yaml -n 64 train.lrr=1");  // config error: the loader's message
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.err.find("train.lr"), std::string::npos) << bad.err;
+}
