@@ -78,7 +78,8 @@ int run_data(int argc, char** argv) {
   }
   const std::string what = argv[1];
   if (what == "prepare") return run_data_prepare(argc - 1, argv + 1);
-  std::fprintf(stderr, "moetron data: unknown subcommand '%s' (available: prepare)\n", what.c_str());
+  if (what == "synthetic") return run_data_synthetic(argc - 1, argv + 1);
+  std::fprintf(stderr, "moetron data: unknown subcommand '%s' (available: prepare, synthetic)\n", what.c_str());
   return 2;
 }
 
