@@ -24,6 +24,7 @@
 #include "io/model_files.h"
 #include "io/safetensors.h"
 #include "train/config.h"
+#include "train/report.h"
 #include "train/trainer.h"
 
 namespace fs = std::filesystem;
@@ -157,6 +158,18 @@ TEST_F(TrainTest, WritesTheRunDirectoryAndLearns) {
   ASSERT_EQ(evals.size(), 2u);
   EXPECT_EQ(evals[0]["step"].get<long>(), 5);
   EXPECT_LT(evals[1]["val_loss"].get<double>(), evals[0]["val_loss"].get<double>());
+}
+
+// `moetron report` on a real run directory: the curves and one expert-share heatmap per MoE layer.
+TEST_F(TrainTest, ReportOfARealRunHasCurvesAndHeatmaps) {
+  run_training(config("run", {"log.every_steps=1"}));
+  const std::string html = render_report_html((root_ / "run").string());
+  for (const char* id : {"id=\"chart-loss\"", "id=\"chart-val_loss\"", "id=\"chart-lr\"", "id=\"chart-grad_norm\"",
+                         "id=\"heatmap-layer-0\"", "id=\"heatmap-layer-1\""})
+    EXPECT_NE(html.find(id), std::string::npos) << id;
+  size_t cells = 0;
+  for (size_t p = html.find("<rect class=\"cell"); p != std::string::npos; p = html.find("<rect class=\"cell", p + 1)) cells++;
+  EXPECT_EQ(cells, 2u * 4u * 10u) << "layers x experts x logged steps";
 }
 
 TEST_F(TrainTest, SameSeedSameLossesBitwise) {

@@ -282,7 +282,6 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
         results[i] = LineResult{};
       }
       bytes_done += bytes;
-      if (getenv("DBG_RSS")) { FILE* f = fopen("/proc/self/statm", "r"); long a, b; if (fscanf(f, "%ld %ld", &a, &b) == 2) fprintf(stderr, "chunk n=%zu bytes=%zu rss=%ld MiB\n", n, bytes, b * 4 / 1024); fclose(f); }
       if (o.progress) {
         const double s = std::chrono::duration<double>(Clock::now() - t0).count();
         const double frac = total_bytes ? std::min(1.0, (double)bytes_done / (double)total_bytes) : 1.0;
