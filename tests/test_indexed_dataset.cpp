@@ -2,6 +2,8 @@
 // an independent reader written here from Megatron's MMIDIDX v1 byte layout (plain fread/memcpy),
 // and an Error naming the file for every kind of malformed file.
 #include <gtest/gtest.h>
+
+#include "temp_dir.h"
 #include <stdlib.h>
 
 #include <cstdio>
@@ -20,22 +22,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    std::string templ = (fs::temp_directory_path() / "moetron_idx_XXXXXX").string();
-    if (mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = templ;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using TempDir = moetron::testing::TempDir;
 
 // ---- The independent reader: Megatron's layout, parsed field by field with fread. ----
 struct RawIndex {

@@ -6,6 +6,8 @@
 // d * kStride + p + 1, so every token in a batch says which document and position it came from.
 // The loss mask of (d, p) is mask_of(d, p).
 #include <gtest/gtest.h>
+
+#include "temp_dir.h"
 #include <stdlib.h>
 
 #include <algorithm>
@@ -29,22 +31,7 @@ namespace {
 
 constexpr int32_t kStride = 100000;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string templ = (fs::temp_directory_path() / "moetron_loader_XXXXXX").string();
-    if (mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = templ;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using TempDir = moetron::testing::TempDir;
 
 int32_t mask_of(int d, int p) { return p == 0 ? 0 : ((d + p) % 3 != 0); }
 
