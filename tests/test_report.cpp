@@ -108,9 +108,14 @@ std::string svg_by_id(const std::string& html, const std::string& id) {
 // The (x, y) points of every polyline in `svg`.
 std::vector<std::pair<double, double>> polyline_points(const std::string& svg) {
   std::vector<std::pair<double, double>> pts;
-  const std::regex poly("<polyline[^>]* points=\"([^\"]*)\"");
-  for (auto it = std::sregex_iterator(svg.begin(), svg.end(), poly); it != std::sregex_iterator(); ++it) {
-    std::istringstream in((*it)[1].str());
+  // A plain scan rather than std::regex: libstdc++'s regex recurses once per character, and a
+  // capture of thousands of points overflows the stack under AddressSanitizer.
+  for (size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1)) {
+    const size_t tag_end = svg.find('>', at);
+    const size_t attr = svg.find(" points=\"", at);
+    if (attr == std::string::npos || attr > tag_end) continue;
+    const size_t begin = attr + 9, end = svg.find('"', begin);
+    std::istringstream in(svg.substr(begin, end - begin));
     std::string pair;
     while (in >> pair) {
       const size_t comma = pair.find(',');
