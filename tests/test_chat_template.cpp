@@ -9,6 +9,8 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "mixtral_tokenizer.h"
 #include <nlohmann/json.hpp>
 
 #include "data/jsonl.h"
@@ -21,17 +23,9 @@ using namespace moetron;
 namespace {
 
 const std::string kSource = MOETRON_SOURCE_DIR;
-const std::string kMixtral = kSource + "/../shared/data/mixtral-tokenizer.model";
 
-#define REQUIRE_MIXTRAL()                                                                                   \
-  if (!fs::exists(kMixtral))                                                                                \
-  GTEST_SKIP() << "the Mixtral tokenizer is not at " << kMixtral                                           \
-               << " (../shared/data is absent); this test needs the real tokenizer"
-
-const Tokenizer& mixtral() {
-  static Tokenizer t = Tokenizer::load(kMixtral);
-  return t;
-}
+using moetron::testing::kMixtral;
+using moetron::testing::mixtral;
 
 using Ids = std::vector<int32_t>;
 using Mask = std::vector<uint8_t>;

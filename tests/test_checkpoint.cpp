@@ -23,6 +23,8 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+
+#include "temp_dir.h"
 #include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
@@ -42,24 +44,11 @@ namespace {
 
 const fs::path kGolden = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "mixtral_gqa";
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           ("moetron_ckpt_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
+struct TempDir : moetron::testing::TestDir {
+  TempDir() : TestDir("ckpt") {}
 };
 
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using moetron::testing::read_text;
 json read_json(const fs::path& p) { return json::parse(read_text(p)); }
 
 ModelConfig golden_config() { return load_model_config((kGolden / "config.json").string()); }

@@ -14,6 +14,8 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "temp_dir.h"
 #include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
@@ -33,24 +35,11 @@ namespace {
 
 const fs::path kGolden = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "mixtral_gqa";
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           ("moetron_convert_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
+struct TempDir : moetron::testing::TestDir {
+  TempDir() : TestDir("convert") {}
 };
 
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using moetron::testing::read_text;
 
 struct CliRun {
   int exit_code = -1;

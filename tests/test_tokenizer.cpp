@@ -13,6 +13,8 @@
 
 #include <gtest/gtest.h>
 
+#include "mixtral_tokenizer.h"
+
 #include "core/error.h"
 #include "tokenizer/sha256.h"
 #include "tokenizer/tokenizer.h"
@@ -23,18 +25,10 @@ using namespace moetron;
 
 namespace {
 
-const std::string kMixtral = std::string(MOETRON_SOURCE_DIR) + "/../shared/data/mixtral-tokenizer.model";
 const std::string kMixtralSha = "dadfd56d766715c61d2ef780a525ab43b8e6da4de6865bda3d95fdef5e134055";
 
-#define REQUIRE_MIXTRAL()                                                                                   \
-  if (!fs::exists(kMixtral))                                                                                \
-  GTEST_SKIP() << "the Mixtral tokenizer is not at " << kMixtral                                           \
-               << " (../shared/data is absent); this test needs the real tokenizer"
-
-const Tokenizer& mixtral() {
-  static Tokenizer t = Tokenizer::load(kMixtral);
-  return t;
-}
+using moetron::testing::kMixtral;
+using moetron::testing::mixtral;
 
 using Ids = std::vector<int32_t>;
 
