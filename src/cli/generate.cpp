@@ -1,73 +1,146 @@
-// moetron generate: greedy text generation from an HF model directory; or, with --eval-chat, the
-// exact-answer accuracy over a chat JSONL file.
+// moetron generate: text generation with a KV cache from an HF model directory (plain, or --chat
+// with the model's chat template), streaming the reply to stdout; --prompt-ids for token ids in and
+// out; --eval-chat for the exact-answer accuracy over a chat JSONL file.
 #include <cstdio>
 #include <filesystem>
+#include <random>
+#include <sstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
+#include <omp.h>
 
 #include "cli/commands.h"
 #include "core/error.h"
 #include "infer/generate.h"
-#include "io/hf_config.h"
-#include "io/model_files.h"
-#include "model/mixtral.h"
-#include "model/weights.h"
-
-namespace fs = std::filesystem;
+#include "infer/model.h"
+#include "ops/blas.h"
 
 namespace moetron::cli {
 
+namespace {
+
+std::vector<int32_t> parse_ids(const std::string& s) {
+  std::vector<int32_t> ids;
+  std::string item;
+  std::stringstream ss(s);
+  while (std::getline(ss, item, ',')) {
+    size_t used = 0;
+    long v = 0;
+    try {
+      v = std::stol(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != item.size() || v < 0 || v > INT32_MAX)
+      fail("--prompt-ids: '{}' is not a token id (expected comma-separated non-negative integers)", item);
+    ids.push_back((int32_t)v);
+  }
+  if (ids.empty()) fail("--prompt-ids: no ids given");
+  return ids;
+}
+
+}  // namespace
+
 int run_generate(int argc, char** argv) {
-  CLI::App app{"Greedy generation from a Hugging Face model directory (a moetron checkpoint or any HF Mixtral /\n"
-               "Mistral / Llama directory with tokenizer.model).",
+  CLI::App app{"Generate text with a KV cache from a Hugging Face model directory (a moetron checkpoint or any HF\n"
+               "Mixtral / Mistral / Llama directory).  Greedy by default; --temperature > 0 samples.",
                "moetron generate"};
-  std::string model_dir, prompt, tokenizer_path, template_name = "mistral", eval_chat;
-  bool chat = false;
-  int max_new_tokens = 64;
+  std::string model_dir, prompt, prompt_ids, tokenizer_path, template_name = "auto", eval_chat, system;
+  bool chat = false, stats = false;
+  int max_new_tokens = 256, threads = 0;
   long limit = 0;
+  SamplingParams sp;
+  long long seed = -1;
+  std::vector<std::string> stop;
   app.add_option("--model", model_dir, "model directory")->required();
   app.add_option("--prompt", prompt, "the prompt text");
+  app.add_option("--prompt-ids", prompt_ids, "the prompt as comma-separated token ids; prints the reply's ids");
   app.add_flag("--chat", chat, "treat the prompt as a user turn and apply the chat template");
-  app.add_option("--template", template_name, "chat template: mistral | llama2 | chatml | raw");
+  app.add_option("--system", system, "with --chat: a system message first");
+  app.add_option("--template", template_name,
+                 "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
   app.add_option("--tokenizer", tokenizer_path, "tokenizer.model (default: MODEL/tokenizer.model)");
   app.add_option("--max-new-tokens", max_new_tokens, "stop after this many new tokens");
+  app.add_option("--temperature", sp.temperature, "0: greedy (default); > 0: sample");
+  app.add_option("--top-k", sp.top_k, "sample from the k most likely tokens (0: off)");
+  app.add_option("--top-p", sp.top_p, "nucleus sampling threshold (1: off)");
+  app.add_option("--repetition-penalty", sp.repetition_penalty, "HF repetition penalty (1: off)");
+  app.add_option("--seed", seed, "sampling seed (default: random)");
+  app.add_option("--stop", stop, "stop strings (the reply ends before the first one)");
+  app.add_option("--threads", threads, "threads for OpenMP and BLAS (default: all)");
+  app.add_flag("--stats", stats, "print prompt length, prefill and decode tokens/s to stderr");
   app.add_option("--eval-chat", eval_chat,
-                 "JSONL of conversations: report the exact-answer accuracy of the last assistant turn");
+                 "JSONL of conversations: report the exact-answer accuracy of the last assistant turn (greedy)");
   app.add_option("--limit", limit, "with --eval-chat: at most this many conversations (0: all)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  if (prompt.empty() == eval_chat.empty()) fail("give exactly one of --prompt or --eval-chat");
-  if (tokenizer_path.empty()) tokenizer_path = (fs::path(model_dir) / "tokenizer.model").string();
-  if (!fs::exists(tokenizer_path))
-    fail("{}: no tokenizer.model; pass --tokenizer PATH", tokenizer_path);
-  const Tokenizer tok = Tokenizer::load(tokenizer_path);
-  const ModelConfig cfg = load_model_config((fs::path(model_dir) / "config.json").string());
-  if (tok.vocab_size() > cfg.vocab_size)
-    fail("{}: the tokenizer has {} pieces but the model's vocab_size is {}", tokenizer_path, tok.vocab_size(),
-         cfg.vocab_size);
-  MixtralModel model(cfg);
-  load_hf_weights(ModelTensors::open(model_dir), model.table(), model.params().data(), model_dir);
-  const ChatTemplate tmpl = parse_chat_template(template_name);
+  if ((int)!prompt.empty() + (int)!prompt_ids.empty() + (int)!eval_chat.empty() != 1)
+    fail("give exactly one of --prompt, --prompt-ids or --eval-chat");
+  if (max_new_tokens < 0) fail("--max-new-tokens must be >= 0, got {}", max_new_tokens);
+  sp.seed = seed >= 0 ? (uint64_t)seed : std::random_device{}();
+  validate_sampling(sp);
+  if (threads > 0) {
+    omp_set_num_threads(threads);
+    ops::blas_set_num_threads(threads);
+  }
+  const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir);
+  const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(model_dir, tokenizer_path, model->cfg,
+                                                              /*required=*/prompt_ids.empty());
+  Decoder decoder(*model);
+  KvCache cache = decoder.new_cache();
+  GenerateOptions o;
+  o.max_new_tokens = max_new_tokens;
+  o.sampling = sp;
+  o.eos_ids = model_eos_ids(model_dir, model->cfg, tok.get());
+  o.stop = stop;
+  o.max_positions = model->cfg.max_position_embeddings;
+  o.chat_reply = chat;
 
   if (!eval_chat.empty()) {
-    const AnswerAccuracy acc = chat_answer_accuracy(model, tok, tmpl, eval_chat, max_new_tokens, limit);
+    const TemplateChoice tc = choose_chat_template(model_dir, template_name);
+    const AnswerAccuracy acc = chat_answer_accuracy(decoder, *tok, tc.tmpl, o.eos_ids, eval_chat, max_new_tokens, limit);
     for (const std::string& e : acc.examples) std::printf("  %s\n", e.c_str());
     std::printf("exact-answer accuracy: %ld / %ld = %.1f%%\n", acc.correct, acc.total, 100.0 * acc.fraction());
     return 0;
   }
-  std::vector<int32_t> ids;
-  if (chat) {
-    ids = chat_prompt_tokens(tmpl, tok, {ChatMessage{Role::user, prompt}});
+  GenerateResult r;
+  if (!prompt_ids.empty()) {
+    if (!stop.empty() && !tok) fail("--stop needs a tokenizer");
+    const std::vector<int32_t> ids = parse_ids(prompt_ids);
+    r = generate(decoder, cache, ids, o, tok.get());
+    for (size_t i = 0; i < r.tokens.size(); i++) std::printf("%s%d", i ? "," : "", r.tokens[i]);
+    std::printf("\n");
   } else {
-    if (tok.bos_id() >= 0) ids.push_back(tok.bos_id());
-    tok.encode_append(prompt, ids);
+    std::vector<int32_t> ids;
+    if (chat) {
+      const TemplateChoice tc = choose_chat_template(model_dir, template_name);
+      std::vector<ChatMessage> msgs;
+      if (!system.empty()) msgs.push_back({Role::system, system});
+      msgs.push_back({Role::user, prompt});
+      ids = chat_prompt_tokens(tc.tmpl, *tok, msgs);
+    } else {
+      if (!system.empty()) fail("--system needs --chat");
+      ids = completion_prompt_tokens(*tok, prompt);
+    }
+    GenerateCallbacks cb;
+    cb.on_text = [](const std::string& piece) {
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+      return true;
+    };
+    r = generate(decoder, cache, ids, o, tok.get(), cb);
+    std::printf("\n");
   }
-  const std::vector<int32_t> out = generate_greedy(model, ids, max_new_tokens, tok.eos_id());
-  std::printf("%s\n", tok.decode(out).c_str());
+  if (stats) {
+    const double decoded = r.tokens.size() > 1 ? (double)r.tokens.size() - 1 : 0.0;
+    std::fprintf(stderr, "prompt %d tokens, prefill %.1f tok/s; %zu new tokens, decode %.1f tok/s; finish: %s\n",
+                 r.prompt_tokens, r.prompt_tokens / std::max(r.prefill_seconds, 1e-9), r.tokens.size(),
+                 decoded / std::max(r.decode_seconds, 1e-9), finish_reason_name(r.finish));
+  }
   return 0;
 }
 

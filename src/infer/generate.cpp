@@ -1,16 +1,23 @@
 #include "infer/generate.h"
 
 #include <algorithm>
+#include <chrono>
 #include <fstream>
+#include <optional>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "infer/text_stream.h"
 
 namespace moetron {
 
 namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 std::string trim(const std::string& s) {
   const auto b = s.find_first_not_of(" \t\r\n");
@@ -21,24 +28,94 @@ std::string trim(const std::string& s) {
 
 }  // namespace
 
-std::vector<int32_t> generate_greedy(MixtralModel& model, const std::vector<int32_t>& prompt, int max_new_tokens,
-                                     int32_t eos_id) {
-  if (prompt.empty()) fail("[generate] the prompt has no tokens");
-  const int V = model.config().vocab_size;
-  Batch b;
-  b.B = 1;
-  b.input_ids = prompt;
-  std::vector<int32_t> out;
-  for (int i = 0; i < max_new_tokens; i++) {
-    b.T = (int)b.input_ids.size();
-    model.forward(b, {});
-    const float* last = model.logits() + (size_t)(b.T - 1) * V;
-    const int32_t next = (int32_t)(std::max_element(last, last + V) - last);
-    if (next == eos_id) break;
-    out.push_back(next);
-    b.input_ids.push_back(next);
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::stop:
+      return "stop";
+    case FinishReason::length:
+      return "length";
+    case FinishReason::cancelled:
+      return "cancelled";
   }
-  return out;
+  return "?";
+}
+
+GenerateResult generate(Decoder& decoder, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
+                        const Tokenizer* tok, const GenerateCallbacks& cb) {
+  if (prompt.empty()) fail("[generate] the prompt has no tokens");
+  if (opts.max_new_tokens < 0) fail("[generate] max_new_tokens must be >= 0, got {}", opts.max_new_tokens);
+  if (!tok && !opts.stop.empty()) fail("[generate] stop strings need a tokenizer");
+  if (opts.max_positions > 0 && (int)prompt.size() > opts.max_positions)
+    fail("[generate] the prompt has {} tokens, more than the model's {} positions", prompt.size(), opts.max_positions);
+  const int V = decoder.vocab_size();
+  GenerateResult r;
+  r.prompt_tokens = (int)prompt.size();
+  r.reused_tokens = reusable_prefix(cache, prompt);
+  cache.truncate(r.reused_tokens);
+
+  std::vector<float> logits(V);
+  const auto t0 = Clock::now();
+  decoder.forward(cache, prompt.subspan(r.reused_tokens), logits.data());
+  r.prefill_seconds = seconds_since(t0);
+  const auto t1 = Clock::now();
+
+  Sampler sampler(opts.sampling, V);
+  std::vector<int32_t> context(prompt.begin(), prompt.end());
+  std::optional<TextStream> text;
+  if (tok) {
+    std::vector<int32_t> ctx;  // completions: decode from the prompt's last non-control token
+    if (!opts.chat_reply)
+      for (size_t i = prompt.size(); i-- > 0;)
+        if (prompt[i] != tok->bos_id() && prompt[i] != tok->eos_id() && !tok->decode(prompt.subspan(i, 1)).empty()) {
+          ctx.push_back(prompt[i]);
+          break;
+        }
+    text.emplace(*tok, ctx, opts.stop);
+  }
+  auto emit = [&](const std::string& piece) { return piece.empty() || !cb.on_text || cb.on_text(piece); };
+
+  r.finish = FinishReason::length;
+  bool done = opts.max_new_tokens == 0;
+  while (!done) {
+    const int32_t next = sampler.next(logits.data(), context, r.tokens);
+    if (std::find(opts.eos_ids.begin(), opts.eos_ids.end(), next) != opts.eos_ids.end()) {
+      r.finish = FinishReason::stop;
+      break;
+    }
+    r.tokens.push_back(next);
+    context.push_back(next);
+    if (cb.on_token && !cb.on_token(next)) {
+      r.finish = FinishReason::cancelled;
+      break;
+    }
+    if (text) {
+      if (!emit(text->push(next))) {
+        r.finish = FinishReason::cancelled;
+        break;
+      }
+      if (text->stopped()) {
+        r.finish = FinishReason::stop;
+        break;
+      }
+    }
+    if ((int)r.tokens.size() >= opts.max_new_tokens) break;
+    if (opts.max_positions > 0 && cache.len() + 1 >= opts.max_positions) break;  // no room for another token
+    decoder.forward(cache, std::span<const int32_t>(&next, 1), logits.data());
+  }
+  if (text) {
+    if (r.finish != FinishReason::cancelled && !emit(text->finish())) r.finish = FinishReason::cancelled;
+    r.text = text->text();
+  }
+  r.decode_seconds = seconds_since(t1);
+  return r;
+}
+
+std::vector<int32_t> generate_greedy(Decoder& decoder, KvCache& cache, std::span<const int32_t> prompt,
+                                     int max_new_tokens, std::span<const int32_t> eos_ids) {
+  GenerateOptions o;
+  o.max_new_tokens = max_new_tokens;
+  o.eos_ids.assign(eos_ids.begin(), eos_ids.end());
+  return generate(decoder, cache, prompt, o, nullptr).tokens;
 }
 
 std::vector<int32_t> chat_prompt_tokens(ChatTemplate tmpl, const Tokenizer& tok, const std::vector<ChatMessage>& messages) {
@@ -47,11 +124,20 @@ std::vector<int32_t> chat_prompt_tokens(ChatTemplate tmpl, const Tokenizer& tok,
   return apply_chat_template(tmpl, tok, messages, o).tokens;
 }
 
-AnswerAccuracy chat_answer_accuracy(MixtralModel& model, const Tokenizer& tok, ChatTemplate tmpl,
-                                    const std::string& jsonl_path, int max_new_tokens, long limit) {
+std::vector<int32_t> completion_prompt_tokens(const Tokenizer& tok, const std::string& text) {
+  std::vector<int32_t> ids;
+  if (tok.bos_id() >= 0) ids.push_back(tok.bos_id());
+  tok.encode_append(text, ids);
+  return ids;
+}
+
+AnswerAccuracy chat_answer_accuracy(Decoder& decoder, const Tokenizer& tok, ChatTemplate tmpl,
+                                    std::span<const int32_t> eos_ids, const std::string& jsonl_path,
+                                    int max_new_tokens, long limit) {
   std::ifstream in(jsonl_path);
   if (!in) fail("{}: cannot open", jsonl_path);
   AnswerAccuracy acc;
+  KvCache cache = decoder.new_cache();
   long line_no = 0;
   for (std::string line; std::getline(in, line) && (limit <= 0 || acc.total < limit);) {
     line_no++;
@@ -70,8 +156,8 @@ AnswerAccuracy chat_answer_accuracy(MixtralModel& model, const Tokenizer& tok, C
       fail("{}:{}: the last message must be the assistant's answer", jsonl_path, line_no);
     const std::string expected = trim(msgs.back().content);
     msgs.pop_back();
-    const std::vector<int32_t> reply = generate_greedy(model, chat_prompt_tokens(tmpl, tok, msgs), max_new_tokens,
-                                                       tok.eos_id());
+    const std::vector<int32_t> prompt = chat_prompt_tokens(tmpl, tok, msgs);
+    const std::vector<int32_t> reply = generate_greedy(decoder, cache, prompt, max_new_tokens, eos_ids);
     const std::string text = trim(tok.decode(reply));
     acc.total++;
     acc.correct += text == expected;

@@ -1,24 +1,66 @@
-// Greedy text generation with the CPU model.  This first version recomputes the whole sequence for
-// every new token (no KV cache yet), which is fine for the short prompts of the demo and tests.
+// Text generation with a KV cache: prefill the prompt (reusing the cached prefix it shares with the
+// previous sequence), then decode one token at a time until an end-of-sequence token, a stop string,
+// max_new_tokens, the model's position limit, or the caller cancels.
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
-#include "model/mixtral.h"
+#include "infer/decoder.h"
+#include "infer/sampler.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
 namespace moetron {
 
-// Appends up to max_new_tokens greedy (argmax) tokens to `prompt`; stops after eos_id (not included
-// in the result).  Returns the new tokens only.
-std::vector<int32_t> generate_greedy(MixtralModel& model, const std::vector<int32_t>& prompt, int max_new_tokens,
-                                     int32_t eos_id);
+enum class FinishReason { stop, length, cancelled };
+// "stop" (EOS or a stop string), "length" (max_new_tokens or the position limit), "cancelled".
+const char* finish_reason_name(FinishReason r);
 
-// The prompt tokens for a chat: the template applied to `messages` (which end with a user turn).
+struct GenerateOptions {
+  int max_new_tokens = 256;
+  SamplingParams sampling;
+  std::vector<int32_t> eos_ids;   // any of them ends the reply (not part of it)
+  std::vector<std::string> stop;  // stop strings (need a tokenizer)
+  int max_positions = 0;          // > 0: prompt + reply never exceed this many positions
+  bool chat_reply = true;         // text of a chat reply (true) or of a completion (see text_stream.h)
+};
+
+struct GenerateResult {
+  std::vector<int32_t> tokens;  // the reply's tokens, without the EOS that ended it
+  std::string text;             // the reply's text (with a tokenizer), stop string excluded
+  FinishReason finish = FinishReason::length;
+  int prompt_tokens = 0;
+  int reused_tokens = 0;         // prompt tokens whose keys/values came from the cache
+  double prefill_seconds = 0.0;  // the prompt's forward pass
+  double decode_seconds = 0.0;   // everything after it
+};
+
+struct GenerateCallbacks {
+  // Each new token of the reply; return false to stop (FinishReason::cancelled).
+  std::function<bool(int32_t)> on_token;
+  // Each piece of final text (never empty); return false to stop (cancelled).
+  std::function<bool(const std::string&)> on_text;
+};
+
+// `tok` may be null for token-only generation (then `stop` must be empty).  The cache holds the
+// prompt and reply afterwards (except the last sampled token), ready for a follow-up prompt.
+GenerateResult generate(Decoder& decoder, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
+                        const Tokenizer* tok, const GenerateCallbacks& callbacks = {});
+
+// Greedy tokens (at most max_new_tokens; stops before any of eos_ids).
+std::vector<int32_t> generate_greedy(Decoder& decoder, KvCache& cache, std::span<const int32_t> prompt,
+                                     int max_new_tokens, std::span<const int32_t> eos_ids);
+
+// The prompt tokens for a chat: the template applied to `messages` (ending with a user turn) with the
+// generation prompt.
 std::vector<int32_t> chat_prompt_tokens(ChatTemplate tmpl, const Tokenizer& tok, const std::vector<ChatMessage>& messages);
+
+// The prompt tokens for a plain completion: BOS (when the tokenizer has one) + encode(text).
+std::vector<int32_t> completion_prompt_tokens(const Tokenizer& tok, const std::string& text);
 
 struct AnswerAccuracy {
   long correct = 0, total = 0;
@@ -29,7 +71,8 @@ struct AnswerAccuracy {
 // Exact-answer accuracy over a chat JSONL file: for each line's conversation the last assistant turn
 // is the expected answer, everything before it the prompt; the greedy reply (whitespace-trimmed) must
 // equal the answer (whitespace-trimmed).  Errors name file:line for unusable lines.
-AnswerAccuracy chat_answer_accuracy(MixtralModel& model, const Tokenizer& tok, ChatTemplate tmpl,
-                                    const std::string& jsonl_path, int max_new_tokens, long limit);
+AnswerAccuracy chat_answer_accuracy(Decoder& decoder, const Tokenizer& tok, ChatTemplate tmpl,
+                                    std::span<const int32_t> eos_ids, const std::string& jsonl_path,
+                                    int max_new_tokens, long limit);
 
 }  // namespace moetron

@@ -1,0 +1,240 @@
+// Decode-time forward over a KV cache; see decoder.h.
+#include "infer/decoder.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/error.h"
+#include "infer/kernels.h"
+#include "ops/embedding.h"
+#include "ops/matmul.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+#include "ops/router.h"
+#include "ops/swiglu.h"
+
+namespace moetron {
+
+namespace {
+
+// Below this many query rows attention runs per (row, head) with dot products; from here on it uses
+// two GEMMs per head.
+constexpr int kGemmAttentionRows = 8;
+constexpr long kParallelMin = 1L << 15;
+
+void add_inplace(float* y, const float* x, long n) {
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (long i = 0; i < n; i++) y[i] += x[i];
+}
+
+// In place: row softmax of s[0..n), returns nothing; masked entries are not part of s.
+void softmax_inplace(float* s, int n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < n; j++) mx = std::max(mx, s[j]);
+  float sum = 0.0f;
+  for (int j = 0; j < n; j++) {
+    s[j] = std::exp(s[j] - mx);
+    sum += s[j];
+  }
+  const float inv = 1.0f / sum;
+  for (int j = 0; j < n; j++) s[j] *= inv;
+}
+
+}  // namespace
+
+Decoder::Decoder(const InferenceModel& model, int prefill_chunk) : m_(model), chunk_(std::max(1, prefill_chunk)) {
+  const ModelConfig& c = m_.cfg;
+  moe_ = c.is_moe();
+  C_ = c.hidden_size;
+  V_ = c.vocab_size;
+  I_ = c.intermediate_size;
+  NH_ = c.num_attention_heads;
+  NKV_ = c.num_key_value_heads;
+  HD_ = c.head_dim;
+  Q_ = NH_ * HD_;
+  KVd_ = NKV_ * HD_;
+  E_ = moe_ ? c.num_local_experts : 1;
+  K_ = moe_ ? c.num_experts_per_tok : 1;
+  L_ = c.num_hidden_layers;
+  MOETRON_ASSERT(NKV_ > 0 && NH_ % NKV_ == 0 && HD_ > 0);
+}
+
+void Decoder::reserve_scratch(int n) {
+  if (n <= cap_) return;
+  cap_ = n;
+  const size_t N = n, M = (size_t)n * K_;
+  x_.resize(N * C_);
+  ln_.resize(N * C_);
+  rstd_.resize(N);
+  q_.resize(N * Q_);
+  att_.resize(N * Q_);
+  tmp_.resize(N * C_);
+  rlogits_.resize(N * E_);
+  rprobs_.resize(N * E_);
+  topk_w_.resize(M);
+  topk_idx_.resize(M);
+  xperm_.resize(M * C_);
+  h13_.resize(M * 2 * I_);
+  act_.resize(M * I_);
+  yperm_.resize(M * C_);
+  pos_.resize(N);
+}
+
+void Decoder::forward(KvCache& cache, std::span<const int32_t> tokens, float* logits, bool all_logits) {
+  if (tokens.empty()) fail("[Decoder::forward] no tokens to feed");
+  if (cache.layers() != L_ || cache.kv_dim() != KVd_)
+    fail("[Decoder::forward] the KV cache has {} layers of width {}, the model {} of width {}", cache.layers(),
+         cache.kv_dim(), L_, KVd_);
+  for (size_t i = 0; i < tokens.size(); i++)
+    if (tokens[i] < 0 || tokens[i] >= V_)
+      fail("[Decoder::forward] token id {} at position {} is outside the vocabulary [0, {})", tokens[i], i, V_);
+  const int total = (int)tokens.size();
+  for (int s = 0; s < total; s += chunk_) {
+    const int n = std::min(chunk_, total - s);
+    const bool last = s + n == total;
+    float* out = all_logits ? logits + (size_t)s * V_ : (last ? logits : nullptr);
+    forward_chunk(cache, tokens.data() + s, n, out, all_logits);
+  }
+}
+
+void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float* logits, bool all_logits) {
+  reserve_scratch(n);
+  const int pos0 = cache.len();
+  const float eps = (float)m_.cfg.rms_norm_eps, theta = (float)m_.cfg.rope_theta;
+  for (int i = 0; i < n; i++) pos_[i] = pos0 + i;
+  float* x = x_.data();
+  float* ln = ln_.data();
+  ops::embedding_forward(x, tokens, m_.weight(ParamKind::embedding), n, C_, V_);
+  cache.grow(n);
+  for (int l = 0; l < L_; l++) {
+    float* kdst = cache.keys(l) + (size_t)pos0 * KVd_;  // [n, KV]
+    float* vdst = cache.values(l) + (size_t)pos0 * KVd_;
+    // Attention block: x += o_proj(attn(rope(q), rope(k), v)) with k, v written straight into the cache.
+    ops::rmsnorm_forward(ln, rstd_.data(), x, m_.weight(ParamKind::input_norm, l), n, C_, eps);
+    const float *wq = m_.weight(ParamKind::q_proj, l), *wk = m_.weight(ParamKind::k_proj, l),
+                *wv = m_.weight(ParamKind::v_proj, l);
+    if (n == 1) {
+      infer::gemv3(q_.data(), wq, Q_, kdst, wk, KVd_, vdst, wv, KVd_, ln, C_);
+    } else {
+      ops::matmul_forward(q_.data(), ln, wq, n, C_, Q_);
+      ops::matmul_forward(kdst, ln, wk, n, C_, KVd_);
+      ops::matmul_forward(vdst, ln, wv, n, C_, KVd_);
+    }
+    ops::rope_forward(q_.data(), q_.data(), pos_.data(), n, NH_, HD_, theta);
+    ops::rope_forward(kdst, kdst, pos_.data(), n, NKV_, HD_, theta);
+    attention(att_.data(), q_.data(), cache.keys(l), cache.values(l), pos0, n);
+    const float* wo = m_.weight(ParamKind::o_proj, l);
+    if (n == 1)
+      infer::gemv(x, wo, att_.data(), C_, Q_, true);
+    else
+      ops::matmul_forward_accumulate(x, att_.data(), wo, n, Q_, C_);
+    // FFN block: x += ffn(rmsnorm(x)).
+    ops::rmsnorm_forward(ln, rstd_.data(), x, m_.weight(ParamKind::post_norm, l), n, C_, eps);
+    ffn(x, ln, l, n);
+  }
+  cache.commit(std::span<const int32_t>(tokens, n));
+  if (!logits) return;
+  // Final norm and head: every row, or the last one.
+  const int rows = all_logits ? n : 1;
+  const float* xin = all_logits ? x : x + (size_t)(n - 1) * C_;
+  ops::rmsnorm_forward(ln, rstd_.data(), xin, m_.weight(ParamKind::final_norm), rows, C_, eps);
+  if (rows == 1)
+    infer::gemv(logits, m_.weight(ParamKind::lm_head), ln, V_, C_);
+  else
+    ops::matmul_forward(logits, ln, m_.weight(ParamKind::lm_head), rows, C_, V_);
+}
+
+// out[n, Q] for queries at positions pos0..pos0+n-1 over cached keys/values [0, pos0+n).
+void Decoder::attention(float* out, const float* q, const float* keys, const float* values, int pos0, int n) {
+  const int G = NH_ / NKV_, W = m_.cfg.sliding_window;
+  const float scale = 1.0f / std::sqrt((float)HD_);
+  auto first_key = [&](int p) { return W > 0 ? std::max(0, p - W + 1) : 0; };
+  if (n < kGemmAttentionRows) {
+    const long work = (long)n * NH_ * (pos0 + n) * HD_;
+#pragma omp parallel if (work >= kParallelMin)
+    {
+      std::vector<float> s(pos0 + n);
+#pragma omp for schedule(static)
+      for (int ih = 0; ih < n * NH_; ih++) {
+        const int i = ih / NH_, h = ih % NH_, g = h / G;
+        const int p = pos0 + i, lo = first_key(p), cnt = p - lo + 1;
+        const float* qi = q + (size_t)i * Q_ + (size_t)h * HD_;
+        for (int j = 0; j < cnt; j++) s[j] = infer::dot(qi, keys + (size_t)(lo + j) * KVd_ + (size_t)g * HD_, HD_) * scale;
+        softmax_inplace(s.data(), cnt);
+        float* o = out + (size_t)i * Q_ + (size_t)h * HD_;
+        std::fill(o, o + HD_, 0.0f);
+        for (int j = 0; j < cnt; j++) infer::axpy(o, s[j], values + (size_t)(lo + j) * KVd_ + (size_t)g * HD_, HD_);
+      }
+    }
+    return;
+  }
+  // Many rows: per head S = scale * q_h k_g^T over the keys any row can see, masked row softmax,
+  // out_h = S v_g.
+  const int lo_all = first_key(pos0), cols = pos0 + n - lo_all;
+  scores_.resize((size_t)n * cols);
+  float* S = scores_.data();
+  for (int h = 0; h < NH_; h++) {
+    const int g = h / G;
+    ops::sgemm(false, true, n, cols, HD_, scale, q + (size_t)h * HD_, Q_, keys + (size_t)lo_all * KVd_ + (size_t)g * HD_,
+               KVd_, 0.0f, S, cols);
+#pragma omp parallel for schedule(static) if ((long)n * cols >= kParallelMin)
+    for (int i = 0; i < n; i++) {
+      const int p = pos0 + i, lo = first_key(p) - lo_all, hi = p - lo_all;  // visible columns [lo, hi]
+      float* row = S + (size_t)i * cols;
+      std::fill(row, row + lo, 0.0f);
+      softmax_inplace(row + lo, hi - lo + 1);
+      std::fill(row + hi + 1, row + cols, 0.0f);
+    }
+    ops::sgemm(false, false, n, HD_, cols, 1.0f, S, cols, values + (size_t)lo_all * KVd_ + (size_t)g * HD_, KVd_, 0.0f,
+               out + (size_t)h * HD_, Q_);
+  }
+}
+
+// x[n, C] += FFN(ln[n, C]) for layer `layer`: the routed experts (MoE) or the dense SwiGLU MLP.
+void Decoder::ffn(float* x, const float* ln, int layer, int n) {
+  const float* w13 = m_.weight(ParamKind::ffn_w13, layer);  // [E, 2I, C]
+  const float* w2 = m_.weight(ParamKind::ffn_w2, layer);    // [E, C, I]
+  const size_t IC = (size_t)I_ * C_;
+  float* h13 = h13_.data();
+  float* act = act_.data();
+  if (!moe_) {
+    if (n == 1) {
+      infer::gemv(h13, w13, ln, 2 * I_, C_);
+      ops::swiglu_forward(act, h13, 1, I_);
+      infer::gemv(x, w2, act, C_, I_, true);
+    } else {
+      ops::matmul_forward(h13, ln, w13, n, C_, 2 * I_);
+      ops::swiglu_forward(act, h13, n, I_);
+      ops::matmul_forward_accumulate(x, act, w2, n, I_, C_);
+    }
+    return;
+  }
+  const float* wr = m_.weight(ParamKind::router, layer);  // [E, C]
+  float* tmp = tmp_.data();
+  if (n == 1) {
+    infer::gemv(rlogits_.data(), wr, ln, E_, C_);
+    ops::router_forward(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), 1, E_, K_);
+    std::fill(tmp, tmp + C_, 0.0f);
+    float* y = yperm_.data();
+    for (int k = 0; k < K_; k++) {
+      const int e = topk_idx_[k];
+      infer::gemv(h13, w13 + (size_t)e * 2 * IC, ln, 2 * I_, C_);
+      ops::swiglu_forward(act, h13, 1, I_);
+      infer::gemv(y, w2 + (size_t)e * IC, act, C_, I_);
+      infer::axpy(tmp, topk_w_[k], y, C_);
+    }
+    add_inplace(x, tmp, C_);
+    return;
+  }
+  ops::matmul_forward(rlogits_.data(), ln, wr, n, C_, E_);
+  ops::router_forward(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), n, E_, K_);
+  ops::moe_plan_build(plan_, topk_idx_.data(), n, E_, K_);
+  ops::moe_permute_forward(xperm_.data(), ln, plan_, C_);
+  ops::moe_experts_forward(yperm_.data(), h13, act, xperm_.data(), w13, w2, plan_, C_, I_);
+  ops::moe_combine_forward(tmp, yperm_.data(), topk_w_.data(), plan_, C_);
+  add_inplace(x, tmp, (long)n * C_);
+}
+
+}  // namespace moetron

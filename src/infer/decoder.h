@@ -1,0 +1,54 @@
+// The decode-time forward pass of the Mixtral / Mistral / Llama decoder over a KV cache: prefill
+// (many tokens at once, BLAS GEMMs) and decode (one token, matrix-vector kernels).  Same model and
+// numerics as MixtralModel::forward -- RMSNorm, HF rotate-half RoPE, causal GQA attention with the
+// optional sliding window (query i sees key j iff i - W < j <= i), softmax top-K router with
+// renormalised weights, SwiGLU experts -- built from the ops in src/ops plus the kernels in kernels.h.
+// Dimensions: n new tokens, C hidden, NH heads, NKV kv heads, HD head dim, Q = NH*HD, KV = NKV*HD,
+// E experts, K experts per token, I FFN width, V vocab.
+//
+// A Decoder borrows the model's weights (read-only) and owns scratch buffers, so one Decoder serves
+// one forward at a time; any number of KvCaches (sequences) can be used with it in turn.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "infer/kv_cache.h"
+#include "infer/model.h"
+#include "ops/moe_dispatch.h"
+
+namespace moetron {
+
+class Decoder {
+ public:
+  // prefill_chunk: the most tokens computed in one pass (bounds the scratch memory of long prompts).
+  explicit Decoder(const InferenceModel& model, int prefill_chunk = 256);
+
+  const ModelConfig& config() const { return m_.cfg; }
+  int vocab_size() const { return m_.cfg.vocab_size; }
+  KvCache new_cache() const { return KvCache(m_.cfg.num_hidden_layers, KVd_); }
+
+  // Feeds `tokens` at positions cache.len(), cache.len()+1, ...; appends their keys and values to the
+  // cache and writes logits: [tokens.size(), V] when all_logits, else [V] for the last token only.
+  // Error for an empty span or a token outside the vocabulary (the cache is then unchanged).
+  void forward(KvCache& cache, std::span<const int32_t> tokens, float* logits, bool all_logits = false);
+
+ private:
+  void forward_chunk(KvCache& cache, const int32_t* tokens, int n, float* logits, bool all_logits);
+  void attention(float* out, const float* q, const float* keys, const float* values, int pos0, int n);
+  void ffn(float* x, const float* ln, int layer, int n);
+  void reserve_scratch(int n);
+
+  const InferenceModel& m_;
+  int chunk_;
+  int C_, V_, I_, NH_, NKV_, HD_, Q_, KVd_, E_, K_, L_;
+  bool moe_;
+  // Scratch, sized for the largest chunk seen.
+  int cap_ = 0;
+  std::vector<float> x_, ln_, rstd_, q_, att_, tmp_, rlogits_, rprobs_, topk_w_, xperm_, h13_, act_, yperm_, scores_;
+  std::vector<int32_t> topk_idx_, pos_;
+  ops::MoePlan plan_;
+};
+
+}  // namespace moetron

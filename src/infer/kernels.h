@@ -1,0 +1,21 @@
+// Small-batch kernels for decoding, where one token's activations meet each weight matrix once and
+// the time goes into streaming the weights: matrix-vector products (HF nn.Linear layout, weight
+// [OC, IC]) and dot products, register-blocked, OpenMP over output rows when the matrix is large.
+#pragma once
+
+namespace moetron::infer {
+
+// y[OC] = W[OC,IC] x[IC]   (accumulate: y += ...)
+void gemv(float* y, const float* W, const float* x, int OC, int IC, bool accumulate = false);
+
+// Three products of one input in one parallel region: ya = Wa x, yb = Wb x, yc = Wc x.
+void gemv3(float* ya, const float* Wa, int OCa, float* yb, const float* Wb, int OCb, float* yc, const float* Wc,
+           int OCc, const float* x, int IC);
+
+// sum_i a[i] b[i]
+float dot(const float* a, const float* b, int n);
+
+// y[n] += alpha * x[n]
+void axpy(float* y, float alpha, const float* x, int n);
+
+}  // namespace moetron::infer

@@ -1,0 +1,134 @@
+#include "infer/model.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "io/model_files.h"
+#include "model/weights.h"
+
+namespace fs = std::filesystem;
+
+namespace moetron {
+
+namespace {
+
+std::optional<nlohmann::json> read_json_if_exists(const fs::path& p) {
+  std::error_code ec;
+  if (!fs::is_regular_file(p, ec)) return std::nullopt;
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto j = nlohmann::json::parse(ss.str(), nullptr, false);
+  if (j.is_discarded()) return std::nullopt;
+  return j;
+}
+
+// dataset.json of the data a moetron checkpoint was trained on (trainer_state.json's config snapshot
+// names the data directory, relative to where training ran); nullopt when unknown or not found.
+std::optional<nlohmann::json> training_dataset(const std::string& model_dir) {
+  const auto st = read_json_if_exists(fs::path(model_dir) / "trainer_state.json");
+  if (!st || !st->is_object()) return std::nullopt;
+  const auto cfg = st->find("config");
+  if (cfg == st->end() || !cfg->is_object()) return std::nullopt;
+  const auto data = cfg->find("data");
+  if (data == cfg->end() || !data->is_object() || !data->contains("path") || !(*data)["path"].is_string())
+    return std::nullopt;
+  return read_json_if_exists(fs::path((*data)["path"].get<std::string>()) / "dataset.json");
+}
+
+std::optional<ChatTemplate> template_from_jinja(const std::string& jinja) {
+  if (jinja.find("<|im_start|>") != std::string::npos) return ChatTemplate::chatml;
+  if (jinja.find("<<SYS>>") != std::string::npos) return ChatTemplate::llama2;
+  if (jinja.find("[INST]") != std::string::npos) return ChatTemplate::mistral;
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir) {
+  const ModelConfig cfg = load_model_config((fs::path(dir) / "config.json").string());
+  auto m = std::make_unique<InferenceModel>(cfg);
+  load_hf_weights(ModelTensors::open(dir), m->table, m->params.data(), dir);
+  return m;
+}
+
+TemplateChoice choose_chat_template(const std::string& model_dir, const std::string& explicit_name) {
+  if (!explicit_name.empty() && explicit_name != "auto") return {parse_chat_template(explicit_name), "--template"};
+  if (const auto ds = training_dataset(model_dir); ds && ds->contains("template") && (*ds)["template"].is_string())
+    return {parse_chat_template((*ds)["template"].get<std::string>()), "the training dataset's dataset.json"};
+  if (const auto tc = read_json_if_exists(fs::path(model_dir) / "tokenizer_config.json");
+      tc && tc->is_object() && tc->contains("chat_template") && (*tc)["chat_template"].is_string())
+    if (const auto t = template_from_jinja((*tc)["chat_template"].get<std::string>()))
+      return {*t, "tokenizer_config.json"};
+  {
+    std::ifstream in(fs::path(model_dir) / "chat_template.jinja");
+    if (in) {
+      std::stringstream ss;
+      ss << in.rdbuf();
+      if (const auto t = template_from_jinja(ss.str())) return {*t, "chat_template.jinja"};
+    }
+  }
+  return {ChatTemplate::mistral, "default"};
+}
+
+std::vector<int32_t> model_eos_ids(const std::string& model_dir, const ModelConfig& cfg, const Tokenizer* tok) {
+  std::vector<int32_t> ids;
+  auto add = [&](long id) {
+    if (id >= 0 && id < cfg.vocab_size && std::find(ids.begin(), ids.end(), (int32_t)id) == ids.end())
+      ids.push_back((int32_t)id);
+  };
+  const auto gc = read_json_if_exists(fs::path(model_dir) / "generation_config.json");
+  if (gc && gc->is_object() && gc->contains("eos_token_id")) {
+    const auto& e = (*gc)["eos_token_id"];
+    if (e.is_number_integer()) add(e.get<long>());
+    if (e.is_array())
+      for (const auto& x : e)
+        if (x.is_number_integer()) add(x.get<long>());
+  }
+  if (ids.empty())
+    for (int id : cfg.eos_token_ids) add(id);
+  if (ids.empty()) add(cfg.eos_token_id);
+  if (tok) add(tok->eos_id());
+  return ids;
+}
+
+std::unique_ptr<Tokenizer> load_model_tokenizer(const std::string& model_dir, const std::string& explicit_path,
+                                                const ModelConfig& cfg, bool required) {
+  std::string path = explicit_path;
+  std::string expected_sha;
+  if (path.empty()) {
+    const fs::path own = fs::path(model_dir) / "tokenizer.model";
+    std::error_code ec;
+    if (fs::is_regular_file(own, ec)) {
+      path = own.string();
+    } else if (const auto ds = training_dataset(model_dir); ds && ds->contains("tokenizer") &&
+                                                           (*ds)["tokenizer"].is_object()) {
+      // A moetron checkpoint trained on prepared data: the tokenizer the data was prepared with, if it
+      // is still where it was and still the same file.
+      const auto& t = (*ds)["tokenizer"];
+      if (t.contains("path") && t["path"].is_string() && fs::is_regular_file(t["path"].get<std::string>(), ec)) {
+        path = t["path"].get<std::string>();
+        if (t.contains("sha256") && t["sha256"].is_string()) expected_sha = t["sha256"].get<std::string>();
+      }
+    }
+  }
+  if (path.empty()) {
+    if (!required) return nullptr;
+    fail("{}: no tokenizer.model (and no training dataset naming one); pass --tokenizer PATH", model_dir);
+  }
+  auto tok = std::make_unique<Tokenizer>(Tokenizer::load(path));
+  if (!expected_sha.empty() && tok->sha256() != expected_sha)
+    fail("{}: the tokenizer named by the training dataset has changed (sha256 {} != {}); pass --tokenizer PATH",
+         path, tok->sha256(), expected_sha);
+  if (tok->vocab_size() > cfg.vocab_size)
+    fail("{}: the tokenizer has {} pieces but the model's vocab_size is {}", path, tok->vocab_size(), cfg.vocab_size);
+  return tok;
+}
+
+}  // namespace moetron

@@ -1,0 +1,54 @@
+// An inference model: the config, the parameter table and the fp32 parameters of an HF Mixtral /
+// Mistral / Llama directory -- and, beside them, what generation needs from the directory: the
+// tokenizer, the chat template and the end-of-sequence ids.  Unlike MixtralModel (training) it holds
+// no gradients or activations.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "io/hf_config.h"
+#include "model/params.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace moetron {
+
+struct InferenceModel {
+  ModelConfig cfg;
+  ParamTable table;
+  std::vector<float> params;  // table.total() floats
+
+  explicit InferenceModel(const ModelConfig& c) : cfg(c), table(c), params(table.total(), 0.0f) {}
+  const float* weight(ParamKind kind, int layer = -1) const { return params.data() + table.at(kind, layer).offset; }
+};
+
+// Reads DIR/config.json and DIR's safetensors (any float dtype; computed in fp32).
+std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir);
+
+// How the chat template was chosen, for messages ("--template", "tokenizer_config.json", ...).
+struct TemplateChoice {
+  ChatTemplate tmpl = ChatTemplate::mistral;
+  std::string source;
+};
+
+// The chat template of a model directory: `explicit_name` when not empty; otherwise the template the
+// training data was prepared with (trainer_state.json -> config.data.path -> dataset.json "template",
+// for moetron checkpoints); otherwise recognised from the Jinja chat template in tokenizer_config.json
+// or chat_template.jinja ("<|im_start|>" -> chatml, "<<SYS>>" -> llama2, "[INST]" -> mistral);
+// otherwise mistral.
+TemplateChoice choose_chat_template(const std::string& model_dir, const std::string& explicit_name);
+
+// The end-of-sequence ids: generation_config.json's eos_token_id (a number or a list) when present,
+// else config.json's, plus the tokenizer's EOS (when given).  Never empty unless nothing names one.
+std::vector<int32_t> model_eos_ids(const std::string& model_dir, const ModelConfig& cfg, const Tokenizer* tok);
+
+// The tokenizer for a model directory: `explicit_path` when given (Error when missing), else
+// DIR/tokenizer.model.  Null when neither exists and `required` is false; Error naming both
+// otherwise.  Error when the tokenizer has more pieces than the model's vocabulary.
+std::unique_ptr<Tokenizer> load_model_tokenizer(const std::string& model_dir, const std::string& explicit_path,
+                                                const ModelConfig& cfg, bool required);
+
+}  // namespace moetron

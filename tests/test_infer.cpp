@@ -1,0 +1,413 @@
+// Inference: the KV-cache decoder against recomputation without a cache (the training model's full
+// forward), greedy generation against transformers' generate(do_sample=False), sampling, and the
+// incremental detokenizer with stop strings.
+//
+// Tolerance of the KV-vs-recompute comparison: max|a-b| <= 1e-5 * max|b| over each step's logits.
+// Both paths are fp32 with the same formulas; they differ only in summation order (matrix-vector
+// kernels and per-row attention here, BLAS GEMMs and blocked attention there), which moves logits
+// by ~1e-7 relative on these 2-layer models.  A wrong position, cache slot, window or mask moves them
+// by far more (the golden models scale q/k so attention is sharp).
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "core/rng.h"
+#include "infer/decoder.h"
+#include "infer/generate.h"
+#include "infer/model.h"
+#include "infer/sampler.h"
+#include "infer/text_stream.h"
+#include "io/model_files.h"
+#include "mixtral_tokenizer.h"
+#include "model/mixtral.h"
+#include "model/weights.h"
+
+namespace fs = std::filesystem;
+using namespace moetron;
+
+namespace {
+
+const fs::path kGolden = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden";
+const fs::path kGenerate = kGolden / "generate";
+
+nlohmann::json expected_json() {
+  std::ifstream in(kGenerate / "expected.json");
+  return nlohmann::json::parse(in);
+}
+
+std::vector<int32_t> random_tokens(int n, int V, uint64_t seed) {
+  std::vector<int32_t> t(n);
+  for (int i = 0; i < n; i++) t[i] = (int32_t)(mix64(seed * 1000003 + i) % (uint64_t)V);
+  return t;
+}
+
+// [T, V] logits of the training model's forward over the whole sequence.
+std::vector<float> recompute_logits(const std::string& dir, const std::vector<int32_t>& tokens) {
+  const ModelConfig cfg = load_model_config(dir + "/config.json");
+  MixtralModel model(cfg);
+  load_hf_weights(ModelTensors::open(dir), model.table(), model.params().data(), dir);
+  Batch b;
+  b.B = 1;
+  b.T = (int)tokens.size();
+  b.input_ids = tokens;
+  model.forward(b, {});
+  return std::vector<float>(model.logits(), model.logits() + tokens.size() * (size_t)cfg.vocab_size);
+}
+
+double rel_err(const float* a, const float* b, int n) {
+  double err = 0, ref = 0;
+  for (int i = 0; i < n; i++) {
+    err = std::max(err, std::fabs((double)a[i] - b[i]));
+    ref = std::max(ref, std::fabs((double)b[i]));
+  }
+  return err / ref;
+}
+
+constexpr double kTol = 1e-5;
+
+// Every model directory with weights: the forward goldens and the generation goldens.
+std::vector<std::string> model_dirs() {
+  std::vector<std::string> dirs;
+  for (const char* c : {"mixtral_gqa", "mixtral_e3_k1", "mixtral_swa_padded", "mistral_dense", "llama_dense"})
+    dirs.push_back((kGolden / c).string());
+  for (const char* c : {"mixtral_gqa", "llama_dense"}) dirs.push_back((kGenerate / c).string());
+  return dirs;
+}
+
+}  // namespace
+
+// Prefill of a prompt, then one token at a time: the logits of every position equal the full
+// recomputation's.  The sequences are longer than the sliding windows (5 and 16) of the window cases.
+TEST(Decoder, KvCacheEqualsRecomputationAtEveryStep) {
+  for (const std::string& dir : model_dirs()) {
+    SCOPED_TRACE(dir);
+    const auto model = load_inference_model(dir);
+    const int V = model->cfg.vocab_size, T = 40, P = 7;
+    const std::vector<int32_t> tokens = random_tokens(T, V, 7);
+    const std::vector<float> ref = recompute_logits(dir, tokens);
+    Decoder dec(*model);
+    KvCache cache = dec.new_cache();
+    std::vector<float> logits((size_t)P * V);
+    dec.forward(cache, std::span(tokens).first(P), logits.data(), /*all_logits=*/true);
+    for (int t = 0; t < P; t++)
+      ASSERT_LE(rel_err(logits.data() + (size_t)t * V, ref.data() + (size_t)t * V, V), kTol) << "prefill row " << t;
+    for (int t = P; t < T; t++) {
+      dec.forward(cache, std::span(tokens).subspan(t, 1), logits.data());
+      ASSERT_LE(rel_err(logits.data(), ref.data() + (size_t)t * V, V), kTol) << "decode step at position " << t;
+    }
+    EXPECT_EQ(cache.len(), T);
+    EXPECT_EQ(cache.tokens(), tokens);
+  }
+}
+
+// Prefill in chunks (3 tokens: the per-row attention path; 20: the GEMM path, over a cache that
+// already holds positions) gives the same logits as the recomputation, including the last-row-only mode.
+TEST(Decoder, ChunkedPrefillAndCacheContinuation) {
+  for (const std::string& dir : model_dirs()) {
+    SCOPED_TRACE(dir);
+    const auto model = load_inference_model(dir);
+    const int V = model->cfg.vocab_size, T = 45;
+    const std::vector<int32_t> tokens = random_tokens(T, V, 11);
+    const std::vector<float> ref = recompute_logits(dir, tokens);
+    for (int chunk : {3, 20}) {
+      Decoder dec(*model, chunk);
+      KvCache cache = dec.new_cache();
+      std::vector<float> all((size_t)25 * V), last(V);
+      dec.forward(cache, std::span(tokens).first(25), all.data(), true);
+      for (int t = 0; t < 25; t++)
+        ASSERT_LE(rel_err(all.data() + (size_t)t * V, ref.data() + (size_t)t * V, V), kTol) << chunk << " row " << t;
+      dec.forward(cache, std::span(tokens).subspan(25), last.data());  // 20 more after 25 cached
+      ASSERT_LE(rel_err(last.data(), ref.data() + (size_t)(T - 1) * V, V), kTol) << "chunk " << chunk;
+    }
+  }
+}
+
+TEST(Decoder, RejectsBadTokensWithoutChangingTheCache) {
+  const auto model = load_inference_model((kGenerate / "llama_dense").string());
+  Decoder dec(*model);
+  KvCache cache = dec.new_cache();
+  std::vector<float> logits(model->cfg.vocab_size);
+  const std::vector<int32_t> good = {1, 5, 9};
+  dec.forward(cache, good, logits.data());
+  const std::vector<int32_t> bad = {3, model->cfg.vocab_size};
+  EXPECT_THROW(dec.forward(cache, bad, logits.data()), Error);
+  const std::vector<int32_t> negative = {-1};
+  EXPECT_THROW(dec.forward(cache, negative, logits.data()), Error);
+  EXPECT_THROW(dec.forward(cache, std::span<const int32_t>(), logits.data()), Error);
+  EXPECT_EQ(cache.tokens(), good);
+}
+
+// transformers' generate(do_sample=False), 32 new tokens (tools/make_generate_reference.py).
+TEST(Generate, GreedyEqualsTransformersGenerate) {
+  const nlohmann::json exp = expected_json();
+  ASSERT_EQ(exp["cases"].size(), 2u);
+  for (const auto& c : exp["cases"]) {
+    const std::string dir = (kGenerate / c["model"].get<std::string>()).string();
+    SCOPED_TRACE(dir);
+    const auto model = load_inference_model(dir);
+    const std::vector<int32_t> eos = model_eos_ids(dir, model->cfg, nullptr);
+    EXPECT_EQ(eos, std::vector<int32_t>{2});
+    Decoder dec(*model);
+    KvCache cache = dec.new_cache();
+    const auto prompt = c["prompt_ids"].get<std::vector<int32_t>>();
+    const auto want = c["expected_ids"].get<std::vector<int32_t>>();
+    ASSERT_EQ(want.size(), 32u);
+    EXPECT_EQ(generate_greedy(dec, cache, prompt, 32, eos), want);
+    // Again on the same cache: the whole prompt is a cached prefix now (all but its last token reused).
+    GenerateOptions o;
+    o.max_new_tokens = 32;
+    o.eos_ids = eos;
+    const GenerateResult r = generate(dec, cache, prompt, o, nullptr);
+    EXPECT_EQ(r.tokens, want);
+    EXPECT_EQ(r.reused_tokens, (int)prompt.size() - 1);
+    EXPECT_EQ(r.finish, FinishReason::length);
+    // A fresh cache with a prompt sharing only a prefix (the cache holds prompt + reply[:31]).
+    std::vector<int32_t> longer = prompt;
+    longer.insert(longer.end(), want.begin(), want.begin() + 10);
+    const GenerateResult r2 = generate(dec, cache, longer, o, nullptr);
+    EXPECT_EQ(r2.reused_tokens, (int)longer.size() - 1);
+    EXPECT_EQ(std::vector<int32_t>(r2.tokens.begin(), r2.tokens.begin() + 22),
+              std::vector<int32_t>(want.begin() + 10, want.end()));
+  }
+}
+
+// The text exchanges of the server tests, through the library: chat (mistral template) and completion.
+TEST(Generate, TextRepliesEqualTransformers) {
+  const nlohmann::json exp = expected_json();
+  const auto& t = exp["cases"][0]["text"];
+  const std::string dir = (kGenerate / "mixtral_gqa").string();
+  const auto model = load_inference_model(dir);
+  const auto tok = load_model_tokenizer(dir, "", model->cfg, true);
+  Decoder dec(*model);
+  KvCache cache = dec.new_cache();
+  GenerateOptions o;
+  o.max_new_tokens = t["max_tokens"].get<int>();
+  o.eos_ids = model_eos_ids(dir, model->cfg, tok.get());
+
+  const auto chat_prompt = chat_prompt_tokens(ChatTemplate::mistral, *tok, {{Role::user, t["chat"]["user"]}});
+  EXPECT_EQ(chat_prompt, t["chat"]["prompt_ids"].get<std::vector<int32_t>>());
+  std::string streamed;
+  GenerateCallbacks cb;
+  cb.on_text = [&](const std::string& s) {
+    EXPECT_FALSE(s.empty());
+    streamed += s;
+    return true;
+  };
+  o.chat_reply = true;
+  GenerateResult r = generate(dec, cache, chat_prompt, o, tok.get(), cb);
+  EXPECT_EQ(r.tokens, t["chat"]["completion_ids"].get<std::vector<int32_t>>());
+  EXPECT_EQ(r.text, t["chat"]["content"].get<std::string>());
+  EXPECT_EQ(streamed, r.text);
+  EXPECT_EQ(finish_reason_name(r.finish), t["chat"]["finish_reason"].get<std::string>());
+
+  const auto comp_prompt = completion_prompt_tokens(*tok, t["completion"]["prompt"]);
+  EXPECT_EQ(comp_prompt, t["completion"]["prompt_ids"].get<std::vector<int32_t>>());
+  o.chat_reply = false;
+  streamed.clear();
+  r = generate(dec, cache, comp_prompt, o, tok.get(), cb);
+  EXPECT_EQ(r.text, t["completion"]["text"].get<std::string>());
+  EXPECT_EQ(streamed, r.text);
+
+  // A stop string from the middle of the expected text: the reply ends right before it.
+  const std::string full = t["completion"]["text"];
+  const std::string stop = full.substr(full.size() / 2, 3);
+  o.stop = {stop, "never-appears"};
+  streamed.clear();
+  r = generate(dec, cache, comp_prompt, o, tok.get(), cb);
+  EXPECT_EQ(r.text, full.substr(0, full.find(stop)));
+  EXPECT_EQ(streamed, r.text);
+  EXPECT_EQ(r.finish, FinishReason::stop);
+
+  // Cancelling from the callback ends the reply.
+  o.stop.clear();
+  int calls = 0;
+  cb.on_token = [&](int32_t) { return ++calls < 3; };
+  r = generate(dec, cache, comp_prompt, o, tok.get(), cb);
+  EXPECT_EQ(r.finish, FinishReason::cancelled);
+  EXPECT_EQ(r.tokens.size(), 3u);
+}
+
+TEST(Generate, PositionLimitAndZeroTokens) {
+  const auto model = load_inference_model((kGenerate / "llama_dense").string());
+  Decoder dec(*model);
+  KvCache cache = dec.new_cache();
+  GenerateOptions o;
+  o.max_new_tokens = 100;
+  o.max_positions = 12;
+  const std::vector<int32_t> prompt = {1, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  GenerateResult r = generate(dec, cache, prompt, o, nullptr);
+  EXPECT_EQ(r.tokens.size(), 2u);  // 10 + 2 = 12 positions
+  EXPECT_EQ(r.finish, FinishReason::length);
+  o.max_positions = 5;
+  EXPECT_THROW(generate(dec, cache, prompt, o, nullptr), Error);
+  o.max_positions = 0;
+  o.max_new_tokens = 0;
+  r = generate(dec, cache, prompt, o, nullptr);
+  EXPECT_TRUE(r.tokens.empty());
+}
+
+// ---- sampling ------------------------------------------------------------------------------------
+
+TEST(Sampler, GreedyIsFirstArgmaxAndTopK1IsGreedy) {
+  std::vector<float> l = {0.5f, 2.0f, -1.0f, 2.0f};
+  Sampler g({}, 4);
+  EXPECT_EQ(g.next(std::vector<float>(l).data(), {}, {}), 1);
+  SamplingParams p;
+  p.temperature = 1.5f;
+  p.top_k = 1;
+  Sampler s(p, 4);
+  for (int i = 0; i < 20; i++) EXPECT_EQ(s.next(std::vector<float>(l).data(), {}, {}), 1);
+}
+
+TEST(Sampler, SeededDrawsAreReproducibleAndFollowTheSoftmax) {
+  const std::vector<float> l = {1.0f, 0.0f, -1.0f, 2.0f, 0.5f};
+  SamplingParams p;
+  p.temperature = 2.0f;
+  p.seed = 42;
+  Sampler a(p, 5), b(p, 5);
+  std::vector<int> count(5, 0);
+  const int n = 40000;
+  for (int i = 0; i < n; i++) {
+    const int x = a.next(std::vector<float>(l).data(), {}, {});
+    EXPECT_EQ(x, b.next(std::vector<float>(l).data(), {}, {}));
+    count[x]++;
+  }
+  double z = 0;
+  for (float v : l) z += std::exp(v / 2.0);
+  for (int v = 0; v < 5; v++) {
+    const double pv = std::exp(l[v] / 2.0) / z;
+    const double sd = std::sqrt(pv * (1 - pv) / n);
+    EXPECT_NEAR((double)count[v] / n, pv, 5 * sd) << "token " << v;
+  }
+}
+
+TEST(Sampler, TopPKeepsTheNucleusOnly) {
+  // probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625: top_p 0.7 keeps {0, 1}; 0.75 keeps {0, 1} too
+  // (cumulative reaches 0.75 exactly), 0.8 adds token 2.
+  const std::vector<float> l = {std::log(0.5f), std::log(0.25f), std::log(0.125f), std::log(0.0625f),
+                                std::log(0.0625f)};
+  for (auto [top_p, allowed] : std::vector<std::pair<float, int>>{{0.7f, 2}, {0.8f, 3}, {0.01f, 1}}) {
+    SamplingParams p;
+    p.temperature = 1.0f;
+    p.top_p = top_p;
+    p.seed = 3;
+    Sampler s(p, 5);
+    std::vector<int> seen(5, 0);
+    for (int i = 0; i < 4000; i++) seen[s.next(std::vector<float>(l).data(), {}, {})]++;
+    for (int v = 0; v < 5; v++) EXPECT_EQ(seen[v] > 0, v < allowed) << "top_p " << top_p << " token " << v;
+  }
+  // A large vocabulary exercises the growing sorted prefix.
+  std::vector<float> big(5000, 0.0f);
+  big[4321] = 12.0f;  // ~0.9 of the mass
+  SamplingParams p;
+  p.temperature = 1.0f;
+  p.top_p = 0.5f;
+  Sampler s(p, 5000);
+  for (int i = 0; i < 50; i++) EXPECT_EQ(s.next(std::vector<float>(big).data(), {}, {}), 4321);
+}
+
+TEST(Sampler, RepetitionPresenceAndFrequencyPenalties) {
+  SamplingParams p;
+  p.repetition_penalty = 2.0f;
+  Sampler s(p, 4);
+  std::vector<float> l = {3.0f, 2.0f, -1.0f, 1.9f};
+  const std::vector<int32_t> ctx = {0, 2, 0};
+  EXPECT_EQ(s.next(l.data(), ctx, {}), 1);  // 3 -> 1.5; 2 stays; -1 -> -2
+  EXPECT_FLOAT_EQ(l[0], 1.5f);
+  EXPECT_FLOAT_EQ(l[2], -2.0f);
+  EXPECT_FLOAT_EQ(l[1], 2.0f);
+  SamplingParams q;
+  q.presence_penalty = 0.5f;
+  q.frequency_penalty = 0.25f;
+  Sampler f(q, 3);
+  std::vector<float> m = {1.0f, 1.0f, 1.0f};
+  const std::vector<int32_t> reply = {0, 0, 1};
+  EXPECT_EQ(f.next(m.data(), {}, reply), 2);
+  EXPECT_FLOAT_EQ(m[0], 1.0f - 0.5f - 0.5f);
+  EXPECT_FLOAT_EQ(m[1], 1.0f - 0.5f - 0.25f);
+}
+
+TEST(Sampler, RejectsBadParameters) {
+  auto bad = [](auto edit) {
+    SamplingParams p;
+    edit(p);
+    return p;
+  };
+  EXPECT_THROW(validate_sampling(bad([](SamplingParams& p) { p.temperature = -1; })), Error);
+  EXPECT_THROW(validate_sampling(bad([](SamplingParams& p) { p.top_p = 0; })), Error);
+  EXPECT_THROW(validate_sampling(bad([](SamplingParams& p) { p.top_p = 1.5f; })), Error);
+  EXPECT_THROW(validate_sampling(bad([](SamplingParams& p) { p.top_k = -2; })), Error);
+  EXPECT_THROW(validate_sampling(bad([](SamplingParams& p) { p.repetition_penalty = 0; })), Error);
+  EXPECT_THROW(validate_sampling(bad([](SamplingParams& p) { p.temperature = NAN; })), Error);
+}
+
+// ---- incremental text ----------------------------------------------------------------------------
+
+namespace {
+
+std::string stream_all(const Tokenizer& tok, std::span<const int32_t> context, std::span<const int32_t> ids,
+                       std::vector<std::string> stop, bool* stopped = nullptr) {
+  TextStream ts(tok, context, std::move(stop));
+  std::string out;
+  for (int32_t id : ids) {
+    const std::string piece = ts.push(id);
+    EXPECT_EQ(incomplete_utf8_tail(out + piece), 0u) << "a piece ended inside a UTF-8 character";
+    out += piece;
+    if (ts.stopped()) break;
+  }
+  out += ts.finish();
+  EXPECT_EQ(out, ts.text());
+  if (stopped) *stopped = ts.stopped();
+  return out;
+}
+
+}  // namespace
+
+TEST(TextStream, PiecesConcatenateToTheDecode) {
+  const auto tok = Tokenizer::load((kGenerate / "mixtral_gqa" / "tokenizer.model").string());
+  const std::vector<int32_t> ids = tok.encode("The cat sees the river, and a dog finds 42 apples.");
+  EXPECT_EQ(stream_all(tok, {}, ids, {}), tok.decode(ids));
+  // Completion mode: the context token keeps the first piece's space.
+  const std::vector<int32_t> ctx = tok.encode("Once");
+  EXPECT_EQ(stream_all(tok, ctx, ids, {}), " " + tok.decode(ids));
+}
+
+TEST(TextStream, StopStringsEndTheTextBeforeThem) {
+  const auto tok = Tokenizer::load((kGenerate / "mixtral_gqa" / "tokenizer.model").string());
+  const std::string text = "The cat sees the river, and a dog finds the market.";
+  const std::vector<int32_t> ids = tok.encode(text);
+  bool stopped = false;
+  EXPECT_EQ(stream_all(tok, {}, ids, {"river", "dog"}, &stopped), "The cat sees the ");
+  EXPECT_TRUE(stopped);
+  EXPECT_EQ(stream_all(tok, {}, ids, {"og fi"}, &stopped), "The cat sees the river, and a d");
+  EXPECT_TRUE(stopped);
+  // A held-back prefix of a stop string that never completes is released at the end.
+  EXPECT_EQ(stream_all(tok, {}, ids, {"market!"}, &stopped), text);
+  EXPECT_FALSE(stopped);
+  EXPECT_EQ(stream_all(tok, {}, ids, {".", ""}, &stopped), "The cat sees the river, and a dog finds the market");
+  EXPECT_TRUE(stopped);
+}
+
+TEST(TextStream, MultiByteCharactersNeverSplit) {
+  REQUIRE_MIXTRAL();
+  const Tokenizer& tok = moetron::testing::mixtral();
+  const std::string text = "héllo wörld — 你好, 🙂🙃 ok ∑x²";
+  const std::vector<int32_t> ids = tok.encode(text);
+  EXPECT_EQ(stream_all(tok, {}, ids, {}), tok.decode(ids));
+  EXPECT_EQ(stream_all(tok, {}, ids, {"🙃"}), "héllo wörld — 你好, 🙂");
+}
+
+TEST(TextStream, IncompleteUtf8Tail) {
+  EXPECT_EQ(incomplete_utf8_tail("abc"), 0u);
+  EXPECT_EQ(incomplete_utf8_tail("ab\xC3"), 1u);
+  EXPECT_EQ(incomplete_utf8_tail("ab\xC3\xA9"), 0u);
+  EXPECT_EQ(incomplete_utf8_tail("\xF0\x9F\x99"), 3u);
+  EXPECT_EQ(incomplete_utf8_tail("\xF0\x9F\x99\x82"), 0u);
+  EXPECT_EQ(incomplete_utf8_tail("\xE4\xBD"), 2u);
+}

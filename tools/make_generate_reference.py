@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""Write the generation references under tests/golden/generate/ (see its README.md).
+
+Two tiny random models (a Mixtral with GQA and a sliding window shorter than prompt + reply, and a
+dense Llama with multi-head attention), saved with save_pretrained in bfloat16 (half the bytes;
+moetron and transformers both compute in float32 on the bf16 values, loaded with dtype=float32),
+plus a tiny SentencePiece tokenizer in the Mixtral directory so the server tests have a complete
+model directory. For each model, `generate(do_sample=False)` of transformers in float32 gives the
+expected tokens. The script checks, so that an fp32 implementation must reproduce them exactly:
+  * the same greedy tokens come from a float64 copy recomputing the whole sequence at every step
+    without any cache (so the KV cache and the sliding-window cache of transformers agree with the
+    definition);
+  * at every step the float64 top-1 logit exceeds the runner-up by more than MIN_GAP.
+
+Development tool only: the C++ tests read the committed files. Usage:
+    python3 tools/make_generate_reference.py --out tests/golden/generate
+"""
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+
+import sentencepiece as spm
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+NEW_TOKENS = 32
+MIN_GAP = 2e-3  # float64 top-1 minus top-2 logit at every greedy step
+TEXT_MAX_TOKENS = 16  # the text exchanges (chat and completion) of the server tests
+
+# The tokenizer's training text: deterministic sentences over a small vocabulary.
+SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher", "our neighbour",
+            "the children", "a red fox", "the farmer"]
+VERBS = ["sees", "likes", "finds", "follows", "paints", "builds", "remembers", "carries", "watches", "visits"]
+OBJECTS = ["the river", "a green house", "the market", "an apple tree", "the blue sky", "a wooden boat",
+           "the quiet garden", "a long road", "the bright moon", "a tall tower"]
+ENDINGS = ["every morning.", "at night.", "in the spring.", "after the rain.", "with great care.",
+           "once upon a time.", "near the sea.", "before dinner."]
+
+CASES = {
+    # GQA, 4 experts top-2, sliding window 16 < prompt + 32 new tokens: the window matters while decoding.
+    "mixtral_gqa": dict(arch="mixtral", seed=21, vocab=320, hidden=32, inter=32, layers=2, heads=4, kv_heads=2,
+                        experts=4, top_k=2, rope_theta=1e6, sliding_window=16, prompt_len=11, tokenizer=True),
+    # Dense Llama, MHA, rope_theta 1e4.
+    "llama_dense": dict(arch="llama", seed=6, vocab=128, hidden=32, inter=48, layers=2, heads=4, kv_heads=4,
+                        rope_theta=1e4, sliding_window=None, prompt_len=9, tokenizer=False),
+}
+QK_SCALE = 4.0  # attention far from uniform, so position / cache / window errors change the logits
+GATE_SCALE = 10.0  # decisive routing
+HEAD_SCALE = 40.0  # logits spread over several units: clear greedy choices
+NORM_JITTER = 0.1
+
+CHAT_USER = "Hello there, my friend"
+COMPLETION_PROMPT = "Once upon a time the cat"
+
+
+def build(c):
+    common = dict(vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["inter"],
+                  num_hidden_layers=c["layers"], num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
+                  rms_norm_eps=1e-5, initializer_range=0.02, tie_word_embeddings=False, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=None,
+                  rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]})
+    if c["arch"] == "mixtral":
+        cfg = MixtralConfig(**common, num_local_experts=c["experts"], num_experts_per_tok=c["top_k"],
+                            router_aux_loss_coef=0.02, router_jitter_noise=0.0, sliding_window=c["sliding_window"])
+        cls = MixtralForCausalLM
+    else:
+        cfg = LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+        cls = LlamaForCausalLM
+    torch.manual_seed(c["seed"])
+    model = cls(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + NORM_JITTER * torch.randn(p.shape))
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(QK_SCALE)
+            elif name.endswith("mlp.gate.weight"):
+                p.mul_(GATE_SCALE)
+            elif name == "lm_head.weight":
+                p.mul_(HEAD_SCALE)
+            # bf16 storage: round now so the float32 model is exactly the saved one
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    return model
+
+
+def train_tokenizer(out_dir, vocab):
+    sentences = []
+    for i, s in enumerate(SUBJECTS):
+        for j, v in enumerate(VERBS):
+            for k, o in enumerate(OBJECTS):
+                e = ENDINGS[(i + 2 * j + 3 * k) % len(ENDINGS)]
+                sentences.append(f"{s.capitalize()} {v} {o} {e}")
+    # Chat markup and every printable ASCII character, so no prompt of the tests needs <unk>.
+    for s in SUBJECTS:
+        sentences.append(f"[INST] Hello there, my friend. Where is {s}? [/INST] {s.capitalize()} is near the sea.")
+    sentences.append("".join(chr(c) for c in range(32, 127)))
+    with tempfile.TemporaryDirectory() as tmp:
+        # A relative prefix inside the temporary directory: the model file records it, so the bytes
+        # do not depend on where the script runs.
+        cwd = os.getcwd()
+        os.chdir(tmp)
+        prefix = "tokenizer"
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(sentences), model_prefix=prefix, vocab_size=vocab, model_type="bpe",
+                byte_fallback=False, character_coverage=1.0, split_digits=True, normalization_rule_name="identity",
+                remove_extra_whitespaces=False, add_dummy_prefix=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                num_threads=1, minloglevel=2)
+        finally:
+            os.chdir(cwd)
+        shutil.copy(os.path.join(tmp, prefix + ".model"), os.path.join(out_dir, "tokenizer.model"))
+    return spm.SentencePieceProcessor(model_file=os.path.join(out_dir, "tokenizer.model"))
+
+
+def greedy_recompute64(model64, prompt, n, eos):
+    """Greedy by full recomputation in float64, no cache; returns tokens and the smallest top-1 gap."""
+    ids = list(prompt)
+    out, min_gap = [], float("inf")
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model64(torch.tensor([ids]), use_cache=False).logits[0, -1]
+        top = torch.topk(logits, 2).values
+        min_gap = min(min_gap, (top[0] - top[1]).item())
+        t = int(torch.argmax(logits))
+        if t == eos:
+            break
+        out.append(t)
+        ids.append(t)
+    return out, min_gap
+
+
+def hf_generate(model32, prompt, n, eos):
+    with torch.no_grad():
+        seq = model32.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               do_sample=False, max_new_tokens=n, eos_token_id=eos, pad_token_id=eos)
+    gen = seq[0, len(prompt):].tolist()
+    if eos in gen:  # transformers keeps the eos it stopped on (then pads with it)
+        gen = gen[:gen.index(eos)]
+    return gen
+
+
+def make_case(name, c, out_root):
+    d = os.path.join(out_root, name)
+    if os.path.isdir(d):
+        shutil.rmtree(d)
+    os.makedirs(d)
+    model = build(c)
+    model.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
+    cls = type(model)
+    model32 = cls.from_pretrained(d, dtype=torch.float32).eval()
+    for (n1, p1), (n2, p2) in zip(model.named_parameters(), model32.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2), f"reload changed {n1}"
+    kw = {"experts_implementation": "eager"} if c["arch"] == "mixtral" else {}  # grouped_mm has no float64
+    model64 = cls.from_pretrained(d, dtype=torch.float32, attn_implementation="eager", **kw).double().eval()
+
+    eos = 2
+    case = {"model": name, "class": cls.__name__, "new_tokens": NEW_TOKENS}
+    sp = train_tokenizer(d, c["vocab"]) if c["tokenizer"] else None
+    if sp is not None:
+        prompt = [1] + sp.encode(COMPLETION_PROMPT + " sees the river and")
+        prompt = prompt[:c["prompt_len"]]
+    else:
+        g = torch.Generator().manual_seed(100 + c["seed"])
+        prompt = [1] + torch.randint(3, c["vocab"], (c["prompt_len"] - 1,), generator=g).tolist()
+    gen = hf_generate(model32, prompt, NEW_TOKENS, eos)
+    ref, gap = greedy_recompute64(model64, prompt, NEW_TOKENS, eos)
+    assert gen == ref, f"{name}: transformers generate {gen} != float64 recomputation {ref}"
+    assert len(gen) == NEW_TOKENS, f"{name}: EOS after {len(gen)} tokens; change the seed"
+    assert gap > MIN_GAP, f"{name}: smallest greedy gap {gap:.3g}; change the seed"
+    assert len(set(gen)) >= 8, f"{name}: only {len(set(gen))} distinct tokens; change the seed"
+    case.update(prompt_ids=prompt, expected_ids=gen, min_top1_gap_float64=round(gap, 6))
+    if c["sliding_window"]:
+        assert len(prompt) + NEW_TOKENS > c["sliding_window"] > len(prompt)
+
+    if sp is not None:
+        # Chat (mistral template, mistral-common v1): BOS enc("[INST] " + user + " [/INST]"); the reply is
+        # the decode of the new tokens alone.
+        chat_prompt = [1] + sp.encode("[INST] " + CHAT_USER + " [/INST]")
+        chat_gen = hf_generate(model32, chat_prompt, TEXT_MAX_TOKENS, eos)
+        chat_ref, chat_gap = greedy_recompute64(model64, chat_prompt, TEXT_MAX_TOKENS, eos)
+        assert chat_gen == chat_ref and chat_gap > MIN_GAP, (chat_gen, chat_ref, chat_gap)
+        # Completion: BOS enc(prompt); the text is what decoding prompt + new tokens adds after the prompt.
+        comp_prompt = [1] + sp.encode(COMPLETION_PROMPT)
+        comp_gen = hf_generate(model32, comp_prompt, TEXT_MAX_TOKENS, eos)
+        comp_ref, comp_gap = greedy_recompute64(model64, comp_prompt, TEXT_MAX_TOKENS, eos)
+        assert comp_gen == comp_ref and comp_gap > MIN_GAP, (comp_gen, comp_ref, comp_gap)
+        full = sp.decode(comp_prompt + comp_gen)
+        head = sp.decode(comp_prompt)
+        assert full.startswith(head)
+        chat_text, comp_text = sp.decode(chat_gen), full[len(head):]
+        assert len(chat_text) > 0 and len(comp_text) > 0
+        case["text"] = {
+            "max_tokens": TEXT_MAX_TOKENS,
+            "chat": {"user": CHAT_USER, "prompt_ids": chat_prompt, "completion_ids": chat_gen, "content": chat_text,
+                     "finish_reason": "length" if len(chat_gen) == TEXT_MAX_TOKENS else "stop"},
+            "completion": {"prompt": COMPLETION_PROMPT, "prompt_ids": comp_prompt, "completion_ids": comp_gen,
+                           "text": comp_text,
+                           "finish_reason": "length" if len(comp_gen) == TEXT_MAX_TOKENS else "stop"},
+        }
+    return case
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="tests/golden/generate")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    cases = [make_case(n, c, args.out) for n, c in CASES.items()]
+    meta = {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
+            "sentencepiece_version": spm.__version__, "cases": cases}
+    with open(os.path.join(args.out, "expected.json"), "w") as f:  # one line per case
+        head = {k: v for k, v in meta.items() if k != "cases"}
+        f.write(json.dumps(head)[:-1] + ', "cases": [\n')
+        f.write(",\n".join(json.dumps(c) for c in cases) + "\n]}\n")
+    for c in cases:
+        print(c["model"], "prompt", len(c["prompt_ids"]), "tokens; min gap", c["min_top1_gap_float64"])
+        if "text" in c:
+            print("  chat:", repr(c["text"]["chat"]["content"]), c["text"]["chat"]["finish_reason"])
+            print("  completion:", repr(c["text"]["completion"]["text"]), c["text"]["completion"]["finish_reason"])
+
+
+if __name__ == "__main__":
+    main()
