@@ -2,10 +2,14 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "cli/commands.h"
+#include "dist/comm.h"
 #include "train/config.h"
 #include "train/trainer.h"
 
@@ -21,9 +25,11 @@ int run_train(int argc, char** argv) {
   TrainOptions options;
   app.add_option("-c,--config", config, "YAML config file")->required();
   app.add_option("overrides", overrides, "key=value overrides of config entries");
-  std::string nan_steps;
+  std::string nan_steps, fail_at;
   app.add_option("--debug-inject-nan", nan_steps,
                  "STEP[,STEP...]: make the gradient of these steps NaN (tests the divergence handling)");
+  app.add_option("--debug-fail", fail_at,
+                 "RANK:STEP: world rank RANK fails with an error at step STEP (tests the failure handling)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -42,6 +48,19 @@ int run_train(int argc, char** argv) {
     options.inject_nan_steps.push_back(v);
     pos = end + 1;
   }
+  if (!fail_at.empty()) {
+    const size_t colon = fail_at.find(':');
+    char* e1 = nullptr;
+    char* e2 = nullptr;
+    const long rank = colon == std::string::npos ? -1 : std::strtol(fail_at.substr(0, colon).c_str(), &e1, 10);
+    const long step = colon == std::string::npos ? -1 : std::strtol(fail_at.substr(colon + 1).c_str(), &e2, 10);
+    if (colon == std::string::npos || *e1 != '\0' || *e2 != '\0' || rank < 0 || step < 1) {
+      std::fprintf(stderr, "moetron train: --debug-fail: '%s' is not RANK:STEP (e.g. 2:3)\n", fail_at.c_str());
+      return 2;
+    }
+    options.fail_rank = (int)rank;
+    options.fail_step = step;
+  }
   // Exit codes: 2 for problems found before any work (config, data, model, checkpoint to resume),
   // 1 for failures during training (main's handler), 0 when done or stopped with a checkpoint.
   TrainConfig cfg;
@@ -51,15 +70,38 @@ int run_train(int argc, char** argv) {
     std::fprintf(stderr, "moetron train: error: %s\n", e.what());
     return 2;
   }
+  // The processes of this run: MPI when a launcher (mpirun, srun) started us, else just this one.
+  std::unique_ptr<dist::Comm> world;
+  try {
+    world = dist::make_world_comm();
+  } catch (const Error& e) {
+    std::fprintf(stderr, "moetron train: error: %s\n", e.what());
+    return 2;
+  }
+  options.world = world.get();
+  const bool distributed = world->size() > 1;
+  // In a distributed run a failing rank ends the whole job (its peers would wait for it forever);
+  // the message names the rank.
+  auto failed = [&](int code, const char* what) {
+    if (!distributed) {
+      std::fprintf(stderr, "moetron train: error: %s\n", what);
+      return code;
+    }
+    world->abort(code, fmt::format("moetron train: rank {} of {}: error: {}", world->rank(), world->size(), what));
+    return code;  // not reached: abort ends the process
+  };
   TrainSummary s;
   try {
     s = run_training(cfg, options);
   } catch (const SetupError& e) {
-    std::fprintf(stderr, "moetron train: error: %s\n", e.what());
-    return 2;
+    return failed(2, e.what());
+  } catch (const std::exception& e) {
+    if (!distributed) throw;  // main's handler: exit 1
+    return failed(1, e.what());
   }
-  std::printf("%s at step %ld of %ld, loss %.4f; checkpoint %s\n", s.interrupted ? "stopped" : "finished", s.last_step,
-              s.total_steps, s.last_loss, s.last_checkpoint.c_str());
+  if (s.world_rank == 0)
+    std::printf("%s at step %ld of %ld, loss %.4f; checkpoint %s\n", s.interrupted ? "stopped" : "finished",
+                s.last_step, s.total_steps, s.last_loss, s.last_checkpoint.c_str());
   return 0;
 }
 

@@ -6,6 +6,8 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "dist/comm.h"
+#include "dist/tp_ops.h"
 #include "ops/attention.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
@@ -37,9 +39,44 @@ long count_loss_tokens(const Batch& b) {
   return count;
 }
 
-MixtralModel::MixtralModel(const ModelConfig& cfg) : cfg_(cfg), table_(cfg) {
+namespace {
+
+ParamShard tp_shard(dist::Comm* tp) {
+  ParamShard s;
+  if (tp != nullptr) {
+    s.tp_rank = tp->rank();
+    s.tp_size = tp->size();
+  }
+  return s;
+}
+
+}  // namespace
+
+MixtralModel::MixtralModel(const ModelConfig& cfg, dist::Comm* tp)
+    : cfg_(cfg), tp_(tp), tp_size_(tp ? tp->size() : 1), table_(cfg, tp_shard(tp)) {
+  const int NKV = cfg_.num_key_value_heads;
+  if (tp_on() && NKV < tp_size_)
+    kv_comm_ = tp_->split(tp_->rank() / (tp_size_ / NKV), tp_->rank(), "tp-kv");
   params_.assign(table_.total(), 0.0f);
   grads_.assign(table_.total(), 0.0f);
+}
+
+MixtralModel::~MixtralModel() = default;
+
+void MixtralModel::tp_all_reduce(float* x, long n) {
+  ScopedTimer t(profile_, "tp.all_reduce");
+  tp_->all_reduce(x, (size_t)n);
+}
+
+uint64_t MixtralModel::comm_bytes() const { return kv_comm_ ? kv_comm_->stats().bytes_sent : 0; }
+
+void MixtralModel::reduce_replicated_grads() {
+  if (!kv_comm_ || kv_comm_->size() == 1) return;
+  for (int l = 0; l < cfg_.num_hidden_layers; l++)
+    for (ParamKind k : {ParamKind::k_proj, ParamKind::v_proj}) {
+      const ParamSpec& s = table_.at(k, l);
+      kv_comm_->all_reduce(grads_.data() + s.offset, s.numel);
+    }
 }
 
 void MixtralModel::zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
@@ -144,14 +181,17 @@ void MixtralModel::allocate(int B, int T) {
 
 MixtralModel::Dims MixtralModel::dims() const {
   const bool moe = cfg_.is_moe();
+  const int tp = tp_size_;
+  const int NH = cfg_.num_attention_heads / tp;
+  const int NKV = cfg_.num_key_value_heads >= tp ? cfg_.num_key_value_heads / tp : 1;
   return Dims{cfg_.hidden_size,
-              cfg_.vocab_size,
-              cfg_.intermediate_size,
-              cfg_.num_attention_heads,
-              cfg_.num_key_value_heads,
+              (int)(table_.vocab_end() - table_.vocab_begin()),
+              cfg_.intermediate_size / tp,
+              NH,
+              NKV,
               cfg_.head_dim,
-              cfg_.num_attention_heads * cfg_.head_dim,
-              cfg_.num_key_value_heads * cfg_.head_dim,
+              NH * cfg_.head_dim,
+              NKV * cfg_.head_dim,
               moe ? cfg_.num_local_experts : 1,
               moe ? cfg_.num_experts_per_tok : 1,
               moe};
@@ -209,7 +249,13 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
 
   {
     ScopedTimer t(profile_, "fwd.embedding");
-    ops::embedding_forward(layers_[0].x, tokens_.data(), W(ParamKind::embedding), N, C, V);
+    if (!tp_on()) {
+      ops::embedding_forward(layers_[0].x, tokens_.data(), W(ParamKind::embedding), N, C, V);
+    } else {
+      dist::embedding_forward_vocab_parallel(layers_[0].x, tokens_.data(), W(ParamKind::embedding), N, C,
+                                             table_.vocab_begin(), V);
+      tp_all_reduce(layers_[0].x, N * C);
+    }
   }
   for (int l = 0; l < L; l++) {
     LayerActs& a = layers_[l];
@@ -236,8 +282,16 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
     }
     {
       ScopedTimer t(profile_, "fwd.attn_proj");
-      std::memcpy(a.h, a.x, sizeof(float) * N * C);
-      ops::matmul_forward_accumulate(a.h, a.att, W(ParamKind::o_proj, l), N, Q, C);
+      if (!tp_on()) {
+        std::memcpy(a.h, a.x, sizeof(float) * N * C);
+        ops::matmul_forward_accumulate(a.h, a.att, W(ParamKind::o_proj, l), N, Q, C);
+      } else {
+        // Row-parallel o_proj: each rank's heads give a partial sum of the output.
+        ops::matmul_forward(tmp_, a.att, W(ParamKind::o_proj, l), N, Q, C);
+        tp_all_reduce(tmp_, N * C);
+        std::memcpy(a.h, a.x, sizeof(float) * N * C);
+        add_inplace(a.h, tmp_, N * C);
+      }
     }
     {
       ScopedTimer t(profile_, "fwd.norms");
@@ -270,6 +324,8 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
       ScopedTimer t(profile_, "fwd.experts");
       ops::moe_experts_forward(x_next, a.h13, a.act, a.ln2, w13, w2, a.plan, C, I);
     }
+    // Row-parallel w2: the FFN output is a partial sum on each tp rank.
+    if (tp_on()) tp_all_reduce(x_next, N * C);
     {
       ScopedTimer t(profile_, "fwd.residual");
       add_inplace(x_next, a.h, N * C);
@@ -300,7 +356,11 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
   }
   if (has_labels_) {
     ScopedTimer t(profile_, "fwd.cross_entropy");
-    out.ce_sum = ops::cross_entropy_forward(lse_, logits_, targets_.data(), N, V, 1.0f);
+    if (!tp_on())
+      out.ce_sum = ops::cross_entropy_forward(lse_, logits_, targets_.data(), N, V, 1.0f);
+    else
+      out.ce_sum = dist::cross_entropy_forward_vocab_parallel(lse_, logits_, targets_.data(), N, V,
+                                                              table_.vocab_begin(), 1.0f, *tp_);
     out.loss_tokens = 0;
     for (long i = 0; i < N; i++) out.loss_tokens += targets_[i] != ops::IGNORE_INDEX;
     out.ce_loss = weights.ce_scale * out.ce_sum;
@@ -327,11 +387,16 @@ void MixtralModel::backward() {
   // Head and final norm.  The logits buffer becomes dlogits in place.
   {
     ScopedTimer t(profile_, "bwd.cross_entropy");
-    ops::cross_entropy_backward(logits_, logits_, lse_, targets_.data(), N, V, (float)weights_.ce_scale);
+    if (!tp_on())
+      ops::cross_entropy_backward(logits_, logits_, lse_, targets_.data(), N, V, (float)weights_.ce_scale);
+    else
+      dist::cross_entropy_backward_vocab_parallel(logits_, logits_, lse_, targets_.data(), N, V, table_.vocab_begin(),
+                                                  (float)weights_.ce_scale);
   }
   {
     ScopedTimer t(profile_, "bwd.head");
     ops::matmul_backward(dln_, D(ParamKind::lm_head), logits_, lnf_, W(ParamKind::lm_head), N, C, V);
+    if (tp_on()) tp_all_reduce(dln_, N * C);
     ops::rmsnorm_backward(dres_, D(ParamKind::final_norm), dln_, x_final_, W(ParamKind::final_norm), rstdf_, N, C);
   }
 
@@ -347,6 +412,8 @@ void MixtralModel::backward() {
         ScopedTimer t(profile_, "bwd.moe_permute");
         ops::moe_combine_backward(dyperm_, dtopk_, dres_, a.yperm, a.topk_w, a.plan, C);
       }
+      // yperm is this rank's partial expert output, so the routing-weight gradient is partial too.
+      if (tp_on()) tp_all_reduce(dtopk_, N * K);
       {
         ScopedTimer t(profile_, "bwd.experts");
         ops::moe_experts_backward(dxperm_, dw13, dw2, ffn_scratch_, dyperm_, a.h13, a.act, a.xperm, w13, w2, a.plan, C,
@@ -356,6 +423,7 @@ void MixtralModel::backward() {
         ScopedTimer t(profile_, "bwd.moe_permute");
         ops::moe_permute_backward(dln_, dxperm_, a.plan, C);
       }
+      if (tp_on()) tp_all_reduce(dln_, N * C);  // column-parallel w1/w3: partial input gradient
       ScopedTimer t(profile_, "bwd.router");
       ops::router_backward(drlogits_, dtopk_, aux_dprobs_[l].data(), tmask, a.rprobs, a.topk_idx, a.topk_w, N, E, K);
       if (weights_.z_coef != 0.0)
@@ -365,6 +433,7 @@ void MixtralModel::backward() {
     } else {
       ScopedTimer t(profile_, "bwd.experts");
       ops::moe_experts_backward(dln_, dw13, dw2, ffn_scratch_, dres_, a.h13, a.act, a.ln2, w13, w2, a.plan, C, I);
+      if (tp_on()) tp_all_reduce(dln_, N * C);
     }
     {
       ScopedTimer t(profile_, "bwd.norms");
@@ -393,6 +462,7 @@ void MixtralModel::backward() {
       add_inplace(dln_, tmp_, N * C);
       ops::matmul_backward(tmp_, D(ParamKind::v_proj, l), dv_, a.ln1, W(ParamKind::v_proj, l), N, C, KVd);
       add_inplace(dln_, tmp_, N * C);
+      if (tp_on()) tp_all_reduce(dln_, N * C);  // column-parallel q/k/v: partial input gradient
     }
     {
       ScopedTimer t(profile_, "bwd.norms");
@@ -401,7 +471,11 @@ void MixtralModel::backward() {
     }  // dres is now d(x) of this layer
   }
   ScopedTimer t(profile_, "bwd.embedding");
-  ops::embedding_backward(D(ParamKind::embedding), dres_, tokens_.data(), N, C, V);
+  if (!tp_on())
+    ops::embedding_backward(D(ParamKind::embedding), dres_, tokens_.data(), N, C, V);
+  else
+    dist::embedding_backward_vocab_parallel(D(ParamKind::embedding), dres_, tokens_.data(), N, C,
+                                            table_.vocab_begin(), V);
 }
 
 }  // namespace moetron

@@ -4,9 +4,18 @@
 // Dimensions: B batch, T sequence, N = B*T tokens, C hidden, NH heads, NKV kv heads, HD head dim,
 // Q = NH*HD, KV = NKV*HD, E experts (1 for dense), K experts per token (1 for dense),
 // M = N*K routed rows, I FFN width, L layers, V vocab.
+//
+// Tensor parallel (Megatron, DESIGN §6): built with a tp group of size > 1, the model holds its
+// rank's part of the parameter table (ParamShard, params.h) -- query heads, kv heads (or one
+// replicated kv head when NKV < tp), FFN rows I/tp, vocabulary rows -- and communicates over the
+// group: the embedding output, the attention and FFN block outputs (row-parallel o / w2) and the
+// head's input gradient are all-reduced; the cross-entropy is vocabulary-parallel; the router and
+// the norms run replicated on identical inputs, so their gradients agree on every tp rank without
+// communication.  With no group (or a group of one) the code path is exactly the single-process one.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "core/profile.h"
@@ -16,6 +25,10 @@
 #include "ops/router.h"
 
 namespace moetron {
+
+namespace dist {
+class Comm;
+}
 
 // One micro-batch.  All tensors are [B,T] row-major; optional ones are empty when absent.
 struct Batch {
@@ -55,7 +68,11 @@ long count_loss_tokens(const Batch& batch);
 
 class MixtralModel {
  public:
-  explicit MixtralModel(const ModelConfig& cfg);
+  // tp: the tensor-parallel group (null or size 1: the whole model); it must outlive the model.
+  // Collective over tp (splits the group of ranks sharing a replicated kv head).
+  explicit MixtralModel(const ModelConfig& cfg, dist::Comm* tp = nullptr);
+  ~MixtralModel();
+  MixtralModel(MixtralModel&&) = delete;
 
   const ModelConfig& config() const { return cfg_; }
   const ParamTable& table() const { return table_; }
@@ -71,7 +88,14 @@ class MixtralModel {
   // Overwrites the logits in place.
   void backward();
 
-  // [B,T,V] logits of the last forward (until backward).
+  // Sums the gradients of replicated kv heads (NKV < tp) over the tp ranks sharing each head; call
+  // once per optimizer step, after the backward passes.  A no-op otherwise.
+  void reduce_replicated_grads();
+  // Bytes this model's own groups sent (the replicated-kv group; the tp group is the caller's).
+  uint64_t comm_bytes() const;
+
+  // [B,T,V] logits of the last forward (until backward); [B,T,V/tp] (this rank's vocabulary
+  // columns) under tensor parallelism.
   const float* logits() const { return logits_; }
   // Time the forward/backward sections into `profile` (null: off).  The caller owns it.
   void set_profile(Profile* profile) { profile_ = profile; }
@@ -87,7 +111,8 @@ class MixtralModel {
     float *xperm, *h13, *act, *yperm;
     ops::MoePlan plan;
   };
-  // The dimension letters of this model (E = K = 1 for a dense FFN).
+  // The dimension letters of this model (E = K = 1 for a dense FFN), per tensor-parallel rank:
+  // V, I, NH, NKV, Q, KVd are this rank's parts (the whole model when tp = 1).
   struct Dims {
     int C, V, I, NH, NKV, HD, Q, KVd, E, K;
     bool moe;
@@ -95,8 +120,13 @@ class MixtralModel {
   Dims dims() const;
   void validate_batch(const Batch& b) const;
   void allocate(int B, int T);
+  bool tp_on() const { return tp_size_ > 1; }
+  void tp_all_reduce(float* x, long n);
 
   ModelConfig cfg_;
+  dist::Comm* tp_ = nullptr;
+  int tp_size_ = 1;
+  std::unique_ptr<dist::Comm> kv_comm_;  // ranks sharing a replicated kv head (NKV < tp)
   ParamTable table_;
   std::vector<float> params_, grads_;
 

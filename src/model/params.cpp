@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <map>
+
 #include "core/error.h"
 #include "core/rng.h"
 
@@ -44,53 +47,153 @@ std::string spec_name(ParamKind kind, int layer, bool moe) {
 
 bool is_ffn(ParamKind kind) { return kind == ParamKind::ffn_w13 || kind == ParamKind::ffn_w2; }
 
+HfTensorRef make_ref(std::string name, std::vector<int64_t> shape, size_t offset, size_t numel, size_t spec_index,
+                     int stacked_index) {
+  HfTensorRef t;
+  t.name = std::move(name);
+  t.full_shape = shape;
+  t.shape = std::move(shape);
+  t.offset = offset;
+  t.numel = numel;
+  t.spec_index = spec_index;
+  t.stacked_index = stacked_index;
+  return t;
+}
+
 }  // namespace
 
-ParamTable::ParamTable(const ModelConfig& cfg) : num_layers_(cfg.num_hidden_layers), moe_(cfg.is_moe()) {
-  const int64_t C = cfg.hidden_size, V = cfg.vocab_size, I = cfg.intermediate_size;
-  const int64_t Q = (int64_t)cfg.num_attention_heads * cfg.head_dim;
-  const int64_t KV = (int64_t)cfg.num_key_value_heads * cfg.head_dim;
-  const int64_t E = moe_ ? cfg.num_local_experts : 1;
-  add(ParamKind::embedding, -1, {V, C}, true);
-  for (int l = 0; l < num_layers_; l++) {
-    add(ParamKind::input_norm, l, {C}, false);
-    add(ParamKind::q_proj, l, {Q, C}, true);
-    add(ParamKind::k_proj, l, {KV, C}, true);
-    add(ParamKind::v_proj, l, {KV, C}, true);
-    add(ParamKind::o_proj, l, {C, Q}, true);
-    add(ParamKind::post_norm, l, {C}, false);
-    if (moe_) add(ParamKind::router, l, {E, C}, true);
-    add(ParamKind::ffn_w13, l, {E, 2 * I, C}, true);
-    add(ParamKind::ffn_w2, l, {E, C, I}, true);
-  }
-  add(ParamKind::final_norm, -1, {C}, false);
-  add(ParamKind::lm_head, -1, {V, C}, true);
+std::pair<int64_t, int64_t> shard_range(int64_t n, int parts, int part) {
+  if (parts <= 0 || part < 0 || part >= parts) fail("shard_range: part {} of {} is invalid", part, parts);
+  const int64_t base = n / parts, extra = n % parts;
+  const int64_t begin = part * base + std::min<int64_t>(part, extra);
+  return {begin, begin + base + (part < extra ? 1 : 0)};
+}
 
-  // The HF tensors: experts (or the dense FFN) split out of the stacked storage.
+ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
+    : num_layers_(cfg.num_hidden_layers), moe_(cfg.is_moe()), shard_(shard) {
+  const int64_t C = cfg.hidden_size, V = cfg.vocab_size, I = cfg.intermediate_size;
+  const int64_t NH = cfg.num_attention_heads, NKV = cfg.num_key_value_heads, HD = cfg.head_dim;
+  const int64_t Q = NH * HD;
+  const int64_t KV = NKV * HD;
+  const int64_t E = moe_ ? cfg.num_local_experts : 1;
+  // The shard: layers [lb, le), experts [eb, ee), tensor-parallel rank r of tp.
+  const int L = num_layers_;
+  const int lb = shard.layer_begin, le = shard.layer_end < 0 ? L : shard.layer_end;
+  const int eb = shard.expert_begin, ee = shard.expert_end < 0 ? (int)E : shard.expert_end;
+  const int tp = shard.tp_size, r = shard.tp_rank;
+  if (lb < 0 || lb >= le || le > L)
+    fail("parameter shard: layer range [{}, {}) is outside the model's {} layers (num_hidden_layers)", lb, le, L);
+  if (eb < 0 || eb >= ee || ee > E)
+    fail("parameter shard: expert range [{}, {}) is outside the model's {} experts (num_local_experts)", eb, ee, E);
+  if (tp < 1 || r < 0 || r >= tp) fail("parameter shard: tp_rank {} is outside [0, tp_size {})", r, tp);
+  if (NH % tp != 0) fail("parameter shard: num_attention_heads {} is not divisible by tp {}", NH, tp);
+  if (NKV % tp != 0 && tp % NKV != 0)
+    fail("parameter shard: num_key_value_heads {} and tp {}: neither divides the other", NKV, tp);
+  if (I % tp != 0) fail("parameter shard: intermediate_size {} is not divisible by tp {}", I, tp);
+  whole_ = lb == 0 && le == L && eb == 0 && ee == E && tp == 1;
+  const bool split = tp > 1;
+  // This rank's heads, kv heads (one replicated head when NKV < tp), FFN rows and vocabulary rows.
+  const int64_t h0 = NH / tp * r, nh = NH / tp;
+  const bool kv_replicated = NKV < tp;
+  const int64_t kv0 = kv_replicated ? r / (tp / NKV) : NKV / tp * r, nkv = kv_replicated ? 1 : NKV / tp;
+  const int64_t i0 = I / tp * r, Ir = I / tp;
+  const auto [v0, v1] = shard_range(V, tp, r);
+  vocab_begin_ = v0;
+  vocab_end_ = v1;
+  const int64_t Vr = v1 - v0, Qr = nh * HD, KVr = nkv * HD;
+  const int El = ee - eb;
+  const bool first_stage = lb == 0, last_stage = le == L;
+
+  auto replicated = [&](ParamSpec& s) {
+    s.tp_split = TpSplit::none;
+    s.tp_primary = r == 0;
+  };
+  auto rows = [&](ParamSpec& s) { s.tp_split = split ? TpSplit::rows : TpSplit::none; };
+  auto cols = [&](ParamSpec& s) { s.tp_split = split ? TpSplit::cols : TpSplit::none; };
+  if (first_stage) rows(add(ParamKind::embedding, -1, {Vr, C}, true));
+  for (int l = lb; l < le; l++) {
+    replicated(add(ParamKind::input_norm, l, {C}, false));
+    rows(add(ParamKind::q_proj, l, {Qr, C}, true));
+    for (ParamKind k : {ParamKind::k_proj, ParamKind::v_proj}) {
+      ParamSpec& s = add(k, l, {KVr, C}, true);
+      rows(s);
+      if (kv_replicated) s.tp_primary = r % (tp / NKV) == 0;
+    }
+    cols(add(ParamKind::o_proj, l, {C, Qr}, true));
+    replicated(add(ParamKind::post_norm, l, {C}, false));
+    if (moe_) replicated(add(ParamKind::router, l, {E, C}, true));
+    rows(add(ParamKind::ffn_w13, l, {El, 2 * Ir, C}, true));
+    cols(add(ParamKind::ffn_w2, l, {El, C, Ir}, true));
+  }
+  if (last_stage) {
+    replicated(add(ParamKind::final_norm, -1, {C}, false));
+    rows(add(ParamKind::lm_head, -1, {Vr, C}, true));
+  }
+
+  // The HF tensors: experts (or the dense FFN) split out of the stacked storage; each with the
+  // slice of the whole tensor it holds.
+  auto slice_of = [&](HfTensorRef& t, const ParamSpec& s, int64_t begin, int64_t end) {
+    if (s.tp_split == TpSplit::none) return;
+    t.slice_dim = s.tp_split == TpSplit::rows ? 0 : (int)t.full_shape.size() - 1;
+    t.slice_begin = begin;
+    t.slice_end = end;
+  };
   for (size_t si = 0; si < specs_.size(); si++) {
     const ParamSpec& s = specs_[si];
     if (!is_ffn(s.kind)) {
-      hf_tensors_.push_back({s.name, s.shape, s.offset, s.numel, si, -1});
+      HfTensorRef t = make_ref(s.name, s.shape, s.offset, s.numel, si, -1);
+      switch (s.kind) {
+        case ParamKind::embedding:
+        case ParamKind::lm_head:
+          t.full_shape = {V, C};
+          slice_of(t, s, v0, v1);
+          break;
+        case ParamKind::q_proj:
+          t.full_shape = {Q, C};
+          slice_of(t, s, h0 * HD, (h0 + nh) * HD);
+          break;
+        case ParamKind::k_proj:
+        case ParamKind::v_proj:
+          t.full_shape = {KV, C};
+          slice_of(t, s, kv0 * HD, (kv0 + nkv) * HD);
+          break;
+        case ParamKind::o_proj:
+          t.full_shape = {C, Q};
+          slice_of(t, s, h0 * HD, (h0 + nh) * HD);
+          break;
+        default:
+          break;
+      }
+      hf_tensors_.push_back(std::move(t));
       continue;
     }
     const std::string p = layer_prefix(s.layer);
-    const size_t IC = (size_t)I * C;
-    for (int e = 0; e < s.shape[0]; e++) {
+    const size_t IC = (size_t)Ir * C;
+    for (int el = 0; el < s.shape[0]; el++) {
+      const int e = eb + el;
       auto name = [&](const char* expert_suffix, const char* dense_name) {
         return moe_ ? fmt::format("{}block_sparse_moe.experts.{}.{}.weight", p, e, expert_suffix) : p + dense_name;
       };
       if (s.kind == ParamKind::ffn_w13) {
-        const size_t base = s.offset + 2 * IC * e;
-        hf_tensors_.push_back({name("w1", "mlp.gate_proj.weight"), {I, C}, base, IC, si, e});
-        hf_tensors_.push_back({name("w3", "mlp.up_proj.weight"), {I, C}, base + IC, IC, si, e});
+        const size_t base = s.offset + 2 * IC * el;
+        HfTensorRef w1 = make_ref(name("w1", "mlp.gate_proj.weight"), {Ir, C}, base, IC, si, e);
+        HfTensorRef w3 = make_ref(name("w3", "mlp.up_proj.weight"), {Ir, C}, base + IC, IC, si, e);
+        for (HfTensorRef* t : {&w1, &w3}) {
+          t->full_shape = {I, C};
+          slice_of(*t, s, i0, i0 + Ir);
+          hf_tensors_.push_back(std::move(*t));
+        }
       } else {
-        hf_tensors_.push_back({name("w2", "mlp.down_proj.weight"), {C, I}, s.offset + IC * e, IC, si, e});
+        HfTensorRef w2 = make_ref(name("w2", "mlp.down_proj.weight"), {C, Ir}, s.offset + IC * el, IC, si, e);
+        w2.full_shape = {C, I};
+        slice_of(w2, s, i0, i0 + Ir);
+        hf_tensors_.push_back(std::move(w2));
       }
     }
   }
 }
 
-void ParamTable::add(ParamKind kind, int layer, std::vector<int64_t> shape, bool decay) {
+ParamSpec& ParamTable::add(ParamKind kind, int layer, std::vector<int64_t> shape, bool decay) {
   ParamSpec s;
   s.name = spec_name(kind, layer, moe_);
   s.kind = kind;
@@ -104,6 +207,13 @@ void ParamTable::add(ParamKind kind, int layer, std::vector<int64_t> shape, bool
   // Keep every tensor 16-float aligned (64 bytes) for vector loads.
   total_ += (s.numel + 15) / 16 * 16;
   specs_.push_back(std::move(s));
+  return specs_.back();
+}
+
+bool ParamTable::has(ParamKind kind, int layer) const {
+  for (const ParamSpec& s : specs_)
+    if (s.kind == kind && s.layer == layer) return true;
+  return false;
 }
 
 const ParamSpec& ParamTable::at(ParamKind kind, int layer) const {
@@ -118,6 +228,46 @@ const HfTensorRef* ParamTable::find_hf(const std::string& name) const {
   return nullptr;
 }
 
+namespace {
+
+// Calls f(whole_ptr, shard_ptr, n) for every contiguous run of a shard tensor inside the whole one.
+template <typename F>
+void for_each_run(const ParamTable& whole, const ParamTable& shard, F&& f) {
+  if (!whole.is_whole()) fail("parameter shard copy: the first table must be the whole model");
+  std::map<std::string, const HfTensorRef*> by_name;
+  for (const HfTensorRef& t : whole.hf_tensors()) by_name[t.name] = &t;
+  for (const HfTensorRef& t : shard.hf_tensors()) {
+    const auto it = by_name.find(t.name);
+    if (it == by_name.end()) fail("parameter shard copy: tensor '{}' is not part of the whole model", t.name);
+    const HfTensorRef& w = *it->second;
+    if (w.shape != t.full_shape) fail("parameter shard copy: tensor '{}' has another shape in the whole model", t.name);
+    if (t.slice_dim < 0) {
+      f(w.offset, t.offset, t.numel);
+    } else if (t.slice_dim == 0) {
+      const size_t cols = (size_t)t.shape.back();
+      f(w.offset + (size_t)t.slice_begin * cols, t.offset, t.numel);
+    } else {
+      const size_t cols = (size_t)t.shape.back(), full_cols = (size_t)w.shape.back();
+      for (size_t a = 0; a < t.numel / cols; a++)
+        f(w.offset + a * full_cols + (size_t)t.slice_begin, t.offset + a * cols, cols);
+    }
+  }
+}
+
+}  // namespace
+
+void copy_from_whole(const ParamTable& whole, const float* whole_values, const ParamTable& shard, float* shard_values) {
+  for_each_run(whole, shard, [&](size_t wo, size_t so, size_t n) {
+    std::copy(whole_values + wo, whole_values + wo + n, shard_values + so);
+  });
+}
+
+void copy_to_whole(const ParamTable& shard, const float* shard_values, const ParamTable& whole, float* whole_values) {
+  for_each_run(whole, shard, [&](size_t wo, size_t so, size_t n) {
+    std::copy(shard_values + so, shard_values + so + n, whole_values + wo);
+  });
+}
+
 void init_parameters(const ParamTable& table, const ModelConfig& cfg, uint64_t seed, float* params) {
   const double std = cfg.initializer_range;
   for (const HfTensorRef& t : table.hf_tensors()) {
@@ -127,8 +277,21 @@ void init_parameters(const ParamTable& table, const ModelConfig& cfg, uint64_t s
       continue;
     }
     const uint64_t key = hash_name(t.name);
+    if (t.slice_dim < 0) {
 #pragma omp parallel for schedule(static)
-    for (size_t i = 0; i < t.numel; i++) p[i] = (float)(std * normal_at(seed, key, i));
+      for (size_t i = 0; i < t.numel; i++) p[i] = (float)(std * normal_at(seed, key, i));
+      continue;
+    }
+    // A slice of a 2-d tensor: element (a, b) of the slice is element (a + begin, b) (rows) or
+    // (a, b + begin) (columns) of the whole tensor.
+    const size_t cols = (size_t)t.shape.back(), full_cols = (size_t)t.full_shape.back();
+    const size_t row_off = t.slice_dim == 0 ? (size_t)t.slice_begin : 0;
+    const size_t col_off = t.slice_dim == 0 ? 0 : (size_t)t.slice_begin;
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < t.numel; i++) {
+      const size_t a = i / cols, b = i % cols;
+      p[i] = (float)(std * normal_at(seed, key, (a + row_off) * full_cols + b + col_off));
+    }
   }
 }
 

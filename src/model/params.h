@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/hf_config.h"
@@ -32,35 +33,72 @@ enum class ParamKind {
   lm_head,     // [V, C]
 };
 
+// Which part of the model a table holds (DESIGN §6); the default is the whole model.  Tensor
+// parallel (Megatron): q/k/v, w1/w3 split by rows (heads / FFN width), o and w2 by columns,
+// embedding and head by vocabulary rows (the larger parts first when tp does not divide V), kv
+// heads replicated when NKV < tp (rank r holds kv head r / (tp / NKV)), norms and router whole.
+// Pipeline (layer range) and expert (expert range) parallelism select layers and experts; the
+// first stage holds the embedding, the last the final norm and the head.
+struct ParamShard {
+  int layer_begin = 0, layer_end = -1;    // decoder layers [begin, end); -1: to the last
+  int expert_begin = 0, expert_end = -1;  // experts [begin, end) of every MoE layer; -1: to the last
+  int tp_rank = 0, tp_size = 1;
+};
+
+// How a tensor is split over the tensor-parallel ranks.
+enum class TpSplit {
+  none,  // whole on every tp rank (replicated)
+  rows,  // dim 0 of the HF tensor
+  cols,  // the last dim of the HF tensor
+};
+
 struct ParamSpec {
   std::string name;            // moetron name; equals the HF name for non-stacked tensors
   ParamKind kind;
   int layer = -1;              // decoder layer, -1 for embedding / final norm / head
-  std::vector<int64_t> shape;  // storage shape (stacked for experts)
+  std::vector<int64_t> shape;  // storage shape (stacked for experts; this shard's part)
   size_t offset = 0;           // in floats, into the flat allocation
   size_t numel = 0;
   bool weight_decay = true;    // false for RMSNorm weights
   int n_stacked = 0;           // experts stacked along dim 0 (0: not an expert tensor)
+  TpSplit tp_split = TpSplit::none;
+  // False when another tp rank holds an identical copy that counts instead (replicated tensors on
+  // tp ranks > 0; replicated kv heads on all but the first rank sharing the head): sums over the
+  // model (gradient norms) and checkpoint assembly use primary copies only.
+  bool tp_primary = true;
   bool is_norm() const { return !weight_decay; }
 };
 
-// One HF tensor: a name and where its values live inside the flat allocation.
+// One HF tensor: a name and where its values live inside the flat allocation.  In a sharded table
+// the values are the slice [slice_begin, slice_end) of dimension slice_dim of the whole tensor
+// (slice_dim -1: the whole tensor), of shape `shape`; `full_shape` is the whole tensor's.
 struct HfTensorRef {
   std::string name;
   std::vector<int64_t> shape;
   size_t offset = 0;
   size_t numel = 0;
   size_t spec_index = 0;  // into ParamTable::specs()
-  int stacked_index = -1;  // expert index for stacked tensors (0 for a dense FFN)
+  int stacked_index = -1;  // expert index for stacked tensors (0 for a dense FFN), global in the model
+  std::vector<int64_t> full_shape;
+  int slice_dim = -1;
+  int64_t slice_begin = 0, slice_end = 0;
 };
 
 class ParamTable {
  public:
-  explicit ParamTable(const ModelConfig& cfg);
+  // The whole model, or the part `shard` holds (Error naming the numbers when it does not fit).
+  explicit ParamTable(const ModelConfig& cfg, const ParamShard& shard = {});
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
   size_t total() const { return total_; }
   bool is_moe() const { return moe_; }
+  const ParamShard& shard() const { return shard_; }
+  // True for the whole model (every table built without a shard).
+  bool is_whole() const { return whole_; }
+  // The vocabulary rows [vocab_begin, vocab_end) this shard's embedding and head hold.
+  int64_t vocab_begin() const { return vocab_begin_; }
+  int64_t vocab_end() const { return vocab_end_; }
+  bool has(ParamKind kind, int layer = -1) const;
   const ParamSpec& at(ParamKind kind, int layer = -1) const;
   // The tensors as Hugging Face names them (experts expanded, dense FFN under mlp.* names).
   const std::vector<HfTensorRef>& hf_tensors() const { return hf_tensors_; }
@@ -68,17 +106,31 @@ class ParamTable {
   const ParamSpec& spec_of(const HfTensorRef& t) const { return specs_[t.spec_index]; }
 
  private:
-  void add(ParamKind kind, int layer, std::vector<int64_t> shape, bool decay);
+  ParamSpec& add(ParamKind kind, int layer, std::vector<int64_t> shape, bool decay);
   std::vector<ParamSpec> specs_;
   std::vector<HfTensorRef> hf_tensors_;
   size_t total_ = 0;
   int num_layers_ = 0;
   bool moe_ = false;
+  ParamShard shard_;
+  bool whole_ = true;
+  int64_t vocab_begin_ = 0, vocab_end_ = 0;
 };
+
+// Copies between a sharded table's flat array and the whole model's (`whole` must be a whole
+// table of the same model): each HF tensor of `shard` from (to) its slice of the tensor of the same
+// name in `whole`.  Padding is not touched.
+void copy_from_whole(const ParamTable& whole, const float* whole_values, const ParamTable& shard, float* shard_values);
+void copy_to_whole(const ParamTable& shard, const float* shard_values, const ParamTable& whole, float* whole_values);
+
+// The contiguous part [first, second) of n items that part `part` of `parts` holds: sizes differ
+// by at most one, the larger parts first (the vocabulary split of ParamShard).
+std::pair<int64_t, int64_t> shard_range(int64_t n, int parts, int part);
 
 // Fills params (table.total() floats) from the counter-based RNG: normal(0, initializer_range)
 // for matrices, 1 for norm weights.  Each HF tensor draws from its own stream keyed by its HF name,
-// element index = position within that tensor, so any slice can be initialised alone.
+// element index = position within the WHOLE tensor, so any slice (a sharded table) is initialised
+// to exactly the values the whole model holds there.
 void init_parameters(const ParamTable& table, const ModelConfig& cfg, uint64_t seed, float* params);
 
 }  // namespace moetron

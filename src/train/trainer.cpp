@@ -16,6 +16,8 @@
 
 #include "core/error.h"
 #include "data/loader.h"
+#include "dist/comm.h"
+#include "dist/grid.h"
 #include "io/hf_config.h"
 #include "io/model_files.h"
 #include "model/flops.h"
@@ -25,7 +27,9 @@
 #include "ops/matmul.h"
 #include "optim/adamw.h"
 #include "optim/lr_schedule.h"
+#include "optim/zero.h"
 #include "train/checkpoint.h"
+#include "train/plan.h"
 #include "train/tensorboard.h"
 
 namespace fs = std::filesystem;
@@ -65,12 +69,15 @@ class StopSignals {
 using Clock = std::chrono::steady_clock;
 
 // RUN/log.txt and the terminal: a live progress line on a TTY, plain lines otherwise.
+// Only the root rank of a distributed run writes; the others' RunLog is inactive (default-built).
 class RunLog {
  public:
-  explicit RunLog(const fs::path& path) : file_(path, std::ios::app), tty_(isatty(fileno(stdout))) {
+  RunLog() = default;
+  explicit RunLog(const fs::path& path) : file_(path, std::ios::app), tty_(isatty(fileno(stdout))), active_(true) {
     if (!file_) fail("{}: cannot open for writing", path.string());
   }
   void line(const std::string& text) {
+    if (!active_) return;
     end_progress();
     std::printf("%s\n", text.c_str());
     std::fflush(stdout);
@@ -78,6 +85,7 @@ class RunLog {
     file_.flush();
   }
   void progress(const std::string& text) {
+    if (!active_) return;
     file_ << text << '\n';
     file_.flush();
     if (tty_) {
@@ -95,7 +103,8 @@ class RunLog {
 
  private:
   std::ofstream file_;
-  bool tty_;
+  bool tty_ = false;
+  bool active_ = false;
   bool progress_open_ = false;
 };
 
@@ -157,23 +166,35 @@ struct StepResult {
 
 class Training {
  public:
-  Training(const TrainConfig& cfg, const TrainOptions& options) : cfg_(cfg), options_(options) {}
+  Training(const TrainConfig& cfg, const TrainOptions& options) : cfg_(cfg), options_(options) {
+    if (options.world == nullptr) own_world_ = std::make_unique<dist::SelfComm>("world");
+    world_ = options.world ? options.world : own_world_.get();
+    root_ = world_->rank() == 0;
+  }
   TrainSummary run();
 
  private:
   void setup();
+  void load_resume(const std::string& dir);
   StepResult train_step(long step);
   double evaluate();
   std::string save(long step, bool final_save);
+  void gather_whole(const ParamTable& whole, std::vector<float>& params, std::vector<float>& m,
+                    std::vector<float>& v);
   nlohmann::json trainer_state(long step) const;
+  uint64_t comm_bytes() const;
 
   const TrainConfig& cfg_;
   const TrainOptions& options_;
+  std::unique_ptr<dist::Comm> own_world_;  // a SelfComm when the caller gave no world
+  dist::Comm* world_ = nullptr;
+  bool root_ = true;  // world rank 0: writes the run directory, metrics, TensorBoard, checkpoints
+  std::optional<dist::ProcessGrid> grid_;
   fs::path run_dir_;
-  std::optional<RunLog> log_;
+  RunLog log_;
   ModelConfig mcfg_;
   std::optional<MixtralModel> model_;
-  std::optional<AdamW> opt_;
+  std::optional<ShardedAdamW> opt_;
   std::optional<DataLoader> train_data_, valid_data_;
   std::optional<LoaderState> valid_start_;
   LrSchedule schedule_;
@@ -189,16 +210,19 @@ class Training {
   nlohmann::json last_moe_;   // MoE telemetry of the last step
   std::optional<TensorBoardWriter> tb_;
   double sgemm_peak_ = 0;  // GFLOP/s, for MFU
+  uint64_t opt_state_bytes_max_ = 0;  // the largest optimizer state of any rank
 };
 
 void Training::setup() {
   if (cfg_.device != "cpu")
     fail("device: '{}' is not available in this build yet (only 'cpu'); set device: cpu", cfg_.device);
-  if (cfg_.parallel.tp != 1 || cfg_.parallel.pp != 1 || cfg_.parallel.ep != 1)
+  if (cfg_.parallel.pp != 1 || cfg_.parallel.ep != 1)
     fail(
-        "parallel: tp={}, pp={}, ep={} needs distributed training, which this build does not have yet; "
-        "use tp=1, pp=1, ep=1",
-        cfg_.parallel.tp, cfg_.parallel.pp, cfg_.parallel.ep);
+        "parallel: pp={}, ep={}: pipeline and expert parallelism are not implemented yet (tensor and data "
+        "parallelism are); use pp: 1, ep: 1",
+        cfg_.parallel.pp, cfg_.parallel.ep);
+  grid_.emplace(*world_, cfg_.parallel.tp, cfg_.parallel.pp, cfg_.parallel.ep);
+  const dist::GridShape& gs = grid_->shape();
   if (cfg_.model.dtype != "fp32") fail("model.dtype: '{}' is not supported on CPU; use fp32", cfg_.model.dtype);
   if (cfg_.moe.capacity_factor) fail("moe.capacity_factor: token dropping is not implemented yet; use null (dropless)");
 
@@ -214,6 +238,8 @@ void Training::setup() {
           "defines the model",
           init_dir_);
   }
+  // The layout against the model (heads, FFN width, vocabulary, batch divisible): plan's rules.
+  if (world_->size() > 1) make_plan(cfg_, mcfg_, world_->size());
   // Data: checked before any allocation-heavy work.
   const fs::path data = cfg_.data.path;
   if (!fs::exists(data / "train.idx"))
@@ -225,12 +251,14 @@ void Training::setup() {
   lc.over_long = cfg_.data.over_long == "drop" ? LoaderConfig::OverLong::drop : LoaderConfig::OverLong::split;
   lc.seed = cfg_.seed;
   lc.global_batch_size = cfg_.train.global_batch_size;
+  lc.dp_rank = grid_->coord().dp;
+  lc.dp_size = gs.dp;
   const fs::path mask = data / "train_mask.idx";
   train_data_.emplace((data / "train").string(), fs::exists(mask) ? (data / "train_mask").string() : "", lc);
   if (fs::exists(data / "valid.idx") && cfg_.eval.every_steps > 0 && cfg_.eval.batches > 0) {
     LoaderConfig vc = lc;
     vc.shuffle = false;
-    vc.global_batch_size = 0;
+    vc.global_batch_size = 0;  // one micro-batch per data-parallel rank per call
     const fs::path vmask = data / "valid_mask.idx";
     valid_data_.emplace((data / "valid").string(), fs::exists(vmask) ? (data / "valid_mask").string() : "", vc);
     valid_start_ = valid_data_->state();
@@ -240,7 +268,7 @@ void Training::setup() {
                                           : (long)std::ceil(cfg_.train.epochs * (double)td.steps_per_epoch(0));
   if (total_steps_ <= 0)
     fail("train: the run has no steps (max_steps={}, epochs={})", cfg_.train.max_steps, cfg_.train.epochs);
-  micro_per_step_ = cfg_.train.global_batch_size / cfg_.train.micro_batch_size;
+  micro_per_step_ = cfg_.train.global_batch_size / (cfg_.train.micro_batch_size * gs.dp);
 
   schedule_.lr = cfg_.train.lr;
   schedule_.min_lr = cfg_.train.min_lr;
@@ -252,79 +280,141 @@ void Training::setup() {
   weights_.aux_kind = cfg_.moe.aux_loss == "per_layer" ? AuxLossKind::per_layer : AuxLossKind::hf_pooled;
   flops_ = count_flops(mcfg_, cfg_.data.seq_length);
 
-  // The run directory and the resolved config.
+  // The run directory and the resolved config (the root rank's; the directory must be shared by
+  // every node of a multi-node run).
   run_dir_ = cfg_.run_dir;
-  fs::create_directories(run_dir_);
-  {
-    const fs::path tmp = run_dir_ / "config.yaml.tmp";
-    std::ofstream(tmp) << train_config_to_yaml(cfg_);
-    fs::rename(tmp, run_dir_ / "config.yaml");
+  if (root_) {
+    fs::create_directories(run_dir_);
+    {
+      const fs::path tmp = run_dir_ / "config.yaml.tmp";
+      std::ofstream(tmp) << train_config_to_yaml(cfg_);
+      fs::rename(tmp, run_dir_ / "config.yaml");
+    }
+    log_ = RunLog(run_dir_ / "log.txt");
+    if (cfg_.log.tensorboard) tb_.emplace((run_dir_ / "tb").string());
+    sgemm_peak_ = ops::measure_sgemm_gflops(1024, 3);
   }
-  log_.emplace(run_dir_ / "log.txt");
-  if (cfg_.log.tensorboard) tb_.emplace((run_dir_ / "tb").string());
-  sgemm_peak_ = ops::measure_sgemm_gflops(1024, 3);
 
-  model_.emplace(mcfg_);
+  model_.emplace(mcfg_, &grid_->tp());
   AdamWConfig ac;
   ac.lr = cfg_.train.lr;
   ac.beta1 = cfg_.train.adam_beta1;
   ac.beta2 = cfg_.train.adam_beta2;
   ac.eps = cfg_.train.adam_eps;
   ac.weight_decay = cfg_.train.weight_decay;
-  opt_.emplace(model_->table(), ac);
+  opt_.emplace(model_->table(), ac, grid_->dp(), *world_, cfg_.parallel.zero1);
+  opt_state_bytes_max_ = (uint64_t)world_->all_reduce_value((int64_t)opt_->state_bytes(), dist::ReduceOp::max);
 
-  // Resume, or initialise.
+  // Resume, or initialise.  The root decides which checkpoint (the others follow).
   std::string resume_dir;
-  if (cfg_.checkpoint.resume == "auto")
-    resume_dir = find_latest_checkpoint(run_dir_.string());
-  else if (cfg_.checkpoint.resume != "none")
-    resume_dir = cfg_.checkpoint.resume;
+  if (root_) {
+    if (cfg_.checkpoint.resume == "auto")
+      resume_dir = find_latest_checkpoint(run_dir_.string());
+    else if (cfg_.checkpoint.resume != "none")
+      resume_dir = cfg_.checkpoint.resume;
+  }
+  world_->broadcast_string(resume_dir, 0);
+  const ParamTable& table = model_->table();
   if (!resume_dir.empty()) {
-    const LoadedCheckpoint ck = load_checkpoint(resume_dir, mcfg_, model_->table(), model_->params().data(),
-                                                opt_->exp_avg().data(), opt_->exp_avg_sq().data());
-    opt_->set_steps_taken(ck.optimizer_steps);
-    const nlohmann::json& st = ck.trainer_state;
-    start_step_ = st.at("step").get<long>();
-    consumed_samples_ = st.value("consumed_samples", 0L);
-    consumed_tokens_ = st.value("consumed_tokens", 0L);
-    train_data_->restore(st.at("loader_state").get<LoaderState>());
-    truncate_metrics(run_dir_ / "metrics.jsonl", start_step_);
-    log_->line(fmt::format("resumed from {} at step {}", resume_dir, start_step_));
+    load_resume(resume_dir);
+    if (root_) truncate_metrics(run_dir_ / "metrics.jsonl", start_step_);
+    log_.line(fmt::format("resumed from {} at step {}", resume_dir, start_step_));
   } else if (cfg_.model.init == "random") {
-    init_parameters(model_->table(), mcfg_, cfg_.seed, model_->params().data());
-    truncate_metrics(run_dir_ / "metrics.jsonl", 0);
+    // Keyed by (seed, HF name, index in the whole tensor): any shard initialises to its part.
+    init_parameters(table, mcfg_, cfg_.seed, model_->params().data());
+    if (root_) truncate_metrics(run_dir_ / "metrics.jsonl", 0);
   } else {
-    load_hf_weights(ModelTensors::open(init_dir_), model_->table(), model_->params().data(), init_dir_);
-    truncate_metrics(run_dir_ / "metrics.jsonl", 0);
+    const ModelTensors files = ModelTensors::open(init_dir_);
+    if (table.is_whole()) {
+      load_hf_weights(files, table, model_->params().data(), init_dir_);
+    } else {
+      const ParamTable whole(mcfg_);
+      std::vector<float> w(whole.total(), 0.0f);
+      load_hf_weights(files, whole, w.data(), init_dir_);
+      copy_from_whole(whole, w.data(), table, model_->params().data());
+    }
+    if (root_) truncate_metrics(run_dir_ / "metrics.jsonl", 0);
   }
   const LoaderStats& ls = td.stats();
-  log_->line(fmt::format(
+  log_.line(fmt::format(
       "model {}: {} layers, hidden {}, {} experts top-{}, {:.1f}M parameters; data {}: {} documents, {} blocks of {} "
       "tokens per epoch ({} split, {} dropped); {} steps of {} sequences ({} micro-batches of {})",
       mcfg_.architecture, mcfg_.num_hidden_layers, mcfg_.hidden_size, mcfg_.num_local_experts,
       mcfg_.num_experts_per_tok, (double)model_->table().total() / 1e6, cfg_.data.path, ls.documents, ls.blocks,
       cfg_.data.seq_length, ls.split_documents, ls.dropped_documents, total_steps_, cfg_.train.global_batch_size,
       micro_per_step_, cfg_.train.micro_batch_size));
+  if (world_->size() > 1)
+    log_.line(fmt::format(
+        "distributed: {} ranks over {} ({}): tp {} x dp {} (pp {}, ep {}); ZeRO-1 {}; optimizer state {} per rank "
+        "(largest)",
+        world_->size(), world_->transport(), grid_->describe(), gs.tp, gs.dp, gs.pp, gs.ep,
+        cfg_.parallel.zero1 ? "on" : "off", format_bytes((double)opt_state_bytes_max_)));
+}
+
+void Training::load_resume(const std::string& dir) {
+  // Every rank reads the whole checkpoint (verified) and keeps its part: its tensor-parallel slice of
+  // the parameters and its ZeRO-1 shard of the moments.
+  const ParamTable& table = model_->table();
+  const bool direct = table.is_whole() && opt_->state_begin() == 0 && opt_->state_end() == table.total();
+  LoadedCheckpoint ck;
+  if (direct) {
+    ck = load_checkpoint(dir, mcfg_, table, model_->params().data(), opt_->exp_avg().data(),
+                         opt_->exp_avg_sq().data());
+  } else {
+    std::optional<ParamTable> whole_own;
+    if (!table.is_whole()) whole_own.emplace(mcfg_);
+    const ParamTable& whole = table.is_whole() ? table : *whole_own;
+    std::vector<float> wp(whole.total(), 0.0f), wm(whole.total(), 0.0f), wv(whole.total(), 0.0f);
+    ck = load_checkpoint(dir, mcfg_, whole, wp.data(), wm.data(), wv.data());
+    std::vector<float> lm(table.total(), 0.0f), lv(table.total(), 0.0f);
+    if (table.is_whole()) {
+      model_->params() = wp;
+      lm = std::move(wm);
+      lv = std::move(wv);
+    } else {
+      copy_from_whole(whole, wp.data(), table, model_->params().data());
+      copy_from_whole(whole, wm.data(), table, lm.data());
+      copy_from_whole(whole, wv.data(), table, lv.data());
+    }
+    std::copy(lm.begin() + opt_->state_begin(), lm.begin() + opt_->state_end(), opt_->exp_avg().begin());
+    std::copy(lv.begin() + opt_->state_begin(), lv.begin() + opt_->state_end(), opt_->exp_avg_sq().begin());
+  }
+  opt_->set_steps_taken(ck.optimizer_steps);
+  const nlohmann::json& st = ck.trainer_state;
+  start_step_ = st.at("step").get<long>();
+  consumed_samples_ = st.value("consumed_samples", 0L);
+  consumed_tokens_ = st.value("consumed_tokens", 0L);
+  train_data_->restore(st.at("loader_state").get<LoaderState>());
+}
+
+uint64_t Training::comm_bytes() const {
+  uint64_t b = world_->stats().bytes_sent + model_->comm_bytes();
+  for (dist::Comm* c : {&grid_->tp(), &grid_->dp(), &grid_->pp(), &grid_->ep(), &grid_->edp()})
+    b += c->stats().bytes_sent;
+  return b;
 }
 
 StepResult Training::train_step(long step) {
   (void)step;
   StepResult r;
   micro_.resize(micro_per_step_);
-  long loss_tokens = 0;
+  // This rank's micro-batches; the counts that scale the loss are the GLOBAL batch's (summed over
+  // the data-parallel ranks first), so every layout optimises the same objective.
+  int64_t counts[3] = {0, 0, 0};  // loss tokens, real tokens, micro-batches holding real tokens
   for (Batch& b : micro_) {
     train_data_->next(b);
-    loss_tokens += count_loss_tokens(b);
-    for (int32_t m : b.attention_mask) r.tokens += m != 0;
+    counts[0] += count_loss_tokens(b);
+    for (int32_t m : b.attention_mask) counts[1] += m != 0;
+    counts[2] += std::any_of(b.attention_mask.begin(), b.attention_mask.end(), [](int32_t m) { return m != 0; });
   }
+  grid_->dp().all_reduce(counts, 3);
+  const long loss_tokens = (long)counts[0];
+  r.tokens = (long)counts[1];
   r.loss_tokens = loss_tokens;
   weights_.ce_scale = loss_tokens > 0 ? 1.0 / (double)loss_tokens : 0.0;
   // The router losses are averaged over the micro-batches that hold real tokens (the last step of an
   // epoch can carry all-padding rows, whose aux loss is 0 by definition).
-  long active = 0;
-  for (const Batch& b : micro_)
-    active += std::any_of(b.attention_mask.begin(), b.attention_mask.end(), [](int32_t m) { return m != 0; });
-  active = std::max(1L, active);
+  const long active = std::max(1L, (long)counts[2]);
   weights_.aux_coef = aux_coef_ / (double)active;
   weights_.z_coef = cfg_.moe.z_loss_coef / (double)active;
   model_->zero_grads();
@@ -340,7 +430,18 @@ StepResult Training::train_step(long step) {
     for (int i = 0; i < (int)model_->router_stats().size(); i++)
       for (int e = 0; e < E; e++) assigned[i][e] += model_->router_stats()[i].assigned[e];
   }
+  // Sums over the data-parallel ranks (tensor-parallel ranks hold identical values).
+  double sums[4] = {r.loss, r.ce_loss, r.aux_loss, r.z_loss};
+  grid_->dp().all_reduce(sums, 4);
+  r.loss = sums[0];
+  r.ce_loss = sums[1];
+  r.aux_loss = sums[2];
+  r.z_loss = sums[3];
+  for (auto& a : assigned) grid_->dp().all_reduce(a.data(), a.size());
   last_moe_ = moe_telemetry(assigned);
+  // Gradients: replicated kv heads over their tp ranks, then everything over dp.
+  model_->reduce_replicated_grads();
+  opt_->reduce_gradients(model_->grads().data());
   return r;
 }
 
@@ -352,12 +453,19 @@ double Training::evaluate() {
   LossWeights w = weights_;
   w.ce_scale = 1.0;
   Batch b;
-  for (int i = 0; i < cfg_.eval.batches; i++) {
+  // Micro-batch k of data-parallel rank d is batch k * dp + d of one process: each rank evaluates
+  // its share of the first eval.batches batches.
+  const int dp = grid_->shape().dp, d = grid_->coord().dp;
+  for (int i = d; i < cfg_.eval.batches; i += dp) {
     valid_data_->next(b);
     const Losses l = model_->forward(b, w);
     ce_sum += l.ce_sum;
     tokens += l.loss_tokens;
   }
+  double sums[2] = {ce_sum, (double)tokens};
+  grid_->dp().all_reduce(sums, 2);
+  ce_sum = sums[0];
+  tokens = (long)sums[1];
   return tokens > 0 ? ce_sum / (double)tokens : std::nan("");
 }
 
@@ -378,28 +486,95 @@ nlohmann::json Training::trainer_state(long step) const {
           {"config", train_config_to_json(cfg_)}};
 }
 
+// World rank 0 receives every rank's part and assembles whole tensors (the checkpoint is layout
+// independent); the other ranks send: parameters from data-parallel rank 0 of each tensor-parallel
+// rank, moments from every rank holding a ZeRO-1 shard (or from dp rank 0 without ZeRO-1).
+void Training::gather_whole(const ParamTable& whole, std::vector<float>& params, std::vector<float>& m,
+                            std::vector<float>& v) {
+  const dist::GridShape& gs = grid_->shape();
+  const dist::GridCoord& me = grid_->coord();
+  dist::Comm& w = *world_;
+  constexpr int kParams = 11, kExpAvg = 12, kExpAvgSq = 13;
+  auto state_range = [&](size_t total, int d) -> std::pair<size_t, size_t> {
+    if (cfg_.parallel.zero1) return ShardedAdamW::shard_of(total, gs.dp, d);
+    return d == 0 ? std::pair<size_t, size_t>{0, total} : std::pair<size_t, size_t>{0, 0};
+  };
+  if (!root_) {
+    const size_t total = model_->table().total();
+    if (me.dp == 0) w.send(model_->params().data(), total, dist::CommDType::f32, 0, kParams);
+    const auto [b, e] = state_range(total, me.dp);
+    if (e > b) {
+      w.send(opt_->exp_avg().data(), e - b, dist::CommDType::f32, 0, kExpAvg);
+      w.send(opt_->exp_avg_sq().data(), e - b, dist::CommDType::f32, 0, kExpAvgSq);
+    }
+    return;
+  }
+  params.assign(whole.total(), 0.0f);
+  m.assign(whole.total(), 0.0f);
+  v.assign(whole.total(), 0.0f);
+  for (int t = 0; t < gs.tp; t++) {
+    ParamShard shard;
+    shard.tp_rank = t;
+    shard.tp_size = gs.tp;
+    const ParamTable lt(mcfg_, shard);
+    std::vector<float> lp(lt.total(), 0.0f), lm(lt.total(), 0.0f), lv(lt.total(), 0.0f);
+    for (int d = 0; d < gs.dp; d++) {
+      dist::GridCoord c;
+      c.tp = t;
+      c.dp = d;
+      const int src = dist::grid_rank(gs, c);
+      const auto [b, e] = state_range(lt.total(), d);
+      if (src == 0) {
+        lp = model_->params();
+        std::copy(opt_->exp_avg().begin(), opt_->exp_avg().end(), lm.begin() + b);
+        std::copy(opt_->exp_avg_sq().begin(), opt_->exp_avg_sq().end(), lv.begin() + b);
+        continue;
+      }
+      if (d == 0) w.recv(lp.data(), lt.total(), dist::CommDType::f32, src, kParams);
+      if (e > b) {
+        w.recv(lm.data() + b, e - b, dist::CommDType::f32, src, kExpAvg);
+        w.recv(lv.data() + b, e - b, dist::CommDType::f32, src, kExpAvgSq);
+      }
+    }
+    copy_to_whole(lt, lp.data(), whole, params.data());
+    copy_to_whole(lt, lm.data(), whole, m.data());
+    copy_to_whole(lt, lv.data(), whole, v.data());
+  }
+}
+
 std::string Training::save(long step, bool final_save) {
   // Never write a checkpoint that could not be resumed usefully.
-  const double param_norm = global_grad_norm(model_->params().data(), model_->params().size());
+  const double param_norm = opt_->global_norm(model_->params().data());
   if (!std::isfinite(param_norm)) {
-    log_->line(fmt::format("step {}: parameters are not finite; checkpoint NOT saved", step));
+    log_.line(fmt::format("step {}: parameters are not finite; checkpoint NOT saved", step));
     return "";
   }
-  CheckpointContents c;
-  c.model_config = &mcfg_;
-  c.table = &model_->table();
-  c.params = model_->params().data();
-  c.exp_avg = opt_->exp_avg().data();
-  c.exp_avg_sq = opt_->exp_avg_sq().data();
-  c.optimizer_steps = opt_->steps_taken();
-  c.trainer_state = trainer_state(step);
-  SaveOptions o;
-  o.keep_last = cfg_.checkpoint.keep_last;
-  o.tokenizer_source_dir = init_dir_;
   const auto t0 = Clock::now();
-  const std::string dir = save_checkpoint(run_dir_.string(), step, c, o);
-  log_->line(fmt::format("{} checkpoint {} ({:.2f} s)", final_save ? "saved final" : "saved", dir,
-                         std::chrono::duration<double>(Clock::now() - t0).count()));
+  const ParamTable& table = model_->table();
+  const bool direct = world_->size() == 1 && table.is_whole();
+  std::optional<ParamTable> whole_own;
+  if (!table.is_whole()) whole_own.emplace(mcfg_);
+  const ParamTable& whole = table.is_whole() ? table : *whole_own;
+  std::vector<float> wp, wm, wv;
+  if (!direct) gather_whole(whole, wp, wm, wv);
+  std::string dir;
+  if (root_) {
+    CheckpointContents c;
+    c.model_config = &mcfg_;
+    c.table = &whole;
+    c.params = direct ? model_->params().data() : wp.data();
+    c.exp_avg = direct ? opt_->exp_avg().data() : wm.data();
+    c.exp_avg_sq = direct ? opt_->exp_avg_sq().data() : wv.data();
+    c.optimizer_steps = opt_->steps_taken();
+    c.trainer_state = trainer_state(step);
+    SaveOptions o;
+    o.keep_last = cfg_.checkpoint.keep_last;
+    o.tokenizer_source_dir = init_dir_;
+    dir = save_checkpoint(run_dir_.string(), step, c, o);
+    log_.line(fmt::format("{} checkpoint {} ({:.2f} s)", final_save ? "saved final" : "saved", dir,
+                          std::chrono::duration<double>(Clock::now() - t0).count()));
+  }
+  world_->broadcast_string(dir, 0);
   return dir;
 }
 
@@ -416,17 +591,23 @@ TrainSummary Training::run() {
   summary.first_step = start_step_ + 1;
   summary.total_steps = total_steps_;
   summary.last_step = start_step_;
-  std::ofstream metrics(run_dir_ / "metrics.jsonl", std::ios::app);
-  if (!metrics) fail("{}: cannot open for writing", (run_dir_ / "metrics.jsonl").string());
+  std::ofstream metrics;
+  if (root_) {
+    metrics.open(run_dir_ / "metrics.jsonl", std::ios::app);
+    if (!metrics) fail("{}: cannot open for writing", (run_dir_ / "metrics.jsonl").string());
+  }
   const auto run_t0 = Clock::now();
   int nan_in_row = 0;
   for (long step = start_step_ + 1; step <= total_steps_; step++) {
     const auto t0 = Clock::now();
+    const uint64_t bytes0 = comm_bytes();
+    if (options_.fail_rank == world_->rank() && options_.fail_step == step)
+      fail("--debug-fail: failure injected on rank {} at step {}", options_.fail_rank, step);
     const StepResult r = train_step(step);
     if (std::find(options_.inject_nan_steps.begin(), options_.inject_nan_steps.end(), step) !=
         options_.inject_nan_steps.end())
-      model_->grads()[0] = std::nanf("");
-    const double grad_norm = global_grad_norm(model_->grads().data(), model_->grads().size());
+      model_->grads()[opt_->state_begin()] = std::nanf("");  // an element this rank owns
+    const double grad_norm = opt_->global_norm(model_->grads().data());
     const double lr = schedule_.at(step);
     const bool finite = std::isfinite(r.loss) && std::isfinite(grad_norm);
     if (finite) {
@@ -435,7 +616,7 @@ TrainSummary Training::run() {
                  (float)clip_coefficient(grad_norm, cfg_.train.grad_clip));
     } else {
       nan_in_row++;
-      log_->line(fmt::format("step {}: non-finite {} (loss {}, grad norm {}); update skipped ({} in a row, limit {})",
+      log_.line(fmt::format("step {}: non-finite {} (loss {}, grad norm {}); update skipped ({} in a row, limit {})",
                              step, std::isfinite(r.loss) ? "gradient" : "loss", r.loss, grad_norm, nan_in_row,
                              cfg_.train.nan_skip_limit));
       if (nan_in_row >= cfg_.train.nan_skip_limit)
@@ -444,6 +625,7 @@ TrainSummary Training::run() {
             "is {}",
             nan_in_row, summary.last_checkpoint.empty() ? std::string("none") : summary.last_checkpoint);
     }
+    const uint64_t step_bytes = comm_bytes() - bytes0;
     consumed_samples_ += cfg_.train.global_batch_size;
     consumed_tokens_ += r.tokens;
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -451,15 +633,28 @@ TrainSummary Training::run() {
     summary.last_step = step;
     summary.last_loss = r.loss;
 
-    if (cfg_.log.every_steps > 0 && (step % cfg_.log.every_steps == 0 || step == total_steps_)) {
+    const bool log_now = cfg_.log.every_steps > 0 && (step % cfg_.log.every_steps == 0 || step == total_steps_);
+    // Collective: every rank takes part in the norm.
+    const double param_norm = log_now ? opt_->global_norm(model_->params().data()) : 0.0;
+    int64_t all_bytes[2] = {(int64_t)step_bytes, (int64_t)step_bytes};  // sum and max over the ranks
+    if (log_now && world_->size() > 1) {
+      all_bytes[0] = world_->all_reduce_value(all_bytes[0]);
+      all_bytes[1] = world_->all_reduce_value(all_bytes[1], dist::ReduceOp::max);
+    }
+    if (log_now && root_) {
       nlohmann::json m = {{"step", step},           {"loss", r.loss},      {"ce_loss", r.ce_loss},
                           {"aux_loss", r.aux_loss}, {"z_loss", r.z_loss},  {"lr", lr},
                           {"grad_norm", grad_norm}, {"tokens_per_s", tps}, {"loss_tokens", r.loss_tokens},
                           {"step_time_s", dt},      {"skipped", !finite}};
-      const double param_norm = global_grad_norm(model_->params().data(), model_->params().size());
       const double mfu = tps * flops_.train_per_token() / 1e9 / sgemm_peak_;
       m["param_norm"] = param_norm;
       m["mfu"] = mfu;
+      if (world_->size() > 1) {
+        m["comm_bytes"] = step_bytes;  // sent by this (the root) rank during the step
+        m["comm_bytes_max"] = all_bytes[1];
+        m["comm_bytes_all_ranks"] = all_bytes[0];
+      }
+      m["optimizer_state_bytes"] = opt_state_bytes_max_;
       if (!last_moe_.empty()) m["moe"] = last_moe_;
       metrics << m.dump() << '\n';
       metrics.flush();
@@ -474,7 +669,7 @@ TrainSummary Training::run() {
       }
       const double elapsed = std::chrono::duration<double>(Clock::now() - run_t0).count();
       const double eta = elapsed / (double)(step - start_step_) * (double)(total_steps_ - step);
-      log_->progress(
+      log_.progress(
           fmt::format("step {}/{}  loss {:.4f}  ce {:.4f}  aux {:.4f}  lr {:.3g}  grad norm {:.3f}  "
                       "{:.0f} tok/s  {:.1f} GFLOP/s  ETA {}",
                       step, total_steps_, r.loss, r.ce_loss, r.aux_loss, lr, grad_norm, tps,
@@ -482,32 +677,37 @@ TrainSummary Training::run() {
     }
     if (valid_data_ && cfg_.eval.every_steps > 0 && (step % cfg_.eval.every_steps == 0 || step == total_steps_)) {
       const double val = evaluate();
-      metrics << nlohmann::json{{"step", step}, {"val_loss", val}, {"val_ppl", std::exp(val)}}.dump() << '\n';
-      metrics.flush();
+      if (root_) {
+        metrics << nlohmann::json{{"step", step}, {"val_loss", val}, {"val_ppl", std::exp(val)}}.dump() << '\n';
+        metrics.flush();
+      }
       if (tb_) {
         tb_->scalar("val_loss", step, val);
         tb_->flush();
       }
-      log_->line(fmt::format("step {}: val_loss {:.4f}  perplexity {:.2f}", step, val, std::exp(val)));
+      log_.line(fmt::format("step {}: val_loss {:.4f}  perplexity {:.2f}", step, val, std::exp(val)));
     }
     const bool exit_now = cfg_.train.exit_interval > 0 && step % cfg_.train.exit_interval == 0 && step < total_steps_;
-    const bool stop = signals.received() != 0 || exit_now;
+    // Every rank stops at the same step: a signal seen by any rank stops them all.
+    const int signal = world_->all_reduce_value((int32_t)signals.received(), dist::ReduceOp::max);
+    const bool stop = signal != 0 || exit_now;
     const bool periodic = cfg_.checkpoint.every_steps > 0 && step % cfg_.checkpoint.every_steps == 0;
     if (periodic || step == total_steps_ || stop) {
       const std::string dir = save(step, step == total_steps_ || stop);
       if (!dir.empty()) summary.last_checkpoint = dir;
     }
     if (stop) {
-      if (signals.received())
-        log_->line(
-            fmt::format("received signal {}: stopped after step {} with a checkpoint", signals.received(), step));
+      if (signal != 0)
+        log_.line(fmt::format("received signal {}: stopped after step {} with a checkpoint", signal, step));
       else
-        log_->line(fmt::format("train.exit_interval: stopped after step {} with a checkpoint", step));
+        log_.line(fmt::format("train.exit_interval: stopped after step {} with a checkpoint", step));
       summary.interrupted = true;
       break;
     }
   }
-  log_->end_progress();
+  log_.end_progress();
+  summary.world_rank = world_->rank();
+  summary.world_size = world_->size();
   return summary;
 }
 
