@@ -7,6 +7,8 @@
 // The tolerances are fp32 reduction order: a layout sums the same gradients in another order
 // (micro-batches across ranks, partial sums of row-parallel matmuls and of the vocabulary-parallel
 // softmax), so values differ by a few ulps per step, amplified a little by Adam over 10 steps.
+#include <tuple>
+
 #include "test_dist_harness.h"
 
 using namespace moetron;
@@ -93,3 +95,40 @@ TEST_F(DistTrain, DataAndTensorParallel2x2MatchOneProcess) { expect_equivalent("
 TEST_F(DistTrain, DataParallel4MatchesOneProcess) { expect_equivalent("dp4", 4, 1); }
 // tp 4 > 2 kv heads: each kv head is replicated on two tp ranks and their gradients summed.
 TEST_F(DistTrain, TensorParallel4ReplicatesKvHeads) { expect_equivalent("tp4", 1, 4); }
+
+// ZeRO-1 shards the Adam moments over the data-parallel ranks: per-rank optimizer state at dp 4 is
+// a quarter of dp 1's (plus shard rounding), and without ZeRO-1 every rank holds all of it.  The
+// trainer reports the allocation of the largest rank (optimizer_state_bytes in metrics.jsonl).
+TEST_F(DistTrain, Zero1ShardsOptimizerStateOverDataParallelRanks) {
+  const auto state = [](const fs::path& run) {
+    const auto m = read_metrics(run, "optimizer_state_bytes");
+    EXPECT_FALSE(m.empty());
+    return m.empty() ? 0.0 : m[0]["optimizer_state_bytes"].get<double>();
+  };
+  const double one = state(reference());
+  const double zero1 = state(train("dp4_zero1", 4, {"parallel.zero1=true", "train.max_steps=2"}));
+  const double plain = state(train("dp4_plain", 4, {"parallel.zero1=false", "train.max_steps=2"}));
+  ASSERT_GT(one, 0);
+  EXPECT_LE(zero1, 0.30 * one) << "dp 4 with ZeRO-1: " << zero1 << " bytes, dp 1: " << one;
+  EXPECT_GE(zero1, 0.25 * one);
+  EXPECT_EQ(plain, one);
+}
+
+// Checkpoints hold whole tensors: one written at (dp 2, tp 2) resumes at (1, 1) and at (4, 1) with
+// the losses (and final weights) of continuing at (2, 2).
+TEST_F(DistTrain, CheckpointResumesUnderAnotherLayout) {
+  const fs::path a = train("a_2x2", 4, {"parallel.tp=2"});
+  const fs::path ckpt = a / "checkpoints" / "step-000005";
+  ASSERT_TRUE(fs::exists(ckpt / "trainer_state.json"));
+  std::vector<double> want = losses(a);
+  ASSERT_EQ(want.size(), 10u);
+  want.erase(want.begin(), want.begin() + 5);
+  const auto want_w = read_tensors(a / "checkpoints" / "step-000010", "model");
+  for (const auto& [name, np, tp] : {std::tuple<std::string, int, int>{"b_1x1", 0, 1}, {"c_4x1", 4, 1}}) {
+    const fs::path run = train(name, np, {"parallel.tp=" + std::to_string(tp), "checkpoint.resume=" + ckpt.string()});
+    expect_same_losses(losses(run), want, 6, name);
+    const auto got_w = read_tensors(run / "checkpoints" / "step-000010", "model");
+    ASSERT_EQ(got_w.size(), want_w.size());
+    for (const auto& [n, w] : want_w) EXPECT_LE(rel_max_diff(got_w.at(n), w), 1e-4) << name << ": " << n;
+  }
+}
