@@ -68,4 +68,13 @@ void MappedFile::release() noexcept {
   size_ = 0;
 }
 
+void release_mapped_pages(const void* p, size_t n) noexcept {
+  if (p == nullptr || n == 0) return;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n + page - 1) / page * page;
+  // Advice only: a failure leaves the pages resident, which is harmless.
+  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
 }  // namespace moetron

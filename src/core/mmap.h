@@ -32,4 +32,11 @@ class MappedFile {
   size_t size_ = 0;
 };
 
+// Tells the kernel the process is done with [p, p + n) of a read-only file mapping (rounded out to
+// whole pages): the pages leave the process's resident set (they stay in the page cache, and a
+// later read faults them back in from the file, so the bytes never change). Loading a model
+// calls it after converting each tensor, so peak RSS is the converted copy, not copy + file.
+// `p` must point into a MappedFile's mapping; n == 0 does nothing.
+void release_mapped_pages(const void* p, size_t n) noexcept;
+
 }  // namespace moetron

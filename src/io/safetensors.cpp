@@ -192,6 +192,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     }
     TensorView t = parse_entry(path, name, value, data_size);
     t.data = base + data_start + reinterpret_cast<uintptr_t>(t.data);
+    t.mapped = true;
     f.tensors_.emplace(name, std::move(t));
   }
 
@@ -246,6 +247,7 @@ void read_f32(const TensorView& t, float* out, size_t expected_numel) {
     fail("{}: tensor '{}': has {} elements (shape [{}]), expected {}", t.file, t.name, n,
          fmt::join(t.shape, ", "), expected_numel);
   convert_to_f32(out, t.data, t.dtype, static_cast<size_t>(n));
+  release_pages(t);
 }
 
 std::vector<float> to_f32(const TensorView& t) {
@@ -287,14 +289,53 @@ void read_f32_rows(const TensorView& t, int64_t row_begin, int64_t row_end, floa
   if (t.shape.empty())
     fail("{}: tensor '{}': read_f32_rows needs at least one dimension, the tensor is 0-d", t.file,
          t.name);
-  const int64_t rows = t.shape[0];
-  if (row_begin < 0 || row_begin > row_end || row_end > rows)
+  if (row_begin < 0 || row_begin > row_end || row_end > t.shape[0])
     fail("{}: tensor '{}': row range [{}, {}) is outside [0, {})", t.file, t.name, row_begin,
-         row_end, rows);
-  const size_t row_numel = rows == 0 ? 0 : static_cast<size_t>(t.numel() / rows);
+         row_end, t.shape[0]);
+  read_f32_slice(t, 0, row_begin, row_end, out);
+}
+
+void read_f32_slice(const TensorView& t, int dim, int64_t begin, int64_t end, float* out) {
+  check_float_dtype(t, "read_f32_slice");
+  const int ndim = static_cast<int>(t.shape.size());
+  if (dim < 0 || dim >= ndim)
+    fail("{}: tensor '{}': read_f32_slice dim {} is outside [0, {}) for shape [{}]", t.file, t.name, dim,
+         ndim, fmt::join(t.shape, ", "));
+  const int64_t n = t.shape[static_cast<size_t>(dim)];
+  if (begin < 0 || begin > end || end > n)
+    fail("{}: tensor '{}': slice [{}, {}) of dim {} is outside [0, {})", t.file, t.name, begin, end, dim, n);
+  size_t outer = 1, inner = 1;
+  for (int d = 0; d < dim; d++) outer *= static_cast<size_t>(t.shape[static_cast<size_t>(d)]);
+  for (int d = dim + 1; d < ndim; d++) inner *= static_cast<size_t>(t.shape[static_cast<size_t>(d)]);
   const size_t esize = dtype_size(t.dtype);
-  convert_to_f32(out, t.data + static_cast<size_t>(row_begin) * row_numel * esize, t.dtype,
-                 static_cast<size_t>(row_end - row_begin) * row_numel);
+  const size_t width = static_cast<size_t>(end - begin) * inner;  // contiguous elements per outer index
+  if (width == 0) return;
+  for (size_t o = 0; o < outer; o++) {
+    const uint8_t* src = t.data + (o * static_cast<size_t>(n) + static_cast<size_t>(begin)) * inner * esize;
+    convert_to_f32(out + o * width, src, t.dtype, width);
+  }
+  if (t.mapped) {
+    const uint8_t* first = t.data + static_cast<size_t>(begin) * inner * esize;
+    const uint8_t* last = t.data + ((outer - 1) * static_cast<size_t>(n) + static_cast<size_t>(end)) * inner * esize;
+    release_mapped_pages(first, static_cast<size_t>(last - first));
+  }
+}
+
+TensorView select_index(const TensorView& t, int64_t index) {
+  if (t.shape.empty())
+    fail("{}: tensor '{}': cannot select an index of a 0-d tensor", t.file, t.name);
+  if (index < 0 || index >= t.shape[0])
+    fail("{}: tensor '{}': index {} is outside [0, {})", t.file, t.name, index, t.shape[0]);
+  TensorView sub = t;
+  sub.name = fmt::format("{}[{}]", t.name, index);
+  sub.shape.erase(sub.shape.begin());
+  sub.nbytes = t.nbytes / static_cast<size_t>(t.shape[0]);
+  sub.data = t.data + static_cast<size_t>(index) * sub.nbytes;
+  return sub;
+}
+
+void release_pages(const TensorView& t) {
+  if (t.mapped) release_mapped_pages(t.data, t.nbytes);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ struct TensorView {
   const uint8_t* data = nullptr;
   size_t nbytes = 0;
   std::string file;  // path of the file holding the tensor, for error messages
+  bool mapped = false;  // `data` points into a SafetensorsFile's read-only mapping
+
 
   int64_t numel() const;
 };
@@ -67,6 +69,17 @@ std::vector<int64_t> to_i64(const TensorView& t);
 // Rows [row_begin, row_end) of dim 0 of a F32/F16/BF16 tensor (ndim >= 1) as fp32 into
 // out[(row_end - row_begin) * row_numel], row_numel = numel / shape[0].
 void read_f32_rows(const TensorView& t, int64_t row_begin, int64_t row_end, float* out);
+// The slice [begin, end) of dimension `dim` of a F32/F16/BF16 tensor as fp32, row-major in the
+// sliced shape (shape with shape[dim] = end - begin): rows (dim 0), columns (the last dim) or any
+// other dimension. Only the bytes of the slice are read. Throws Error naming tensor and file for a
+// bad dim or range.
+void read_f32_slice(const TensorView& t, int dim, int64_t begin, int64_t end, float* out);
+// The sub-tensor t[index] (dim 0 fixed), e.g. one expert of a stacked [E, ...] tensor. Error for a
+// 0-d tensor or an index outside [0, shape[0]).
+TensorView select_index(const TensorView& t, int64_t index);
+// Drops the tensor's pages from the process's resident set when it lives in a mapping (see
+// release_mapped_pages); a no-op for other views. read_f32 / read_f32_slice do this themselves.
+void release_pages(const TensorView& t);
 
 // Builds a safetensors file. add() and add_f32() only REFERENCE the caller's data, which must stay
 // alive and unchanged until write() returns; add_copy() copies. write() emits the header with

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -20,6 +21,44 @@ class ModelTensors;
 // Every parameter must be present with the right shape; a tensor the table does not know is an
 // Error too (it means the config and the weights disagree).  `source` names the directory.
 void load_hf_weights(const ModelTensors& files, const ParamTable& table, float* params, const std::string& source);
+
+// Which part of the model one process of a parallel layout holds (DESIGN §6). The default is the
+// whole model.
+struct WeightShard {
+  int layer_begin = 0, layer_end = -1;    // pipeline stage: decoder layers [begin, end); -1: to the last.
+                                          // The first stage holds the embedding, the last the final
+                                          // norm and the head.
+  int expert_begin = 0, expert_end = -1;  // expert parallel: experts [begin, end) of every MoE layer
+  int tp_rank = 0, tp_size = 1;           // tensor parallel (Megatron): q/k/v, w1/w3 split by rows
+                                          // (heads / FFN width), o and w2 by columns, embedding and
+                                          // head by vocabulary rows; norms and router whole
+};
+
+// The contiguous part [first, second) of n items that part `part` of `parts` holds: sizes differ
+// by at most one, the larger parts first.
+std::pair<int64_t, int64_t> split_range(int64_t n, int parts, int part);
+
+// One HF tensor, or the part of it a shard holds: dimension `dim` restricted to [begin, end)
+// (dim == -1: the whole tensor).
+struct HfTensorSlice {
+  const HfTensorRef* ref = nullptr;  // the whole tensor: Hub name, shape, place in the full table
+  int dim = -1;
+  int64_t begin = 0, end = 0;
+  std::vector<int64_t> shape() const;  // of the slice
+  size_t numel() const;
+};
+
+// The HF tensors (or parts of them) `shard` holds, in table order. Throws Error naming the field
+// when the layout does not fit the model: a layer or expert range outside it, tp_rank outside
+// [0, tp_size), attention heads, FFN width or kv heads (NKV % tp, or tp % NKV when the kv heads are
+// replicated) not divisible.
+std::vector<HfTensorSlice> shard_slices(const ModelConfig& cfg, const ParamTable& table, const WeightShard& shard);
+
+// Reads one slice as fp32 into out[slice.numel()] from its Hub-named tensor or, for MoE tensors,
+// from the transformers-5 packed tensor that holds it. Returns the name of the tensor read. Throws
+// Error (naming `source`) when neither exists or the shape differs from what config.json implies.
+std::string read_hf_slice(const ModelTensors& files, const ParamTable& table, const HfTensorSlice& slice,
+                          float* out, const std::string& source);
 
 // Adds every HF tensor of `values` (params or grads, laid out by `table`) to a writer under the
 // Hub names, with `prefix` prepended (e.g. "grad.").  The writer references `values`.
