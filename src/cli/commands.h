@@ -8,6 +8,7 @@ int run_bench(int argc, char** argv);
 int run_train(int argc, char** argv);       // src/cli/train.cpp
 int run_generate(int argc, char** argv);    // src/cli/generate.cpp
 int run_bench_data(int argc, char** argv);  // src/cli/bench_data.cpp (moetron bench data)
+int run_bench_checkpoint(int argc, char** argv);  // src/cli/bench_checkpoint.cpp
 int run_tokenizer(int argc, char** argv);  // src/cli/tokenizer.cpp
 int run_data(int argc, char** argv);       // src/cli/data.cpp
 int run_data_synthetic(int argc, char** argv);  // src/cli/data_synthetic.cpp (moetron data synthetic)
