@@ -190,14 +190,15 @@ int run_bench_train(int argc, char** argv) {
 
 int run_bench(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: moetron bench train|data|checkpoint [options]   (see moetron bench train --help)\n");
+    std::fprintf(stderr, "usage: moetron bench train|data|checkpoint|generate [options]   (see moetron bench train --help)\n");
     return 2;
   }
   const std::string what = argv[1];
   if (what == "train") return run_bench_train(argc - 1, argv + 1);
   if (what == "data") return run_bench_data(argc - 1, argv + 1);  // src/cli/bench_data.cpp
   if (what == "checkpoint") return run_bench_checkpoint(argc - 1, argv + 1);  // src/cli/bench_checkpoint.cpp
-  std::fprintf(stderr, "moetron bench: unknown benchmark '%s' (available: train, data, checkpoint)\n", what.c_str());
+  if (what == "generate") return run_bench_generate(argc - 1, argv + 1);  // src/cli/bench_generate.cpp
+  std::fprintf(stderr, "moetron bench: unknown benchmark '%s' (available: train, data, checkpoint, generate)\n", what.c_str());
   return 2;
 }
 

@@ -7,6 +7,9 @@ int run_forward(int argc, char** argv);
 int run_bench(int argc, char** argv);
 int run_train(int argc, char** argv);       // src/cli/train.cpp
 int run_generate(int argc, char** argv);    // src/cli/generate.cpp
+int run_chat(int argc, char** argv);        // src/cli/chat.cpp
+int run_serve(int argc, char** argv);       // src/cli/serve.cpp
+int run_bench_generate(int argc, char** argv);  // src/cli/bench_generate.cpp (moetron bench generate)
 int run_bench_data(int argc, char** argv);  // src/cli/bench_data.cpp (moetron bench data)
 int run_bench_checkpoint(int argc, char** argv);  // src/cli/bench_checkpoint.cpp
 int run_tokenizer(int argc, char** argv);  // src/cli/tokenizer.cpp

@@ -16,12 +16,14 @@ void print_usage(FILE* f) {
                "  forward   one forward (and backward) pass of an HF model directory on a batch\n"
                "  tokenizer train a SentencePiece tokenizer (tokenizer train)\n"
                "  data      prepare chat / prompt-completion / text JSONL into token datasets (data prepare)\n"
-               "  generate  greedy generation from a model directory (generate --model DIR --prompt TEXT [--chat])\n"
+               "  generate  text generation with a KV cache (generate --model DIR --prompt TEXT [--chat])\n"
+               "  chat      interactive multi-turn chat with a model (chat --model DIR; /reset, /exit)\n"
+               "  serve     OpenAI-compatible HTTP server (serve --model DIR [--host 127.0.0.1] [--port 8000])\n"
                "  train     train from a YAML config (train -c CONFIG [key=value ...])\n"
                "  plan      validate a parallel layout; per-rank memory, FLOPs, communication (plan C.yaml -n N)\n"
                "  convert   re-encode a model / checkpoint directory: dtype, shard size, optimizer state\n"
                "  report    an HTML page of a run's curves and expert-load heatmaps (report RUN_DIR)\n"
-               "  bench     benchmarks (bench train)\n"
+               "  bench     benchmarks (bench train | data | checkpoint | generate)\n"
                "\n"
                "Run 'moetron <command> --help' for a command's options.\n");
 }
@@ -41,6 +43,8 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "forward") return moetron::cli::run_forward(argc - 1, argv + 1);
     if (cmd == "generate") return moetron::cli::run_generate(argc - 1, argv + 1);
+    if (cmd == "chat") return moetron::cli::run_chat(argc - 1, argv + 1);
+    if (cmd == "serve") return moetron::cli::run_serve(argc - 1, argv + 1);
     if (cmd == "train") return moetron::cli::run_train(argc - 1, argv + 1);
     if (cmd == "bench") return moetron::cli::run_bench(argc - 1, argv + 1);
     if (cmd == "tokenizer") return moetron::cli::run_tokenizer(argc - 1, argv + 1);

@@ -1,0 +1,132 @@
+// moetron chat: an interactive multi-turn chat on the terminal.  Each line read is a user turn; the
+// reply streams as it is generated and joins the history, so later turns see the whole conversation
+// (the KV cache keeps the shared prefix, so only the new turn is computed).  Commands: /reset (forget
+// the history), /system TEXT (set the system message and reset), /exit (or end of input).
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+#include <random>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <omp.h>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "infer/generate.h"
+#include "infer/model.h"
+#include "ops/blas.h"
+
+namespace moetron::cli {
+
+int run_chat(int argc, char** argv) {
+  CLI::App app{"Interactive multi-turn chat with a model directory, using its chat template.\n"
+               "Type a message and Enter; /reset forgets the conversation, /system TEXT sets a system\n"
+               "message (and resets), /exit or end of input quits.",
+               "moetron chat"};
+  std::string model_dir, tokenizer_path, template_name = "auto", system;
+  int max_new_tokens = 512, threads = 0;
+  SamplingParams sp;
+  long long seed = -1;
+  std::vector<std::string> stop;
+  app.add_option("--model", model_dir, "model directory")->required();
+  app.add_option("--tokenizer", tokenizer_path, "tokenizer.model (default: MODEL/tokenizer.model)");
+  app.add_option("--template", template_name, "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
+  app.add_option("--system", system, "a system message at the start of the conversation");
+  app.add_option("--max-new-tokens", max_new_tokens, "longest reply in tokens");
+  app.add_option("--temperature", sp.temperature, "0: greedy (default); > 0: sample");
+  app.add_option("--top-k", sp.top_k, "sample from the k most likely tokens (0: off)");
+  app.add_option("--top-p", sp.top_p, "nucleus sampling threshold (1: off)");
+  app.add_option("--repetition-penalty", sp.repetition_penalty, "HF repetition penalty (1: off)");
+  app.add_option("--seed", seed, "sampling seed (default: random)");
+  app.add_option("--stop", stop, "stop strings (a reply ends before the first one)");
+  app.add_option("--threads", threads, "threads for OpenMP and BLAS (default: all)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (max_new_tokens < 1) fail("--max-new-tokens must be >= 1, got {}", max_new_tokens);
+  sp.seed = seed >= 0 ? (uint64_t)seed : std::random_device{}();
+  validate_sampling(sp);
+  if (threads > 0) {
+    omp_set_num_threads(threads);
+    ops::blas_set_num_threads(threads);
+  }
+  const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir);
+  const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(model_dir, tokenizer_path, model->cfg, true);
+  const TemplateChoice tc = choose_chat_template(model_dir, template_name);
+  Decoder decoder(*model);
+  KvCache cache = decoder.new_cache();
+  GenerateOptions o;
+  o.max_new_tokens = max_new_tokens;
+  o.sampling = sp;
+  o.eos_ids = model_eos_ids(model_dir, model->cfg, tok.get());
+  o.stop = stop;
+  o.max_positions = model->cfg.max_position_embeddings;
+  o.chat_reply = true;
+
+  const bool interactive = isatty(STDIN_FILENO);
+  if (interactive)
+    std::printf("moetron chat: %s, template %s (%s). /reset, /system TEXT, /exit\n", model_dir.c_str(),
+                chat_template_name(tc.tmpl), tc.source.c_str());
+  std::vector<ChatMessage> history;
+  auto reset = [&] {
+    history.clear();
+    if (!system.empty()) history.push_back({Role::system, system});
+  };
+  reset();
+  std::string line;
+  for (;;) {
+    if (interactive) {
+      std::printf("> ");
+      std::fflush(stdout);
+    }
+    if (!std::getline(std::cin, line)) break;
+    if (line == "/exit" || line == "/quit") break;
+    if (line == "/reset") {
+      reset();
+      std::printf("[conversation reset]\n");
+      std::fflush(stdout);
+      continue;
+    }
+    if (line.rfind("/system", 0) == 0 && (line.size() == 7 || line[7] == ' ')) {
+      system = line.size() > 8 ? line.substr(8) : "";
+      reset();
+      std::printf("[system message %s; conversation reset]\n", system.empty() ? "cleared" : "set");
+      std::fflush(stdout);
+      continue;
+    }
+    if (line.empty()) continue;
+    history.push_back({Role::user, line});
+    std::vector<int32_t> prompt;
+    try {
+      prompt = chat_prompt_tokens(tc.tmpl, *tok, history);
+    } catch (const Error& e) {
+      history.pop_back();
+      std::printf("[cannot format this conversation: %s]\n", e.what());
+      continue;
+    }
+    if (o.max_positions > 0 && (int)prompt.size() >= o.max_positions) {
+      history.pop_back();
+      std::printf("[the conversation (%zu tokens) fills the model's %d positions; /reset to start over]\n",
+                  prompt.size(), o.max_positions);
+      std::fflush(stdout);
+      continue;
+    }
+    GenerateCallbacks cb;
+    cb.on_text = [](const std::string& piece) {
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+      return true;
+    };
+    const GenerateResult r = generate(decoder, cache, prompt, o, tok.get(), cb);
+    std::printf("\n");
+    std::fflush(stdout);
+    history.push_back({Role::assistant, r.text.empty() ? std::string(" ") : r.text});
+  }
+  return 0;
+}
+
+}  // namespace moetron::cli

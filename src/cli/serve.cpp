@@ -1,0 +1,96 @@
+// moetron serve: an OpenAI-compatible HTTP server for a model directory (src/server/server.h).
+// Prints "moetron serve: listening on http://HOST:PORT" once the socket is bound; SIGINT / SIGTERM
+// stop it cleanly (running and queued requests are cancelled).
+#include <pthread.h>
+#include <signal.h>
+
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+#include <omp.h>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "infer/model.h"
+#include "ops/blas.h"
+#include "server/server.h"
+
+namespace moetron::cli {
+
+int run_serve(int argc, char** argv) {
+  CLI::App app{"OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (plain or streaming\n"
+               "with \"stream\": true), GET /v1/models and /health.  One generation at a time; up to --queue-size\n"
+               "requests wait, more get HTTP 429.",
+               "moetron serve"};
+  std::string model_dir, tokenizer_path, template_name = "auto";
+  server::ServerOptions o;
+  o.model_name.clear();
+  int threads = 0;
+  bool quiet = false;
+  app.add_option("--model", model_dir, "model directory")->required();
+  app.add_option("--tokenizer", tokenizer_path, "tokenizer.model (default: MODEL/tokenizer.model)");
+  app.add_option("--template", template_name, "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
+  app.add_option("--host", o.host, "address to bind (default 127.0.0.1: this machine only; 0.0.0.0: everyone)");
+  app.add_option("--port", o.port, "port (0: any free port)");
+  app.add_option("--model-name", o.model_name, "the model id in /v1/models and replies (default: the directory name)");
+  app.add_option("--max-body-bytes", o.max_body_bytes, "largest request body; larger ones get 413");
+  app.add_option("--max-prompt-tokens", o.max_prompt_tokens, "longest prompt in tokens (0: the model's positions - 1)");
+  app.add_option("--max-tokens-limit", o.max_tokens_limit, "largest max_tokens a request may ask for");
+  app.add_option("--queue-size", o.queue_size, "requests that may wait behind the running one");
+  app.add_option("--http-threads", o.http_threads, "connection threads (0: queue size + 8)");
+  app.add_option("--read-timeout-ms", o.read_timeout_ms, "close a connection that sends nothing for this long");
+  app.add_option("--write-timeout-ms", o.write_timeout_ms, "give up on a client that takes nothing for this long");
+  app.add_option("--keep-alive-s", o.keep_alive_timeout_s, "idle keep-alive connections close after this long");
+  app.add_option("--threads", threads, "compute threads for OpenMP and BLAS (default: all)");
+  app.add_flag("--quiet", quiet, "no per-request log lines on stderr");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (threads > 0) {
+    omp_set_num_threads(threads);
+    ops::blas_set_num_threads(threads);
+  }
+  o.log_requests = !quiet;
+  if (o.model_name.empty()) o.model_name = std::filesystem::path(model_dir).lexically_normal().filename().string();
+  if (o.model_name.empty()) o.model_name = std::filesystem::absolute(model_dir).parent_path().filename().string();
+  const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir);
+  const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(model_dir, tokenizer_path, model->cfg, true);
+  const TemplateChoice tc = choose_chat_template(model_dir, template_name);
+  const std::vector<int32_t> eos = model_eos_ids(model_dir, model->cfg, tok.get());
+
+  // SIGINT / SIGTERM go to one waiting thread (blocked everywhere else, so set before any thread starts).
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+
+  server::Server srv(*model, *tok, tc.tmpl, eos, o);
+  const int port = srv.bind();
+  std::atomic<bool> signalled{false};
+  std::thread waiter([&] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    signalled = true;
+    srv.stop();
+  });
+  std::fprintf(stderr, "moetron serve: model %s (%s, %d layers), chat template %s (%s), queue %zu\n",
+               o.model_name.c_str(), model->cfg.architecture.c_str(), model->cfg.num_hidden_layers,
+               chat_template_name(tc.tmpl), tc.source.c_str(), o.queue_size);
+  std::printf("moetron serve: listening on http://%s:%d\n", o.host.c_str(), port);
+  std::fflush(stdout);
+  srv.run();
+  if (!signalled) pthread_kill(waiter.native_handle(), SIGTERM);
+  waiter.join();
+  srv.stop();
+  std::fprintf(stderr, "moetron serve: stopped\n");
+  return 0;
+}
+
+}  // namespace moetron::cli

@@ -1,0 +1,261 @@
+#include "server/openai_api.h"
+
+#include <cmath>
+#include <limits>
+
+#include <fmt/format.h>
+
+namespace moetron::server {
+
+namespace {
+
+using json = nlohmann::json;
+
+[[noreturn]] void bad(const std::string& param, const std::string& message, const std::string& code = "") {
+  throw ApiError(400, message, "invalid_request_error", param, code);
+}
+
+// The field, or null when absent (OpenAI treats an explicit null like an absent field).
+const json* field(const json& body, const char* name) {
+  const auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+// An integer field in [lo, hi]; integers outside int64 count as out of range.
+int64_t get_int(const json& v, const std::string& name, int64_t lo, int64_t hi) {
+  if (!v.is_number_integer()) bad(name, fmt::format("'{}' must be an integer, got {}", name, v.type_name()), "invalid_type");
+  int64_t x;
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    x = u > (uint64_t)std::numeric_limits<int64_t>::max() ? std::numeric_limits<int64_t>::max() : (int64_t)u;
+  } else {
+    x = v.get<int64_t>();
+  }
+  if (x < lo || x > hi) bad(name, fmt::format("'{}' must be between {} and {}, got {}", name, lo, hi, v.dump()),
+                            "invalid_value");
+  return x;
+}
+
+double get_number(const json& v, const std::string& name, double lo, double hi, bool lo_open = false) {
+  if (!v.is_number()) bad(name, fmt::format("'{}' must be a number, got {}", name, v.type_name()), "invalid_type");
+  const double x = v.get<double>();
+  if (!std::isfinite(x) || x < lo || x > hi || (lo_open && x == lo))
+    bad(name, fmt::format("'{}' must be in {}{}, {}], got {}", name, lo_open ? "(" : "[", lo, hi, v.dump()),
+        "invalid_value");
+  return x;
+}
+
+bool get_bool(const json& v, const std::string& name) {
+  if (!v.is_boolean()) bad(name, fmt::format("'{}' must be a boolean, got {}", name, v.type_name()), "invalid_type");
+  return v.get<bool>();
+}
+
+const std::string& get_string(const json& v, const std::string& name) {
+  if (!v.is_string()) bad(name, fmt::format("'{}' must be a string, got {}", name, v.type_name()), "invalid_type");
+  return v.get_ref<const std::string&>();
+}
+
+// A message's content: a string, or an array of text parts (concatenated).
+std::string message_content(const json& v, const std::string& name) {
+  if (v.is_string()) return v.get<std::string>();
+  if (!v.is_array())
+    bad(name, fmt::format("'{}' must be a string or an array of text parts, got {}", name, v.type_name()), "invalid_type");
+  std::string out;
+  for (size_t i = 0; i < v.size(); i++) {
+    const json& part = v[i];
+    const std::string pname = fmt::format("{}[{}]", name, i);
+    if (!part.is_object()) bad(pname, fmt::format("'{}' must be an object", pname), "invalid_type");
+    const json* type = field(part, "type");
+    if (!type || !type->is_string() || type->get<std::string>() != "text")
+      bad(pname + ".type", fmt::format("'{}.type' must be \"text\" (only text content is supported)", pname),
+          "invalid_value");
+    const json* text = field(part, "text");
+    if (!text) bad(pname + ".text", fmt::format("Missing required parameter: '{}.text'.", pname), "missing_required_parameter");
+    out += get_string(*text, pname + ".text");
+  }
+  return out;
+}
+
+Role message_role(const json& v, const std::string& name) {
+  const std::string& r = get_string(v, name);
+  if (r == "system" || r == "developer") return Role::system;
+  if (r == "user") return Role::user;
+  if (r == "assistant") return Role::assistant;
+  bad(name, fmt::format("'{}' must be one of 'system', 'developer', 'user', 'assistant', got '{}'", name, r),
+      "invalid_value");
+}
+
+void reject_if_set(const json& body, const char* name, const char* why) {
+  const json* v = field(body, name);
+  if (!v) return;
+  const bool harmless = (v->is_boolean() && !v->get<bool>()) || (v->is_number_integer() && v->get<int64_t>() == 0) ||
+                        (v->is_array() && v->empty());
+  if (!harmless) bad(name, fmt::format("'{}' is not supported: {}", name, why), "unsupported_parameter");
+}
+
+}  // namespace
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+std::string error_json(const ApiError& e) {
+  json err = {{"message", e.what()},
+              {"type", e.type},
+              {"param", e.param.empty() ? json(nullptr) : json(e.param)},
+              {"code", e.code.empty() ? json(nullptr) : json(e.code)}};
+  return dump(json{{"error", err}});
+}
+
+CompletionRequest parse_request(Endpoint endpoint, const std::string& body_text) {
+  const json body = json::parse(body_text, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded())
+    bad("", "We could not parse the JSON body of your request: it is not valid JSON (UTF-8 text).", "invalid_json");
+  if (!body.is_object()) bad("", fmt::format("The request body must be a JSON object, got {}", body.type_name()),
+                             "invalid_type");
+  CompletionRequest r;
+  r.endpoint = endpoint;
+  if (const json* v = field(body, "model")) r.model = get_string(*v, "model");
+
+  if (endpoint == Endpoint::chat) {
+    const json* msgs = field(body, "messages");
+    if (!msgs) bad("messages", "Missing required parameter: 'messages'.", "missing_required_parameter");
+    if (!msgs->is_array()) bad("messages", fmt::format("'messages' must be an array, got {}", msgs->type_name()),
+                               "invalid_type");
+    if (msgs->empty()) bad("messages", "'messages' must contain at least one message", "invalid_value");
+    for (size_t i = 0; i < msgs->size(); i++) {
+      const json& m = (*msgs)[i];
+      const std::string name = fmt::format("messages[{}]", i);
+      if (!m.is_object()) bad(name, fmt::format("'{}' must be an object, got {}", name, m.type_name()), "invalid_type");
+      const json* role = field(m, "role");
+      if (!role) bad(name + ".role", fmt::format("Missing required parameter: '{}.role'.", name),
+                     "missing_required_parameter");
+      const json* content = field(m, "content");
+      if (!content) bad(name + ".content", fmt::format("Missing required parameter: '{}.content'.", name),
+                        "missing_required_parameter");
+      ChatMessage cm;
+      cm.role = message_role(*role, name + ".role");
+      cm.content = message_content(*content, name + ".content");
+      r.messages.push_back(std::move(cm));
+    }
+    reject_if_set(body, "tools", "tool calls are not implemented");
+    reject_if_set(body, "functions", "function calls are not implemented");
+    reject_if_set(body, "top_logprobs", "log probabilities are not implemented");
+  } else {
+    const json* p = field(body, "prompt");
+    if (!p) bad("prompt", "Missing required parameter: 'prompt'.", "missing_required_parameter");
+    if (p->is_array()) {
+      if (p->size() != 1 || !(*p)[0].is_string())
+        bad("prompt", "'prompt' must be a string or an array of exactly one string (batches are not supported)",
+            "invalid_value");
+      r.prompt = (*p)[0].get<std::string>();
+    } else {
+      r.prompt = get_string(*p, "prompt");
+    }
+    if (const json* v = field(body, "echo"); v && get_bool(*v, "echo"))
+      bad("echo", "'echo' is not supported", "unsupported_parameter");
+    if (const json* v = field(body, "best_of")) get_int(*v, "best_of", 1, 1);
+    if (field(body, "suffix")) bad("suffix", "'suffix' is not supported", "unsupported_parameter");
+  }
+  reject_if_set(body, "logprobs", "log probabilities are not implemented");
+
+  const char* max_name = endpoint == Endpoint::chat && field(body, "max_completion_tokens") ? "max_completion_tokens"
+                                                                                            : "max_tokens";
+  if (const json* v = field(body, max_name))
+    r.max_tokens = (int)std::min<int64_t>(get_int(*v, max_name, 1, std::numeric_limits<int64_t>::max()), INT32_MAX);
+  if (const json* v = field(body, "n"); v && get_int(*v, "n", 1, 128) != 1)
+    bad("n", "only 'n' = 1 is supported", "unsupported_parameter");
+  SamplingParams& s = r.sampling;
+  s.temperature = 1.0f;  // OpenAI's default
+  if (const json* v = field(body, "temperature")) s.temperature = (float)get_number(*v, "temperature", 0.0, 2.0);
+  if (const json* v = field(body, "top_p")) {
+    const double p = get_number(*v, "top_p", 0.0, 1.0);
+    if (p == 0.0)
+      s.temperature = 0.0f;  // only the most likely token survives: greedy
+    else
+      s.top_p = (float)p;
+  }
+  if (const json* v = field(body, "top_k")) s.top_k = (int)get_int(*v, "top_k", 0, INT32_MAX);
+  if (const json* v = field(body, "repetition_penalty"))
+    s.repetition_penalty = (float)get_number(*v, "repetition_penalty", 0.0, 100.0, /*lo_open=*/true);
+  if (const json* v = field(body, "presence_penalty")) s.presence_penalty = (float)get_number(*v, "presence_penalty", -2, 2);
+  if (const json* v = field(body, "frequency_penalty"))
+    s.frequency_penalty = (float)get_number(*v, "frequency_penalty", -2, 2);
+  if (const json* v = field(body, "seed")) {
+    if (!v->is_number_integer()) bad("seed", fmt::format("'seed' must be an integer, got {}", v->type_name()),
+                                     "invalid_type");
+    s.seed = v->is_number_unsigned() ? v->get<uint64_t>() : (uint64_t)v->get<int64_t>();
+    r.has_seed = true;
+  }
+  if (const json* v = field(body, "stream")) r.stream = get_bool(*v, "stream");
+  if (const json* v = field(body, "stream_options")) {
+    if (!v->is_object()) bad("stream_options", "'stream_options' must be an object", "invalid_type");
+    if (const json* u = field(*v, "include_usage")) r.include_usage = get_bool(*u, "stream_options.include_usage");
+  }
+  if (const json* v = field(body, "stop")) {
+    auto add = [&](const json& x, const std::string& name) {
+      const std::string& s = get_string(x, name);
+      if (s.size() > 256) bad(name, fmt::format("'{}' is longer than 256 bytes", name), "invalid_value");
+      if (!s.empty()) r.stop.push_back(s);
+    };
+    if (v->is_array()) {
+      if (v->size() > 4) bad("stop", "'stop' may hold at most 4 sequences", "invalid_value");
+      for (size_t i = 0; i < v->size(); i++) add((*v)[i], fmt::format("stop[{}]", i));
+    } else {
+      add(*v, "stop");
+    }
+  }
+  if (const json* v = field(body, "user")) get_string(*v, "user");
+  return r;
+}
+
+json completion_response(Endpoint endpoint, const std::string& id, long created, const std::string& model,
+                         const std::string& text, const std::string& finish_reason, const Usage& usage) {
+  json choice = {{"index", 0}, {"finish_reason", finish_reason}, {"logprobs", nullptr}};
+  if (endpoint == Endpoint::chat)
+    choice["message"] = {{"role", "assistant"}, {"content", text}};
+  else
+    choice["text"] = text;
+  return {{"id", id},
+          {"object", endpoint == Endpoint::chat ? "chat.completion" : "text_completion"},
+          {"created", created},
+          {"model", model},
+          {"choices", json::array({choice})},
+          {"usage",
+           {{"prompt_tokens", usage.prompt_tokens},
+            {"completion_tokens", usage.completion_tokens},
+            {"total_tokens", usage.prompt_tokens + usage.completion_tokens}}}};
+}
+
+json stream_chunk(Endpoint endpoint, const std::string& id, long created, const std::string& model,
+                  const std::string& text, bool first, const std::string& finish_reason) {
+  json choice = {{"index", 0},
+                 {"finish_reason", finish_reason.empty() ? json(nullptr) : json(finish_reason)},
+                 {"logprobs", nullptr}};
+  if (endpoint == Endpoint::chat) {
+    json delta = json::object();
+    if (first) delta["role"] = "assistant";
+    if (!text.empty() || (first && finish_reason.empty())) delta["content"] = text;
+    choice["delta"] = delta;
+  } else {
+    choice["text"] = text;
+  }
+  return {{"id", id},
+          {"object", endpoint == Endpoint::chat ? "chat.completion.chunk" : "text_completion"},
+          {"created", created},
+          {"model", model},
+          {"choices", json::array({choice})}};
+}
+
+json usage_chunk(Endpoint endpoint, const std::string& id, long created, const std::string& model, const Usage& usage) {
+  return {{"id", id},
+          {"object", endpoint == Endpoint::chat ? "chat.completion.chunk" : "text_completion"},
+          {"created", created},
+          {"model", model},
+          {"choices", json::array()},
+          {"usage",
+           {{"prompt_tokens", usage.prompt_tokens},
+            {"completion_tokens", usage.completion_tokens},
+            {"total_tokens", usage.prompt_tokens + usage.completion_tokens}}}};
+}
+
+}  // namespace moetron::server

@@ -1,0 +1,80 @@
+// moetron serve: an OpenAI-compatible HTTP server (cpp-httplib) over the generation engine.
+//
+// Endpoints: POST /v1/chat/completions, POST /v1/completions (plain JSON, or Server-Sent Events with
+// "stream": true, ending with "data: [DONE]"), GET /v1/models, GET /health.  Requests and errors are
+// described in openai_api.h; the queue in engine.h.
+//
+// Limits (ServerOptions): request bodies over max_body_bytes get 413; prompts over
+// max_prompt_tokens, or prompt + max_tokens beyond the model's positions, get 400
+// (code "context_length_exceeded"); max_tokens above max_tokens_limit gets 400; a full queue gets
+// 429.  Every error is a JSON error object with a 4xx (5xx only for a failure inside generation) and
+// the server keeps serving.  Slow or stalled clients are bounded by the read / write timeouts: a
+// connection that sends nothing for read_timeout_ms is closed.  A streaming client that disconnects
+// cancels its generation at the next token.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "infer/model.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace httplib {
+class Server;
+}
+
+namespace moetron::server {
+
+class Engine;
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;                  // 0: any free port (see Server::port())
+  std::string model_name = "moetron";
+  size_t max_body_bytes = 1 << 20;  // 1 MiB
+  int max_prompt_tokens = 0;        // 0: the model's positions - 1
+  int max_tokens_limit = 4096;      // the largest max_tokens a request may ask for (also the default cap)
+  size_t queue_size = 8;            // requests waiting behind the running one
+  int http_threads = 0;             // connection threads; 0: queue_size + 8
+  int read_timeout_ms = 10000;
+  int write_timeout_ms = 10000;
+  int keep_alive_timeout_s = 5;
+  bool log_requests = false;        // one line per request on stderr
+};
+
+class Server {
+ public:
+  // Borrows the model and tokenizer (they must outlive the server).
+  Server(const InferenceModel& model, const Tokenizer& tok, ChatTemplate tmpl, std::vector<int32_t> eos_ids,
+         ServerOptions opts);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Binds the listening socket (Error naming host:port when it cannot); returns the port.
+  int bind();
+  // Serves until stop() (blocking); bind() first.  Ignores SIGPIPE process-wide (a client that goes
+  // away mid-response must not kill the server).
+  void run();
+  // Stops accepting, cancels generation and makes run() return.  Thread-safe; idempotent.
+  void stop();
+  int port() const { return port_; }
+
+ private:
+  void routes();
+
+  const InferenceModel& model_;
+  const Tokenizer& tok_;
+  ChatTemplate tmpl_;
+  std::vector<int32_t> eos_ids_;
+  ServerOptions opts_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<httplib::Server> http_;
+  int port_ = -1;
+  long created_ = 0;
+};
+
+}  // namespace moetron::server
