@@ -18,10 +18,13 @@
 //     calls MPI_Abort, which ends every rank of the job;
 //   - a heartbeat watchdog thread (MPI_THREAD_MULTIPLE, on its own duplicate of the world
 //     communicator) sends a beat to rank r+1 every second and expects one from rank r-1; when none
-//     arrives for MOETRON_HEARTBEAT_TIMEOUT_S seconds (default 20), it prints which rank went
+//     arrives for MOETRON_HEARTBEAT_TIMEOUT_S seconds (default 20; 0 turns the check off), it prints which rank went
 //     silent and aborts the job.  This catches a peer that vanished without its launcher noticing
 //     (mpirun and `srun --kill-on-bad-exit` already end the job when a rank dies);
-//   - Comm::abort() (used by the CLI when a rank fails with an error) prints and calls MPI_Abort.
+//   - an abort (Comm::abort -- the CLI's reaction to an error on a rank --, or the watchdog's)
+//     first sends a "poison" message to every other rank's watchdog, which then aborts too, so the
+//     job ends within seconds even where MPI_Abort does not reach the other ranks (a launcher
+//     running with fault tolerance); then it calls MPI_Abort.
 #include <unistd.h>
 
 #include <algorithm>
@@ -94,7 +97,7 @@ int world_rank_now() {
 }
 
 [[noreturn]] void abort_job(int code, const std::string& message) {
-  std::fprintf(stderr, "%s\n", message.c_str());
+  if (!message.empty()) std::fprintf(stderr, "%s\n", message.c_str());
   std::fflush(stderr);
   std::fflush(stdout);
   MPI_Abort(MPI_COMM_WORLD, code);
@@ -165,7 +168,7 @@ class MpiRuntime {
                                rank_, li.launcher, li.world_size, li.evidence, size_));
     const char* t = std::getenv("MOETRON_HEARTBEAT_TIMEOUT_S");
     if (t != nullptr && *t != '\0') timeout_s_ = std::atof(t);
-    if (size_ > 1 && timeout_s_ > 0) {
+    if (size_ > 1) {
       if (provided < MPI_THREAD_MULTIPLE) {
         if (rank_ == 0)
           std::fprintf(stderr,
@@ -175,6 +178,7 @@ class MpiRuntime {
         MPI_Comm_dup(MPI_COMM_WORLD, &hb_comm_);
         MPI_Comm_set_name(hb_comm_, "heartbeat");
         MPI_Comm_set_errhandler(hb_comm_, errhandler_);
+        MPI_Irecv(&poison_in_, 1, MPI_INT, MPI_ANY_SOURCE, kPoisonTag, hb_comm_, &poison_req_);
         watchdog_ = std::thread([this] { heartbeat_loop(); });
       }
     }
@@ -189,12 +193,37 @@ class MpiRuntime {
       }
       cv_.notify_all();
       watchdog_.join();
+      MPI_Cancel(&poison_req_);
+      MPI_Wait(&poison_req_, MPI_STATUS_IGNORE);
       MPI_Comm_free(&hb_comm_);
     }
     MPI_Errhandler_free(&errhandler_);
     MPI_Finalize();
   }
   MPI_Errhandler errhandler() const { return errhandler_; }
+
+  // Prints `message`, tells every other rank's watchdog (when there is one), ends the job.
+  [[noreturn]] void abort(int code, const std::string& message) {
+    std::fprintf(stderr, "%s\n", message.c_str());
+    std::fflush(stderr);
+    if (hb_comm_ != MPI_COMM_NULL) {
+      const int payload = code;
+      std::vector<MPI_Request> reqs;
+      for (int r = 0; r < size_; r++) {
+        if (r == rank_) continue;
+        reqs.emplace_back();
+        MPI_Isend(&payload, 1, MPI_INT, r, kPoisonTag, hb_comm_, &reqs.back());
+      }
+      // Small messages complete at once; never wait long for a peer that may be gone.
+      const auto t0 = std::chrono::steady_clock::now();
+      int done = 0;
+      while (!done && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(2)) {
+        MPI_Testall((int)reqs.size(), reqs.data(), &done, MPI_STATUSES_IGNORE);
+        if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+    abort_job(code, "");
+  }
   int rank() const { return rank_; }
   int size() const { return size_; }
 
@@ -203,7 +232,7 @@ class MpiRuntime {
     using Clock = std::chrono::steady_clock;
     const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
     constexpr int kTag = 1;
-    int out_beat = 1, in_beat = 0;
+    int in_beat = 0;
     MPI_Request recv_req = MPI_REQUEST_NULL;
     std::vector<MPI_Request> sends;
     MPI_Irecv(&in_beat, 1, MPI_INT, prev, kTag, hb_comm_, &recv_req);
@@ -214,7 +243,7 @@ class MpiRuntime {
       const auto now = Clock::now();
       if (now - last_sent >= std::chrono::seconds(1)) {
         MPI_Request r;
-        MPI_Isend(&out_beat, 1, MPI_INT, next, kTag, hb_comm_, &r);
+        MPI_Isend(&out_beat_, 1, MPI_INT, next, kTag, hb_comm_, &r);
         sends.push_back(r);
         last_sent = now;
       }
@@ -230,9 +259,20 @@ class MpiRuntime {
         MPI_Test(&r, &done, MPI_STATUS_IGNORE);
         return done != 0;
       });
+      int poisoned = 0;
+      MPI_Status st;
+      MPI_Test(&poison_req_, &poisoned, &st);
+      if (poisoned) {
+        // The failed rank calls MPI_Abort itself; this one just ends, non-zero.
+        std::fprintf(stderr, "moetron: rank %d: rank %d failed (see its message); ending this rank\n", rank_,
+                     st.MPI_SOURCE);
+        std::fflush(stderr);
+        std::fflush(stdout);
+        std::_Exit(poison_in_ > 0 ? poison_in_ : 1);
+      }
       const double silent = std::chrono::duration<double>(Clock::now() - last_heard).count();
-      if (silent > timeout_s_)
-        abort_job(1, fmt::format("moetron: rank {}: no heartbeat from rank {} for {:.0f} s: rank {} has died or its "
+      if (timeout_s_ > 0 && silent > timeout_s_)
+        abort(1, fmt::format("moetron: rank {}: no heartbeat from rank {} for {:.0f} s: rank {} has died or its "
                                  "host is unreachable; aborting the job",
                                  rank_, prev, silent, prev));
       cv_.wait_for(lock, std::chrono::milliseconds(200), [this] { return stop_; });
@@ -244,9 +284,13 @@ class MpiRuntime {
     for (MPI_Request& r : sends) MPI_Request_free(&r);
   }
 
+  static constexpr int kPoisonTag = 2;
   int rank_ = 0, size_ = 1;
   MPI_Errhandler errhandler_ = MPI_ERRHANDLER_NULL;
   MPI_Comm hb_comm_ = MPI_COMM_NULL;
+  int poison_in_ = 0;
+  int out_beat_ = 1;
+  MPI_Request poison_req_ = MPI_REQUEST_NULL;
   double timeout_s_ = 20.0;
   std::thread watchdog_;
   std::mutex mu_;
@@ -430,7 +474,7 @@ class MpiComm final : public Comm {
     return std::make_unique<MpiComm>(rt_, sub, name, world_rank());
   }
 
-  [[noreturn]] void abort(int code, const std::string& message) override { abort_job(code, message); }
+  [[noreturn]] void abort(int code, const std::string& message) override { rt_->abort(code, message); }
 
  private:
   static int rank_of(MPI_Comm c) {
