@@ -92,6 +92,7 @@ Server::Server(const InferenceModel& model, const Tokenizer& tok, ChatTemplate t
   http_->set_write_timeout(std::chrono::milliseconds(opts_.write_timeout_ms));
   http_->set_keep_alive_timeout(opts_.keep_alive_timeout_s);
   http_->set_keep_alive_max_count(100);
+  http_->set_tcp_nodelay(true);  // headers and body go out in separate writes: no Nagle delay
   routes();
 }
 
