@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "core/profile.h"
 #include "core/rng.h"
+#include "cuda/commands.h"
 #include "io/hf_config.h"
 #include "model/flops.h"
 #include "model/mixtral.h"
@@ -51,6 +52,12 @@ int run_bench_train(int argc, char** argv) {
   int hidden = 512, layers = 4, heads = 8, kv_heads = 2, experts = 8, top_k = 2, inter = 1408, vocab = 32000;
   int seq = 512, micro_batch = 4, steps = 5, warmup = 1, threads = 0, sgemm_n = 2048;
   bool json = false, profile = false;
+  std::string device = "cpu";
+  gpu::BenchTrainOptions cuda_opts;
+  app.add_option("--device", device, "cpu, or cuda: bf16 on one NVIDIA GPU (src/cuda), MFU against --peak-tflops")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--grad-accum", cuda_opts.grad_accum, "micro-batches per optimizer step (--device cuda)");
+  app.add_option("--peak-tflops", cuda_opts.peak_tflops, "dense bf16 peak for the MFU (--device cuda; H100/H200: 989)");
   app.add_option("--model", model_dir, "take the model shape from this HF directory's config.json instead");
   app.add_option("--hidden", hidden);
   app.add_option("--layers", layers);
@@ -100,6 +107,16 @@ int run_bench_train(int argc, char** argv) {
     }
     cfg = model_config_from_json(j, "bench train flags");
   }
+  if (device == "cuda") {
+    cuda_opts.seq = seq;
+    cuda_opts.micro_batch = micro_batch;
+    cuda_opts.steps = steps;
+    cuda_opts.warmup = warmup;
+    cuda_opts.json = json;
+    cuda_opts.profile = profile;
+    return gpu::bench_train(cfg, cuda_opts);
+  }
+  if (cuda_opts.grad_accum != 1) fail("--grad-accum is implemented for --device cuda only");
 
   const int nthreads = omp_get_max_threads();
   std::printf("bench train: %s hidden %d, %d layers, %d heads (%d kv), experts %d top-%d, intermediate %d, "

@@ -2,11 +2,13 @@
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "cuda/commands.h"
 #include "io/hf_config.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"
@@ -30,6 +32,9 @@ int run_forward(int argc, char** argv) {
   app.add_option("--aux-loss", aux_kind, "load-balancing formula: hf_pooled | per_layer")
       ->check(CLI::IsMember({"hf_pooled", "per_layer"}));
   app.add_option("--z-loss-coef", z_coef, "router z-loss coefficient (default 0)");
+  std::string device = "cpu";
+  app.add_option("--device", device, "cpu (fp32), or cuda (bf16 with fp32 master weights, one NVIDIA GPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -41,16 +46,43 @@ int run_forward(int argc, char** argv) {
   if (!grads_path.empty() && batch.labels.empty())
     fail("--grads needs labels: '{}' has no 'labels' tensor", input);
 
-  MixtralModel model(cfg);
-  const ModelTensors files = ModelTensors::open(model_dir);
-  load_hf_weights(files, model.table(), model.params().data(), model_dir);
-
   LossWeights w;
   const long loss_tokens = count_loss_tokens(batch);
   w.ce_scale = loss_tokens > 0 ? 1.0 / (double)loss_tokens : 0.0;
   w.aux_coef = cfg.router_aux_loss_coef;
   w.z_coef = z_coef;
   w.aux_kind = aux_kind == "per_layer" ? AuxLossKind::per_layer : AuxLossKind::hf_pooled;
+  const ModelTensors files = ModelTensors::open(model_dir);
+
+  if (device == "cuda") {
+    const ParamTable table(cfg);
+    std::vector<float> params(table.total(), 0.0f);
+    load_hf_weights(files, table, params.data(), model_dir);
+    const gpu::ForwardResult r = gpu::forward_pass(cfg, params, batch, w, !grads_path.empty());
+    SafetensorsWriter out;
+    out.add_f32("logits", {batch.B, batch.T, cfg.vocab_size}, r.logits.data());
+    const float scalars[4] = {(float)r.losses.ce_loss, (float)r.losses.aux_loss, (float)r.losses.z_loss,
+                              (float)r.losses.loss};
+    if (!batch.labels.empty()) {
+      out.add_copy("ce_loss", DType::F32, {}, &scalars[0]);
+      out.add_copy("aux_loss", DType::F32, {}, &scalars[1]);
+      out.add_copy("z_loss", DType::F32, {}, &scalars[2]);
+      out.add_copy("loss", DType::F32, {}, &scalars[3]);
+      out.set_metadata("loss_tokens", std::to_string(loss_tokens));
+      std::printf("loss %.6f  ce_loss %.6f  aux_loss %.6f  z_loss %.6f  (%ld loss tokens, cuda bf16)\n",
+                  r.losses.loss, r.losses.ce_loss, r.losses.aux_loss, r.losses.z_loss, loss_tokens);
+    }
+    out.write(output);
+    if (!grads_path.empty()) {
+      SafetensorsWriter g;
+      add_hf_tensors(g, table, r.grads.data(), DType::F32);
+      g.write(grads_path);
+    }
+    return 0;
+  }
+
+  MixtralModel model(cfg);
+  load_hf_weights(files, model.table(), model.params().data(), model_dir);
   const Losses losses = model.forward(batch, w);
 
   SafetensorsWriter out;

@@ -1,0 +1,123 @@
+// GEMMs through cuBLASLt: row-major C = alpha op(A) op(B) + beta C with fp32 accumulation, and the
+// nn.Linear forward / backward built on it.
+//
+// cuBLASLt is column-major.  A row-major matrix X [r, c] with row stride ld is the column-major
+// matrix X^T [c, r] with the same ld, so the row-major product C = op(A) op(B) is computed as the
+// column-major product C^T = op(B)^T op(A)^T: cuBLASLt's first operand is B (transposed when B
+// is), its second is A, and m = N, n = M.
+//
+// Each distinct shape (with its operand types, pointer alignment and whether beta is 0) gets its
+// descriptors and heuristic-chosen algorithm once and keeps them in the Context.
+#include <algorithm>
+
+#include "cuda/common.cuh"
+#include "cuda/ops.h"
+
+namespace moetron::gpu {
+
+namespace {
+
+// Largest power of two (<= 256) dividing the address and the row stride in bytes: what the
+// heuristic may assume about every row of the operand.
+int alignment_of(const void* p, long ld, size_t elem) {
+  const uint64_t a = reinterpret_cast<uint64_t>(p) | (uint64_t)(ld * (long)elem) | 256u;
+  return (int)(a & (~a + 1));
+}
+
+// (Local rather than core/dtype.cpp's: moetron_cuda must not depend on moetron_lib, which links it.)
+cudaDataType_t cuda_type(DType t, const char* op) {
+  if (t == DType::BF16) return CUDA_R_16BF;
+  if (t == DType::F32) return CUDA_R_32F;
+  fail("[{}] operand dtype #{} is not supported (BF16 or F32)", op, (int)t);
+}
+size_t elem_size(DType t) { return t == DType::BF16 ? 2 : 4; }
+const char* type_name(DType t) { return t == DType::BF16 ? "BF16" : "F32"; }
+
+// Caps the number of cached shapes (expert GEMMs change shape every step).
+constexpr size_t kMaxPlans = 4096;
+
+}  // namespace
+
+void gemm(Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha, const void* A, long lda,
+          const void* B, long ldb, float beta, void* C, long ldc, DType ab, DType c) {
+  const char* op = "gemm";
+  MOETRON_OP_CHECK(M >= 0 && N >= 0 && K >= 0, op, "negative dimension M={} N={} K={}", M, N, K);
+  if (M == 0 || N == 0) return;
+  MOETRON_OP_CHECK(K > 0, op, "K must be positive when M={} and N={} are", M, N);
+  const cudaDataType_t tab = cuda_type(ab, op), tc = cuda_type(c, op);
+  // Column-major view (see the top of the file).
+  const int m = N, n = M;
+  const cublasOperation_t opa = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // applied to B
+  const cublasOperation_t opb = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;  // applied to A
+  const uint64_t a_rows = opa == CUBLAS_OP_N ? m : K, a_cols = opa == CUBLAS_OP_N ? K : m;
+  const uint64_t b_rows = opb == CUBLAS_OP_N ? K : n, b_cols = opb == CUBLAS_OP_N ? n : K;
+  MOETRON_OP_CHECK(ldb >= (long)a_rows && lda >= (long)b_rows && ldc >= (long)m, op,
+                   "row strides too small: M={} N={} K={} trans_a={} trans_b={} lda={} ldb={} ldc={}", M, N, K,
+                   trans_a, trans_b, lda, ldb, ldc);
+
+  const int align = std::min({alignment_of(A, lda, elem_size(ab)), alignment_of(B, ldb, elem_size(ab)),
+                              alignment_of(C, ldc, elem_size(c))});
+  const GemmKey key{(int)trans_a, (int)trans_b, M, N, K, lda, ldb, ldc, (int)ab, (int)c, align, beta != 0.0f};
+  Context::Impl& cx = ctx.impl();
+  auto it = cx.gemm_plans.find(key);
+  if (it == cx.gemm_plans.end()) {
+    if (cx.gemm_plans.size() >= kMaxPlans) cx.clear_gemm_plans();
+    GemmPlan p;
+    CUBLAS_CALL(op, cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CUBLAS_CALL(op, cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+    CUBLAS_CALL(op, cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+    CUBLAS_CALL(op, cublasLtMatrixLayoutCreate(&p.a, tab, a_rows, a_cols, ldb));
+    CUBLAS_CALL(op, cublasLtMatrixLayoutCreate(&p.b, tab, b_rows, b_cols, lda));
+    CUBLAS_CALL(op, cublasLtMatrixLayoutCreate(&p.c, tc, (uint64_t)m, (uint64_t)n, ldc));
+    cublasLtMatmulPreference_t pref = nullptr;
+    CUBLAS_CALL(op, cublasLtMatmulPreferenceCreate(&pref));
+    const uint32_t al = (uint32_t)align;
+    cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                             &cx.workspace_bytes, sizeof(cx.workspace_bytes));
+    for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+      if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &al, sizeof(al));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulAlgoGetHeuristic(cx.lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+      cublasLtMatrixLayoutDestroy(p.a);
+      cublasLtMatrixLayoutDestroy(p.b);
+      cublasLtMatrixLayoutDestroy(p.c);
+      cublasLtMatmulDescDestroy(p.desc);
+      if (st != CUBLAS_STATUS_SUCCESS) fail_cublas(op, "cublasLtMatmulAlgoGetHeuristic", st);
+      fail("[{}] cuBLASLt has no algorithm for M={} N={} K={} trans_a={} trans_b={} lda={} ldb={} ldc={} {}x{}->{} "
+           "(alignment {} bytes)",
+           op, M, N, K, trans_a, trans_b, lda, ldb, ldc, type_name(ab), type_name(ab), type_name(c), align);
+    }
+    p.algo = result.algo;
+    it = cx.gemm_plans.emplace(key, p).first;
+  }
+  const GemmPlan& p = it->second;
+  // First cuBLASLt operand is B, second is A (column-major view).
+  CUBLAS_CALL(op, cublasLtMatmul(cx.lt, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
+                                 cx.workspace, cx.workspace_bytes, cx.stream));
+}
+
+void matmul_forward(Context& ctx, Bf16* out, const Bf16* inp, const Bf16* weight, int N, int IC, int OC) {
+  gemm(ctx, false, true, N, OC, IC, 1.0f, inp, IC, weight, IC, 0.0f, out, OC, DType::BF16, DType::BF16);
+}
+
+void matmul_forward_f32(Context& ctx, float* out, const Bf16* inp, const Bf16* weight, int N, int IC, int OC,
+                        bool accumulate) {
+  gemm(ctx, false, true, N, OC, IC, 1.0f, inp, IC, weight, IC, accumulate ? 1.0f : 0.0f, out, OC, DType::BF16,
+       DType::F32);
+}
+
+void matmul_backward(Context& ctx, Bf16* dinp, float* dweight, const Bf16* dout, const Bf16* inp,
+                     const Bf16* weight, int N, int IC, int OC) {
+  // dinp[N,IC] = dout[N,OC] @ weight[OC,IC]
+  if (dinp) gemm(ctx, false, false, N, IC, OC, 1.0f, dout, OC, weight, IC, 0.0f, dinp, IC, DType::BF16, DType::BF16);
+  // dweight[OC,IC] += dout^T[OC,N] @ inp[N,IC]
+  if (dweight && N > 0)
+    gemm(ctx, true, false, OC, IC, N, 1.0f, dout, OC, inp, IC, 1.0f, dweight, IC, DType::BF16, DType::F32);
+}
+
+}  // namespace moetron::gpu

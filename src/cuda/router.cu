@@ -1,0 +1,174 @@
+// MoE router on the device: softmax over all experts in fp32, top-K, renormalisation, the routing
+// statistics of the auxiliary losses, and the backward; see ops.h and src/ops/router.h for the maths.
+//   N tokens, E experts (<= 64), K experts per token.  One thread per token.
+// Activation gradients assign (=), except router_z_loss_backward, which accumulates (+=).
+#include <cmath>
+
+#include "cuda/common.cuh"
+#include "cuda/ops.h"
+
+namespace moetron::gpu {
+
+namespace {
+
+constexpr int kMaxE = 64;
+
+struct ExpertDoubles {
+  double v[kMaxE];
+};
+
+__device__ __forceinline__ bool is_real(const uint8_t* mask, long n) { return mask == nullptr || mask[n] != 0; }
+
+__device__ double row_logsumexp(const float* row, int E) {
+  double mx = row[0];
+  for (int e = 1; e < E; e++) mx = fmax(mx, (double)row[e]);
+  double s = 0.0;
+  for (int e = 0; e < E; e++) s += exp((double)row[e] - mx);
+  return mx + log(s);
+}
+
+__global__ void router_forward_kernel(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits,
+                                      long N, int E, int K) {
+  const long n = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  const float* l = logits + n * E;
+  float* p = probs + n * E;
+  float mx = l[0];
+  for (int e = 1; e < E; e++) mx = fmaxf(mx, l[e]);
+  double s = 0.0;
+  for (int e = 0; e < E; e++) {
+    const float pe = expf(l[e] - mx);
+    p[e] = pe;
+    s += pe;
+  }
+  const float inv = (float)(1.0 / s);
+  for (int e = 0; e < E; e++) p[e] *= inv;
+  // K passes of argmax over the unchosen experts; strict '>' keeps the lower index on ties, and a
+  // NaN row still yields K distinct indices.
+  uint64_t chosen = 0;
+  int32_t* idx = topk_idx + n * K;
+  float* w = topk_weight + n * K;
+  float sum = 0.0f;
+  for (int k = 0; k < K; k++) {
+    int best = -1;
+    for (int e = 0; e < E; e++) {
+      if (chosen >> e & 1u) continue;
+      if (best < 0 || p[e] > p[best]) best = e;
+    }
+    chosen |= (uint64_t)1 << best;
+    idx[k] = best;
+    w[k] = p[best];
+    sum += p[best];
+  }
+  for (int k = 0; k < K; k++) w[k] /= sum;
+}
+
+// stats: assigned[E], prob_sum[E], tokens, z_sum (zeroed by the caller); block partials in shared
+// memory, then one atomic per value and block.
+__global__ void router_stats_kernel(double* stats, const float* logits, const float* probs, const int32_t* topk_idx,
+                                    const uint8_t* token_mask, long N, int E, int K) {
+  __shared__ double acc[2 * kMaxE + 2];
+  for (int i = threadIdx.x; i < 2 * E + 2; i += blockDim.x) acc[i] = 0.0;
+  __syncthreads();
+  for (long n = blockIdx.x * (long)blockDim.x + threadIdx.x; n < N; n += (long)gridDim.x * blockDim.x) {
+    if (!is_real(token_mask, n)) continue;
+    atomicAdd(&acc[2 * E], 1.0);
+    for (int e = 0; e < E; e++) atomicAdd(&acc[E + e], (double)probs[n * E + e]);
+    for (int k = 0; k < K; k++) {
+      const int e = topk_idx[n * K + k];
+      if (e >= 0 && e < E) atomicAdd(&acc[e], 1.0);
+    }
+    const double lse = row_logsumexp(logits + n * E, E);
+    atomicAdd(&acc[2 * E + 1], lse * lse);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < 2 * E + 2; i += blockDim.x) atomicAdd(stats + i, acc[i]);
+}
+
+__global__ void router_backward_kernel(float* dlogits, const float* dtopk_weight, ExpertDoubles daux, bool has_aux,
+                                       const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
+                                       const float* topk_weight, long N, int E, int K) {
+  const long n = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  const float* p = probs + n * E;
+  double dp[kMaxE];
+  for (int e = 0; e < E; e++) dp[e] = 0.0;
+  if (dtopk_weight != nullptr) {
+    // w_k = p_k / S over the chosen: dp_k = (dw_k - sum_j dw_j w_j) / S
+    const int32_t* idx = topk_idx + n * K;
+    const float* w = topk_weight + n * K;
+    const float* dw = dtopk_weight + n * K;
+    double S = 0.0, dot = 0.0;
+    for (int k = 0; k < K; k++) {
+      S += p[idx[k]];
+      dot += (double)dw[k] * (double)w[k];
+    }
+    for (int k = 0; k < K; k++) dp[idx[k]] += ((double)dw[k] - dot) / S;
+  }
+  if (has_aux && is_real(token_mask, n))
+    for (int e = 0; e < E; e++) dp[e] += daux.v[e];
+  double pdp = 0.0;
+  for (int e = 0; e < E; e++) pdp += (double)p[e] * dp[e];
+  float* dl = dlogits + n * E;
+  for (int e = 0; e < E; e++) dl[e] = (float)((double)p[e] * (dp[e] - pdp));
+}
+
+__global__ void router_z_backward_kernel(float* dlogits, const float* logits, const float* probs,
+                                         const uint8_t* token_mask, long N, int E, double c) {
+  const long n = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (n >= N || !is_real(token_mask, n)) return;
+  const double g = c * row_logsumexp(logits + n * E, E);
+  for (int e = 0; e < E; e++) dlogits[n * E + e] += (float)(g * (double)probs[n * E + e]);
+}
+
+void check_dims(const char* op, long N, int E, int K) {
+  MOETRON_OP_CHECK(N >= 0, op, "token count N must be >= 0, got {}", N);
+  MOETRON_OP_CHECK(E >= 1 && E <= kMaxE, op, "expert count E must be in [1, {}], got {}", kMaxE, E);
+  MOETRON_OP_CHECK(K >= 1 && K <= E, op, "experts per token K must be in [1, E={}], got {}", E, K);
+}
+
+}  // namespace
+
+void router_forward(Context& ctx, float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, long N,
+                    int E, int K) {
+  check_dims("router_forward", N, E, K);
+  if (N == 0) return;
+  router_forward_kernel<<<blocks_for(N, 128), 128, 0, stream_of(ctx)>>>(probs, topk_idx, topk_weight, logits, N, E,
+                                                                        K);
+  CUDA_LAUNCHED("router_forward");
+}
+
+void router_layer_stats(Context& ctx, double* stats, const float* logits, const float* probs,
+                        const int32_t* topk_idx, const uint8_t* token_mask, long N, int E, int K) {
+  check_dims("router_layer_stats", N, E, K);
+  fill_zero(ctx, stats, sizeof(double) * (2 * E + 2));
+  if (N == 0) return;
+  const unsigned blocks = blocks_for(N, 256) < 512u ? blocks_for(N, 256) : 512u;
+  router_stats_kernel<<<blocks, 256, 0, stream_of(ctx)>>>(stats, logits, probs, topk_idx, token_mask, N, E, K);
+  CUDA_LAUNCHED("router_layer_stats");
+}
+
+void router_backward(Context& ctx, float* dlogits, const float* dtopk_weight, const double* dprobs_per_expert,
+                     const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
+                     const float* topk_weight, long N, int E, int K) {
+  check_dims("router_backward", N, E, K);
+  if (N == 0) return;
+  ExpertDoubles daux{};
+  if (dprobs_per_expert)
+    for (int e = 0; e < E; e++) daux.v[e] = dprobs_per_expert[e];
+  router_backward_kernel<<<blocks_for(N, 128), 128, 0, stream_of(ctx)>>>(
+      dlogits, dtopk_weight, daux, dprobs_per_expert != nullptr, token_mask, probs, topk_idx, topk_weight, N, E, K);
+  CUDA_LAUNCHED("router_backward");
+}
+
+void router_z_loss_backward(Context& ctx, float* dlogits, const float* logits, const float* probs,
+                            const uint8_t* token_mask, long N, int E, float scale, long real_tokens) {
+  MOETRON_OP_CHECK(N >= 0 && E >= 1, "router_z_loss_backward", "need N >= 0 and E >= 1, got N={} E={}", N, E);
+  if (N == 0 || real_tokens <= 0) return;
+  const double c = 2.0 * (double)scale / (double)real_tokens;
+  router_z_backward_kernel<<<blocks_for(N, 128), 128, 0, stream_of(ctx)>>>(dlogits, logits, probs, token_mask, N, E,
+                                                                           c);
+  CUDA_LAUNCHED("router_z_loss_backward");
+}
+
+}  // namespace moetron::gpu

@@ -1,0 +1,122 @@
+// Built without CUDA: the CUDA backend's entry points exist so everything links, and fail with
+// "built without CUDA" when called.  cuda_unavailable_reason() says so without throwing, which is
+// how tests decide to skip.  Compiled only when MOETRON_HAVE_CUDA is off (see CMakeLists.txt).
+#include "core/error.h"
+#include "cuda/ops.h"
+#include "cuda/runtime.h"
+
+namespace moetron::gpu {
+
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+  fail("[{}] moetron was built without CUDA (reconfigure with -DMOETRON_CUDA=ON on a machine with nvcc)", what);
+}
+}  // namespace
+
+struct Context::Impl {};
+
+bool cuda_compiled() { return false; }
+std::string cuda_unavailable_reason() { return "built without CUDA"; }
+DeviceInfo device_info() { no_cuda("device_info"); }
+Context::Context() { no_cuda("cuda context"); }
+Context::~Context() = default;
+void Context::synchronize(const char*) { no_cuda("synchronize"); }
+bool Context::try_synchronize() noexcept { return false; }
+DeviceArena::DeviceArena(size_t, const std::string& what) : what_(what) { no_cuda("device arena"); }
+DeviceArena::~DeviceArena() = default;
+void* DeviceArena::take(size_t) { no_cuda("device arena"); }
+void copy_to_device(Context&, void*, const void*, size_t) { no_cuda("copy_to_device"); }
+void copy_to_host(Context&, void*, const void*, size_t) { no_cuda("copy_to_host"); }
+void copy_device(Context&, void*, const void*, size_t) { no_cuda("copy_device"); }
+void fill_zero(Context&, void*, size_t) { no_cuda("fill_zero"); }
+void upload_bf16(Context&, Bf16*, const float*, size_t) { no_cuda("upload_bf16"); }
+void download_bf16(Context&, float*, const Bf16*, size_t) { no_cuda("download_bf16"); }
+
+void convert_to_bf16(Context&, Bf16*, const float*, size_t) { no_cuda("convert_to_bf16"); }
+void convert_to_f32(Context&, float*, const Bf16*, size_t) { no_cuda("convert_to_f32"); }
+void gemm(Context&, bool, bool, int, int, int, float, const void*, long, const void*, long, float, void*, long, DType,
+          DType) {
+  no_cuda("gemm");
+}
+void matmul_forward(Context&, Bf16*, const Bf16*, const Bf16*, int, int, int) { no_cuda("matmul_forward"); }
+void matmul_forward_f32(Context&, float*, const Bf16*, const Bf16*, int, int, int, bool) {
+  no_cuda("matmul_forward_f32");
+}
+void matmul_backward(Context&, Bf16*, float*, const Bf16*, const Bf16*, const Bf16*, int, int, int) {
+  no_cuda("matmul_backward");
+}
+void embedding_forward(Context&, float*, const int32_t*, const float*, long, int, int) { no_cuda("embedding_forward"); }
+void embedding_backward(Context&, float*, const float*, const int32_t*, long, int, int) {
+  no_cuda("embedding_backward");
+}
+void rmsnorm_forward(Context&, Bf16*, float*, float*, const float*, const float*, long, int, float) {
+  no_cuda("rmsnorm_forward");
+}
+void rmsnorm_backward(Context&, float*, float*, const float*, const float*, const float*, const float*, long, int,
+                      bool) {
+  no_cuda("rmsnorm_backward");
+}
+void rope_forward(Context&, Bf16*, const Bf16*, long, const int32_t*, long, int, int, float) { no_cuda("rope_forward"); }
+void rope_backward(Context&, Bf16*, const Bf16*, long, const int32_t*, long, int, int, float) {
+  no_cuda("rope_backward");
+}
+void attention_forward(Context&, Bf16*, float*, const Bf16*, const Bf16*, const Bf16*, const AttentionMask&, int, int,
+                       int, int, int, long, long) {
+  no_cuda("attention_forward");
+}
+size_t attention_backward_scratch_floats(int B, int T, int NH, int HD) {
+  return (size_t)B * T * NH * HD + (size_t)B * NH * T;
+}
+void attention_backward(Context&, Bf16*, Bf16*, Bf16*, float*, const Bf16*, const Bf16*, const float*, const Bf16*,
+                        const Bf16*, const Bf16*, const AttentionMask&, int, int, int, int, int, long, long) {
+  no_cuda("attention_backward");
+}
+void swiglu_forward(Context&, Bf16*, const Bf16*, long, int) { no_cuda("swiglu_forward"); }
+void swiglu_backward(Context&, Bf16*, const Bf16*, const Bf16*, long, int) { no_cuda("swiglu_backward"); }
+void router_forward(Context&, float*, int32_t*, float*, const float*, long, int, int) { no_cuda("router_forward"); }
+void router_layer_stats(Context&, double*, const float*, const float*, const int32_t*, const uint8_t*, long, int, int) {
+  no_cuda("router_layer_stats");
+}
+void router_backward(Context&, float*, const float*, const double*, const uint8_t*, const float*, const int32_t*,
+                     const float*, long, int, int) {
+  no_cuda("router_backward");
+}
+void router_z_loss_backward(Context&, float*, const float*, const float*, const uint8_t*, long, int, float, long) {
+  no_cuda("router_z_loss_backward");
+}
+void moe_plan_build(Context&, MoePlanDevice&, int32_t*, int32_t*, int64_t*, const int32_t*, long, int, int) {
+  no_cuda("moe_plan_build");
+}
+void moe_permute_forward(Context&, Bf16*, const Bf16*, const MoePlanDevice&, int) { no_cuda("moe_permute_forward"); }
+void moe_permute_backward(Context&, float*, const Bf16*, const MoePlanDevice&, int, bool) {
+  no_cuda("moe_permute_backward");
+}
+void moe_combine_forward(Context&, float*, const float*, const Bf16*, const float*, const MoePlanDevice&, int) {
+  no_cuda("moe_combine_forward");
+}
+void moe_combine_backward(Context&, Bf16*, float*, const float*, const Bf16*, const float*, const MoePlanDevice&, int) {
+  no_cuda("moe_combine_backward");
+}
+void moe_experts_forward(Context&, Bf16*, Bf16*, Bf16*, const Bf16*, const Bf16*, const Bf16*, const MoePlanDevice&,
+                         int, int) {
+  no_cuda("moe_experts_forward");
+}
+void moe_experts_backward(Context&, Bf16*, float*, float*, Bf16*, const Bf16*, const Bf16*, const Bf16*, const Bf16*,
+                          const Bf16*, const Bf16*, const MoePlanDevice&, int, int) {
+  no_cuda("moe_experts_backward");
+}
+double cross_entropy_forward(Context&, float*, float*, const float*, const int32_t*, long, int, float) {
+  no_cuda("cross_entropy_forward");
+}
+void cross_entropy_backward(Context&, Bf16*, long, const float*, const float*, const int32_t*, long, int, float) {
+  no_cuda("cross_entropy_backward");
+}
+void adamw_update(Context&, float*, Bf16*, float*, float*, const float*, size_t, float, double, double, double, double,
+                  double, long) {
+  no_cuda("adamw_update");
+}
+size_t grad_norm_scratch_doubles(size_t n) { return (n + (1 << 16) - 1) / (1 << 16) + 1; }
+double global_grad_norm(Context&, double*, const float*, size_t) { no_cuda("global_grad_norm"); }
+void init_normal(Context&, float*, size_t, uint64_t, uint64_t, double, float) { no_cuda("init_normal"); }
+
+}  // namespace moetron::gpu
