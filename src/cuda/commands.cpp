@@ -142,10 +142,10 @@ int bench_train(const ModelConfig& cfg, const BenchTrainOptions& o) {
   }
   if (o.json)
     std::printf("{\"device\": \"cuda\", \"tokens_per_s\": %.2f, \"tflops\": %.3f, \"peak_tflops\": %.1f, \"mfu\": %.4f, "
-                "\"step_s\": %.5f, \"tokens_per_step\": %.0f, \"final_loss\": %.6f, \"state_gib\": %.3f, "
-                "\"activation_gib\": %.3f}\n",
-                tps, tflops, o.peak_tflops, mfu, step_s, tokens, last_loss, model.state_bytes() / kGiB,
-                model.activation_bytes() / kGiB);
+                "\"step_s\": %.5f, \"tokens_per_step\": %.0f, \"train_flop_per_token\": %.6g, \"final_loss\": %.6f, "
+                "\"state_gib\": %.3f, \"optimizer_gib\": %.3f, \"activation_gib\": %.3f}\n",
+                tps, tflops, o.peak_tflops, mfu, step_s, tokens, fc.train_per_token(), last_loss,
+                model.state_bytes() / kGiB, opt.state_bytes() / kGiB, model.activation_bytes() / kGiB);
   return 0;
 }
 

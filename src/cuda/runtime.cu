@@ -82,9 +82,11 @@ Context::Context() : impl_(std::make_unique<Impl>()) {
   if (!why.empty()) fail("[cuda] {}", why);
   cudaDeviceProp prop{};
   CUDA_CALL("cuda context", cudaGetDeviceProperties(&prop, 0));
-  if (prop.major < 9)
-    fail("[cuda] {} has compute capability {}.{}; this build carries sm_90 code and compute_90 PTX only "
-         "(rebuild with -DCMAKE_CUDA_ARCHITECTURES=<yours> for older GPUs)",
+  // The attention kernels need bf16 tensor cores (sm_80+).  The default build carries sm_90 code and
+  // compute_90 PTX; an sm_80 GPU needs a rebuild with -DCMAKE_CUDA_ARCHITECTURES=80 (a kernel
+  // launch without a matching image fails with "no kernel image is available").
+  if (prop.major < 8)
+    fail("[cuda] {} has compute capability {}.{}; the CUDA backend needs 8.0 or newer (bf16 tensor cores)",
          prop.name, prop.major, prop.minor);
   Impl& m = *impl_;
   CUDA_CALL("cuda context", cudaSetDevice(m.device));
