@@ -24,6 +24,7 @@
 #include "io/model_files.h"
 #include "io/safetensors.h"
 #include "train/config.h"
+#include "train/evaluate.h"
 #include "train/report.h"
 #include "train/trainer.h"
 
@@ -170,6 +171,76 @@ TEST_F(TrainTest, ReportOfARealRunHasCurvesAndHeatmaps) {
   size_t cells = 0;
   for (size_t p = html.find("<rect class=\"cell"); p != std::string::npos; p = html.find("<rect class=\"cell", p + 1)) cells++;
   EXPECT_EQ(cells, 2u * 4u * 10u) << "layers x experts x logged steps";
+}
+
+// `moetron eval` runs the trainer's evaluation on a checkpoint: the newest checkpoint's figure is the
+// val_loss the run logged at that step, to the bit; an older checkpoint gives its own figure.
+TEST_F(TrainTest, EvalOfACheckpointEqualsTheValLossTheRunLogged) {
+  const TrainConfig cfg = config("run", {"eval.every_steps=2"});
+  run_training(cfg);
+  std::map<long, double> logged;
+  for (const auto& j : metrics("run", "val_loss")) logged[j["step"].get<long>()] = j["val_loss"].get<double>();
+  ASSERT_TRUE(logged.count(8) && logged.count(10));
+  ASSERT_NE(logged[8], logged[10]);
+
+  const std::string latest = resolve_eval_model(cfg, "");
+  EXPECT_EQ(fs::path(latest).filename(), "step-000010");
+  const EvalResult r = evaluate_model(cfg, latest, cfg.eval.batches);
+  EXPECT_EQ(r.loss, logged[10]);
+  EXPECT_EQ(r.perplexity, std::exp(logged[10]));
+  EXPECT_EQ(r.batches, 2);
+  EXPECT_GT(r.loss_tokens, 0);
+  const fs::path step8 = root_ / "run" / "checkpoints" / "step-000008";
+  EXPECT_EQ(evaluate_model(cfg, step8.string(), cfg.eval.batches).loss, logged[8]);
+
+  // The command: the same figure, --all covers the whole split (6 documents fit one 2-row batch).
+  const fs::path yaml_path = root_ / "eval.yaml";
+  std::ofstream(yaml_path) << yaml("run");
+  const fs::path out = root_ / "eval.out";
+  const std::string cmd = std::string(MOETRON_BINARY) + " eval -c " + yaml_path.string() + " --json > " +
+                          out.string() + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  std::ifstream f(out);
+  std::string line, last;
+  while (std::getline(f, line))
+    if (!line.empty() && line[0] == '{') last = line;
+  ASSERT_FALSE(last.empty());
+  const auto j = nlohmann::json::parse(last);
+  EXPECT_EQ(j["val_loss"].get<double>(), logged[10]);
+  EXPECT_EQ(j["batches"].get<long>(), 2);
+  // --all: every loss token of the validation split once (write_split's masks: positions >= len/4 of
+  // each of its 6 documents; none is longer than a block, so none is split).
+  const EvalResult all = evaluate_model(cfg, latest, 0);
+  long expected_tokens = 0;
+  for (int d = 0; d < 6; d++) {
+    const int len = 8 + (int)(mix64(2 * 1000 + d) % 113);
+    expected_tokens += len - len / 4;
+  }
+  EXPECT_EQ(all.loss_tokens, expected_tokens);
+}
+
+TEST_F(TrainTest, EvalErrorsExitTwoWithTheReason) {
+  const fs::path yaml_path = root_ / "eval.yaml";
+  std::ofstream(yaml_path) << yaml("never-trained");
+  auto run = [&](const std::string& args) {
+    const fs::path out = root_ / "eval.out";
+    const int rc = std::system((std::string(MOETRON_BINARY) + " eval -c " + yaml_path.string() + " " + args + " > " +
+                                out.string() + " 2>&1")
+                                   .c_str());
+    std::ifstream f(out);
+    return std::make_pair(WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, std::string((std::istreambuf_iterator<char>(f)), {}));
+  };
+  auto [rc, text] = run("");
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(text.find("has no checkpoint and model.init is 'random'"), std::string::npos) << text;
+  std::tie(rc, text) = run("--model " + (root_ / "nowhere").string());
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(text.find("has no config.json"), std::string::npos) << text;
+  fs::remove(root_ / "data" / "valid.idx");
+  std::tie(rc, text) = run("--model " + (root_ / "nowhere").string());
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(text.find("has no validation split"), std::string::npos) << text;
+  EXPECT_FALSE(fs::exists(root_ / "never-trained"));
 }
 
 TEST_F(TrainTest, SameSeedSameLossesBitwise) {

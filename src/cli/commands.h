@@ -6,6 +6,7 @@ namespace moetron::cli {
 int run_forward(int argc, char** argv);
 int run_bench(int argc, char** argv);
 int run_train(int argc, char** argv);       // src/cli/train.cpp
+int run_eval(int argc, char** argv);        // src/cli/eval.cpp
 int run_generate(int argc, char** argv);    // src/cli/generate.cpp
 int run_chat(int argc, char** argv);        // src/cli/chat.cpp
 int run_serve(int argc, char** argv);       // src/cli/serve.cpp

@@ -20,6 +20,7 @@ void print_usage(FILE* f) {
                "  chat      interactive multi-turn chat with a model (chat --model DIR; /reset, /exit)\n"
                "  serve     OpenAI-compatible HTTP server (serve --model DIR [--host 127.0.0.1] [--port 8000])\n"
                "  train     train from a YAML config (train -c CONFIG [key=value ...])\n"
+               "  eval      validation loss and perplexity of a checkpoint (eval -c CONFIG [--model DIR])\n"
                "  plan      validate a parallel layout; per-rank memory, FLOPs, communication (plan C.yaml -n N)\n"
                "  convert   re-encode a model / checkpoint directory: dtype, shard size, optimizer state\n"
                "  report    an HTML page of a run's curves and expert-load heatmaps (report RUN_DIR)\n"
@@ -46,6 +47,7 @@ int main(int argc, char** argv) {
     if (cmd == "chat") return moetron::cli::run_chat(argc - 1, argv + 1);
     if (cmd == "serve") return moetron::cli::run_serve(argc - 1, argv + 1);
     if (cmd == "train") return moetron::cli::run_train(argc - 1, argv + 1);
+    if (cmd == "eval") return moetron::cli::run_eval(argc - 1, argv + 1);
     if (cmd == "bench") return moetron::cli::run_bench(argc - 1, argv + 1);
     if (cmd == "tokenizer") return moetron::cli::run_tokenizer(argc - 1, argv + 1);
     if (cmd == "data") return moetron::cli::run_data(argc - 1, argv + 1);
