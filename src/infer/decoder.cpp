@@ -22,7 +22,9 @@ namespace {
 // Below this many query rows attention runs per (row, head) with dot products; from here on it uses
 // two GEMMs per head.
 constexpr int kGemmAttentionRows = 8;
-constexpr long kParallelMin = 1L << 15;
+// Elementwise loops and the per-row attention go parallel from this many operations (see kernels.cpp
+// for why decoding keeps small work on one thread).
+constexpr long kParallelMin = 1L << 20;
 
 void add_inplace(float* y, const float* x, long n) {
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
@@ -40,6 +42,34 @@ void softmax_inplace(float* s, int n) {
   }
   const float inv = 1.0f / sum;
   for (int j = 0; j < n; j++) s[j] *= inv;
+}
+
+// ops::router_forward for one token, without its parallel region (same arithmetic): softmax in fp32
+// with a double sum, K argmax passes (strict '>': ties to the lower index), weights renormalised.
+void route_one(float* p, int32_t* idx, float* w, const float* l, int E, int K) {
+  float mx = l[0];
+  for (int e = 1; e < E; e++) mx = std::fmax(mx, l[e]);
+  double s = 0.0;
+  for (int e = 0; e < E; e++) {
+    p[e] = std::exp(l[e] - mx);
+    s += p[e];
+  }
+  const float inv = (float)(1.0 / s);
+  for (int e = 0; e < E; e++) p[e] *= inv;
+  float sum = 0.0f;
+  for (int k = 0; k < K; k++) {
+    int best = -1;
+    for (int e = 0; e < E; e++) {
+      bool taken = false;
+      for (int j = 0; j < k; j++) taken |= idx[j] == e;
+      if (taken) continue;
+      if (best < 0 || p[e] > p[best]) best = e;
+    }
+    idx[k] = best;
+    w[k] = p[best];
+    sum += p[best];
+  }
+  for (int k = 0; k < K; k++) w[k] /= sum;
 }
 
 }  // namespace
@@ -214,17 +244,23 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
   const float* wr = m_.weight(ParamKind::router, layer);  // [E, C]
   float* tmp = tmp_.data();
   if (n == 1) {
+    // One token: the router serially, then the K experts' gate/up products in one parallel region
+    // and their down products in another.
     infer::gemv(rlogits_.data(), wr, ln, E_, C_);
-    ops::router_forward(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), 1, E_, K_);
-    std::fill(tmp, tmp + C_, 0.0f);
-    float* y = yperm_.data();
+    route_one(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), E_, K_);
+    MOETRON_ASSERT(K_ <= 16);
+    infer::GemvTask up[16], down[16];
+    float* y = yperm_.data();  // [K, C]
     for (int k = 0; k < K_; k++) {
       const int e = topk_idx_[k];
-      infer::gemv(h13, w13 + (size_t)e * 2 * IC, ln, 2 * I_, C_);
-      ops::swiglu_forward(act, h13, 1, I_);
-      infer::gemv(y, w2 + (size_t)e * IC, act, C_, I_);
-      infer::axpy(tmp, topk_w_[k], y, C_);
+      up[k] = {h13 + (size_t)k * 2 * I_, w13 + (size_t)e * 2 * IC, ln, 2 * I_};
+      down[k] = {y + (size_t)k * C_, w2 + (size_t)e * IC, act + (size_t)k * I_, C_};
     }
+    infer::gemv_batch(up, K_, C_);
+    ops::swiglu_forward(act, h13, K_, I_);
+    infer::gemv_batch(down, K_, I_);
+    std::fill(tmp, tmp + C_, 0.0f);
+    for (int k = 0; k < K_; k++) infer::axpy(tmp, topk_w_[k], y + (size_t)k * C_, C_);
     add_inplace(x, tmp, C_);
     return;
   }

@@ -5,6 +5,8 @@
 
 #include <cstring>
 
+#include "core/error.h"
+
 namespace moetron::infer {
 
 namespace {
@@ -16,7 +18,11 @@ inline float hsum(const v8f& v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-constexpr long kParallelMin = 1L << 16;  // multiply-adds below which a parallel region costs more than it saves
+// Multiply-adds below which a product runs on one thread: 1M (4 MiB of fp32 weights, ~0.4 ms of one
+// core's memory bandwidth).  A fork/join costs microseconds on an idle machine but up to a scheduler
+// time slice when the cores are shared with other processes, so decoding (one product after another,
+// a few dozen per token) only splits the products where the saving is large either way.
+constexpr long kParallelMin = 1L << 20;
 constexpr int RB = 4;                     // rows per block
 
 // y[r] (=, or += when acc) for RB consecutive rows of W starting at `w`.
@@ -98,22 +104,30 @@ void gemv(float* y, const float* W, const float* x, int OC, int IC, bool accumul
   }
 }
 
+void gemv_batch(const GemvTask* tasks, int n_tasks, int IC) {
+  constexpr int kMaxTasks = 16;
+  MOETRON_ASSERT(n_tasks >= 0 && n_tasks <= kMaxTasks);
+  int first_block[kMaxTasks + 1];  // blocks of 64 rows, numbered across the tasks
+  long macs = 0;
+  first_block[0] = 0;
+  for (int t = 0; t < n_tasks; t++) {
+    first_block[t + 1] = first_block[t] + (tasks[t].OC + 63) / 64;
+    macs += (long)tasks[t].OC * IC;
+  }
+#pragma omp parallel for schedule(static) if (macs >= kParallelMin)
+  for (int b = 0; b < first_block[n_tasks]; b++) {
+    int t = 0;
+    while (b >= first_block[t + 1]) t++;
+    const GemvTask& k = tasks[t];
+    const int r0 = (b - first_block[t]) * 64, r1 = r0 + 64 < k.OC ? r0 + 64 : k.OC;
+    rows(k.y, k.W, k.x, r0, r1, IC, k.accumulate);
+  }
+}
+
 void gemv3(float* ya, const float* Wa, int OCa, float* yb, const float* Wb, int OCb, float* yc, const float* Wc,
            int OCc, const float* x, int IC) {
-  const int ba = (OCa + 63) / 64, bb = (OCb + 63) / 64, bc = (OCc + 63) / 64;
-#pragma omp parallel for schedule(static) if ((long)(OCa + OCb + OCc) * IC >= kParallelMin)
-  for (int b = 0; b < ba + bb + bc; b++) {
-    float* y = ya;
-    const float* W = Wa;
-    int OC = OCa, local = b;
-    if (b >= ba + bb) {
-      y = yc, W = Wc, OC = OCc, local = b - ba - bb;
-    } else if (b >= ba) {
-      y = yb, W = Wb, OC = OCb, local = b - ba;
-    }
-    const int r0 = local * 64, r1 = r0 + 64 < OC ? r0 + 64 : OC;
-    rows(y, W, x, r0, r1, IC, false);
-  }
+  const GemvTask tasks[3] = {{ya, Wa, x, OCa}, {yb, Wb, x, OCb}, {yc, Wc, x, OCc}};
+  gemv_batch(tasks, 3, IC);
 }
 
 }  // namespace moetron::infer

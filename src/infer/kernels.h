@@ -8,6 +8,17 @@ namespace moetron::infer {
 // y[OC] = W[OC,IC] x[IC]   (accumulate: y += ...)
 void gemv(float* y, const float* W, const float* x, int OC, int IC, bool accumulate = false);
 
+// Several products with the same input width in one parallel region (fewer fork/join points per
+// token): y_t[OC_t] (=, or += when accumulate) W_t[OC_t, IC] x_t[IC] for each task t.
+struct GemvTask {
+  float* y;
+  const float* W;
+  const float* x;
+  int OC;
+  bool accumulate = false;
+};
+void gemv_batch(const GemvTask* tasks, int n_tasks, int IC);
+
 // Three products of one input in one parallel region: ya = Wa x, yb = Wb x, yc = Wc x.
 void gemv3(float* ya, const float* Wa, int OCa, float* yb, const float* Wb, int OCb, float* yc, const float* Wc,
            int OCc, const float* x, int IC);
