@@ -553,6 +553,18 @@ CudaAdamW::CudaAdamW(CudaMixtralModel& model, const AdamWConfig& cfg) : model_(m
   fill_zero(model.context(), v_, total * 4);
 }
 
+void CudaAdamW::get_state(float* exp_avg, float* exp_avg_sq) {
+  const size_t total = model_.table().total();
+  copy_to_host(model_.context(), exp_avg, m_, total * 4);
+  copy_to_host(model_.context(), exp_avg_sq, v_, total * 4);
+}
+
+void CudaAdamW::set_state(const float* exp_avg, const float* exp_avg_sq) {
+  const size_t total = model_.table().total();
+  copy_to_device(model_.context(), m_, exp_avg, total * 4);
+  copy_to_device(model_.context(), v_, exp_avg_sq, total * 4);
+}
+
 void CudaAdamW::step(double lr, float grad_scale) {
   step_++;
   Context& ctx = model_.context();

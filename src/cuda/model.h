@@ -137,7 +137,12 @@ class CudaAdamW {
   // weight decay skips the RMSNorm weights.
   void step(double lr, float grad_scale);
   long steps_taken() const { return step_; }
+  void set_steps_taken(long s) { step_ = s; }
   size_t state_bytes() const { return arena_.capacity(); }
+  // The moments in the ParamTable layout (host memory, table().total() floats each), for
+  // checkpoints that stay device-independent.
+  void get_state(float* exp_avg, float* exp_avg_sq);
+  void set_state(const float* exp_avg, const float* exp_avg_sq);
 
  private:
   CudaMixtralModel& model_;
