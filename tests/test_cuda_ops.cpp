@@ -14,6 +14,7 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <ostream>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -266,6 +267,11 @@ struct AttnCase {
   int window = 0;
   bool padding = false, segments = false, fused = false;
 };
+
+void PrintTo(const AttnCase& c, std::ostream* os) {
+  *os << c.name << " (B=" << c.B << " T=" << c.T << " NH=" << c.NH << " NKV=" << c.NKV << " HD=" << c.HD
+      << " window=" << c.window << ")";
+}
 
 class CudaAttention : public CudaOps, public ::testing::WithParamInterface<AttnCase> {};
 
