@@ -155,10 +155,13 @@ RankComm stage_comm(const Plan& p, const StagePlan& s) {
   RankComm c;
   if (p.tp > 1) {
     const double ar = 2.0 * (p.tp - 1) / p.tp;
-    // Per layer 2 forward (after o_proj, after w2) + 2 backward (inputs of qkv, w13); the vocab-parallel
-    // embedding's forward; the head's input gradient; the vocab-parallel CE's 3 fp32 [N] reductions.
+    // Per layer 2 forward (after o_proj, after w2) + 2 backward (inputs of qkv, w13), and for MoE the
+    // routing weights' gradient (fp32 [N, K], backward); the vocab-parallel embedding's forward; the
+    // head's input gradient; the vocab-parallel CE's row maxima (fp32 [N]) and exp sums and target
+    // logits (2 fp64 [N]) -- as model/mixtral.cpp and dist/tp_ops.cpp do it.
     const double n_ar = 4.0 * s.num_layers + (first ? 1 : 0) + (last ? 1 : 0);
-    c.tp = std::llround(m * (n_ar * ar * S + (last ? 3.0 * ar * d.N * 4 : 0)));
+    const double routing = d.moe ? s.num_layers * ar * (double)d.N * d.K * 4 : 0.0;
+    c.tp = std::llround(m * (n_ar * ar * S + routing + (last ? 5.0 * ar * d.N * 4 : 0)));
   }
   if (p.pp > 1) c.pp = std::llround(m * S * ((last ? 0 : 1) + (first ? 0 : 1)));
   if (p.dp > 1) {
@@ -329,7 +332,8 @@ std::vector<std::string> plan_formulas(const Plan& p) {
       "comm (bytes a rank sends per step; ring: all-reduce 2(n-1)/n S, reduce-scatter and all-gather (n-1)/n S, "
       "all-to-all (n-1)/n S): S = B T C x activation bytes",
       "  tp: m x (4 per layer (2 forward, 2 backward) + 1 embedding (first) + 1 head input grad (last)) all-reduces "
-      "of S, + 3 fp32 [B T] (vocab-parallel CE, last)",
+      "of S, + MoE: 1 fp32 [B T K] per layer (routing-weight gradient), + 1 fp32 and 2 fp64 [B T] (vocab-parallel "
+      "CE, last)",
       "  dp: ZeRO-1: reduce-scatter fp32 grads + all-gather params over dp (experts: dp/ep); otherwise "
       "all-reduce fp32 grads",
       "  pp: m x S forward to the next stage + m x S backward to the previous",
