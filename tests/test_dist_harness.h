@@ -32,16 +32,16 @@ namespace moetron::testing {
 
 namespace fs = std::filesystem;
 
-// Documents of 8..70 tokens over a 256-token vocabulary, every third token repeating the previous
-// one (learnable); the first quarter of each is prompt (loss mask 0).
-inline void write_dist_split(const fs::path& dir, const std::string& name, int docs, uint64_t seed) {
+// Documents of 8..70 tokens over a `vocab`-token vocabulary, every third token repeating the
+// previous one (learnable); the first quarter of each is prompt (loss mask 0).
+inline void write_dist_split(const fs::path& dir, const std::string& name, int docs, uint64_t seed, int vocab = 256) {
   IndexedDatasetWriter tokens((dir / name).string(), IndexedDType::u16);
   IndexedDatasetWriter mask((dir / (name + "_mask")).string(), IndexedDType::u8);
   for (int d = 0; d < docs; d++) {
     const int len = 8 + (int)(mix64(seed * 1000 + d) % 63);
     std::vector<int32_t> t(len), m(len);
     t[0] = 1;
-    for (int i = 1; i < len; i++) t[i] = 3 + (int)(mix64(seed * 7919 + d * 131 + i) % 253);
+    for (int i = 1; i < len; i++) t[i] = 3 + (int)(mix64(seed * 7919 + d * 131 + i) % (vocab - 3));
     for (int i = 3; i < len; i += 3) t[i] = t[i - 1];
     for (int i = 0; i < len; i++) m[i] = i >= len / 4;
     tokens.add_sequence(t.data(), t.size());
@@ -56,15 +56,18 @@ inline void write_dist_split(const fs::path& dir, const std::string& name, int d
 // The tiny Mixtral of the distributed tests: E = 4, K = 2, GQA (4 heads, 2 kv heads), vocabulary 256,
 // hidden 32, FFN 48 -- every size divisible by tp 2 and 4; seq 64, global batch 8 of micro-batches 1
 // (8 micro-batches per step at dp 1, 2 at dp 4); 10 steps.
-inline std::string dist_yaml(const fs::path& run_dir, const fs::path& data_dir) {
-  return "run_dir: " + run_dir.string() + "\n" +
-         "seed: 11\n"
-         "model:\n"
-         "  init: random\n"
-         "  config: {architectures: [MixtralForCausalLM], model_type: mixtral, vocab_size: 256, hidden_size: 32,\n"
-         "           intermediate_size: 48, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2,\n"
-         "           num_local_experts: 4, num_experts_per_tok: 2, router_aux_loss_coef: 0.02, rope_theta: 10000.0,\n"
-         "           rms_norm_eps: 1.0e-5, tie_word_embeddings: false, max_position_embeddings: 256}\n"
+// init_dir: start from that HF model directory instead (model.config empty).
+inline std::string dist_yaml(const fs::path& run_dir, const fs::path& data_dir, const fs::path& init_dir = {}) {
+  const std::string model =
+      init_dir.empty()
+          ? "model:\n"
+            "  init: random\n"
+            "  config: {architectures: [MixtralForCausalLM], model_type: mixtral, vocab_size: 256, hidden_size: 32,\n"
+            "           intermediate_size: 48, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2,\n"
+            "           num_local_experts: 4, num_experts_per_tok: 2, router_aux_loss_coef: 0.02, rope_theta: 10000.0,\n"
+            "           rms_norm_eps: 1.0e-5, tie_word_embeddings: false, max_position_embeddings: 256}\n"
+          : "model: {init: " + init_dir.string() + "}\n";
+  return "run_dir: " + run_dir.string() + "\n" + "seed: 11\n" + model +
          "data: {path: " +
          data_dir.string() +
          ", seq_length: 64}\n"

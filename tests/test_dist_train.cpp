@@ -2,7 +2,8 @@
 // (dp, tp) layout a tiny GQA Mixtral (E = 4, K = 2) trained 10 steps matches the single-process run's
 // loss at every step (rel 1e-5) and its final weights (max |diff| / max |w| per tensor <= 1e-4);
 // ZeRO-1's optimizer state per rank at dp = 4 is <= 30% of dp = 1's; a checkpoint written at (dp 2,
-// tp 2) resumes at (1, 1) and at (4, 1) with the losses of continuing at (2, 2).
+// tp 2) resumes at (1, 1), (4, 1) and (1, 2) with the losses of continuing at (2, 2); a run started
+// from an HF directory at tp 2 matches one process.
 //
 // The tolerances are fp32 reduction order: a layout sums the same gradients in another order
 // (micro-batches across ranks, partial sums of row-parallel matmuls and of the vocabulary-parallel
@@ -114,8 +115,8 @@ TEST_F(DistTrain, Zero1ShardsOptimizerStateOverDataParallelRanks) {
   EXPECT_EQ(plain, one);
 }
 
-// Checkpoints hold whole tensors: one written at (dp 2, tp 2) resumes at (1, 1) and at (4, 1) with
-// the losses (and final weights) of continuing at (2, 2).
+// Checkpoints hold whole tensors: one written at (dp 2, tp 2) resumes at (1, 1), at (4, 1) and at
+// (1, 2) with the losses (and final weights) of continuing at (2, 2).
 TEST_F(DistTrain, CheckpointResumesUnderAnotherLayout) {
   const fs::path a = train("a_2x2", 4, {"parallel.tp=2"});
   const fs::path ckpt = a / "checkpoints" / "step-000005";
@@ -124,11 +125,35 @@ TEST_F(DistTrain, CheckpointResumesUnderAnotherLayout) {
   ASSERT_EQ(want.size(), 10u);
   want.erase(want.begin(), want.begin() + 5);
   const auto want_w = read_tensors(a / "checkpoints" / "step-000010", "model");
-  for (const auto& [name, np, tp] : {std::tuple<std::string, int, int>{"b_1x1", 0, 1}, {"c_4x1", 4, 1}}) {
+  for (const auto& [name, np, tp] :
+       {std::tuple<std::string, int, int>{"b_1x1", 0, 1}, {"c_4x1", 4, 1}, {"d_1x2", 2, 2}}) {
     const fs::path run = train(name, np, {"parallel.tp=" + std::to_string(tp), "checkpoint.resume=" + ckpt.string()});
     expect_same_losses(losses(run), want, 6, name);
     const auto got_w = read_tensors(run / "checkpoints" / "step-000010", "model");
     ASSERT_EQ(got_w.size(), want_w.size());
     for (const auto& [n, w] : want_w) EXPECT_LE(rel_max_diff(got_w.at(n), w), 1e-4) << name << ": " << n;
   }
+}
+
+// Starting from a Hugging Face directory (the golden tiny GQA Mixtral, vocabulary 128): each
+// tensor-parallel rank reads only its slices, and the run matches one process reading it whole.
+TEST_F(DistTrain, HfInitReadsSlicesUnderTensorParallel) {
+  const fs::path golden = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "mixtral_gqa";
+  const fs::path data = *root_ / "data128";
+  fs::create_directories(data);
+  write_dist_split(data, "train", 30, 3, 128);
+  std::vector<std::vector<double>> runs;
+  for (int tp : {1, 2}) {
+    const std::string name = "hf_tp" + std::to_string(tp);
+    const fs::path run = *root_ / name;
+    const fs::path cfg = *root_ / (name + ".yaml");
+    std::ofstream(cfg) << dist_yaml(run, data, golden);
+    const fs::path log = *root_ / (name + ".log");
+    const int code = run_train(tp == 1 ? 0 : 2, cfg,
+                               {"parallel.tp=" + std::to_string(tp), "train.max_steps=3", "eval.every_steps=0"}, log);
+    ASSERT_EQ(code, 0) << read_file(log);
+    runs.push_back(losses(run));
+  }
+  ASSERT_EQ(runs[0].size(), 3u);
+  expect_same_losses(runs[1], runs[0], 1, "tp 2 from an HF directory");
 }

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <sstream>
 
 #include "core/error.h"
@@ -328,10 +329,22 @@ void Training::setup() {
     if (table.is_whole()) {
       load_hf_weights(files, table, model_->params().data(), init_dir_);
     } else {
+      // Only this rank's slices are read (weights.h).  Every tensor-parallel rank reads a part of
+      // every tensor, so each can also check that the directory holds nothing the model lacks.
       const ParamTable whole(mcfg_);
-      std::vector<float> w(whole.total(), 0.0f);
-      load_hf_weights(files, whole, w.data(), init_dir_);
-      copy_from_whole(whole, w.data(), table, model_->params().data());
+      std::set<std::string> used;
+      for (const HfTensorRef& ref : table.hf_tensors()) {
+        HfTensorSlice slice;
+        slice.ref = whole.find_hf(ref.name);
+        MOETRON_ASSERT(slice.ref != nullptr);
+        slice.dim = ref.slice_dim;
+        slice.begin = ref.slice_begin;
+        slice.end = ref.slice_end;
+        used.insert(read_hf_slice(files, whole, slice, model_->params().data() + ref.offset, init_dir_));
+      }
+      for (const std::string& name : files.names())
+        if (!used.count(name) && name.find("rotary_emb.inv_freq") == std::string::npos)
+          fail("{}: tensor '{}' is not a parameter of the model config.json describes", init_dir_, name);
     }
     if (root_) truncate_metrics(run_dir_ / "metrics.jsonl", 0);
   }
@@ -351,9 +364,22 @@ void Training::setup() {
         cfg_.parallel.zero1 ? "on" : "off", format_bytes((double)opt_state_bytes_max_)));
 }
 
+namespace {
+
+// The part of a whole tensor `view` (of the whole model's shape) that `ref` of a sharded table holds.
+void read_slice(const TensorView& view, const HfTensorRef& ref, float* out, const std::string& source) {
+  if (view.shape != ref.full_shape)
+    fail("{}: tensor '{}' has shape {}, but the model config implies {}", source, view.name,
+         nlohmann::json(view.shape).dump(), nlohmann::json(ref.full_shape).dump());
+  if (ref.slice_dim < 0)
+    read_f32(view, out, ref.numel);
+  else
+    read_f32_slice(view, ref.slice_dim, ref.slice_begin, ref.slice_end, out);
+}
+
+}  // namespace
+
 void Training::load_resume(const std::string& dir) {
-  // Every rank reads the whole checkpoint (verified) and keeps its part: its tensor-parallel slice of
-  // the parameters and its ZeRO-1 shard of the moments.
   const ParamTable& table = model_->table();
   const bool direct = table.is_whole() && opt_->state_begin() == 0 && opt_->state_end() == table.total();
   LoadedCheckpoint ck;
@@ -361,20 +387,36 @@ void Training::load_resume(const std::string& dir) {
     ck = load_checkpoint(dir, mcfg_, table, model_->params().data(), opt_->exp_avg().data(),
                          opt_->exp_avg_sq().data());
   } else {
-    std::optional<ParamTable> whole_own;
-    if (!table.is_whole()) whole_own.emplace(mcfg_);
-    const ParamTable& whole = table.is_whole() ? table : *whole_own;
-    std::vector<float> wp(whole.total(), 0.0f), wm(whole.total(), 0.0f), wv(whole.total(), 0.0f);
-    ck = load_checkpoint(dir, mcfg_, whole, wp.data(), wm.data(), wv.data());
+    // The root loads the whole checkpoint the single-process way (every file's checksum, the
+    // architecture, no unknown tensor) -- it holds whole tensors for saving anyway; the other ranks
+    // wait for that, then read only their tensor-parallel slices.
     std::vector<float> lm(table.total(), 0.0f), lv(table.total(), 0.0f);
-    if (table.is_whole()) {
-      model_->params() = wp;
-      lm = std::move(wm);
-      lv = std::move(wv);
-    } else {
+    if (root_) {
+      std::optional<ParamTable> whole_own;
+      if (!table.is_whole()) whole_own.emplace(mcfg_);
+      const ParamTable& whole = table.is_whole() ? table : *whole_own;
+      std::vector<float> wp(whole.total(), 0.0f), wm(whole.total(), 0.0f), wv(whole.total(), 0.0f);
+      ck = load_checkpoint(dir, mcfg_, whole, wp.data(), wm.data(), wv.data());
       copy_from_whole(whole, wp.data(), table, model_->params().data());
       copy_from_whole(whole, wm.data(), table, lm.data());
       copy_from_whole(whole, wv.data(), table, lv.data());
+    }
+    world_->barrier();
+    if (!root_) {
+      const std::string opt_dir = (fs::path(dir) / "optimizer").string();
+      const ShardedSafetensors opt = ShardedSafetensors::open(opt_dir, "optimizer");
+      for (const HfTensorRef& ref : table.hf_tensors()) {
+        const std::pair<const char*, float*> parts[] = {
+            {".master", model_->params().data()}, {".exp_avg", lm.data()}, {".exp_avg_sq", lv.data()}};
+        for (const auto& [suffix, dst] : parts) {
+          const TensorView* t = opt.find(ref.name + suffix);
+          if (t == nullptr) fail("{}: tensor '{}' is missing", opt_dir, ref.name + suffix);
+          read_slice(*t, ref, dst + ref.offset, opt_dir);
+        }
+      }
+      nlohmann::json state = read_trainer_state(dir);
+      ck.optimizer_steps = state.at("optimizer_steps").get<long>();
+      ck.trainer_state = std::move(state);
     }
     std::copy(lm.begin() + opt_->state_begin(), lm.begin() + opt_->state_end(), opt_->exp_avg().begin());
     std::copy(lv.begin() + opt_->state_begin(), lv.begin() + opt_->state_end(), opt_->exp_avg_sq().begin());
