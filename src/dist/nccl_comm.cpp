@@ -1,0 +1,254 @@
+// NcclComm (see nccl_comm.h).  Compiled to a stub unless MOETRON_HAVE_NCCL.
+#include "dist/nccl_comm.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <vector>
+
+#include "core/error.h"
+
+#ifdef MOETRON_HAVE_NCCL
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
+namespace moetron::dist {
+
+#ifndef MOETRON_HAVE_NCCL
+
+bool have_nccl() { return false; }
+
+std::unique_ptr<Comm> make_nccl_comm(Comm&, void*) {
+  fail(
+      "the NCCL transport is not available: moetron was built without NCCL (it needs the CUDA backend, MPI and "
+      "nccl.h / libnccl, e.g. from /usr/local/cuda)");
+}
+
+#else
+
+bool have_nccl() { return true; }
+
+namespace {
+
+void check_nccl(ncclResult_t r, const char* op, const std::string& group) {
+  if (r != ncclSuccess) fail("[{}] NCCL error in group '{}': {}", op, group, ncclGetErrorString(r));
+}
+void check_cuda(cudaError_t r, const char* op, const std::string& group) {
+  if (r != cudaSuccess) fail("[{}] CUDA error in group '{}': {}", op, group, cudaGetErrorString(r));
+}
+
+ncclDataType_t nccl_type(CommDType t) {
+  switch (t) {
+    case CommDType::f32:
+      return ncclFloat32;
+    case CommDType::f64:
+      return ncclFloat64;
+    case CommDType::i32:
+      return ncclInt32;
+    case CommDType::i64:
+      return ncclInt64;
+    case CommDType::u8:
+      return ncclUint8;
+  }
+  return ncclUint8;
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+      return ncclSum;
+    case ReduceOp::max:
+      return ncclMax;
+    case ReduceOp::min:
+      return ncclMin;
+  }
+  return ncclSum;
+}
+
+// Device scratch, freed with its owner.
+class DeviceBuffer {
+ public:
+  DeviceBuffer(size_t bytes, const std::string& group) {
+    if (bytes > 0) check_cuda(cudaMalloc(&p_, bytes), "cudaMalloc", group);
+  }
+  ~DeviceBuffer() {
+    if (p_) cudaFree(p_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  uint8_t* get() const { return static_cast<uint8_t*>(p_); }
+
+ private:
+  void* p_ = nullptr;
+};
+
+class NcclComm final : public Comm {
+ public:
+  NcclComm(Comm& bootstrap, std::unique_ptr<Comm> owned_bootstrap, ncclComm_t comm, cudaStream_t stream,
+           const std::string& name)
+      : Comm(bootstrap.rank(), bootstrap.size(), bootstrap.world_rank(), name),
+        boot_(bootstrap),
+        owned_boot_(std::move(owned_bootstrap)),
+        comm_(comm),
+        stream_(stream) {}
+  ~NcclComm() override {
+    if (comm_) ncclCommDestroy(comm_);
+  }
+  const char* transport() const override { return "nccl"; }
+
+  void all_reduce(void* data, size_t count, CommDType dtype, ReduceOp op) override {
+    if (count == 0) return;
+    check_nccl(ncclAllReduce(data, data, count, nccl_type(dtype), nccl_op(op), comm_, stream_), "all_reduce", name());
+    sync("all_reduce");
+    count_bytes((uint64_t)(2.0 * (size() - 1) / size() * count * comm_dtype_size(dtype)));
+  }
+
+  void reduce_scatter(void* out, const void* in, const std::vector<size_t>& counts, CommDType dtype,
+                      ReduceOp op) override {
+    check_counts("reduce_scatter", counts);
+    const int n = size();
+    const size_t es = comm_dtype_size(dtype);
+    const size_t mx = *std::max_element(counts.begin(), counts.end());
+    const bool even = std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == mx; });
+    uint64_t total = 0;
+    for (size_t c : counts) total += c;
+    if (mx == 0) return;
+    if (even) {
+      check_nccl(ncclReduceScatter(in, out, mx, nccl_type(dtype), nccl_op(op), comm_, stream_), "reduce_scatter",
+                 name());
+    } else {  // pad every block to the largest
+      DeviceBuffer padded(mx * n * es, name()), result(mx * es, name());
+      check_cuda(cudaMemsetAsync(padded.get(), 0, mx * n * es, stream_), "cudaMemsetAsync", name());
+      size_t off = 0;
+      for (int r = 0; r < n; r++) {
+        if (counts[r] > 0)
+          check_cuda(cudaMemcpyAsync(padded.get() + r * mx * es, static_cast<const uint8_t*>(in) + off * es,
+                                     counts[r] * es, cudaMemcpyDeviceToDevice, stream_),
+                     "cudaMemcpyAsync", name());
+        off += counts[r];
+      }
+      check_nccl(ncclReduceScatter(padded.get(), result.get(), mx, nccl_type(dtype), nccl_op(op), comm_, stream_),
+                 "reduce_scatter", name());
+      if (counts[rank()] > 0)
+        check_cuda(cudaMemcpyAsync(out, result.get(), counts[rank()] * es, cudaMemcpyDeviceToDevice, stream_),
+                   "cudaMemcpyAsync", name());
+      sync("reduce_scatter");
+    }
+    sync("reduce_scatter");
+    count_bytes((total - counts[rank()]) * es);
+  }
+
+  void all_gather(void* out, const void* in, const std::vector<size_t>& counts, CommDType dtype) override {
+    check_counts("all_gather", counts);
+    const int n = size(), me = rank();
+    const size_t es = comm_dtype_size(dtype);
+    const size_t mx = *std::max_element(counts.begin(), counts.end());
+    const bool even = std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == mx; });
+    uint64_t total = 0;
+    for (size_t c : counts) total += c;
+    if (mx == 0) return;
+    if (even) {
+      check_nccl(ncclAllGather(in, out, mx, nccl_type(dtype), comm_, stream_), "all_gather", name());
+    } else {
+      DeviceBuffer padded(mx * n * es, name()), mine(mx * es, name());
+      if (counts[me] > 0)
+        check_cuda(cudaMemcpyAsync(mine.get(), in, counts[me] * es, cudaMemcpyDeviceToDevice, stream_),
+                   "cudaMemcpyAsync", name());
+      check_nccl(ncclAllGather(mine.get(), padded.get(), mx, nccl_type(dtype), comm_, stream_), "all_gather", name());
+      size_t off = 0;
+      for (int r = 0; r < n; r++) {
+        if (counts[r] > 0)
+          check_cuda(cudaMemcpyAsync(static_cast<uint8_t*>(out) + off * es, padded.get() + r * mx * es,
+                                     counts[r] * es, cudaMemcpyDeviceToDevice, stream_),
+                     "cudaMemcpyAsync", name());
+        off += counts[r];
+      }
+      sync("all_gather");
+    }
+    sync("all_gather");
+    count_bytes((total - counts[(me + 1) % n]) * es);
+  }
+
+  void all_to_all_v(void* out, const std::vector<size_t>& recv_counts, const void* in,
+                    const std::vector<size_t>& send_counts, CommDType dtype) override {
+    check_counts("all_to_all_v", recv_counts);
+    check_counts("all_to_all_v", send_counts);
+    const size_t es = comm_dtype_size(dtype);
+    size_t so = 0, ro = 0;
+    uint64_t sent = 0;
+    check_nccl(ncclGroupStart(), "all_to_all_v", name());
+    for (int p = 0; p < size(); p++) {
+      if (send_counts[p] > 0)
+        check_nccl(ncclSend(static_cast<const uint8_t*>(in) + so * es, send_counts[p] * es, ncclUint8, p, comm_,
+                            stream_),
+                   "all_to_all_v", name());
+      if (recv_counts[p] > 0)
+        check_nccl(ncclRecv(static_cast<uint8_t*>(out) + ro * es, recv_counts[p] * es, ncclUint8, p, comm_, stream_),
+                   "all_to_all_v", name());
+      if (p != rank()) sent += send_counts[p] * es;
+      so += send_counts[p];
+      ro += recv_counts[p];
+    }
+    check_nccl(ncclGroupEnd(), "all_to_all_v", name());
+    sync("all_to_all_v");
+    count_bytes(sent);
+  }
+
+  void send(const void* data, size_t count, CommDType dtype, int peer, int) override {
+    check_nccl(ncclSend(data, count, nccl_type(dtype), peer, comm_, stream_), "send", name());
+    sync("send");
+    count_bytes(count * comm_dtype_size(dtype));
+  }
+  void recv(void* data, size_t count, CommDType dtype, int peer, int) override {
+    check_nccl(ncclRecv(data, count, nccl_type(dtype), peer, comm_, stream_), "recv", name());
+    sync("recv");
+    count_bytes(0);
+  }
+  void broadcast(void* data, size_t count, CommDType dtype, int root) override {
+    check_nccl(ncclBroadcast(data, data, count, nccl_type(dtype), root, comm_, stream_), "broadcast", name());
+    sync("broadcast");
+    count_bytes(rank() == root ? count * comm_dtype_size(dtype) : 0);
+  }
+  void barrier() override {
+    sync("barrier");
+    boot_.barrier();
+  }
+  std::unique_ptr<Comm> split(int color, int key, const std::string& name) override {
+    std::unique_ptr<Comm> sub_boot = boot_.split(color, key, name + ".bootstrap");
+    ncclComm_t sub = nullptr;
+    check_nccl(ncclCommSplit(comm_, color, key, &sub, nullptr), "split", this->name());
+    Comm& b = *sub_boot;
+    return std::make_unique<NcclComm>(b, std::move(sub_boot), sub, stream_, name);
+  }
+  [[noreturn]] void abort(int code, const std::string& message) override {
+    ncclCommAbort(comm_);
+    comm_ = nullptr;
+    boot_.abort(code, message);
+    std::_Exit(code);  // not reached
+  }
+
+ private:
+  void sync(const char* op) { check_cuda(cudaStreamSynchronize(stream_), op, name()); }
+  void count_bytes(uint64_t b) { count(b); }
+
+  Comm& boot_;
+  std::unique_ptr<Comm> owned_boot_;  // the bootstrap group of a split communicator
+  ncclComm_t comm_;
+  cudaStream_t stream_;
+};
+
+}  // namespace
+
+std::unique_ptr<Comm> make_nccl_comm(Comm& bootstrap, void* stream) {
+  ncclUniqueId id{};
+  if (bootstrap.rank() == 0) check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId", bootstrap.name());
+  bootstrap.broadcast(reinterpret_cast<void*>(&id), sizeof(id), CommDType::u8, 0);
+  ncclComm_t comm = nullptr;
+  check_nccl(ncclCommInitRank(&comm, bootstrap.size(), id, bootstrap.rank()), "ncclCommInitRank", bootstrap.name());
+  return std::make_unique<NcclComm>(bootstrap, nullptr, comm, static_cast<cudaStream_t>(stream),
+                                    bootstrap.name());
+}
+
+#endif  // MOETRON_HAVE_NCCL
+
+}  // namespace moetron::dist
