@@ -58,7 +58,8 @@ std::string join_ids(const json& ids) {
 }  // namespace
 
 TEST(GenerateCli, TokenIdsEqualTransformers) {
-  for (const json& c : expected()["cases"]) {
+  const json exp = expected();
+  for (const json& c : exp["cases"]) {
     const CliRun r = run("generate --model " + (kGen / c["model"].get<std::string>()).string() + " --prompt-ids " +
                       join_ids(c["prompt_ids"]) + " --max-new-tokens 32 --stats");
     ASSERT_EQ(r.code, 0) << r.err;
