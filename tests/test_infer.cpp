@@ -106,8 +106,9 @@ TEST(Decoder, KvCacheEqualsRecomputationAtEveryStep) {
   }
 }
 
-// Prefill in chunks (3 tokens: the per-row attention path; 20: the GEMM path, over a cache that
-// already holds positions) gives the same logits as the recomputation, including the last-row-only mode.
+// Prefill in chunks (3 and 20 tokens, over a cache that already holds positions), with attention per
+// row (the default for short prompts) and as GEMMs (forced), gives the same logits as the
+// recomputation, including the last-row-only mode.
 TEST(Decoder, ChunkedPrefillAndCacheContinuation) {
   for (const std::string& dir : model_dirs()) {
     SCOPED_TRACE(dir);
@@ -115,8 +116,9 @@ TEST(Decoder, ChunkedPrefillAndCacheContinuation) {
     const int V = model->cfg.vocab_size, T = 45;
     const std::vector<int32_t> tokens = random_tokens(T, V, 11);
     const std::vector<float> ref = recompute_logits(dir, tokens);
-    for (int chunk : {3, 20}) {
-      Decoder dec(*model, chunk);
+    for (auto [chunk, row_pairs] : std::vector<std::pair<int, long>>{{3, -1}, {20, -1}, {3, 0}, {20, 0}, {256, 0}}) {
+      SCOPED_TRACE(::testing::Message() << "chunk " << chunk << ", row attention up to " << row_pairs << " pairs");
+      Decoder dec(*model, chunk, row_pairs);
       KvCache cache = dec.new_cache();
       std::vector<float> all((size_t)25 * V), last(V);
       dec.forward(cache, std::span(tokens).first(25), all.data(), true);

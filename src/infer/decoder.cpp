@@ -19,9 +19,10 @@ namespace moetron {
 
 namespace {
 
-// Below this many query rows attention runs per (row, head) with dot products; from here on it uses
-// two GEMMs per head.
-constexpr int kGemmAttentionRows = 8;
+// Attention runs per (query row, head) with dot products, all heads in one parallel region, up to this
+// many (query, key) pairs per head; beyond, as two GEMMs per head (2 * NH BLAS calls: faster for long
+// prompts on an idle machine, but each call is a fork/join, which is slow when the cores are shared).
+constexpr long kRowAttentionMaxPairs = 1L << 18;
 // Elementwise loops and the per-row attention go parallel from this many operations (see kernels.cpp
 // for why decoding keeps small work on one thread).
 constexpr long kParallelMin = 1L << 20;
@@ -74,7 +75,9 @@ void route_one(float* p, int32_t* idx, float* w, const float* l, int E, int K) {
 
 }  // namespace
 
-Decoder::Decoder(const InferenceModel& model, int prefill_chunk) : m_(model), chunk_(std::max(1, prefill_chunk)) {
+Decoder::Decoder(const InferenceModel& model, int prefill_chunk, long row_attention_max_pairs)
+    : m_(model), chunk_(std::max(1, prefill_chunk)),
+      row_pairs_(row_attention_max_pairs < 0 ? kRowAttentionMaxPairs : row_attention_max_pairs) {
   const ModelConfig& c = m_.cfg;
   moe_ = c.is_moe();
   C_ = c.hidden_size;
@@ -181,12 +184,12 @@ void Decoder::attention(float* out, const float* q, const float* keys, const flo
   const int G = NH_ / NKV_, W = m_.cfg.sliding_window;
   const float scale = 1.0f / std::sqrt((float)HD_);
   auto first_key = [&](int p) { return W > 0 ? std::max(0, p - W + 1) : 0; };
-  if (n < kGemmAttentionRows) {
+  if ((long)n * (pos0 + n) <= row_pairs_) {
     const long work = (long)n * NH_ * (pos0 + n) * HD_;
 #pragma omp parallel if (work >= kParallelMin)
     {
       std::vector<float> s(pos0 + n);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static, 1)  // interleaved: causal rows grow in length
       for (int ih = 0; ih < n * NH_; ih++) {
         const int i = ih / NH_, h = ih % NH_, g = h / G;
         const int p = pos0 + i, lo = first_key(p), cnt = p - lo + 1;

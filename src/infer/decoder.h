@@ -23,7 +23,9 @@ namespace moetron {
 class Decoder {
  public:
   // prefill_chunk: the most tokens computed in one pass (bounds the scratch memory of long prompts).
-  explicit Decoder(const InferenceModel& model, int prefill_chunk = 256);
+  // row_attention_max_pairs: attention runs per (query row, head) with dot products up to this many
+  // (query, key) pairs per head and pass, beyond as two GEMMs per head (-1: the default, 2^18).
+  explicit Decoder(const InferenceModel& model, int prefill_chunk = 256, long row_attention_max_pairs = -1);
 
   const ModelConfig& config() const { return m_.cfg; }
   int vocab_size() const { return m_.cfg.vocab_size; }
@@ -42,6 +44,7 @@ class Decoder {
 
   const InferenceModel& m_;
   int chunk_;
+  long row_pairs_;
   int C_, V_, I_, NH_, NKV_, HD_, Q_, KVd_, E_, K_, L_;
   bool moe_;
   // Scratch, sized for the largest chunk seen.
