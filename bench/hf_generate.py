@@ -2,10 +2,15 @@
 """transformers' generate() on CPU: prefill and decode tokens/s, for comparison with
 `moetron bench generate` on the same model directory and thread count.
 
-    # a random small Mixtral saved as an HF directory (both tools then load the same weights)
+    # a random small Mixtral saved as an HF directory in bf16, as published checkpoints are (both tools
+    # then load the same weights; both compute in fp32 on them)
     python3 bench/hf_generate.py --save-model /tmp/bench-moe --hidden 256 --layers 4 --experts 8 --vocab 32000
     python3 bench/hf_generate.py --model /tmp/bench-moe --threads 2 --prompt-tokens 128 --new-tokens 64
     ./build/moetron bench generate --model /tmp/bench-moe --threads 2 --prompt-tokens 128 --new-tokens 64
+
+--dtype float32 (default) runs transformers in fp32, moetron's numerics (moetron computes in fp32 and,
+for a bf16 checkpoint, reads the weights as bf16 while decoding: the same values, half the bytes);
+--dtype bfloat16 runs transformers in bf16 (the checkpoint's dtype, transformers' "auto").
 
 Method (greedy, do_sample=False, min_new_tokens = max_new_tokens so EOS never ends a run early; the
 prompt is the same pseudo-random token ids moetron uses): t1 = time of generate(max_new_tokens=1) (the
@@ -48,8 +53,8 @@ def save_model(args):
         cfg = MistralConfig(**common, sliding_window=None)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).float()
-    model.save_pretrained(args.save_model, safe_serialization=True)
-    print(f"saved a random {cfg.architectures or type(model).__name__} to {args.save_model}")
+    model.to(getattr(torch, args.save_dtype)).save_pretrained(args.save_model, safe_serialization=True)
+    print(f"saved a random {type(model).__name__} ({args.save_dtype}) to {args.save_model}")
 
 
 def main():
@@ -64,6 +69,9 @@ def main():
     ap.add_argument("--experts", type=int, default=8, help="0: a dense Mistral")
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="transformers' compute dtype")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -77,7 +85,7 @@ def main():
         ap.error("give --model DIR (or --save-model DIR)")
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     cfg = model.config
     ids = torch.tensor([prompt_ids(args.prompt_tokens, cfg.vocab_size)])
     mask = torch.ones_like(ids)
@@ -99,7 +107,7 @@ def main():
     t1, tn = statistics.median(t1s), statistics.median(tns)
     prefill = args.prompt_tokens / t1
     decode = (args.new_tokens - 1) / max(tn - t1, 1e-9)
-    print(f"transformers {transformers.__version__} generate: {type(model).__name__}, {args.threads} threads, "
+    print(f"transformers {transformers.__version__} generate: {type(model).__name__} ({args.dtype}), {args.threads} threads, "
           f"prompt {args.prompt_tokens}, new tokens {args.new_tokens}, runs {args.runs}")
     print(f"prefill tokens/s: {prefill:.1f}")
     print(f"decode tokens/s: {decode:.1f}")

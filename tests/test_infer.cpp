@@ -8,6 +8,7 @@
 // by ~1e-7 relative on these 2-layer models.  A wrong position, cache slot, window or mask moves them
 // by far more (the golden models scale q/k so attention is sharp).
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -126,6 +127,28 @@ TEST(Decoder, ChunkedPrefillAndCacheContinuation) {
         ASSERT_LE(rel_err(all.data() + (size_t)t * V, ref.data() + (size_t)t * V, V), kTol) << chunk << " row " << t;
       dec.forward(cache, std::span(tokens).subspan(25), last.data());  // 20 more after 25 cached
       ASSERT_LE(rel_err(last.data(), ref.data() + (size_t)(T - 1) * V, V), kTol) << "chunk " << chunk;
+    }
+  }
+}
+
+// A bf16 checkpoint keeps a bf16 copy for decoding: half the bytes per token, bitwise the same logits.
+TEST(Decoder, Bf16CopyDecodesBitwiseLikeFp32) {
+  EXPECT_TRUE(load_inference_model((kGolden / "mixtral_gqa").string())->params_bf16.empty());  // fp32 values
+  for (const char* name : {"mixtral_gqa", "llama_dense"}) {
+    SCOPED_TRACE(name);
+    const auto model = load_inference_model((kGenerate / name).string());
+    ASSERT_FALSE(model->params_bf16.empty());
+    const int V = model->cfg.vocab_size;
+    const std::vector<int32_t> tokens = random_tokens(30, V, 3);
+    Decoder a(*model, 256, -1, true), b(*model, 256, -1, false);
+    KvCache ca = a.new_cache(), cb = b.new_cache();
+    std::vector<float> la(V), lb(V);
+    a.forward(ca, std::span(tokens).first(5), la.data());
+    b.forward(cb, std::span(tokens).first(5), lb.data());
+    for (int t = 5; t < 30; t++) {
+      a.forward(ca, std::span(tokens).subspan(t, 1), la.data());
+      b.forward(cb, std::span(tokens).subspan(t, 1), lb.data());
+      ASSERT_EQ(0, std::memcmp(la.data(), lb.data(), sizeof(float) * V)) << "position " << t;
     }
   }
 }

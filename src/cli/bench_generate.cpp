@@ -98,6 +98,8 @@ int run_bench_generate(int argc, char** argv) {
               cfg.architecture.c_str(), cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
               cfg.num_key_value_heads, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
               cfg.vocab_size, prompt_tokens, new_tokens, omp_get_max_threads());
+  std::printf("weights: fp32%s\n", model->params_bf16.empty() ? ""
+                                                               : " (a bf16 checkpoint: decoding reads the bf16 copy)");
   // The prompt bench/hf_generate.py uses: BOS, then ids 3 + mix64(i * 7919 + 17) % (V - 3).
   std::vector<int32_t> prompt(prompt_tokens);
   prompt[0] = 1;

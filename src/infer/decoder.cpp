@@ -6,6 +6,8 @@
 #include <cstring>
 #include <limits>
 
+#include <omp.h>
+
 #include "core/error.h"
 #include "infer/kernels.h"
 #include "ops/embedding.h"
@@ -23,9 +25,28 @@ namespace {
 // many (query, key) pairs per head; beyond, as two GEMMs per head (2 * NH BLAS calls: faster for long
 // prompts on an idle machine, but each call is a fork/join, which is slow when the cores are shared).
 constexpr long kRowAttentionMaxPairs = 1L << 18;
-// Elementwise loops and the per-row attention go parallel from this many operations (see kernels.cpp
-// for why decoding keeps small work on one thread).
-constexpr long kParallelMin = 1L << 20;
+// Work (multiply-adds, or elements) below which a step runs on one thread: 16M, as in kernels.cpp,
+// which explains why (each fork/join may cost a scheduler time slice on a shared machine).  Prefill
+// steps are limited with ThreadLimit, which the OpenMP regions inside the ops and the OpenMP build of
+// OpenBLAS follow (it takes its thread count from omp_get_max_threads() at each call).
+constexpr long kParallelMin = 1L << 24;
+
+class ThreadLimit {
+ public:
+  explicit ThreadLimit(long work) : saved_(omp_get_max_threads()) {
+    active_ = work < kParallelMin && saved_ > 1;
+    if (active_) omp_set_num_threads(1);
+  }
+  ~ThreadLimit() {
+    if (active_) omp_set_num_threads(saved_);
+  }
+  ThreadLimit(const ThreadLimit&) = delete;
+  ThreadLimit& operator=(const ThreadLimit&) = delete;
+
+ private:
+  int saved_;
+  bool active_ = false;
+};
 
 void add_inplace(float* y, const float* x, long n) {
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
@@ -75,9 +96,10 @@ void route_one(float* p, int32_t* idx, float* w, const float* l, int E, int K) {
 
 }  // namespace
 
-Decoder::Decoder(const InferenceModel& model, int prefill_chunk, long row_attention_max_pairs)
+Decoder::Decoder(const InferenceModel& model, int prefill_chunk, long row_attention_max_pairs, bool use_bf16)
     : m_(model), chunk_(std::max(1, prefill_chunk)),
-      row_pairs_(row_attention_max_pairs < 0 ? kRowAttentionMaxPairs : row_attention_max_pairs) {
+      row_pairs_(row_attention_max_pairs < 0 ? kRowAttentionMaxPairs : row_attention_max_pairs),
+      bf16_(use_bf16 && !model.params_bf16.empty()) {
   const ModelConfig& c = m_.cfg;
   moe_ = c.is_moe();
   C_ = c.hidden_size;
@@ -92,6 +114,13 @@ Decoder::Decoder(const InferenceModel& model, int prefill_chunk, long row_attent
   K_ = moe_ ? c.num_experts_per_tok : 1;
   L_ = c.num_hidden_layers;
   MOETRON_ASSERT(NKV_ > 0 && NH_ % NKV_ == 0 && HD_ > 0);
+}
+
+infer::GemvTask Decoder::task(float* y, ParamKind kind, int layer, size_t offset, const float* x, int OC,
+                              bool accumulate) const {
+  infer::GemvTask t{y, m_.weight(kind, layer) + offset, nullptr, x, OC, accumulate};
+  if (bf16_) t.Wh = m_.weight_bf16(kind, layer) + offset;
+  return t;
 }
 
 void Decoder::reserve_scratch(int n) {
@@ -139,44 +168,74 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
   for (int i = 0; i < n; i++) pos_[i] = pos0 + i;
   float* x = x_.data();
   float* ln = ln_.data();
-  ops::embedding_forward(x, tokens, m_.weight(ParamKind::embedding), n, C_, V_);
+  const long N = n;
+  {
+    ThreadLimit lim(N * C_);
+    ops::embedding_forward(x, tokens, m_.weight(ParamKind::embedding), n, C_, V_);
+  }
   cache.grow(n);
   for (int l = 0; l < L_; l++) {
     float* kdst = cache.keys(l) + (size_t)pos0 * KVd_;  // [n, KV]
     float* vdst = cache.values(l) + (size_t)pos0 * KVd_;
     // Attention block: x += o_proj(attn(rope(q), rope(k), v)) with k, v written straight into the cache.
-    ops::rmsnorm_forward(ln, rstd_.data(), x, m_.weight(ParamKind::input_norm, l), n, C_, eps);
+    {
+      ThreadLimit lim(N * C_);
+      ops::rmsnorm_forward(ln, rstd_.data(), x, m_.weight(ParamKind::input_norm, l), n, C_, eps);
+    }
     const float *wq = m_.weight(ParamKind::q_proj, l), *wk = m_.weight(ParamKind::k_proj, l),
                 *wv = m_.weight(ParamKind::v_proj, l);
     if (n == 1) {
-      infer::gemv3(q_.data(), wq, Q_, kdst, wk, KVd_, vdst, wv, KVd_, ln, C_);
+      const infer::GemvTask qkv[3] = {task(q_.data(), ParamKind::q_proj, l, 0, ln, Q_),
+                                      task(kdst, ParamKind::k_proj, l, 0, ln, KVd_),
+                                      task(vdst, ParamKind::v_proj, l, 0, ln, KVd_)};
+      infer::gemv_batch(qkv, 3, C_);
     } else {
+      ThreadLimit lim(N * C_ * Q_);  // per product
       ops::matmul_forward(q_.data(), ln, wq, n, C_, Q_);
       ops::matmul_forward(kdst, ln, wk, n, C_, KVd_);
       ops::matmul_forward(vdst, ln, wv, n, C_, KVd_);
     }
-    ops::rope_forward(q_.data(), q_.data(), pos_.data(), n, NH_, HD_, theta);
-    ops::rope_forward(kdst, kdst, pos_.data(), n, NKV_, HD_, theta);
+    {
+      ThreadLimit lim(N * (Q_ + KVd_));
+      ops::rope_forward(q_.data(), q_.data(), pos_.data(), n, NH_, HD_, theta);
+      ops::rope_forward(kdst, kdst, pos_.data(), n, NKV_, HD_, theta);
+    }
     attention(att_.data(), q_.data(), cache.keys(l), cache.values(l), pos0, n);
     const float* wo = m_.weight(ParamKind::o_proj, l);
-    if (n == 1)
-      infer::gemv(x, wo, att_.data(), C_, Q_, true);
-    else
+    if (n == 1) {
+      const infer::GemvTask o = task(x, ParamKind::o_proj, l, 0, att_.data(), C_, true);
+      infer::gemv_batch(&o, 1, Q_);
+    } else {
+      ThreadLimit lim(N * Q_ * C_);
       ops::matmul_forward_accumulate(x, att_.data(), wo, n, Q_, C_);
+    }
     // FFN block: x += ffn(rmsnorm(x)).
-    ops::rmsnorm_forward(ln, rstd_.data(), x, m_.weight(ParamKind::post_norm, l), n, C_, eps);
-    ffn(x, ln, l, n);
+    {
+      ThreadLimit lim(N * C_);
+      ops::rmsnorm_forward(ln, rstd_.data(), x, m_.weight(ParamKind::post_norm, l), n, C_, eps);
+    }
+    {
+      // One expert's gate/up product over its share of the rows (decode: the kernels decide).
+      ThreadLimit lim(n == 1 ? kParallelMin : std::max(1L, N * K_ / E_) * 2 * I_ * C_);
+      ffn(x, ln, l, n);
+    }
   }
   cache.commit(std::span<const int32_t>(tokens, n));
   if (!logits) return;
   // Final norm and head: every row, or the last one.
   const int rows = all_logits ? n : 1;
   const float* xin = all_logits ? x : x + (size_t)(n - 1) * C_;
-  ops::rmsnorm_forward(ln, rstd_.data(), xin, m_.weight(ParamKind::final_norm), rows, C_, eps);
-  if (rows == 1)
-    infer::gemv(logits, m_.weight(ParamKind::lm_head), ln, V_, C_);
-  else
+  {
+    ThreadLimit lim((long)rows * C_);
+    ops::rmsnorm_forward(ln, rstd_.data(), xin, m_.weight(ParamKind::final_norm), rows, C_, eps);
+  }
+  if (rows == 1) {
+    const infer::GemvTask head = task(logits, ParamKind::lm_head, -1, 0, ln, V_);
+    infer::gemv_batch(&head, 1, C_);
+  } else {
+    ThreadLimit lim((long)rows * C_ * V_);
     ops::matmul_forward(logits, ln, m_.weight(ParamKind::lm_head), rows, C_, V_);
+  }
 }
 
 // out[n, Q] for queries at positions pos0..pos0+n-1 over cached keys/values [0, pos0+n).
@@ -206,6 +265,7 @@ void Decoder::attention(float* out, const float* q, const float* keys, const flo
   // Many rows: per head S = scale * q_h k_g^T over the keys any row can see, masked row softmax,
   // out_h = S v_g.
   const int lo_all = first_key(pos0), cols = pos0 + n - lo_all;
+  ThreadLimit lim((long)n * cols * HD_);
   scores_.resize((size_t)n * cols);
   float* S = scores_.data();
   for (int h = 0; h < NH_; h++) {
@@ -234,9 +294,11 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
   float* act = act_.data();
   if (!moe_) {
     if (n == 1) {
-      infer::gemv(h13, w13, ln, 2 * I_, C_);
+      const infer::GemvTask up = task(h13, ParamKind::ffn_w13, layer, 0, ln, 2 * I_);
+      infer::gemv_batch(&up, 1, C_);
       ops::swiglu_forward(act, h13, 1, I_);
-      infer::gemv(x, w2, act, C_, I_, true);
+      const infer::GemvTask down = task(x, ParamKind::ffn_w2, layer, 0, act, C_, true);
+      infer::gemv_batch(&down, 1, I_);
     } else {
       ops::matmul_forward(h13, ln, w13, n, C_, 2 * I_);
       ops::swiglu_forward(act, h13, n, I_);
@@ -249,15 +311,16 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
   if (n == 1) {
     // One token: the router serially, then the K experts' gate/up products in one parallel region
     // and their down products in another.
-    infer::gemv(rlogits_.data(), wr, ln, E_, C_);
+    const infer::GemvTask router = task(rlogits_.data(), ParamKind::router, layer, 0, ln, E_);
+    infer::gemv_batch(&router, 1, C_);
     route_one(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), E_, K_);
     MOETRON_ASSERT(K_ <= 16);
     infer::GemvTask up[16], down[16];
     float* y = yperm_.data();  // [K, C]
     for (int k = 0; k < K_; k++) {
       const int e = topk_idx_[k];
-      up[k] = {h13 + (size_t)k * 2 * I_, w13 + (size_t)e * 2 * IC, ln, 2 * I_};
-      down[k] = {y + (size_t)k * C_, w2 + (size_t)e * IC, act + (size_t)k * I_, C_};
+      up[k] = task(h13 + (size_t)k * 2 * I_, ParamKind::ffn_w13, layer, (size_t)e * 2 * IC, ln, 2 * I_);
+      down[k] = task(y + (size_t)k * C_, ParamKind::ffn_w2, layer, (size_t)e * IC, act + (size_t)k * I_, C_);
     }
     infer::gemv_batch(up, K_, C_);
     ops::swiglu_forward(act, h13, K_, I_);

@@ -14,6 +14,7 @@
 #include <span>
 #include <vector>
 
+#include "infer/kernels.h"
 #include "infer/kv_cache.h"
 #include "infer/model.h"
 #include "ops/moe_dispatch.h"
@@ -25,7 +26,10 @@ class Decoder {
   // prefill_chunk: the most tokens computed in one pass (bounds the scratch memory of long prompts).
   // row_attention_max_pairs: attention runs per (query row, head) with dot products up to this many
   // (query, key) pairs per head and pass, beyond as two GEMMs per head (-1: the default, 2^18).
-  explicit Decoder(const InferenceModel& model, int prefill_chunk = 256, long row_attention_max_pairs = -1);
+  // use_bf16: decode from the model's bf16 copy when it has one (bitwise the same logits; false: the
+  // fp32 values, for tests).
+  explicit Decoder(const InferenceModel& model, int prefill_chunk = 256, long row_attention_max_pairs = -1,
+                   bool use_bf16 = true);
 
   const ModelConfig& config() const { return m_.cfg; }
   int vocab_size() const { return m_.cfg.vocab_size; }
@@ -41,10 +45,14 @@ class Decoder {
   void attention(float* out, const float* q, const float* keys, const float* values, int pos0, int n);
   void ffn(float* x, const float* ln, int layer, int n);
   void reserve_scratch(int n);
+  // A decode-time product y = W x with the layer's weight in bf16 when available.
+  infer::GemvTask task(float* y, ParamKind kind, int layer, size_t offset, const float* x, int OC,
+                       bool accumulate = false) const;
 
   const InferenceModel& m_;
   int chunk_;
   long row_pairs_;
+  bool bf16_;
   int C_, V_, I_, NH_, NKV_, HD_, Q_, KVd_, E_, K_, L_;
   bool moe_;
   // Scratch, sized for the largest chunk seen.

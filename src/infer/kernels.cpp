@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "core/dtype.h"
 #include "core/error.h"
 
 namespace moetron::infer {
@@ -18,46 +19,83 @@ inline float hsum(const v8f& v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-// Multiply-adds below which a product runs on one thread: 1M (4 MiB of fp32 weights, ~0.4 ms of one
-// core's memory bandwidth).  A fork/join costs microseconds on an idle machine but up to a scheduler
-// time slice when the cores are shared with other processes, so decoding (one product after another,
-// a few dozen per token) only splits the products where the saving is large either way.
-constexpr long kParallelMin = 1L << 20;
-constexpr int RB = 4;                     // rows per block
+// Multiply-adds below which a product (or a batch of products) runs on one thread: 16M, i.e. 64 MiB
+// of fp32 weights, milliseconds of one core's time.  Decoding is a chain of a few dozen dependent
+// products per token; each split costs a fork/join, microseconds on an idle machine but up to a
+// scheduler time slice (milliseconds) when other processes share the cores -- measured on the 2-core
+// shared VM, splitting a 32000 x 256 head made decoding 4x slower, not 2x faster.  So only products
+// large enough to gain even then are split (for Mixtral-8x7B: every projection, expert and the head).
+constexpr long kParallelMin = 1L << 24;
 
-// y[r] (=, or += when acc) for RB consecutive rows of W starting at `w`.
-inline void rows4(float* y, const float* w, const float* x, int IC, bool acc) {
-  v8f a[RB][2] = {};
+// Weights are fp32, or bf16 (the top half of an fp32, so widening is exact): the same arithmetic on
+// the same values either way, from half the bytes.  Rows are streamed one after another (contiguous
+// memory, which the hardware prefetchers follow best), 64 columns per step into four 16-float
+// accumulators.
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+inline void ld16(v16f& r, const float* p) { std::memcpy(&r, p, sizeof(r)); }
+inline void ldw16(v16f& r, const float* p) { ld16(r, p); }
+inline void ldw16(v16f& r, const uint16_t* p) {
+  v16h h;
+  std::memcpy(&h, p, sizeof(h));
+  const v16u w = __builtin_convertvector(h, v16u) << 16;
+  std::memcpy(&r, &w, sizeof(r));
+}
+inline float wval(float v) { return v; }
+inline float wval(uint16_t h) { return bf16_to_f32(h); }
+inline float hsum16(const v16f& v) {
+  float t[16];
+  std::memcpy(t, &v, sizeof(t));
+  float s8[8];
+  for (int i = 0; i < 8; i++) s8[i] = t[i] + t[i + 8];
+  return ((s8[0] + s8[4]) + (s8[1] + s8[5])) + ((s8[2] + s8[6]) + (s8[3] + s8[7]));
+}
+
+template <class WT>
+inline float row_dot(const WT* w, const float* x, int IC) {
+  v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
   int c = 0;
-  for (; c + 16 <= IC; c += 16) {
-    v8f x0, x1;
-    ld(x0, x + c);
-    ld(x1, x + c + 8);
-    for (int r = 0; r < RB; r++) {
-      v8f w0, w1;
-      ld(w0, w + (long)r * IC + c);
-      ld(w1, w + (long)r * IC + c + 8);
-      a[r][0] += w0 * x0;
-      a[r][1] += w1 * x1;
-    }
+  for (; c + 64 <= IC; c += 64) {
+    v16f x0, x1, x2, x3, w0, w1, w2, w3;
+    ld16(x0, x + c);
+    ld16(x1, x + c + 16);
+    ld16(x2, x + c + 32);
+    ld16(x3, x + c + 48);
+    ldw16(w0, w + c);
+    ldw16(w1, w + c + 16);
+    ldw16(w2, w + c + 32);
+    ldw16(w3, w + c + 48);
+    a0 += w0 * x0;
+    a1 += w1 * x1;
+    a2 += w2 * x2;
+    a3 += w3 * x3;
   }
-  for (int r = 0; r < RB; r++) {
-    float s = hsum(a[r][0] + a[r][1]);
-    for (int cc = c; cc < IC; cc++) s += w[(long)r * IC + cc] * x[cc];
+  for (; c + 16 <= IC; c += 16) {
+    v16f x0, w0;
+    ld16(x0, x + c);
+    ldw16(w0, w + c);
+    a0 += w0 * x0;
+  }
+  float s = hsum16((a0 + a1) + (a2 + a3));
+  for (; c < IC; c++) s += wval(w[c]) * x[c];
+  return s;
+}
+
+// Rows [r0, r1) of one product.
+template <class WT>
+inline void rows(float* y, const WT* W, const float* x, int r0, int r1, int IC, bool acc) {
+  for (int r = r0; r < r1; r++) {
+    const float s = row_dot(W + (long)r * IC, x, IC);
     y[r] = acc ? y[r] + s : s;
   }
 }
 
-inline void row1(float* y, const float* w, const float* x, int IC, bool acc) {
-  const float s = dot(w, x, IC);
-  *y = acc ? *y + s : s;
-}
-
-// Rows [r0, r1) of one product.
-inline void rows(float* y, const float* W, const float* x, int r0, int r1, int IC, bool acc) {
-  int r = r0;
-  for (; r + RB <= r1; r += RB) rows4(y + r, W + (long)r * IC, x, IC, acc);
-  for (; r < r1; r++) row1(y + r, W + (long)r * IC, x, IC, acc);
+inline void task_rows(const GemvTask& k, int r0, int r1, int IC) {
+  if (k.Wh)
+    rows(k.y, k.Wh, k.x, r0, r1, IC, k.accumulate);
+  else
+    rows(k.y, k.W, k.x, r0, r1, IC, k.accumulate);
 }
 
 }  // namespace
@@ -96,12 +134,13 @@ void axpy(float* y, float alpha, const float* x, int n) {
 }
 
 void gemv(float* y, const float* W, const float* x, int OC, int IC, bool accumulate) {
-  const int blocks = (OC + 63) / 64;  // 64-row work items
-#pragma omp parallel for schedule(static) if ((long)OC * IC >= kParallelMin)
-  for (int b = 0; b < blocks; b++) {
-    const int r0 = b * 64, r1 = r0 + 64 < OC ? r0 + 64 : OC;
-    rows(y, W, x, r0, r1, IC, accumulate);
-  }
+  const GemvTask t{y, W, nullptr, x, OC, accumulate};
+  gemv_batch(&t, 1, IC);
+}
+
+void gemv_bf16(float* y, const uint16_t* W, const float* x, int OC, int IC, bool accumulate) {
+  const GemvTask t{y, nullptr, W, x, OC, accumulate};
+  gemv_batch(&t, 1, IC);
 }
 
 void gemv_batch(const GemvTask* tasks, int n_tasks, int IC) {
@@ -120,13 +159,13 @@ void gemv_batch(const GemvTask* tasks, int n_tasks, int IC) {
     while (b >= first_block[t + 1]) t++;
     const GemvTask& k = tasks[t];
     const int r0 = (b - first_block[t]) * 64, r1 = r0 + 64 < k.OC ? r0 + 64 : k.OC;
-    rows(k.y, k.W, k.x, r0, r1, IC, k.accumulate);
+    task_rows(k, r0, r1, IC);
   }
 }
 
 void gemv3(float* ya, const float* Wa, int OCa, float* yb, const float* Wb, int OCb, float* yc, const float* Wc,
            int OCc, const float* x, int IC) {
-  const GemvTask tasks[3] = {{ya, Wa, x, OCa}, {yb, Wb, x, OCb}, {yc, Wc, x, OCc}};
+  const GemvTask tasks[3] = {{ya, Wa, nullptr, x, OCa}, {yb, Wb, nullptr, x, OCb}, {yc, Wc, nullptr, x, OCc}};
   gemv_batch(tasks, 3, IC);
 }
 

@@ -1,18 +1,24 @@
 // Small-batch kernels for decoding, where one token's activations meet each weight matrix once and
 // the time goes into streaming the weights: matrix-vector products (HF nn.Linear layout, weight
 // [OC, IC]) and dot products, register-blocked, OpenMP over output rows when the matrix is large.
+// Weights come as fp32 or as bf16 (exactly the values of a bf16 checkpoint): bf16 widens to fp32
+// exactly and the arithmetic is the same, so both give bitwise the same results, bf16 from half the bytes.
 #pragma once
+
+#include <cstdint>
 
 namespace moetron::infer {
 
 // y[OC] = W[OC,IC] x[IC]   (accumulate: y += ...)
 void gemv(float* y, const float* W, const float* x, int OC, int IC, bool accumulate = false);
+void gemv_bf16(float* y, const uint16_t* W, const float* x, int OC, int IC, bool accumulate = false);
 
 // Several products with the same input width in one parallel region (fewer fork/join points per
 // token): y_t[OC_t] (=, or += when accumulate) W_t[OC_t, IC] x_t[IC] for each task t.
 struct GemvTask {
   float* y;
-  const float* W;
+  const float* W;     // fp32 weights, or
+  const uint16_t* Wh;  // bf16 weights (used when not null)
   const float* x;
   int OC;
   bool accumulate = false;

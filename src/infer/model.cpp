@@ -1,6 +1,7 @@
 #include "infer/model.h"
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -55,7 +56,24 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir) {
   const ModelConfig cfg = load_model_config((fs::path(dir) / "config.json").string());
   auto m = std::make_unique<InferenceModel>(cfg);
   load_hf_weights(ModelTensors::open(dir), m->table, m->params.data(), dir);
+  m->keep_bf16_copy();
   return m;
+}
+
+bool InferenceModel::keep_bf16_copy() {
+  params_bf16.clear();
+  for (float v : params) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    if ((bits & 0xFFFFu) != 0) return false;
+  }
+  params_bf16.resize(params.size());
+  for (size_t i = 0; i < params.size(); i++) {
+    uint32_t bits;
+    std::memcpy(&bits, &params[i], sizeof bits);
+    params_bf16[i] = (uint16_t)(bits >> 16);
+  }
+  return true;
 }
 
 TemplateChoice choose_chat_template(const std::string& model_dir, const std::string& explicit_name) {

@@ -20,12 +20,23 @@ struct InferenceModel {
   ModelConfig cfg;
   ParamTable table;
   std::vector<float> params;  // table.total() floats
+  // A bf16 copy of `params` (same offsets), made by keep_bf16_copy() when every value is exactly a
+  // bf16 value -- a bf16 checkpoint, as most published ones are.  Decoding then streams half the
+  // bytes per token with bitwise the same results (bf16 widens to fp32 exactly); prefill GEMMs keep
+  // using the fp32 values.  Empty otherwise.
+  std::vector<uint16_t> params_bf16;
 
   explicit InferenceModel(const ModelConfig& c) : cfg(c), table(c), params(table.total(), 0.0f) {}
   const float* weight(ParamKind kind, int layer = -1) const { return params.data() + table.at(kind, layer).offset; }
+  const uint16_t* weight_bf16(ParamKind kind, int layer = -1) const {
+    return params_bf16.empty() ? nullptr : params_bf16.data() + table.at(kind, layer).offset;
+  }
+  // Fills params_bf16 when every parameter is exactly representable in bf16; returns whether it did.
+  bool keep_bf16_copy();
 };
 
-// Reads DIR/config.json and DIR's safetensors (any float dtype; computed in fp32).
+// Reads DIR/config.json and DIR's safetensors (any float dtype; computed in fp32), and keeps a bf16
+// copy for decoding when the values allow it exactly (keep_bf16_copy).
 std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir);
 
 // How the chat template was chosen, for messages ("--template", "tokenizer_config.json", ...).
