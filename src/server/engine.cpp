@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include <omp.h>
+
 namespace moetron::server {
 
 bool Job::wait(std::vector<std::string>& out, int timeout_ms) {
@@ -38,7 +40,12 @@ void Job::finish(GenerateResult result, std::string error) {
 
 Engine::Engine(const InferenceModel& model, const Tokenizer& tok, size_t queue_capacity)
     : decoder_(model), cache_(decoder_.new_cache()), tok_(tok), capacity_(queue_capacity) {
-  worker_ = std::thread([this] { worker_loop(); });
+  // OpenMP's thread count is per thread: the worker takes the constructing thread's (--threads).
+  const int threads = omp_get_max_threads();
+  worker_ = std::thread([this, threads] {
+    omp_set_num_threads(threads);
+    worker_loop();
+  });
 }
 
 Engine::~Engine() { stop(); }
