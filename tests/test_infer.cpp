@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <omp.h>
 #include <nlohmann/json.hpp>
 
 #include "core/rng.h"
@@ -151,6 +152,65 @@ TEST(Decoder, Bf16CopyDecodesBitwiseLikeFp32) {
       ASSERT_EQ(0, std::memcmp(la.data(), lb.data(), sizeof(float) * V)) << "position " << t;
     }
   }
+}
+
+// The tuner tries 4 serial then 4 split steps every 64 and keeps the faster way (by the fastest step of
+// each four) for the other 56.
+TEST(DecodeSplitTuner, TriesBothWaysEveryPeriodAndKeepsTheFaster) {
+  DecodeSplitTuner t;
+  auto run_period = [&](double serial_s, double split_s) {
+    std::vector<bool> ways;
+    for (int i = 0; i < DecodeSplitTuner::kPeriod; i++) {
+      const bool split = t.split_next();
+      ways.push_back(split);
+      // One slow outlier per trial: the fastest step of each four decides.
+      const double noise = i % DecodeSplitTuner::kTrial == 1 ? 1.0 : 0.0;
+      t.record((split ? split_s : serial_s) + noise);
+    }
+    return ways;
+  };
+  std::vector<bool> w = run_period(2.0, 1.0);  // splitting pays
+  for (int i = 0; i < 4; i++) EXPECT_FALSE(w[i]) << i;
+  for (int i = 4; i < 8; i++) EXPECT_TRUE(w[i]) << i;
+  for (int i = 8; i < 64; i++) EXPECT_TRUE(w[i]) << i;
+  EXPECT_TRUE(t.choice());
+  w = run_period(1.0, 3.0);  // the cores got busy: back to one thread after the next trial
+  for (int i = 0; i < 4; i++) EXPECT_FALSE(w[i]) << i;
+  for (int i = 4; i < 8; i++) EXPECT_TRUE(w[i]) << i;
+  for (int i = 8; i < 64; i++) EXPECT_FALSE(w[i]) << i;
+  EXPECT_FALSE(t.choice());
+}
+
+// A product gives bitwise the same result split or not, on any number of threads (rows are independent),
+// so the tuner's choice never changes what is generated.
+TEST(DecodeKernels, GemvBatchIsBitwiseTheSameSplitOrNot) {
+  const int OC = 1000, IC = 2100;  // 2.1M multiply-adds: split at kGemvSplitMin, not at the default
+  ASSERT_GE((long)OC * IC, infer::kGemvSplitMin);
+  ASSERT_LT((long)OC * IC, infer::kGemvParallelMin);
+  std::vector<float> W((size_t)OC * IC), x(IC);
+  std::vector<uint16_t> Wh(W.size());
+  for (size_t i = 0; i < W.size(); i++) {
+    W[i] = (float)((mix64(i) % 2001) / 1000.0 - 1.0);
+    Wh[i] = (uint16_t)(mix64(i + 7) >> 48) & 0xBF7F;  // finite bf16 values
+  }
+  for (int i = 0; i < IC; i++) x[i] = (float)((mix64(99 + i) % 2001) / 1000.0 - 1.0);
+  const int saved = omp_get_max_threads();
+  for (const bool bf16 : {false, true}) {
+    std::vector<float> ref(OC), y(OC);
+    omp_set_num_threads(1);
+    infer::GemvTask t{ref.data(), bf16 ? nullptr : W.data(), bf16 ? Wh.data() : nullptr, x.data(), OC};
+    infer::gemv_batch(&t, 1, IC);
+    for (const int threads : {2, 3}) {
+      omp_set_num_threads(threads);
+      for (const long min_macs : {infer::kGemvParallelMin, infer::kGemvSplitMin, 1L}) {
+        t.y = y.data();
+        infer::gemv_batch(&t, 1, IC, min_macs);
+        EXPECT_EQ(0, std::memcmp(ref.data(), y.data(), sizeof(float) * OC))
+            << "bf16 " << bf16 << " threads " << threads << " threshold " << min_macs;
+      }
+    }
+  }
+  omp_set_num_threads(saved);
 }
 
 TEST(Decoder, RejectsBadTokensWithoutChangingTheCache) {

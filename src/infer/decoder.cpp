@@ -2,6 +2,7 @@
 #include "infer/decoder.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -25,7 +26,7 @@ namespace {
 // many (query, key) pairs per head; beyond, as two GEMMs per head (2 * NH BLAS calls: faster for long
 // prompts on an idle machine, but each call is a fork/join, which is slow when the cores are shared).
 constexpr long kRowAttentionMaxPairs = 1L << 18;
-// Work (multiply-adds, or elements) below which a step runs on one thread: 16M, as in kernels.cpp,
+// Work (multiply-adds, or elements) below which a step runs on one thread: 16M, as kernels.h's kGemvParallelMin,
 // which explains why (each fork/join may cost a scheduler time slice on a shared machine).  Prefill
 // steps are limited with ThreadLimit, which the OpenMP regions inside the ops and the OpenMP build of
 // OpenBLAS follow (it takes its thread count from omp_get_max_threads() at each call).
@@ -144,6 +145,14 @@ void Decoder::reserve_scratch(int n) {
   pos_.resize(N);
 }
 
+void DecodeSplitTuner::record(double seconds) {
+  const int s = (int)(step_ % kPeriod);
+  if (s < kTrial) serial_ = s == 0 ? seconds : std::min(serial_, seconds);
+  else if (s < 2 * kTrial) split_ = s == kTrial ? seconds : std::min(split_, seconds);
+  if (s == 2 * kTrial - 1) choice_ = split_ < serial_;
+  step_++;
+}
+
 void Decoder::forward(KvCache& cache, std::span<const int32_t> tokens, float* logits, bool all_logits) {
   if (tokens.empty()) fail("[Decoder::forward] no tokens to feed");
   if (cache.layers() != L_ || cache.kv_dim() != KVd_)
@@ -157,7 +166,12 @@ void Decoder::forward(KvCache& cache, std::span<const int32_t> tokens, float* lo
     const int n = std::min(chunk_, total - s);
     const bool last = s + n == total;
     float* out = all_logits ? logits + (size_t)s * V_ : (last ? logits : nullptr);
+    // One-token steps with more than one thread: the tuner picks the split threshold and times them.
+    const bool tune = n == 1 && omp_get_max_threads() > 1;
+    gemv_min_ = tune && tuner_.split_next() ? infer::kGemvSplitMin : infer::kGemvParallelMin;
+    const auto t0 = std::chrono::steady_clock::now();
     forward_chunk(cache, tokens.data() + s, n, out, all_logits);
+    if (tune) tuner_.record(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
 }
 
@@ -188,7 +202,7 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
       const infer::GemvTask qkv[3] = {task(q_.data(), ParamKind::q_proj, l, 0, ln, Q_),
                                       task(kdst, ParamKind::k_proj, l, 0, ln, KVd_),
                                       task(vdst, ParamKind::v_proj, l, 0, ln, KVd_)};
-      infer::gemv_batch(qkv, 3, C_);
+      infer::gemv_batch(qkv, 3, C_, gemv_min_);
     } else {
       ThreadLimit lim(N * C_ * Q_);  // per product
       ops::matmul_forward(q_.data(), ln, wq, n, C_, Q_);
@@ -204,7 +218,7 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
     const float* wo = m_.weight(ParamKind::o_proj, l);
     if (n == 1) {
       const infer::GemvTask o = task(x, ParamKind::o_proj, l, 0, att_.data(), C_, true);
-      infer::gemv_batch(&o, 1, Q_);
+      infer::gemv_batch(&o, 1, Q_, gemv_min_);
     } else {
       ThreadLimit lim(N * Q_ * C_);
       ops::matmul_forward_accumulate(x, att_.data(), wo, n, Q_, C_);
@@ -231,7 +245,7 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
   }
   if (rows == 1) {
     const infer::GemvTask head = task(logits, ParamKind::lm_head, -1, 0, ln, V_);
-    infer::gemv_batch(&head, 1, C_);
+    infer::gemv_batch(&head, 1, C_, gemv_min_);
   } else {
     ThreadLimit lim((long)rows * C_ * V_);
     ops::matmul_forward(logits, ln, m_.weight(ParamKind::lm_head), rows, C_, V_);
@@ -295,10 +309,10 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
   if (!moe_) {
     if (n == 1) {
       const infer::GemvTask up = task(h13, ParamKind::ffn_w13, layer, 0, ln, 2 * I_);
-      infer::gemv_batch(&up, 1, C_);
+      infer::gemv_batch(&up, 1, C_, gemv_min_);
       ops::swiglu_forward(act, h13, 1, I_);
       const infer::GemvTask down = task(x, ParamKind::ffn_w2, layer, 0, act, C_, true);
-      infer::gemv_batch(&down, 1, I_);
+      infer::gemv_batch(&down, 1, I_, gemv_min_);
     } else {
       ops::matmul_forward(h13, ln, w13, n, C_, 2 * I_);
       ops::swiglu_forward(act, h13, n, I_);
@@ -312,7 +326,7 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
     // One token: the router serially, then the K experts' gate/up products in one parallel region
     // and their down products in another.
     const infer::GemvTask router = task(rlogits_.data(), ParamKind::router, layer, 0, ln, E_);
-    infer::gemv_batch(&router, 1, C_);
+    infer::gemv_batch(&router, 1, C_, gemv_min_);
     route_one(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), E_, K_);
     MOETRON_ASSERT(K_ <= 16);
     infer::GemvTask up[16], down[16];
@@ -322,9 +336,9 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
       up[k] = task(h13 + (size_t)k * 2 * I_, ParamKind::ffn_w13, layer, (size_t)e * 2 * IC, ln, 2 * I_);
       down[k] = task(y + (size_t)k * C_, ParamKind::ffn_w2, layer, (size_t)e * IC, act + (size_t)k * I_, C_);
     }
-    infer::gemv_batch(up, K_, C_);
+    infer::gemv_batch(up, K_, C_, gemv_min_);
     ops::swiglu_forward(act, h13, K_, I_);
-    infer::gemv_batch(down, K_, I_);
+    infer::gemv_batch(down, K_, I_, gemv_min_);
     std::fill(tmp, tmp + C_, 0.0f);
     for (int k = 0; k < K_; k++) infer::axpy(tmp, topk_w_[k], y + (size_t)k * C_, C_);
     add_inplace(x, tmp, C_);

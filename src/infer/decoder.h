@@ -21,6 +21,28 @@
 
 namespace moetron {
 
+// Decides, from measured decode steps, whether mid-sized products (kGemvSplitMin up to kGemvParallelMin
+// multiply-adds) are split across threads: splitting is faster on idle cores and much slower when
+// other processes share them (kernels.h).  Every 64 decode steps it times 4 steps each way (the
+// fastest of each four) and uses the faster way for the rest; the results are the same either way.
+class DecodeSplitTuner {
+ public:
+  static constexpr int kPeriod = 64, kTrial = 4;
+  // Whether the next decode step splits mid-sized products.
+  bool split_next() const {
+    const int s = step_ % kPeriod;
+    return s < kTrial ? false : s < 2 * kTrial ? true : choice_;
+  }
+  // The time of the step that split_next() described.
+  void record(double seconds);
+  bool choice() const { return choice_; }
+
+ private:
+  long step_ = 0;
+  double serial_ = 0, split_ = 0;
+  bool choice_ = false;
+};
+
 class Decoder {
  public:
   // prefill_chunk: the most tokens computed in one pass (bounds the scratch memory of long prompts).
@@ -60,6 +82,9 @@ class Decoder {
   std::vector<float> x_, ln_, rstd_, q_, att_, tmp_, rlogits_, rprobs_, topk_w_, xperm_, h13_, act_, yperm_, scores_;
   std::vector<int32_t> topk_idx_, pos_;
   ops::MoePlan plan_;
+  // Decode steps (n == 1) split products from this many multiply-adds (set per step by the tuner).
+  long gemv_min_ = infer::kGemvParallelMin;
+  DecodeSplitTuner tuner_;
 };
 
 }  // namespace moetron

@@ -19,14 +19,6 @@ inline float hsum(const v8f& v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-// Multiply-adds below which a product (or a batch of products) runs on one thread: 16M, i.e. 64 MiB
-// of fp32 weights, milliseconds of one core's time.  Decoding is a chain of a few dozen dependent
-// products per token; each split costs a fork/join, microseconds on an idle machine but up to a
-// scheduler time slice (milliseconds) when other processes share the cores -- measured on the 2-core
-// shared VM, splitting a 32000 x 256 head made decoding 4x slower, not 2x faster.  So only products
-// large enough to gain even then are split (for Mixtral-8x7B: every projection, expert and the head).
-constexpr long kParallelMin = 1L << 24;
-
 // Weights are fp32, or bf16 (the top half of an fp32, so widening is exact): the same arithmetic on
 // the same values either way, from half the bytes.  Rows are streamed one after another (contiguous
 // memory, which the hardware prefetchers follow best), 64 columns per step into four 16-float
@@ -143,7 +135,7 @@ void gemv_bf16(float* y, const uint16_t* W, const float* x, int OC, int IC, bool
   gemv_batch(&t, 1, IC);
 }
 
-void gemv_batch(const GemvTask* tasks, int n_tasks, int IC) {
+void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_macs) {
   constexpr int kMaxTasks = 16;
   MOETRON_ASSERT(n_tasks >= 0 && n_tasks <= kMaxTasks);
   int first_block[kMaxTasks + 1];  // blocks of 64 rows, numbered across the tasks
@@ -153,7 +145,7 @@ void gemv_batch(const GemvTask* tasks, int n_tasks, int IC) {
     first_block[t + 1] = first_block[t] + (tasks[t].OC + 63) / 64;
     macs += (long)tasks[t].OC * IC;
   }
-#pragma omp parallel for schedule(static) if (macs >= kParallelMin)
+#pragma omp parallel for schedule(static) if (macs >= parallel_min_macs)
   for (int b = 0; b < first_block[n_tasks]; b++) {
     int t = 0;
     while (b >= first_block[t + 1]) t++;

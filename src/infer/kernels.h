@@ -23,7 +23,16 @@ struct GemvTask {
   int OC;
   bool accumulate = false;
 };
-void gemv_batch(const GemvTask* tasks, int n_tasks, int IC);
+// Multiply-adds from which a gemv_batch is split across the OpenMP threads.  The default, 16M (64 MiB of
+// fp32 weights, milliseconds of one core), gains even when other processes share the cores, where a
+// fork/join can cost a scheduler time slice (on the 2-core shared VM, splitting a 32000 x 256 head
+// with one core busy made decoding 2x slower).  On idle cores much smaller products gain (the same
+// head split over 2 threads: 1.4x faster decoding); DecodeSplitTuner (decoder.h) measures which case
+// holds and lowers the threshold to kGemvSplitMin when splitting pays.
+constexpr long kGemvParallelMin = 1L << 24;
+constexpr long kGemvSplitMin = 1L << 21;
+// The result is bitwise the same whatever the threshold and thread count (rows are independent).
+void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_macs = kGemvParallelMin);
 
 // Three products of one input in one parallel region: ya = Wa x, yb = Wb x, yc = Wc x.
 void gemv3(float* ya, const float* Wa, int OCa, float* yb, const float* Wb, int OCb, float* yc, const float* Wc,
