@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # The whole test suite: install dependencies, build (Release), run every test with CTest; then
 # rebuild the tests with AddressSanitizer + UndefinedBehaviorSanitizer and run them again.
-# Set MOETRON_SKIP_SANITIZE=1 to skip the sanitizer pass.
+# Between the two, the Slurm stage (scripts/slurm-test.sh: a private one-node Slurm cluster, a 2-rank
+# training job through launch/slurm/train.sbatch).  MOETRON_SKIP_SANITIZE=1 / MOETRON_SKIP_SLURM=1 skip
+# those stages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 BUILD_DIR=build bash scripts/build.sh
 (cd build && ctest --output-on-failure -j 2 --timeout 600)
+if [ "${MOETRON_SKIP_SLURM:-0}" != 1 ]; then
+  echo "== Slurm stage =="
+  bash scripts/slurm-test.sh build
+fi
 if [ "${MOETRON_SKIP_SANITIZE:-0}" != 1 ]; then
   echo "== sanitizer build (ASan + UBSan) =="
   # Release (-O3, no debug info) keeps the compile and the sanitized tests fast enough for CI.
