@@ -176,3 +176,47 @@ TEST(ForwardCommand, WritesLogitsLossesAndGradients) {
 }
 
 }  // namespace
+
+// Each malformed field of a batch is an error naming it (and the position), before any work.
+TEST(BatchValidation, EachMalformedFieldIsAnErrorNamingIt) {
+  auto good = [] {
+    Batch b;
+    b.B = 2;
+    b.T = 3;
+    b.input_ids = {1, 2, 3, 4, 5, 6};
+    b.labels = {2, 3, -100, 5, 6, 7};
+    b.attention_mask = {1, 1, 1, 1, 1, 0};
+    b.position_ids = {0, 1, 2, 0, 1, 2};
+    return b;
+  };
+  EXPECT_NO_THROW(validate_batch(good(), 8));
+  auto expect_error = [&](Batch b, const std::string& want) {
+    try {
+      validate_batch(b, 8);
+      ADD_FAILURE() << "no error; expected one containing: " << want;
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  Batch b = good();
+  b.T = 0;
+  expect_error(b, "B and T must be positive");
+  b = good();
+  b.labels.pop_back();
+  expect_error(b, "'labels' has 5 values, expected B*T = 2x3 = 6");
+  b = good();
+  b.input_ids = {};
+  expect_error(b, "'input_ids' has 0 values");
+  b = good();
+  b.input_ids[4] = 8;
+  expect_error(b, "input_ids[1][1] = 8 is outside the vocabulary [0, 8)");
+  b = good();
+  b.labels[2] = -1;
+  expect_error(b, "labels[0][2] = -1 is neither -100 nor inside the vocabulary");
+  b = good();
+  b.position_ids[3] = -2;
+  expect_error(b, "position_ids[1][0] = -2 is negative");
+  b = good();
+  b.attention_mask[0] = 2;
+  expect_error(b, "attention_mask[0][0] = 2, expected 0 or 1");
+}

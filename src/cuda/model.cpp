@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "model/batch_io.h"
 #include "ops/cross_entropy.h"
 
 namespace moetron::gpu {
@@ -110,32 +111,6 @@ double CudaMixtralModel::grad_norm() { return global_grad_norm(*ctx_, norm_scrat
 void CudaMixtralModel::get_logits(float* host) {
   if (!forward_done_) fail("[CudaMixtralModel::get_logits] no forward pass since the last backward");
   copy_to_host(*ctx_, host, logits_, sizeof(float) * (size_t)B_ * T_ * cfg_.vocab_size);
-}
-
-void CudaMixtralModel::validate_batch(const Batch& b) const {
-  if (b.B <= 0 || b.T <= 0) fail("batch: B and T must be positive (got B={}, T={})", b.B, b.T);
-  const size_t n = (size_t)b.B * b.T;
-  auto check = [&](const std::vector<int32_t>& v, const char* name, bool required) {
-    if (v.empty() && !required) return;
-    if (v.size() != n) fail("batch: '{}' has {} values, expected B*T = {}x{} = {}", name, v.size(), b.B, b.T, n);
-  };
-  check(b.input_ids, "input_ids", true);
-  check(b.labels, "labels", false);
-  check(b.attention_mask, "attention_mask", false);
-  check(b.position_ids, "position_ids", false);
-  check(b.segment_ids, "segment_ids", false);
-  for (size_t i = 0; i < n; i++) {
-    const int32_t id = b.input_ids[i];
-    if (id < 0 || id >= cfg_.vocab_size)
-      fail("batch: input_ids[{}][{}] = {} is outside the vocabulary [0, {})", i / b.T, i % b.T, id, cfg_.vocab_size);
-    if (!b.labels.empty() && b.labels[i] != ops::IGNORE_INDEX && (b.labels[i] < 0 || b.labels[i] >= cfg_.vocab_size))
-      fail("batch: labels[{}][{}] = {} is neither -100 nor inside the vocabulary [0, {})", i / b.T, i % b.T,
-           b.labels[i], cfg_.vocab_size);
-    if (!b.position_ids.empty() && b.position_ids[i] < 0)
-      fail("batch: position_ids[{}][{}] = {} is negative", i / b.T, i % b.T, b.position_ids[i]);
-    if (!b.attention_mask.empty() && b.attention_mask[i] != 0 && b.attention_mask[i] != 1)
-      fail("batch: attention_mask[{}][{}] = {}, expected 0 or 1", i / b.T, i % b.T, b.attention_mask[i]);
-  }
 }
 
 void CudaMixtralModel::allocate(int B, int T) {
@@ -264,7 +239,7 @@ void CudaMixtralModel::qkv_backward(LayerActs& a, int l) {
 }
 
 Losses CudaMixtralModel::forward(const Batch& batch, const LossWeights& weights) {
-  validate_batch(batch);
+  validate_batch(batch, cfg_.vocab_size);
   allocate(batch.B, batch.T);
   Context& ctx = *ctx_;
   const int B = batch.B, T = batch.T;

@@ -84,7 +84,6 @@ class CudaMixtralModel {
     bool moe;
   };
   Dims dims() const;
-  void validate_batch(const Batch& b) const;
   void allocate(int B, int T);
   const float* W(ParamKind kind, int layer = -1) const { return master_ + table_.at(kind, layer).offset; }
   const Bf16* Wb(ParamKind kind, int layer = -1) const { return weights_bf16_ + table_.at(kind, layer).offset; }

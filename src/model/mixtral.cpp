@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "dist/comm.h"
 #include "dist/tp_ops.h"
+#include "model/batch_io.h"
 #include "ops/attention.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
@@ -80,32 +81,6 @@ void MixtralModel::reduce_replicated_grads() {
 }
 
 void MixtralModel::zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
-
-void MixtralModel::validate_batch(const Batch& b) const {
-  if (b.B <= 0 || b.T <= 0) fail("batch: B and T must be positive (got B={}, T={})", b.B, b.T);
-  const size_t n = (size_t)b.B * b.T;
-  auto check = [&](const std::vector<int32_t>& v, const char* name, bool required) {
-    if (v.empty() && !required) return;
-    if (v.size() != n) fail("batch: '{}' has {} values, expected B*T = {}x{} = {}", name, v.size(), b.B, b.T, n);
-  };
-  check(b.input_ids, "input_ids", true);
-  check(b.labels, "labels", false);
-  check(b.attention_mask, "attention_mask", false);
-  check(b.position_ids, "position_ids", false);
-  check(b.segment_ids, "segment_ids", false);
-  for (size_t i = 0; i < n; i++) {
-    const int32_t id = b.input_ids[i];
-    if (id < 0 || id >= cfg_.vocab_size)
-      fail("batch: input_ids[{}][{}] = {} is outside the vocabulary [0, {})", i / b.T, i % b.T, id, cfg_.vocab_size);
-    if (!b.labels.empty() && b.labels[i] != ops::IGNORE_INDEX && (b.labels[i] < 0 || b.labels[i] >= cfg_.vocab_size))
-      fail("batch: labels[{}][{}] = {} is neither -100 nor inside the vocabulary [0, {})", i / b.T, i % b.T,
-           b.labels[i], cfg_.vocab_size);
-    if (!b.position_ids.empty() && b.position_ids[i] < 0)
-      fail("batch: position_ids[{}][{}] = {} is negative", i / b.T, i % b.T, b.position_ids[i]);
-    if (!b.attention_mask.empty() && b.attention_mask[i] != 0 && b.attention_mask[i] != 1)
-      fail("batch: attention_mask[{}][{}] = {}, expected 0 or 1", i / b.T, i % b.T, b.attention_mask[i]);
-  }
-}
 
 void MixtralModel::allocate(int B, int T) {
   if (B == B_ && T == T_ && !layers_.empty()) return;
@@ -198,7 +173,7 @@ MixtralModel::Dims MixtralModel::dims() const {
 }
 
 Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
-  validate_batch(batch);
+  validate_batch(batch, cfg_.vocab_size);
   allocate(batch.B, batch.T);
   const int B = batch.B, T = batch.T;
   const long N = (long)B * T;

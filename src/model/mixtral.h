@@ -118,7 +118,6 @@ class MixtralModel {
     bool moe;
   };
   Dims dims() const;
-  void validate_batch(const Batch& b) const;
   void allocate(int B, int T);
   bool tp_on() const { return tp_size_ > 1; }
   void tp_all_reduce(float* x, long n);
