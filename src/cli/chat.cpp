@@ -6,17 +6,15 @@
 
 #include <cstdio>
 #include <iostream>
-#include <random>
 #include <string>
 
 #include <CLI/CLI.hpp>
-#include <omp.h>
 
 #include "cli/commands.h"
+#include "cli/generation_options.h"
 #include "core/error.h"
 #include "infer/generate.h"
 #include "infer/model.h"
-#include "ops/blas.h"
 
 namespace moetron::cli {
 
@@ -26,34 +24,21 @@ int run_chat(int argc, char** argv) {
                "message (and resets), /exit or end of input quits.",
                "moetron chat"};
   std::string model_dir, tokenizer_path, template_name = "auto", system;
-  int max_new_tokens = 512, threads = 0;
-  SamplingParams sp;
-  long long seed = -1;
-  std::vector<std::string> stop;
+  int max_new_tokens = 512;
+  GenerationOptions g;
   app.add_option("--model", model_dir, "model directory")->required();
   app.add_option("--tokenizer", tokenizer_path, "tokenizer.model (default: MODEL/tokenizer.model)");
   app.add_option("--template", template_name, "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
   app.add_option("--system", system, "a system message at the start of the conversation");
   app.add_option("--max-new-tokens", max_new_tokens, "longest reply in tokens");
-  app.add_option("--temperature", sp.temperature, "0: greedy (default); > 0: sample");
-  app.add_option("--top-k", sp.top_k, "sample from the k most likely tokens (0: off)");
-  app.add_option("--top-p", sp.top_p, "nucleus sampling threshold (1: off)");
-  app.add_option("--repetition-penalty", sp.repetition_penalty, "HF repetition penalty (1: off)");
-  app.add_option("--seed", seed, "sampling seed (default: random)");
-  app.add_option("--stop", stop, "stop strings (a reply ends before the first one)");
-  app.add_option("--threads", threads, "threads for OpenMP and BLAS (default: all)");
+  add_generation_options(app, g);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
   if (max_new_tokens < 1) fail("--max-new-tokens must be >= 1, got {}", max_new_tokens);
-  sp.seed = seed >= 0 ? (uint64_t)seed : std::random_device{}();
-  validate_sampling(sp);
-  if (threads > 0) {
-    omp_set_num_threads(threads);
-    ops::blas_set_num_threads(threads);
-  }
+  apply_generation_options(g);
   const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir);
   const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(model_dir, tokenizer_path, model->cfg, true);
   const TemplateChoice tc = choose_chat_template(model_dir, template_name);
@@ -61,9 +46,9 @@ int run_chat(int argc, char** argv) {
   KvCache cache = decoder.new_cache();
   GenerateOptions o;
   o.max_new_tokens = max_new_tokens;
-  o.sampling = sp;
+  o.sampling = g.sampling;
   o.eos_ids = model_eos_ids(model_dir, model->cfg, tok.get());
-  o.stop = stop;
+  o.stop = g.stop;
   o.max_positions = model->cfg.max_position_embeddings;
   o.chat_reply = true;
 

@@ -3,18 +3,16 @@
 // out; --eval-chat for the exact-answer accuracy over a chat JSONL file.
 #include <cstdio>
 #include <filesystem>
-#include <random>
 #include <sstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
-#include <omp.h>
 
 #include "cli/commands.h"
+#include "cli/generation_options.h"
 #include "core/error.h"
 #include "infer/generate.h"
 #include "infer/model.h"
-#include "ops/blas.h"
 
 namespace moetron::cli {
 
@@ -48,11 +46,9 @@ int run_generate(int argc, char** argv) {
                "moetron generate"};
   std::string model_dir, prompt, prompt_ids, tokenizer_path, template_name = "auto", eval_chat, system;
   bool chat = false, stats = false;
-  int max_new_tokens = 256, threads = 0;
+  int max_new_tokens = 256;
   long limit = 0;
-  SamplingParams sp;
-  long long seed = -1;
-  std::vector<std::string> stop;
+  GenerationOptions g;
   app.add_option("--model", model_dir, "model directory")->required();
   app.add_option("--prompt", prompt, "the prompt text");
   app.add_option("--prompt-ids", prompt_ids, "the prompt as comma-separated token ids; prints the reply's ids");
@@ -62,13 +58,7 @@ int run_generate(int argc, char** argv) {
                  "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
   app.add_option("--tokenizer", tokenizer_path, "tokenizer.model (default: MODEL/tokenizer.model)");
   app.add_option("--max-new-tokens", max_new_tokens, "stop after this many new tokens");
-  app.add_option("--temperature", sp.temperature, "0: greedy (default); > 0: sample");
-  app.add_option("--top-k", sp.top_k, "sample from the k most likely tokens (0: off)");
-  app.add_option("--top-p", sp.top_p, "nucleus sampling threshold (1: off)");
-  app.add_option("--repetition-penalty", sp.repetition_penalty, "HF repetition penalty (1: off)");
-  app.add_option("--seed", seed, "sampling seed (default: random)");
-  app.add_option("--stop", stop, "stop strings (the reply ends before the first one)");
-  app.add_option("--threads", threads, "threads for OpenMP and BLAS (default: all)");
+  add_generation_options(app, g);
   app.add_flag("--stats", stats, "print prompt length, prefill and decode tokens/s to stderr");
   app.add_option("--eval-chat", eval_chat,
                  "JSONL of conversations: report the exact-answer accuracy of the last assistant turn (greedy)");
@@ -81,12 +71,7 @@ int run_generate(int argc, char** argv) {
   if ((int)!prompt.empty() + (int)!prompt_ids.empty() + (int)!eval_chat.empty() != 1)
     fail("give exactly one of --prompt, --prompt-ids or --eval-chat");
   if (max_new_tokens < 0) fail("--max-new-tokens must be >= 0, got {}", max_new_tokens);
-  sp.seed = seed >= 0 ? (uint64_t)seed : std::random_device{}();
-  validate_sampling(sp);
-  if (threads > 0) {
-    omp_set_num_threads(threads);
-    ops::blas_set_num_threads(threads);
-  }
+  apply_generation_options(g);
   const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir);
   const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(model_dir, tokenizer_path, model->cfg,
                                                               /*required=*/prompt_ids.empty());
@@ -94,9 +79,9 @@ int run_generate(int argc, char** argv) {
   KvCache cache = decoder.new_cache();
   GenerateOptions o;
   o.max_new_tokens = max_new_tokens;
-  o.sampling = sp;
+  o.sampling = g.sampling;
   o.eos_ids = model_eos_ids(model_dir, model->cfg, tok.get());
-  o.stop = stop;
+  o.stop = g.stop;
   o.max_positions = model->cfg.max_position_embeddings;
   o.chat_reply = chat;
 
@@ -109,7 +94,7 @@ int run_generate(int argc, char** argv) {
   }
   GenerateResult r;
   if (!prompt_ids.empty()) {
-    if (!stop.empty() && !tok) fail("--stop needs a tokenizer");
+    if (!g.stop.empty() && !tok) fail("--stop needs a tokenizer");
     const std::vector<int32_t> ids = parse_ids(prompt_ids);
     r = generate(decoder, cache, ids, o, tok.get());
     for (size_t i = 0; i < r.tokens.size(); i++) std::printf("%s%d", i ? "," : "", r.tokens[i]);
