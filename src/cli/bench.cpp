@@ -14,8 +14,10 @@
 #include <CLI/CLI.hpp>
 #include <omp.h>
 
+#include "cli/bench_model_shape.h"
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/stats.h"
 #include "core/profile.h"
 #include "core/rng.h"
 #include "cuda/commands.h"
@@ -34,12 +36,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 double peak_rss_mib() {
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
@@ -49,7 +45,7 @@ double peak_rss_mib() {
 int run_bench_train(int argc, char** argv) {
   CLI::App app{"Train a model for a few steps on random tokens and report throughput and MFU.", "moetron bench train"};
   std::string model_dir;
-  int hidden = 512, layers = 4, heads = 8, kv_heads = 2, experts = 8, top_k = 2, inter = 1408, vocab = 32000;
+  BenchModelShape shape;
   int seq = 512, micro_batch = 4, steps = 5, warmup = 1, threads = 0, sgemm_n = 2048;
   bool json = false, profile = false;
   std::string device = "cpu";
@@ -59,14 +55,7 @@ int run_bench_train(int argc, char** argv) {
   app.add_option("--grad-accum", cuda_opts.grad_accum, "micro-batches per optimizer step (--device cuda)");
   app.add_option("--peak-tflops", cuda_opts.peak_tflops, "dense bf16 peak for the MFU (--device cuda; H100/H200: 989)");
   app.add_option("--model", model_dir, "take the model shape from this HF directory's config.json instead");
-  app.add_option("--hidden", hidden);
-  app.add_option("--layers", layers);
-  app.add_option("--heads", heads);
-  app.add_option("--kv-heads", kv_heads);
-  app.add_option("--experts", experts, "0 for a dense (Mistral) model");
-  app.add_option("--top-k", top_k);
-  app.add_option("--intermediate", inter);
-  app.add_option("--vocab", vocab);
+  add_model_shape_options(app, shape);
   app.add_option("--seq", seq);
   app.add_option("--micro-batch", micro_batch);
   app.add_option("--steps", steps, "timed steps");
@@ -89,23 +78,7 @@ int run_bench_train(int argc, char** argv) {
   if (!model_dir.empty()) {
     cfg = load_model_config((std::filesystem::path(model_dir) / "config.json").string());
   } else {
-    nlohmann::json j = {{"architectures", {experts > 0 ? "MixtralForCausalLM" : "MistralForCausalLM"}},
-                        {"model_type", experts > 0 ? "mixtral" : "mistral"},
-                        {"vocab_size", vocab},
-                        {"hidden_size", hidden},
-                        {"intermediate_size", inter},
-                        {"num_hidden_layers", layers},
-                        {"num_attention_heads", heads},
-                        {"num_key_value_heads", kv_heads},
-                        {"rms_norm_eps", 1e-5},
-                        {"rope_theta", 1e6},
-                        {"router_aux_loss_coef", 0.02},
-                        {"tie_word_embeddings", false}};
-    if (experts > 0) {
-      j["num_local_experts"] = experts;
-      j["num_experts_per_tok"] = top_k;
-    }
-    cfg = model_config_from_json(j, "bench train flags");
+    cfg = bench_model_config(shape, "bench train flags");
   }
   if (device == "cuda") {
     cuda_opts.seq = seq;
@@ -119,11 +92,8 @@ int run_bench_train(int argc, char** argv) {
   if (cuda_opts.grad_accum != 1) fail("--grad-accum is implemented for --device cuda only");
 
   const int nthreads = omp_get_max_threads();
-  std::printf("bench train: %s hidden %d, %d layers, %d heads (%d kv), experts %d top-%d, intermediate %d, "
-              "vocab %d, seq %d, micro-batch %d, %d threads\n",
-              cfg.architecture.c_str(), cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
-              cfg.num_key_value_heads, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
-              cfg.vocab_size, seq, micro_batch, nthreads);
+  std::printf("bench train: %s, seq %d, micro-batch %d, %d threads\n", describe_model_shape(cfg).c_str(), seq,
+              micro_batch, nthreads);
   double peak = ops::measure_sgemm_gflops(sgemm_n, 8);
   std::printf("BLAS: %s, kernels %s (core type from %s)\n", ops::blas_library().path.c_str(),
               ops::blas_library().core_name.c_str(), ops::blas_library().coretype_source.c_str());

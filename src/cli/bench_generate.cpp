@@ -15,8 +15,10 @@
 #include <CLI/CLI.hpp>
 #include <omp.h>
 
+#include "cli/bench_model_shape.h"
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/stats.h"
 #include "core/rng.h"
 #include "infer/decoder.h"
 #include "infer/model.h"
@@ -29,30 +31,19 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 }  // namespace
 
 int run_bench_generate(int argc, char** argv) {
   CLI::App app{"Prefill and decode tokens/s of moetron's KV-cache generation (greedy) on one sequence.",
                "moetron bench generate"};
   std::string model_dir;
-  int hidden = 256, layers = 4, heads = 8, kv_heads = 2, experts = 8, top_k = 2, inter = 512, vocab = 32000;
+  BenchModelShape shape;
+  shape.hidden = 256;
+  shape.intermediate = 512;
   int prompt_tokens = 128, new_tokens = 64, runs = 3, threads = 0;
   bool json = false;
   app.add_option("--model", model_dir, "HF model directory (default: a random model of the shape below)");
-  app.add_option("--hidden", hidden);
-  app.add_option("--layers", layers);
-  app.add_option("--heads", heads);
-  app.add_option("--kv-heads", kv_heads);
-  app.add_option("--experts", experts, "0 for a dense (Mistral) model");
-  app.add_option("--top-k", top_k);
-  app.add_option("--intermediate", inter);
-  app.add_option("--vocab", vocab);
+  add_model_shape_options(app, shape);
   app.add_option("--prompt-tokens", prompt_tokens, "prompt length");
   app.add_option("--new-tokens", new_tokens, "tokens generated per run");
   app.add_option("--runs", runs, "timed runs (after one warm-up)");
@@ -73,31 +64,12 @@ int run_bench_generate(int argc, char** argv) {
   if (!model_dir.empty()) {
     model = load_inference_model(model_dir);
   } else {
-    nlohmann::json j = {{"architectures", {experts > 0 ? "MixtralForCausalLM" : "MistralForCausalLM"}},
-                        {"model_type", experts > 0 ? "mixtral" : "mistral"},
-                        {"vocab_size", vocab},
-                        {"hidden_size", hidden},
-                        {"intermediate_size", inter},
-                        {"num_hidden_layers", layers},
-                        {"num_attention_heads", heads},
-                        {"num_key_value_heads", kv_heads},
-                        {"max_position_embeddings", 4096},
-                        {"rms_norm_eps", 1e-5},
-                        {"rope_theta", 1e6},
-                        {"tie_word_embeddings", false}};
-    if (experts > 0) {
-      j["num_local_experts"] = experts;
-      j["num_experts_per_tok"] = top_k;
-    }
-    model = std::make_unique<InferenceModel>(model_config_from_json(j, "bench generate flags"));
+    model = std::make_unique<InferenceModel>(bench_model_config(shape, "bench generate flags"));
     init_parameters(model->table, model->cfg, 1234, model->params.data());
   }
   const ModelConfig& cfg = model->cfg;
-  std::printf("bench generate: %s hidden %d, %d layers, %d heads (%d kv), experts %d top-%d, intermediate %d, "
-              "vocab %d; prompt %d, new tokens %d, %d threads\n",
-              cfg.architecture.c_str(), cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
-              cfg.num_key_value_heads, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
-              cfg.vocab_size, prompt_tokens, new_tokens, omp_get_max_threads());
+  std::printf("bench generate: %s; prompt %d, new tokens %d, %d threads\n", describe_model_shape(cfg).c_str(),
+              prompt_tokens, new_tokens, omp_get_max_threads());
   std::printf("weights: fp32%s\n", model->params_bf16.empty() ? ""
                                                                : " (a bf16 checkpoint: decoding reads the bf16 copy)");
   // The prompt bench/hf_generate.py uses: BOS, then ids 3 + mix64(i * 7919 + 17) % (V - 3).

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/stats.h"
 #include "core/profile.h"
 #include "core/rng.h"
 #include "cuda/model.h"
@@ -18,12 +19,6 @@ namespace moetron::gpu {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 

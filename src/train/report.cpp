@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/stats.h"
 
 namespace moetron {
 
@@ -200,13 +201,6 @@ std::string fmt_tick(double v, double step) {
   if (v != 0 && (a >= 1e6 || step < 1e-3)) return tidy_exponent(fmt::format("{:.2g}", v));
   const int decimals = std::max(0, (int)-std::floor(std::log10(step) + 1e-9));
   return fmt::format("{:.{}f}", v, decimals);
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return std::nan("");
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 // 1, 2 or 5 times a power of ten, near `raw`.

@@ -1,0 +1,48 @@
+#include "cli/bench_model_shape.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+namespace moetron::cli {
+
+void add_model_shape_options(CLI::App& app, BenchModelShape& s) {
+  app.add_option("--hidden", s.hidden);
+  app.add_option("--layers", s.layers);
+  app.add_option("--heads", s.heads);
+  app.add_option("--kv-heads", s.kv_heads);
+  app.add_option("--experts", s.experts, "0 for a dense (Mistral) model");
+  app.add_option("--top-k", s.top_k);
+  app.add_option("--intermediate", s.intermediate);
+  app.add_option("--vocab", s.vocab);
+}
+
+ModelConfig bench_model_config(const BenchModelShape& s, const std::string& where) {
+  const bool moe = s.experts > 0;
+  nlohmann::json j = {{"architectures", {moe ? "MixtralForCausalLM" : "MistralForCausalLM"}},
+                      {"model_type", moe ? "mixtral" : "mistral"},
+                      {"vocab_size", s.vocab},
+                      {"hidden_size", s.hidden},
+                      {"intermediate_size", s.intermediate},
+                      {"num_hidden_layers", s.layers},
+                      {"num_attention_heads", s.heads},
+                      {"num_key_value_heads", s.kv_heads},
+                      {"max_position_embeddings", 32768},
+                      {"rms_norm_eps", 1e-5},
+                      {"rope_theta", 1e6},
+                      {"router_aux_loss_coef", 0.02},
+                      {"tie_word_embeddings", false}};
+  if (moe) {
+    j["num_local_experts"] = s.experts;
+    j["num_experts_per_tok"] = s.top_k;
+  }
+  return model_config_from_json(j, where);
+}
+
+std::string describe_model_shape(const ModelConfig& cfg) {
+  return fmt::format("{} hidden {}, {} layers, {} heads ({} kv), experts {} top-{}, intermediate {}, vocab {}",
+                     cfg.architecture, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                     cfg.num_key_value_heads, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
+                     cfg.vocab_size);
+}
+
+}  // namespace moetron::cli
