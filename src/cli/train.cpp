@@ -50,11 +50,15 @@ int run_train(int argc, char** argv) {
   }
   if (!fail_at.empty()) {
     const size_t colon = fail_at.find(':');
+    // The halves live until the end checks (strtol's end pointers point into them).
+    const std::string rank_text = colon == std::string::npos ? "" : fail_at.substr(0, colon);
+    const std::string step_text = colon == std::string::npos ? "" : fail_at.substr(colon + 1);
     char* e1 = nullptr;
     char* e2 = nullptr;
-    const long rank = colon == std::string::npos ? -1 : std::strtol(fail_at.substr(0, colon).c_str(), &e1, 10);
-    const long step = colon == std::string::npos ? -1 : std::strtol(fail_at.substr(colon + 1).c_str(), &e2, 10);
-    if (colon == std::string::npos || *e1 != '\0' || *e2 != '\0' || rank < 0 || step < 1) {
+    const long rank = std::strtol(rank_text.c_str(), &e1, 10);
+    const long step = std::strtol(step_text.c_str(), &e2, 10);
+    if (colon == std::string::npos || rank_text.empty() || step_text.empty() || *e1 != '\0' || *e2 != '\0' ||
+        rank < 0 || step < 1) {
       std::fprintf(stderr, "moetron train: --debug-fail: '%s' is not RANK:STEP (e.g. 2:3)\n", fail_at.c_str());
       return 2;
     }
