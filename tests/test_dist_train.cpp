@@ -113,6 +113,10 @@ TEST_F(DistTrain, ExpertParallel2MatchesOneProcess) { expect_equivalent("ep2dp2"
 TEST_F(DistTrain, ExpertParallel4MatchesOneProcess) { expect_equivalent("ep4dp4", 4, 1, 4); }
 // edp 2: the expert gradients are summed, and their optimizer state sharded, over two ranks.
 TEST_F(DistTrain, ExpertParallel2OfDataParallel4MatchesOneProcess) { expect_equivalent("ep2dp4", 4, 1, 2); }
+// Without ZeRO-1: bucketed all-reduces (experts over edp 2), every rank updating its whole sets.
+TEST_F(DistTrain, ExpertParallelWithoutZero1MatchesOneProcess) {
+  expect_equivalent_to(reference(), "ep2dp4_plain", 4, {"parallel.ep=2", "parallel.zero1=false"});
+}
 TEST_F(DistTrain, TensorExpertAndDataParallel2x2x2MatchOneProcess) { expect_equivalent("tp2ep2dp2", 2, 2, 2); }
 
 // Skewed routing: a router bias makes every token choose experts 0 and 1, so under ep 2 the rank
