@@ -12,7 +12,8 @@
 // it none); a checkpoint written at (ep 2, dp 2) resumes at (1, 1) and at (ep 2, dp 4); an HF
 // directory read under ep 2 (each rank reads its experts) matches one process; a layout whose ep
 // does not divide dp, or the number of experts, fails before any work with exit status 2 and a
-// message naming parallel.ep.
+// message naming parallel.ep; a capacity factor drops the same assignments under ep as in one
+// process.
 //
 // The tolerances are fp32 reduction order: a layout sums the same gradients in another order
 // (micro-batches across ranks, partial sums of row-parallel matmuls and of the vocabulary-parallel
@@ -139,6 +140,21 @@ TEST_F(DistTrain, ExpertParallelWithAnIdleExpertRankMatchesOneProcess) {
         EXPECT_EQ(layer["shares"][3].get<double>(), 0.0) << run;
       }
   }
+}
+
+// A capacity limit (moe.capacity_factor) drops the overflow of each expert per micro-batch, on the
+// token's own rank before the exchange: the dropped fraction is reported, and ep 2 (and tp 2 x ep 2)
+// drop what one process drops.
+TEST_F(DistTrain, ExpertParallelWithCapacityFactorMatchesOneProcess) {
+  const std::string cf = "moe.capacity_factor=0.75";
+  const fs::path ref = train("ref_cap", 0, {cf});
+  double max_dropped = 0;
+  for (const auto& step : read_metrics(ref, "moe"))
+    for (const auto& layer : step["moe"]) max_dropped = std::max(max_dropped, layer["dropped_fraction"].get<double>());
+  EXPECT_GT(max_dropped, 0.05);
+  EXPECT_LT(max_dropped, 0.5);
+  expect_equivalent_to(ref, "ep2_cap", 2, {"parallel.ep=2", cf});
+  expect_equivalent_to(ref, "tp2ep2_cap", 4, {"parallel.ep=2", "parallel.tp=2", cf});
 }
 
 // Layouts that cannot work fail before any work: exit 2, a one-line message naming the field.

@@ -3,7 +3,9 @@
 #include "model/mixtral.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <tuple>
 
 #include "core/error.h"
 #include "dist/comm.h"
@@ -97,6 +99,35 @@ void MixtralModel::set_router_bias(std::vector<float> bias) {
   if (!bias.empty() && (!cfg_.is_moe() || (int)bias.size() != cfg_.num_local_experts))
     fail("router bias: {} values for a model of {} experts", bias.size(), cfg_.is_moe() ? cfg_.num_local_experts : 0);
   router_bias_ = std::move(bias);
+}
+
+long MixtralModel::apply_capacity(LayerActs& a, const uint8_t* token_mask, long N, int E, int K) {
+  long real = 0;
+  for (long n = 0; n < N; n++) real += token_mask == nullptr || token_mask[n];
+  const long cap = (long)std::ceil(capacity_factor_ * (double)real * K / E);
+  // Assignments per expert, best first: real tokens, then higher probability, then earlier.
+  std::vector<std::vector<int64_t>> by_expert(E);
+  for (long i = 0; i < N * K; i++) by_expert[a.topk_idx[i]].push_back(i);
+  std::vector<int32_t> idx(a.topk_idx, a.topk_idx + N * K);
+  a.combine_w.assign(a.topk_w, a.topk_w + N * K);
+  long dropped = 0;
+  for (int e = 0; e < E; e++) {
+    std::vector<int64_t>& v = by_expert[e];
+    if ((long)v.size() <= cap) continue;
+    auto key = [&](int64_t i) {
+      const long n = i / K;
+      return std::tuple<int, float, int64_t>(token_mask == nullptr || token_mask[n] ? 0 : 1, -a.rprobs[n * E + e], i);
+    };
+    std::stable_sort(v.begin(), v.end(), [&](int64_t x, int64_t y) { return key(x) < key(y); });
+    for (size_t j = (size_t)cap; j < v.size(); j++) {
+      idx[v[j]] = E;  // the overflow expert
+      a.combine_w[v[j]] = 0.0f;
+      dropped += token_mask == nullptr || token_mask[v[j] / K];
+    }
+  }
+  ops::moe_plan_build(a.plan, idx.data(), N, E + 1, K);
+  a.plan.overflow = 1;
+  return dropped;
 }
 
 void MixtralModel::ep_dispatch(LayerActs& a, int C, int El) {
@@ -338,6 +369,7 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
 
   const int L = cfg_.num_hidden_layers;
   router_stats_.assign(moe ? L : 0, ops::RouterLayerStats{});
+  dropped_.assign(moe ? L : 0, 0);
 
   {
     ScopedTimer t(profile_, "fwd.embedding");
@@ -401,7 +433,12 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
             for (int e = 0; e < E; e++) a.rlogits[n * E + e] += router_bias_[e];
         ops::router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, N, E, K);
         ops::router_layer_stats(router_stats_[l], a.rlogits, a.rprobs, a.topk_idx, tmask, N, E, K);
-        ops::moe_plan_build(a.plan, a.topk_idx, N, E, K);
+        if (capacity_factor_ > 0) {
+          dropped_[l] = apply_capacity(a, tmask, N, E, K);
+        } else {
+          ops::moe_plan_build(a.plan, a.topk_idx, N, E, K);
+          a.plan.overflow = 0;
+        }
       }
       {
         ScopedTimer t(profile_, "fwd.moe_permute");
@@ -424,9 +461,12 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
         }
         ep_return(a.yperm, ep_dy_.data(), a.ep, C);
       }
+      // Dropped rows (capacity) computed nothing: their outputs are zeros.
+      const long kept = a.plan.expert_offsets[E];
+      std::fill(a.yperm + kept * C, a.yperm + N * K * C, 0.0f);
       {
         ScopedTimer t(profile_, "fwd.moe_permute");
-        ops::moe_combine_forward(x_next, a.yperm, a.topk_w, a.plan, C);
+        ops::moe_combine_forward(x_next, a.yperm, a.plan.overflow ? a.combine_w.data() : a.topk_w, a.plan, C);
       }
     } else {
       ScopedTimer t(profile_, "fwd.experts");
@@ -518,7 +558,8 @@ void MixtralModel::backward() {
     if (moe) {
       {
         ScopedTimer t(profile_, "bwd.moe_permute");
-        ops::moe_combine_backward(dyperm_, dtopk_, dres_, a.yperm, a.topk_w, a.plan, C);
+        ops::moe_combine_backward(dyperm_, dtopk_, dres_, a.yperm, a.plan.overflow ? a.combine_w.data() : a.topk_w,
+                                  a.plan, C);
       }
       // yperm is this rank's partial expert output, so the routing-weight gradient is partial too.
       if (tp_on()) tp_all_reduce(dtopk_, N * K);
@@ -541,6 +582,10 @@ void MixtralModel::backward() {
                                     a.ep.act.data(), a.ep.x.data(), w13, w2, a.ep.plan, C, I);
         }
         ep_return(dxperm_, ep_dx_.data(), a.ep, C);
+      }
+      {
+        const long kept = a.plan.expert_offsets[E];  // dropped rows pass no gradient to the input
+        std::fill(dxperm_ + kept * C, dxperm_ + N * K * C, 0.0f);
       }
       {
         ScopedTimer t(profile_, "bwd.moe_permute");

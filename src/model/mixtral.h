@@ -121,6 +121,15 @@ class MixtralModel {
   // gradient is unchanged: the bias is a constant).  Empty: none.
   void set_router_bias(std::vector<float> bias);
 
+  // Capacity (DESIGN §4): with factor f > 0, each expert of a layer takes at most
+  // ceil(f * real tokens * K / E) assignments of a micro-batch (per rank, before any expert-parallel
+  // exchange); the overflow is dropped, padding first, then the lowest router probability (ties:
+  // the later token).  A dropped assignment contributes nothing to the token's output (the other
+  // weights are not renormalised).  0: dropless (the default).
+  void set_capacity_factor(double f) { capacity_factor_ = f; }
+  // Per MoE layer of the last forward: assignments of real tokens dropped by the capacity limit.
+  const std::vector<long>& dropped() const { return dropped_; }
+
  private:
   // The expert-parallel exchange of one MoE layer (ep > 1).  Rows received are kept twice over:
   // in source-major order (as they arrive: source rank, then local expert) and in expert-major
@@ -138,6 +147,7 @@ class MixtralModel {
     float *xperm, *h13, *act, *yperm;
     ops::MoePlan plan;
     EpLayer ep;
+    std::vector<float> combine_w;  // [N,K] topk_w with 0 for dropped assignments (capacity only)
   };
   // The dimension letters of this model (E = K = 1 for a dense FFN), per tensor-parallel rank:
   // V, I, NH, NKV, Q, KVd are this rank's parts (the whole model when tp = 1).
@@ -166,6 +176,11 @@ class MixtralModel {
   dist::Comm* ep_ = nullptr;
   int ep_size_ = 1;
   std::vector<float> router_bias_;
+  double capacity_factor_ = 0.0;
+  std::vector<long> dropped_;
+  // Drops the overflow of layer a (capacity_factor_ > 0): builds a.plan with an overflow expert
+  // and a.combine_w; returns the dropped assignments of real tokens.
+  long apply_capacity(LayerActs& a, const uint8_t* token_mask, long N, int E, int K);
   // Expert-parallel scratch: one message in source-major order, and expert-major gradients.
   std::vector<float> ep_buf_, ep_dy_, ep_dx_, ep_scratch_;
   std::unique_ptr<dist::Comm> kv_comm_;  // ranks sharing a replicated kv head (NKV < tp)

@@ -133,8 +133,9 @@ std::string format_duration(double s) {
   return fmt::format("{}s", t);
 }
 
-// Per MoE layer telemetry over one step: each expert's share of the routed assignments.
-nlohmann::json moe_telemetry(const std::vector<std::vector<double>>& assigned) {
+// Per MoE layer telemetry over one step: each expert's share of the routed assignments, and the
+// fraction of them a capacity limit dropped.
+nlohmann::json moe_telemetry(const std::vector<std::vector<double>>& assigned, const std::vector<double>& dropped) {
   nlohmann::json layers = nlohmann::json::array();
   for (size_t l = 0; l < assigned.size(); l++) {
     const std::vector<double>& a = assigned[l];
@@ -155,7 +156,7 @@ nlohmann::json moe_telemetry(const std::vector<std::vector<double>>& assigned) {
                       {"max_share", mx},
                       {"min_share", mn},
                       {"cv", std::sqrt(var / a.size()) / mean},
-                      {"dropped_fraction", 0.0}});
+                      {"dropped_fraction", dropped[l] / total}});
   }
   return layers;
 }
@@ -237,7 +238,6 @@ void Training::setup() {
   grid_.emplace(*world_, cfg_.parallel.tp, cfg_.parallel.pp, cfg_.parallel.ep);
   const dist::GridShape& gs = grid_->shape();
   if (cfg_.model.dtype != "fp32") fail("model.dtype: '{}' is not supported on CPU; use fp32", cfg_.model.dtype);
-  if (cfg_.moe.capacity_factor) fail("moe.capacity_factor: token dropping is not implemented yet; use null (dropless)");
 
   // Model config: from the init directory or from model.config.
   if (cfg_.model.init == "random") {
@@ -315,6 +315,7 @@ void Training::setup() {
 
   model_.emplace(mcfg_, &grid_->tp(), &grid_->ep());
   if (!options_.router_bias.empty()) model_->set_router_bias(options_.router_bias);
+  if (cfg_.moe.capacity_factor) model_->set_capacity_factor(*cfg_.moe.capacity_factor);
   AdamWConfig ac;
   ac.lr = cfg_.train.lr;
   ac.beta1 = cfg_.train.adam_beta1;
@@ -502,6 +503,7 @@ StepResult Training::train_step(long step) {
   model_->zero_grads();
   const int L = mcfg_.num_hidden_layers, E = mcfg_.is_moe() ? mcfg_.num_local_experts : 0;
   std::vector<std::vector<double>> assigned(mcfg_.is_moe() ? L : 0, std::vector<double>(E, 0.0));
+  std::vector<double> dropped(assigned.size(), 0.0);
   for (const Batch& b : micro_) {
     const Losses l = model_->forward(b, weights_);
     model_->backward();
@@ -509,8 +511,10 @@ StepResult Training::train_step(long step) {
     r.ce_loss += l.ce_loss;
     r.aux_loss += l.aux_loss / (double)active;
     r.z_loss += l.z_loss / (double)active;
-    for (int i = 0; i < (int)model_->router_stats().size(); i++)
+    for (int i = 0; i < (int)model_->router_stats().size(); i++) {
       for (int e = 0; e < E; e++) assigned[i][e] += model_->router_stats()[i].assigned[e];
+      dropped[i] += (double)model_->dropped()[i];
+    }
   }
   // Sums over the data-parallel ranks (tensor-parallel ranks hold identical values).
   double sums[4] = {r.loss, r.ce_loss, r.aux_loss, r.z_loss};
@@ -520,7 +524,8 @@ StepResult Training::train_step(long step) {
   r.aux_loss = sums[2];
   r.z_loss = sums[3];
   for (auto& a : assigned) grid_->dp().all_reduce(a.data(), a.size());
-  last_moe_ = moe_telemetry(assigned);
+  if (!dropped.empty()) grid_->dp().all_reduce(dropped.data(), dropped.size());
+  last_moe_ = moe_telemetry(assigned, dropped);
   // Gradients: replicated kv heads over their tp ranks, then everything over dp (experts over edp).
   model_->reduce_replicated_grads();
   reduce_gradients();
