@@ -6,14 +6,14 @@
 // from an HF directory at tp 2 matches one process.
 //
 // Expert parallelism (ep dividing dp; each ep rank holds E/ep experts, tokens travel by all-to-all):
-// (ep 2, dp 2), (ep 4, dp 4), (ep 2, dp 4: experts reduced and ZeRO-sharded over edp 2) and
-// (tp 2, ep 2, dp 2) match one process the same way; so does a run whose router is biased so that
-// every token picks experts 0 and 1 (ep rank 1's experts receive no token at all, every rank sends
-// it none); a checkpoint written at (ep 2, dp 2) resumes at (1, 1) and at (ep 2, dp 4); an HF
-// directory read under ep 2 (each rank reads its experts) matches one process; a layout whose ep
-// does not divide dp, or the number of experts, fails before any work with exit status 2 and a
-// message naming parallel.ep; a capacity factor drops the same assignments under ep as in one
-// process.
+// (ep 2, dp 2), (ep 4, dp 4), (ep 2, dp 4: experts reduced and ZeRO-sharded over edp 2, with and
+// without ZeRO-1) and (tp 2, ep 2, dp 2) match one process the same way; so does a run whose router
+// is biased so that every token picks experts 0 and 1 (ep rank 1's experts receive no token at all,
+// every rank sends it none); a checkpoint written at (ep 2, dp 2) resumes at (1, 1), (ep 2, dp 4)
+// and (tp 2, ep 2, dp 2); an HF directory read under ep 2 (each rank reads its experts) matches one
+// process; a layout whose ep does not divide dp, or the number of experts, fails before any work
+// with exit status 2 and a message naming parallel.ep; a capacity factor drops the same
+// assignments under ep (and tp x ep) as in one process.
 //
 // The tolerances are fp32 reduction order: a layout sums the same gradients in another order
 // (micro-batches across ranks, partial sums of row-parallel matmuls and of the vocabulary-parallel
@@ -171,8 +171,9 @@ TEST_F(DistTrain, ExpertParallelBadLayoutsFailNamingTheField) {
   EXPECT_FALSE(fs::exists(b / "metrics.jsonl"));
 }
 
-// A checkpoint written under expert parallelism holds every expert: it resumes at (1, 1) and at
-// (ep 2, dp 4) with the losses (and final weights) of continuing at (ep 2, dp 2).
+// A checkpoint written under expert parallelism holds every expert: it resumes at (1, 1), at
+// (ep 2, dp 4) and at (tp 2, ep 2, dp 2) with the losses (and final weights) of continuing at
+// (ep 2, dp 2).
 TEST_F(DistTrain, ExpertParallelCheckpointResumesUnderAnotherLayout) {
   const fs::path a = train("a_ep2", 2, {"parallel.ep=2"});
   const fs::path ckpt = a / "checkpoints" / "step-000005";
@@ -182,8 +183,12 @@ TEST_F(DistTrain, ExpertParallelCheckpointResumesUnderAnotherLayout) {
   want.erase(want.begin(), want.begin() + 5);
   const auto want_w = read_tensors(a / "checkpoints" / "step-000010", "model");
   ASSERT_TRUE(want_w.count("model.layers.1.block_sparse_moe.experts.3.w2.weight"));
-  for (const auto& [name, np, ep] : {std::tuple<std::string, int, int>{"b_ep_1x1", 0, 1}, {"c_ep2dp4", 4, 2}}) {
-    const fs::path run = train(name, np, {"parallel.ep=" + std::to_string(ep), "checkpoint.resume=" + ckpt.string()});
+  for (const auto& [name, np, ep, tp] : {std::tuple<std::string, int, int, int>{"b_ep_1x1", 0, 1, 1},
+                                         {"c_ep2dp4", 4, 2, 1},
+                                         {"d_tp2ep2dp2", 4, 2, 2}}) {
+    const fs::path run = train(name, np,
+                               {"parallel.ep=" + std::to_string(ep), "parallel.tp=" + std::to_string(tp),
+                                "checkpoint.resume=" + ckpt.string()});
     expect_same_losses(losses(run), want, 6, name);
     const auto got_w = read_tensors(run / "checkpoints" / "step-000010", "model");
     ASSERT_EQ(got_w.size(), want_w.size());
