@@ -25,11 +25,14 @@ int run_train(int argc, char** argv) {
   TrainOptions options;
   app.add_option("-c,--config", config, "YAML config file")->required();
   app.add_option("overrides", overrides, "key=value overrides of config entries");
-  std::string nan_steps, fail_at;
+  std::string nan_steps, fail_at, router_bias;
   app.add_option("--debug-inject-nan", nan_steps,
                  "STEP[,STEP...]: make the gradient of these steps NaN (tests the divergence handling)");
   app.add_option("--debug-fail", fail_at,
                  "RANK:STEP: world rank RANK fails with an error at step STEP (tests the failure handling)");
+  app.add_option("--debug-router-bias", router_bias,
+                 "B0,B1,...: add these constants to the router logits of every MoE layer, one per expert (tests "
+                 "skewed routing)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -46,6 +49,19 @@ int run_train(int argc, char** argv) {
       return 2;
     }
     options.inject_nan_steps.push_back(v);
+    pos = end + 1;
+  }
+  for (size_t pos = 0; pos < router_bias.size();) {
+    size_t end = router_bias.find(',', pos);
+    if (end == std::string::npos) end = router_bias.size();
+    const std::string item = router_bias.substr(pos, end - pos);
+    char* stop = nullptr;
+    const double v = std::strtod(item.c_str(), &stop);
+    if (item.empty() || *stop != '\0') {
+      std::fprintf(stderr, "moetron train: --debug-router-bias: '%s' is not a number\n", item.c_str());
+      return 2;
+    }
+    options.router_bias.push_back((float)v);
     pos = end + 1;
   }
   if (!fail_at.empty()) {

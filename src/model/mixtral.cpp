@@ -3,7 +3,9 @@
 #include "model/mixtral.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <tuple>
 
 #include "core/error.h"
 #include "dist/comm.h"
@@ -42,19 +44,33 @@ long count_loss_tokens(const Batch& b) {
 
 namespace {
 
-ParamShard tp_shard(dist::Comm* tp) {
+ParamShard model_shard(const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep) {
   ParamShard s;
   if (tp != nullptr) {
     s.tp_rank = tp->rank();
     s.tp_size = tp->size();
+  }
+  if (ep != nullptr && ep->size() > 1) {
+    const int E = cfg.is_moe() ? cfg.num_local_experts : 1;
+    if (!cfg.is_moe()) fail("parallel.ep: ep {} needs an MoE model (num_local_experts is 0)", ep->size());
+    if (E % ep->size() != 0)
+      fail("parallel.ep: ep {} does not divide num_local_experts {}", ep->size(), E);
+    const int El = E / ep->size();
+    s.expert_begin = ep->rank() * El;
+    s.expert_end = (ep->rank() + 1) * El;
   }
   return s;
 }
 
 }  // namespace
 
-MixtralModel::MixtralModel(const ModelConfig& cfg, dist::Comm* tp)
-    : cfg_(cfg), tp_(tp), tp_size_(tp ? tp->size() : 1), table_(cfg, tp_shard(tp)) {
+MixtralModel::MixtralModel(const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep)
+    : cfg_(cfg),
+      tp_(tp),
+      tp_size_(tp ? tp->size() : 1),
+      ep_(ep),
+      ep_size_(ep ? ep->size() : 1),
+      table_(cfg, model_shard(cfg, tp, ep)) {
   const int NKV = cfg_.num_key_value_heads;
   if (tp_on() && NKV < tp_size_)
     kv_comm_ = tp_->split(tp_->rank() / (tp_size_ / NKV), tp_->rank(), "tp-kv");
@@ -78,6 +94,113 @@ void MixtralModel::reduce_replicated_grads() {
       const ParamSpec& s = table_.at(k, l);
       kv_comm_->all_reduce(grads_.data() + s.offset, s.numel);
     }
+}
+
+void MixtralModel::set_router_bias(std::vector<float> bias) {
+  if (!bias.empty() && (!cfg_.is_moe() || (int)bias.size() != cfg_.num_local_experts))
+    fail("router bias: {} values for a model of {} experts", bias.size(), cfg_.is_moe() ? cfg_.num_local_experts : 0);
+  router_bias_ = std::move(bias);
+}
+
+long MixtralModel::apply_capacity(LayerActs& a, const uint8_t* token_mask, long N, int E, int K) {
+  long real = 0;
+  for (long n = 0; n < N; n++) real += token_mask == nullptr || token_mask[n];
+  const long cap = (long)std::ceil(capacity_factor_ * (double)real * K / E);
+  // Assignments per expert, best first: real tokens, then higher probability, then earlier.
+  std::vector<std::vector<int64_t>> by_expert(E);
+  for (long i = 0; i < N * K; i++) by_expert[a.topk_idx[i]].push_back(i);
+  std::vector<int32_t> idx(a.topk_idx, a.topk_idx + N * K);
+  a.combine_w.assign(a.topk_w, a.topk_w + N * K);
+  long dropped = 0;
+  for (int e = 0; e < E; e++) {
+    std::vector<int64_t>& v = by_expert[e];
+    if ((long)v.size() <= cap) continue;
+    auto key = [&](int64_t i) {
+      const long n = i / K;
+      return std::tuple<int, float, int64_t>(token_mask == nullptr || token_mask[n] ? 0 : 1, -a.rprobs[n * E + e], i);
+    };
+    std::stable_sort(v.begin(), v.end(), [&](int64_t x, int64_t y) { return key(x) < key(y); });
+    for (size_t j = (size_t)cap; j < v.size(); j++) {
+      idx[v[j]] = E;  // the overflow expert
+      a.combine_w[v[j]] = 0.0f;
+      dropped += token_mask == nullptr || token_mask[v[j] / K];
+    }
+  }
+  ops::moe_plan_build(a.plan, idx.data(), N, E + 1, K);
+  a.plan.overflow = 1;
+  return dropped;
+}
+
+void MixtralModel::ep_dispatch(LayerActs& a, int C, int El) {
+  ScopedTimer t(profile_, "ep.all_to_all");
+  const int P = ep_size_;
+  EpLayer& ep = a.ep;
+  // Rows per (owner rank, local expert), exchanged: recv[s * El + j] rows arrive from rank s for
+  // local expert j.
+  std::vector<int64_t> send(P * El), recv(P * El);
+  for (int e = 0; e < P * El; e++) send[e] = a.plan.expert_offsets[e + 1] - a.plan.expert_offsets[e];
+  const std::vector<size_t> per_peer(P, (size_t)El);
+  ep_->all_to_all_v(recv.data(), per_peer, send.data(), per_peer, dist::CommDType::i64);
+  ep.send_rows.assign(P, 0);
+  ep.recv_rows.assign(P, 0);
+  std::vector<int64_t> expert_rows(El, 0);
+  for (int p = 0; p < P; p++)
+    for (int j = 0; j < El; j++) {
+      ep.send_rows[p] += (size_t)send[p * El + j];
+      ep.recv_rows[p] += (size_t)recv[p * El + j];
+      expert_rows[j] += recv[p * El + j];
+    }
+  int64_t Mr = 0;
+  for (int j = 0; j < El; j++) Mr += expert_rows[j];
+  // The local plan: experts in order, each over its rows from every source in rank order.
+  ops::MoePlan& lp = ep.plan;
+  lp.N = Mr;
+  lp.E = El;
+  lp.K = 1;
+  lp.expert_offsets.assign(El + 1, 0);
+  for (int j = 0; j < El; j++) lp.expert_offsets[j + 1] = lp.expert_offsets[j] + expert_rows[j];
+  lp.row_token.resize(Mr);
+  lp.row_of.resize(Mr);
+  for (int64_t m = 0; m < Mr; m++) lp.row_token[m] = lp.row_of[m] = (int32_t)m;
+  ep.perm.resize(Mr);
+  std::vector<int64_t> cursor(lp.expert_offsets.begin(), lp.expert_offsets.end() - 1);
+  int64_t i = 0;
+  for (int s = 0; s < P; s++)
+    for (int j = 0; j < El; j++)
+      for (int64_t r = 0; r < recv[s * El + j]; r++) ep.perm[i++] = cursor[j]++;
+  ep.x.resize((size_t)Mr * C);
+  ep_send(ep.x.data(), a.xperm, ep, C);
+}
+
+void MixtralModel::ep_send(float* out_local, const float* in, const EpLayer& ep, int C) {
+  const int P = ep_size_;
+  const int64_t Mr = (int64_t)ep.perm.size();
+  std::vector<size_t> sc(P), rc(P);
+  for (int p = 0; p < P; p++) {
+    sc[p] = ep.send_rows[p] * C;
+    rc[p] = ep.recv_rows[p] * C;
+  }
+  ep_buf_.resize((size_t)Mr * C);
+  ep_->all_to_all_v(ep_buf_.data(), rc, in, sc, dist::CommDType::f32);
+#pragma omp parallel for schedule(static)
+  for (int64_t m = 0; m < Mr; m++)
+    std::memcpy(out_local + ep.perm[m] * C, ep_buf_.data() + m * C, sizeof(float) * C);
+}
+
+void MixtralModel::ep_return(float* out, const float* y_local, const EpLayer& ep, int C) {
+  ScopedTimer t(profile_, "ep.all_to_all");
+  const int P = ep_size_;
+  const int64_t Mr = (int64_t)ep.perm.size();
+  ep_buf_.resize((size_t)Mr * C);
+#pragma omp parallel for schedule(static)
+  for (int64_t m = 0; m < Mr; m++)
+    std::memcpy(ep_buf_.data() + m * C, y_local + ep.perm[m] * C, sizeof(float) * C);
+  std::vector<size_t> sc(P), rc(P);
+  for (int p = 0; p < P; p++) {
+    sc[p] = ep.recv_rows[p] * C;
+    rc[p] = ep.send_rows[p] * C;
+  }
+  ep_->all_to_all_v(out, rc, ep_buf_.data(), sc, dist::CommDType::f32);
 }
 
 void MixtralModel::zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
@@ -221,6 +344,7 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
 
   const int L = cfg_.num_hidden_layers;
   router_stats_.assign(moe ? L : 0, ops::RouterLayerStats{});
+  dropped_.assign(moe ? L : 0, 0);
 
   {
     ScopedTimer t(profile_, "fwd.embedding");
@@ -279,21 +403,45 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
       {
         ScopedTimer t(profile_, "fwd.router");
         ops::matmul_forward(a.rlogits, a.ln2, W(ParamKind::router, l), N, C, E);
+        if (!router_bias_.empty())
+          for (long n = 0; n < N; n++)
+            for (int e = 0; e < E; e++) a.rlogits[n * E + e] += router_bias_[e];
         ops::router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, N, E, K);
         ops::router_layer_stats(router_stats_[l], a.rlogits, a.rprobs, a.topk_idx, tmask, N, E, K);
-        ops::moe_plan_build(a.plan, a.topk_idx, N, E, K);
+        if (capacity_factor_ > 0) {
+          dropped_[l] = apply_capacity(a, tmask, N, E, K);
+        } else {
+          ops::moe_plan_build(a.plan, a.topk_idx, N, E, K);
+          a.plan.overflow = 0;
+        }
       }
       {
         ScopedTimer t(profile_, "fwd.moe_permute");
         ops::moe_permute_forward(a.xperm, a.ln2, a.plan, C);
       }
-      {
+      if (!ep_on()) {
         ScopedTimer t(profile_, "fwd.experts");
         ops::moe_experts_forward(a.yperm, a.h13, a.act, a.xperm, w13, w2, a.plan, C, I);
+      } else {
+        const int El = E / ep_size_;
+        ep_dispatch(a, C, El);
+        const size_t Mr = a.ep.perm.size();
+        a.ep.h13.resize(Mr * 2 * I);
+        a.ep.act.resize(Mr * I);
+        ep_dy_.resize(Mr * C);  // the local outputs, before they travel back
+        {
+          ScopedTimer t(profile_, "fwd.experts");
+          ops::moe_experts_forward(ep_dy_.data(), a.ep.h13.data(), a.ep.act.data(), a.ep.x.data(), w13, w2,
+                                   a.ep.plan, C, I);
+        }
+        ep_return(a.yperm, ep_dy_.data(), a.ep, C);
       }
+      // Dropped rows (capacity) computed nothing: their outputs are zeros.
+      const long kept = a.plan.expert_offsets[E];
+      std::fill(a.yperm + kept * C, a.yperm + N * K * C, 0.0f);
       {
         ScopedTimer t(profile_, "fwd.moe_permute");
-        ops::moe_combine_forward(x_next, a.yperm, a.topk_w, a.plan, C);
+        ops::moe_combine_forward(x_next, a.yperm, a.plan.overflow ? a.combine_w.data() : a.topk_w, a.plan, C);
       }
     } else {
       ScopedTimer t(profile_, "fwd.experts");
@@ -385,14 +533,34 @@ void MixtralModel::backward() {
     if (moe) {
       {
         ScopedTimer t(profile_, "bwd.moe_permute");
-        ops::moe_combine_backward(dyperm_, dtopk_, dres_, a.yperm, a.topk_w, a.plan, C);
+        ops::moe_combine_backward(dyperm_, dtopk_, dres_, a.yperm, a.plan.overflow ? a.combine_w.data() : a.topk_w,
+                                  a.plan, C);
       }
       // yperm is this rank's partial expert output, so the routing-weight gradient is partial too.
       if (tp_on()) tp_all_reduce(dtopk_, N * K);
-      {
+      if (!ep_on()) {
         ScopedTimer t(profile_, "bwd.experts");
         ops::moe_experts_backward(dxperm_, dw13, dw2, ffn_scratch_, dyperm_, a.h13, a.act, a.xperm, w13, w2, a.plan, C,
                                   I);
+      } else {
+        const size_t Mr = a.ep.perm.size();
+        ep_dy_.resize(Mr * C);
+        ep_dx_.resize(Mr * C);
+        ep_scratch_.resize(3 * Mr * I);
+        {
+          ScopedTimer t(profile_, "ep.all_to_all");
+          ep_send(ep_dy_.data(), dyperm_, a.ep, C);
+        }
+        {
+          ScopedTimer t(profile_, "bwd.experts");
+          ops::moe_experts_backward(ep_dx_.data(), dw13, dw2, ep_scratch_.data(), ep_dy_.data(), a.ep.h13.data(),
+                                    a.ep.act.data(), a.ep.x.data(), w13, w2, a.ep.plan, C, I);
+        }
+        ep_return(dxperm_, ep_dx_.data(), a.ep, C);
+      }
+      {
+        const long kept = a.plan.expert_offsets[E];  // dropped rows pass no gradient to the input
+        std::fill(dxperm_ + kept * C, dxperm_ + N * K * C, 0.0f);
       }
       {
         ScopedTimer t(profile_, "bwd.moe_permute");

@@ -268,6 +268,19 @@ void copy_to_whole(const ParamTable& shard, const float* shard_values, const Par
   });
 }
 
+void copy_to_whole(const ParamTable& shard, const float* shard_values, const ParamTable& whole, float* whole_values,
+                   const std::vector<std::pair<size_t, size_t>>& only) {
+  for_each_run(whole, shard, [&](size_t wo, size_t so, size_t n) {
+    // The first range that ends after so.
+    auto it = std::upper_bound(only.begin(), only.end(), so,
+                               [](size_t x, const std::pair<size_t, size_t>& r) { return x < r.second; });
+    for (; it != only.end() && it->first < so + n; ++it) {
+      const size_t lo = std::max(so, it->first), hi = std::min(so + n, it->second);
+      std::copy(shard_values + lo, shard_values + hi, whole_values + wo + (lo - so));
+    }
+  });
+}
+
 void init_parameters(const ParamTable& table, const ModelConfig& cfg, uint64_t seed, float* params) {
   const double std = cfg.initializer_range;
   for (const HfTensorRef& t : table.hf_tensors()) {

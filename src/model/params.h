@@ -122,6 +122,10 @@ class ParamTable {
 // name in `whole`.  Padding is not touched.
 void copy_from_whole(const ParamTable& whole, const float* whole_values, const ParamTable& shard, float* shard_values);
 void copy_to_whole(const ParamTable& shard, const float* shard_values, const ParamTable& whole, float* whole_values);
+// The same, restricted to the elements whose index in the shard's flat array lies in one of the
+// sorted, disjoint ranges `only` ([begin, end)): the parts of a ZeRO-1 sharded state a rank holds.
+void copy_to_whole(const ParamTable& shard, const float* shard_values, const ParamTable& whole, float* whole_values,
+                   const std::vector<std::pair<size_t, size_t>>& only);
 
 // The contiguous part [first, second) of n items that part `part` of `parts` holds: sizes differ
 // by at most one, the larger parts first (the vocabulary split of ParamShard).

@@ -124,7 +124,7 @@ void moe_experts_forward(float* y, float* h13, float* act, const float* xperm, c
                          const float* w2, const MoePlan& plan, int C, int I) {
   check_plan(plan, "moe_experts_forward");
   const long IC = (long)I * C;
-  for (int e = 0; e < plan.E; e++) {
+  for (int e = 0; e < plan.E - plan.overflow; e++) {
     const long off = plan.expert_offsets[e];
     const long rows = plan.expert_offsets[e + 1] - off;
     if (rows == 0) continue;
@@ -144,7 +144,7 @@ void moe_experts_backward(float* dxperm, float* dw13, float* dw2, float* scratch
   const long M = plan.N * plan.K;
   float* dact_all = scratch;          // [M,I]
   float* dh13_all = scratch + M * I;  // [M,2I]
-  for (int e = 0; e < plan.E; e++) {
+  for (int e = 0; e < plan.E - plan.overflow; e++) {
     const long off = plan.expert_offsets[e];
     const long rows = plan.expert_offsets[e + 1] - off;
     if (rows == 0) continue;

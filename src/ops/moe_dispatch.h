@@ -19,6 +19,10 @@ struct MoePlan {
   std::vector<int64_t> expert_offsets;  // [E+1] row ranges of each expert in the permuted order
   std::vector<int32_t> row_token;       // [M] source token of each permuted row
   std::vector<int32_t> row_of;          // [N*K] permuted row of assignment (n, k)
+  // 1: the last expert is not a real one but collects the assignments a capacity limit dropped;
+  // the expert functions never compute it (its rows' outputs and input gradients are left as they
+  // are).  Set by the caller after moe_plan_build (which leaves it alone); 0 by default.
+  int overflow = 0;
 };
 
 // Builds the permutation from topk_idx[N,K] (counting sort; deterministic).

@@ -2,93 +2,210 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "core/error.h"
 
 namespace moetron {
 
-ShardedAdamW::ShardedAdamW(const ParamTable& table, const AdamWConfig& cfg, dist::Comm& dp, dist::Comm& world,
-                           bool zero1)
-    : table_(table), cfg_(cfg), dp_(dp), world_(world), zero1_(zero1) {
-  const auto [b, e] = shard(dp_.rank());
-  if (zero1_) {
-    state_begin_ = b;
-    state_end_ = e;
-  } else {
-    state_begin_ = 0;
-    state_end_ = table_.total();
+namespace {
+
+bool in_set(const ParamSpec& s, ParamSet set) {
+  const bool expert = s.n_stacked > 0 && (s.kind == ParamKind::ffn_w13 || s.kind == ParamKind::ffn_w2);
+  switch (set) {
+    case ParamSet::all:
+      return true;
+    case ParamSet::dense:
+      return !expert;
+    case ParamSet::experts:
+      return expert;
   }
-  for (const ParamSpec& s : table_.specs()) {
-    if (!s.tp_primary) continue;
-    const size_t lo = std::max(b, s.offset), hi = std::min(e, s.offset + s.numel);
-    if (lo < hi) counted_.push_back({lo, hi});
-  }
-  m_.assign(state_end_ - state_begin_, 0.0f);
-  v_.assign(state_end_ - state_begin_, 0.0f);
+  return true;
 }
 
-std::pair<size_t, size_t> ShardedAdamW::shard_of(size_t total, int dp, int d) {
-  const auto [b, e] = shard_range((int64_t)(total / 16), dp, d);
+size_t padded(size_t n) { return (n + 15) / 16 * 16; }
+
+// The flat ranges covering packed [pb, pe) of a packed space made of `ranges`.
+std::vector<ShardedAdamW::Range> packed_to_flat(const std::vector<ShardedAdamW::Range>& ranges, size_t pb, size_t pe) {
+  std::vector<ShardedAdamW::Range> out;
+  size_t p = 0;
+  for (const auto& [b, e] : ranges) {
+    const size_t lo = std::max(pb, p), hi = std::min(pe, p + (e - b));
+    if (lo < hi) out.push_back({b + (lo - p), b + (hi - p)});
+    p += e - b;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<ShardedAdamW::Range> ShardedAdamW::set_ranges(const ParamTable& table, ParamSet set) {
+  std::vector<Range> out;
+  for (const ParamSpec& s : table.specs()) {
+    if (!in_set(s, set)) continue;
+    const size_t b = s.offset, e = s.offset + padded(s.numel);
+    if (!out.empty() && out.back().second == b)
+      out.back().second = e;
+    else
+      out.push_back({b, e});
+  }
+  return out;
+}
+
+std::pair<size_t, size_t> ShardedAdamW::shard_of(size_t total, int parts, int d) {
+  const auto [b, e] = shard_range((int64_t)(total / 16), parts, d);
   return {(size_t)b * 16, (size_t)e * 16};
 }
 
-void ShardedAdamW::reduce_gradients(float* grads) {
-  if (dp_.size() == 1) return;
-  if (zero1_) {
-    std::vector<size_t> counts(dp_.size());
-    for (int d = 0; d < dp_.size(); d++) {
-      const auto [b, e] = shard(d);
-      counts[d] = e - b;
-    }
-    dp_.reduce_scatter(grads + state_begin_, grads, counts, dist::CommDType::f32, dist::ReduceOp::sum);
-    return;
-  }
-  for (size_t b = 0; b < table_.total(); b += kBucket)
-    dp_.all_reduce(grads + b, std::min(kBucket, table_.total() - b));
+std::vector<ShardedAdamW::Range> ShardedAdamW::state_ranges_of(const ParamTable& table, ParamSet set, int group_size,
+                                                               int d, bool zero1) {
+  const std::vector<Range> ranges = set_ranges(table, set);
+  if (!zero1) return ranges;
+  size_t total = 0;
+  for (const auto& [b, e] : ranges) total += e - b;
+  const auto [pb, pe] = shard_of(total, group_size, d);
+  return packed_to_flat(ranges, pb, pe);
 }
 
-double ShardedAdamW::global_norm(const float* values) const {
+ShardedAdamW::ShardedAdamW(const ParamTable& table, const AdamWConfig& cfg, dist::Comm& group, dist::Comm& world,
+                           bool zero1, ParamSet set)
+    : table_(table), cfg_(cfg), group_(group), world_(world), zero1_(zero1), set_(set) {
+  ranges_ = set_ranges(table_, set_);
+  for (const auto& [b, e] : ranges_) packed_total_ += e - b;
+  identity_ = ranges_.size() == 1 && ranges_[0].first == 0 && ranges_[0].second == table_.total();
+  std::tie(shard_begin_, shard_end_) = shard_of(packed_total_, group_.size(), group_.rank());
+  const std::vector<Range> shard = packed_to_flat(ranges_, shard_begin_, shard_end_);
+  state_ranges_ = zero1_ ? shard : ranges_;
+  for (const ParamSpec& s : table_.specs()) {
+    if (!s.tp_primary || !in_set(s, set_)) continue;
+    for (const auto& [b, e] : shard) {
+      const size_t lo = std::max(b, s.offset), hi = std::min(e, s.offset + s.numel);
+      if (lo < hi) counted_.push_back({lo, hi});
+    }
+  }
+  std::sort(counted_.begin(), counted_.end());
+  size_t n = 0;
+  for (const auto& [b, e] : state_ranges_) n += e - b;
+  m_.assign(n, 0.0f);
+  v_.assign(n, 0.0f);
+}
+
+std::vector<size_t> ShardedAdamW::shard_counts() const {
+  std::vector<size_t> counts(group_.size());
+  for (int d = 0; d < group_.size(); d++) {
+    const auto [b, e] = shard_of(packed_total_, group_.size(), d);
+    counts[d] = e - b;
+  }
+  return counts;
+}
+
+void ShardedAdamW::pack(float* buf, const float* flat) const {
+  size_t p = 0;
+  for (const auto& [b, e] : ranges_) {
+    std::copy(flat + b, flat + e, buf + p);
+    p += e - b;
+  }
+}
+
+void ShardedAdamW::unpack(float* flat, const float* buf, size_t pb, size_t pe) const {
+  size_t p = 0;
+  for (const auto& [b, e] : ranges_) {
+    const size_t lo = std::max(pb, p), hi = std::min(pe, p + (e - b));
+    if (lo < hi) std::copy(buf + lo, buf + hi, flat + b + (lo - p));
+    p += e - b;
+  }
+}
+
+void ShardedAdamW::reduce_gradients(float* grads) {
+  if (group_.size() == 1) return;
+  if (zero1_) {
+    const std::vector<size_t> counts = shard_counts();
+    if (identity()) {
+      group_.reduce_scatter(grads + shard_begin_, grads, counts, dist::CommDType::f32, dist::ReduceOp::sum);
+      return;
+    }
+    buf_.resize(packed_total_);
+    pack(buf_.data(), grads);
+    group_.reduce_scatter(buf_.data() + shard_begin_, buf_.data(), counts, dist::CommDType::f32,
+                          dist::ReduceOp::sum);
+    unpack(grads, buf_.data(), shard_begin_, shard_end_);
+    return;
+  }
+  for (const auto& [rb, re] : ranges_)
+    for (size_t b = rb; b < re; b += kBucket) group_.all_reduce(grads + b, std::min(kBucket, re - b));
+}
+
+double ShardedAdamW::local_sum_squares(const float* values) const {
   // Chunks of the flat index, as global_grad_norm, restricted to the counted intervals.
   constexpr size_t chunk = 1 << 14;
   const size_t n = table_.total();
   const size_t nchunks = (n + chunk - 1) / chunk;
   std::vector<double> partial(nchunks, 0.0);
-  const std::vector<Interval>& iv = counted_;
+  const std::vector<Range>& iv = counted_;
 #pragma omp parallel for schedule(static)
   for (size_t c = 0; c < nchunks; c++) {
     const size_t c0 = c * chunk, c1 = std::min(n, c0 + chunk);
     // First interval that ends after c0.
-    size_t k = std::upper_bound(iv.begin(), iv.end(), c0, [](size_t x, const Interval& a) { return x < a.end; }) -
+    size_t k = std::upper_bound(iv.begin(), iv.end(), c0, [](size_t x, const Range& a) { return x < a.second; }) -
                iv.begin();
     double s = 0.0;
-    for (; k < iv.size() && iv[k].begin < c1; k++) {
-      const size_t lo = std::max(c0, iv[k].begin), hi = std::min(c1, iv[k].end);
+    for (; k < iv.size() && iv[k].first < c1; k++) {
+      const size_t lo = std::max(c0, iv[k].first), hi = std::min(c1, iv[k].second);
       for (size_t i = lo; i < hi; i++) s += (double)values[i] * values[i];
     }
     partial[c] = s;
   }
   double total = 0.0;
   for (double s : partial) total += s;
-  total = world_.all_reduce_value(total);
-  return std::sqrt(total);
+  return total;
+}
+
+double ShardedAdamW::global_norm(const float* values) const {
+  return std::sqrt(world_.all_reduce_value(local_sum_squares(values)));
+}
+
+void ShardedAdamW::state_to_flat(float* m, float* v) const {
+  size_t p = 0;
+  for (const auto& [b, e] : state_ranges_) {
+    std::copy(m_.begin() + p, m_.begin() + p + (e - b), m + b);
+    std::copy(v_.begin() + p, v_.begin() + p + (e - b), v + b);
+    p += e - b;
+  }
+}
+
+void ShardedAdamW::state_from_flat(const float* m, const float* v) {
+  size_t p = 0;
+  for (const auto& [b, e] : state_ranges_) {
+    std::copy(m + b, m + e, m_.begin() + p);
+    std::copy(v + b, v + e, v_.begin() + p);
+    p += e - b;
+  }
 }
 
 void ShardedAdamW::step(float* params, const float* grads, double lr, float grad_scale) {
   step_++;
-  for (const ParamSpec& s : table_.specs()) {
-    const size_t lo = std::max(state_begin_, s.offset), hi = std::min(state_end_, s.offset + s.numel);
-    if (lo >= hi) continue;
-    const double wd = s.weight_decay ? cfg_.weight_decay : 0.0;
-    adamw_update(params + lo, m_.data() + (lo - state_begin_), v_.data() + (lo - state_begin_), grads + lo, hi - lo,
-                 grad_scale, lr, cfg_.beta1, cfg_.beta2, cfg_.eps, wd, step_);
-  }
-  if (zero1_ && dp_.size() > 1) {
-    std::vector<size_t> counts(dp_.size());
-    for (int d = 0; d < dp_.size(); d++) {
-      const auto [b, e] = shard(d);
-      counts[d] = e - b;
+  size_t p = 0;
+  for (const auto& [rb, re] : state_ranges_) {
+    for (const ParamSpec& s : table_.specs()) {
+      const size_t lo = std::max(rb, s.offset), hi = std::min(re, s.offset + s.numel);
+      if (lo >= hi) continue;
+      const double wd = s.weight_decay ? cfg_.weight_decay : 0.0;
+      const size_t at = p + (lo - rb);
+      adamw_update(params + lo, m_.data() + at, v_.data() + at, grads + lo, hi - lo, grad_scale, lr, cfg_.beta1,
+                   cfg_.beta2, cfg_.eps, wd, step_);
     }
-    dp_.all_gather(params, params + state_begin_, counts, dist::CommDType::f32);
+    p += re - rb;
+  }
+  if (zero1_ && group_.size() > 1) {
+    const std::vector<size_t> counts = shard_counts();
+    if (identity()) {
+      group_.all_gather(params, params + shard_begin_, counts, dist::CommDType::f32);
+      return;
+    }
+    buf_.resize(packed_total_);
+    pack(buf_.data(), params);
+    group_.all_gather(buf_.data(), buf_.data() + shard_begin_, counts, dist::CommDType::f32);
+    unpack(params, buf_.data(), 0, packed_total_);
   }
 }
 

@@ -133,8 +133,9 @@ std::string format_duration(double s) {
   return fmt::format("{}s", t);
 }
 
-// Per MoE layer telemetry over one step: each expert's share of the routed assignments.
-nlohmann::json moe_telemetry(const std::vector<std::vector<double>>& assigned) {
+// Per MoE layer telemetry over one step: each expert's share of the routed assignments, and the
+// fraction of them a capacity limit dropped.
+nlohmann::json moe_telemetry(const std::vector<std::vector<double>>& assigned, const std::vector<double>& dropped) {
   nlohmann::json layers = nlohmann::json::array();
   for (size_t l = 0; l < assigned.size(); l++) {
     const std::vector<double>& a = assigned[l];
@@ -155,7 +156,7 @@ nlohmann::json moe_telemetry(const std::vector<std::vector<double>>& assigned) {
                       {"max_share", mx},
                       {"min_share", mn},
                       {"cv", std::sqrt(var / a.size()) / mean},
-                      {"dropped_fraction", 0.0}});
+                      {"dropped_fraction", dropped[l] / total}});
   }
   return layers;
 }
@@ -184,6 +185,11 @@ class Training {
                     std::vector<float>& v);
   nlohmann::json trainer_state(long step) const;
   uint64_t comm_bytes() const;
+  // Over the optimizers (one, or dense + experts under ep): the global L2 norm of a flat array laid
+  // out by the table, every parameter counted once; gradient reduction; the AdamW step.
+  double global_norm(const float* values) const;
+  void reduce_gradients();
+  void optimizer_step(double lr, float grad_scale);
 
   const TrainConfig& cfg_;
   const TrainOptions& options_;
@@ -195,7 +201,8 @@ class Training {
   RunLog log_;
   ModelConfig mcfg_;
   std::optional<MixtralModel> model_;
-  std::optional<ShardedAdamW> opt_;
+  std::optional<ShardedAdamW> opt_;      // every tensor, or (ep > 1) all but the experts, over dp
+  std::optional<ShardedAdamW> opt_exp_;  // ep > 1: the expert tensors, over edp
   std::optional<DataLoader> train_data_, valid_data_;
   std::optional<LoaderState> valid_start_;
   LrSchedule schedule_;
@@ -217,15 +224,20 @@ class Training {
 void Training::setup() {
   if (cfg_.device != "cpu")
     fail("device: '{}' is not available in this build yet (only 'cpu'); set device: cpu", cfg_.device);
-  if (cfg_.parallel.pp != 1 || cfg_.parallel.ep != 1)
+  if (cfg_.parallel.pp != 1)
     fail(
-        "parallel: pp={}, ep={}: pipeline and expert parallelism are not implemented yet (tensor and data "
-        "parallelism are); use pp: 1, ep: 1",
-        cfg_.parallel.pp, cfg_.parallel.ep);
+        "parallel.pp: pp={}: pipeline parallelism is not implemented yet (tensor, data and expert parallelism "
+        "are); use pp: 1",
+        cfg_.parallel.pp);
+  {
+    const int tp = cfg_.parallel.tp, ep = cfg_.parallel.ep, world = world_->size();
+    if (tp >= 1 && world % tp == 0 && ep >= 1 && (world / tp) % ep != 0)
+      fail("parallel.ep: ep {} does not divide the data-parallel size {} (= world {} / (tp {} x pp 1))", ep,
+           world / tp, world, tp);
+  }
   grid_.emplace(*world_, cfg_.parallel.tp, cfg_.parallel.pp, cfg_.parallel.ep);
   const dist::GridShape& gs = grid_->shape();
   if (cfg_.model.dtype != "fp32") fail("model.dtype: '{}' is not supported on CPU; use fp32", cfg_.model.dtype);
-  if (cfg_.moe.capacity_factor) fail("moe.capacity_factor: token dropping is not implemented yet; use null (dropless)");
 
   // Model config: from the init directory or from model.config.
   if (cfg_.model.init == "random") {
@@ -239,6 +251,11 @@ void Training::setup() {
           "defines the model",
           init_dir_);
   }
+  if (cfg_.parallel.ep > 1 && !mcfg_.is_moe())
+    fail("parallel.ep: ep {} needs an MoE model; {} is dense (num_local_experts 0)", cfg_.parallel.ep,
+         mcfg_.architecture);
+  if (cfg_.parallel.ep > 1 && mcfg_.num_local_experts % cfg_.parallel.ep != 0)
+    fail("parallel.ep: ep {} does not divide num_local_experts {}", cfg_.parallel.ep, mcfg_.num_local_experts);
   // The layout against the model (heads, FFN width, vocabulary, batch divisible): plan's rules.
   if (world_->size() > 1) make_plan(cfg_, mcfg_, world_->size());
   // Data: checked before any allocation-heavy work.
@@ -296,15 +313,20 @@ void Training::setup() {
     sgemm_peak_ = ops::measure_sgemm_gflops(1024, 3);
   }
 
-  model_.emplace(mcfg_, &grid_->tp());
+  model_.emplace(mcfg_, &grid_->tp(), &grid_->ep());
+  if (!options_.router_bias.empty()) model_->set_router_bias(options_.router_bias);
+  if (cfg_.moe.capacity_factor) model_->set_capacity_factor(*cfg_.moe.capacity_factor);
   AdamWConfig ac;
   ac.lr = cfg_.train.lr;
   ac.beta1 = cfg_.train.adam_beta1;
   ac.beta2 = cfg_.train.adam_beta2;
   ac.eps = cfg_.train.adam_eps;
   ac.weight_decay = cfg_.train.weight_decay;
-  opt_.emplace(model_->table(), ac, grid_->dp(), *world_, cfg_.parallel.zero1);
-  opt_state_bytes_max_ = (uint64_t)world_->all_reduce_value((int64_t)opt_->state_bytes(), dist::ReduceOp::max);
+  const bool ep_on = gs.ep > 1;
+  opt_.emplace(model_->table(), ac, grid_->dp(), *world_, cfg_.parallel.zero1, ep_on ? ParamSet::dense : ParamSet::all);
+  if (ep_on) opt_exp_.emplace(model_->table(), ac, grid_->edp(), *world_, cfg_.parallel.zero1, ParamSet::experts);
+  const size_t state_bytes = opt_->state_bytes() + (opt_exp_ ? opt_exp_->state_bytes() : 0);
+  opt_state_bytes_max_ = (uint64_t)world_->all_reduce_value((int64_t)state_bytes, dist::ReduceOp::max);
 
   // Resume, or initialise.  The root decides which checkpoint (the others follow).
   std::string resume_dir;
@@ -329,8 +351,8 @@ void Training::setup() {
     if (table.is_whole()) {
       load_hf_weights(files, table, model_->params().data(), init_dir_);
     } else {
-      // Only this rank's slices are read (weights.h).  Every tensor-parallel rank reads a part of
-      // every tensor, so each can also check that the directory holds nothing the model lacks.
+      // Only this rank's slices are read (weights.h): its tensor-parallel part of its experts.  Each
+      // rank also checks that the directory holds nothing the whole model lacks.
       const ParamTable whole(mcfg_);
       std::set<std::string> used;
       for (const HfTensorRef& ref : table.hf_tensors()) {
@@ -343,7 +365,8 @@ void Training::setup() {
         used.insert(read_hf_slice(files, whole, slice, model_->params().data() + ref.offset, init_dir_));
       }
       for (const std::string& name : files.names())
-        if (!used.count(name) && name.find("rotary_emb.inv_freq") == std::string::npos)
+        if (!used.count(name) && whole.find_hf(name) == nullptr &&
+            name.find("rotary_emb.inv_freq") == std::string::npos)
           fail("{}: tensor '{}' is not a parameter of the model config.json describes", init_dir_, name);
     }
     if (root_) truncate_metrics(run_dir_ / "metrics.jsonl", 0);
@@ -381,7 +404,8 @@ void read_slice(const TensorView& view, const HfTensorRef& ref, float* out, cons
 
 void Training::load_resume(const std::string& dir) {
   const ParamTable& table = model_->table();
-  const bool direct = table.is_whole() && opt_->state_begin() == 0 && opt_->state_end() == table.total();
+  const bool direct = table.is_whole() && !opt_exp_ && opt_->state_ranges().size() == 1 &&
+                      opt_->state_ranges()[0] == ShardedAdamW::Range{0, table.total()};
   LoadedCheckpoint ck;
   if (direct) {
     ck = load_checkpoint(dir, mcfg_, table, model_->params().data(), opt_->exp_avg().data(),
@@ -389,7 +413,7 @@ void Training::load_resume(const std::string& dir) {
   } else {
     // The root loads the whole checkpoint the single-process way (every file's checksum, the
     // architecture, no unknown tensor) -- it holds whole tensors for saving anyway; the other ranks
-    // wait for that, then read only their tensor-parallel slices.
+    // wait for that, then read only their slices (tensor-parallel parts of their experts).
     std::vector<float> lm(table.total(), 0.0f), lv(table.total(), 0.0f);
     if (root_) {
       std::optional<ParamTable> whole_own;
@@ -418,10 +442,11 @@ void Training::load_resume(const std::string& dir) {
       ck.optimizer_steps = state.at("optimizer_steps").get<long>();
       ck.trainer_state = std::move(state);
     }
-    std::copy(lm.begin() + opt_->state_begin(), lm.begin() + opt_->state_end(), opt_->exp_avg().begin());
-    std::copy(lv.begin() + opt_->state_begin(), lv.begin() + opt_->state_end(), opt_->exp_avg_sq().begin());
+    opt_->state_from_flat(lm.data(), lv.data());
+    if (opt_exp_) opt_exp_->state_from_flat(lm.data(), lv.data());
   }
   opt_->set_steps_taken(ck.optimizer_steps);
+  if (opt_exp_) opt_exp_->set_steps_taken(ck.optimizer_steps);
   const nlohmann::json& st = ck.trainer_state;
   start_step_ = st.at("step").get<long>();
   consumed_samples_ = st.value("consumed_samples", 0L);
@@ -434,6 +459,22 @@ uint64_t Training::comm_bytes() const {
   for (dist::Comm* c : {&grid_->tp(), &grid_->dp(), &grid_->pp(), &grid_->ep(), &grid_->edp()})
     b += c->stats().bytes_sent;
   return b;
+}
+
+double Training::global_norm(const float* values) const {
+  double s = opt_->local_sum_squares(values);
+  if (opt_exp_) s += opt_exp_->local_sum_squares(values);
+  return std::sqrt(world_->all_reduce_value(s));
+}
+
+void Training::reduce_gradients() {
+  opt_->reduce_gradients(model_->grads().data());
+  if (opt_exp_) opt_exp_->reduce_gradients(model_->grads().data());
+}
+
+void Training::optimizer_step(double lr, float grad_scale) {
+  opt_->step(model_->params().data(), model_->grads().data(), lr, grad_scale);
+  if (opt_exp_) opt_exp_->step(model_->params().data(), model_->grads().data(), lr, grad_scale);
 }
 
 StepResult Training::train_step(long step) {
@@ -462,6 +503,7 @@ StepResult Training::train_step(long step) {
   model_->zero_grads();
   const int L = mcfg_.num_hidden_layers, E = mcfg_.is_moe() ? mcfg_.num_local_experts : 0;
   std::vector<std::vector<double>> assigned(mcfg_.is_moe() ? L : 0, std::vector<double>(E, 0.0));
+  std::vector<double> dropped(assigned.size(), 0.0);
   for (const Batch& b : micro_) {
     const Losses l = model_->forward(b, weights_);
     model_->backward();
@@ -469,8 +511,10 @@ StepResult Training::train_step(long step) {
     r.ce_loss += l.ce_loss;
     r.aux_loss += l.aux_loss / (double)active;
     r.z_loss += l.z_loss / (double)active;
-    for (int i = 0; i < (int)model_->router_stats().size(); i++)
+    for (int i = 0; i < (int)model_->router_stats().size(); i++) {
       for (int e = 0; e < E; e++) assigned[i][e] += model_->router_stats()[i].assigned[e];
+      dropped[i] += (double)model_->dropped()[i];
+    }
   }
   // Sums over the data-parallel ranks (tensor-parallel ranks hold identical values).
   double sums[4] = {r.loss, r.ce_loss, r.aux_loss, r.z_loss};
@@ -480,10 +524,11 @@ StepResult Training::train_step(long step) {
   r.aux_loss = sums[2];
   r.z_loss = sums[3];
   for (auto& a : assigned) grid_->dp().all_reduce(a.data(), a.size());
-  last_moe_ = moe_telemetry(assigned);
-  // Gradients: replicated kv heads over their tp ranks, then everything over dp.
+  if (!dropped.empty()) grid_->dp().all_reduce(dropped.data(), dropped.size());
+  last_moe_ = moe_telemetry(assigned, dropped);
+  // Gradients: replicated kv heads over their tp ranks, then everything over dp (experts over edp).
   model_->reduce_replicated_grads();
-  opt_->reduce_gradients(model_->grads().data());
+  reduce_gradients();
   return r;
 }
 
@@ -497,12 +542,23 @@ double Training::evaluate() {
   Batch b;
   // Micro-batch k of data-parallel rank d is batch k * dp + d of one process: each rank evaluates
   // its share of the first eval.batches batches.
+  // Under expert parallelism every forward is collective over the ep group: a rank out of batches
+  // runs the rounds the others still run on a padding batch whose result is discarded.
   const int dp = grid_->shape().dp, d = grid_->coord().dp;
-  for (int i = d; i < cfg_.eval.batches; i += dp) {
-    valid_data_->next(b);
-    const Losses l = model_->forward(b, w);
-    ce_sum += l.ce_sum;
-    tokens += l.loss_tokens;
+  const int rounds = (cfg_.eval.batches + dp - 1) / dp;
+  for (int k = 0; k < rounds; k++) {
+    if (k * dp + d < cfg_.eval.batches) {
+      valid_data_->next(b);
+      const Losses l = model_->forward(b, w);
+      ce_sum += l.ce_sum;
+      tokens += l.loss_tokens;
+    } else if (grid_->shape().ep > 1) {
+      Batch pad;
+      pad.B = 1;
+      pad.T = cfg_.data.seq_length;
+      pad.input_ids.assign(pad.T, 0);
+      model_->forward(pad, w);
+    }
   }
   double sums[2] = {ce_sum, (double)tokens};
   grid_->dp().all_reduce(sums, 2);
@@ -529,25 +585,65 @@ nlohmann::json Training::trainer_state(long step) const {
 }
 
 // World rank 0 receives every rank's part and assembles whole tensors (the checkpoint is layout
-// independent); the other ranks send: parameters from data-parallel rank 0 of each tensor-parallel
-// rank, moments from every rank holding a ZeRO-1 shard (or from dp rank 0 without ZeRO-1).
+// independent); the other ranks send: parameters from the ranks with edp rank 0 (dp rank 0 without
+// expert parallelism) of each tensor-parallel rank, moments from every rank holding a ZeRO-1 shard
+// of a parameter set (or from the first rank of the set's group without ZeRO-1).
 void Training::gather_whole(const ParamTable& whole, std::vector<float>& params, std::vector<float>& m,
                             std::vector<float>& v) {
   const dist::GridShape& gs = grid_->shape();
   const dist::GridCoord& me = grid_->coord();
   dist::Comm& w = *world_;
   constexpr int kParams = 11, kExpAvg = 12, kExpAvgSq = 13;
-  auto state_range = [&](size_t total, int d) -> std::pair<size_t, size_t> {
-    if (cfg_.parallel.zero1) return ShardedAdamW::shard_of(total, gs.dp, d);
-    return d == 0 ? std::pair<size_t, size_t>{0, total} : std::pair<size_t, size_t>{0, 0};
+  const bool zero1 = cfg_.parallel.zero1, ep_on = gs.ep > 1;
+  // The flat ranges of table `t` whose moments the rank at dp rank d sends, in the order of its
+  // optimizers' packed moments.
+  auto state_ranges = [&](const ParamTable& t, int d) {
+    struct Set {
+      ParamSet set;
+      int size, rank;
+    };
+    std::vector<Set> sets;
+    if (!ep_on)
+      sets.push_back({ParamSet::all, gs.dp, d});
+    else
+      sets = {{ParamSet::dense, gs.dp, d}, {ParamSet::experts, gs.dp / gs.ep, d / gs.ep}};
+    std::vector<ShardedAdamW::Range> out;
+    for (const Set& s : sets) {
+      if (!zero1 && s.rank != 0) continue;
+      const auto r = ShardedAdamW::state_ranges_of(t, s.set, s.size, s.rank, zero1);
+      out.insert(out.end(), r.begin(), r.end());
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  auto total_of = [](const std::vector<ShardedAdamW::Range>& rs) {
+    size_t n = 0;
+    for (const auto& [b, e] : rs) n += e - b;
+    return n;
+  };
+  // Flat moments of this rank (zeros outside its state ranges).
+  auto own_state = [&](std::vector<float>& lm, std::vector<float>& lv) {
+    lm.assign(model_->table().total(), 0.0f);
+    lv.assign(model_->table().total(), 0.0f);
+    if (zero1 || me.dp == 0) opt_->state_to_flat(lm.data(), lv.data());
+    if (opt_exp_ && (zero1 || me.edp == 0)) opt_exp_->state_to_flat(lm.data(), lv.data());
   };
   if (!root_) {
     const size_t total = model_->table().total();
-    if (me.dp == 0) w.send(model_->params().data(), total, dist::CommDType::f32, 0, kParams);
-    const auto [b, e] = state_range(total, me.dp);
-    if (e > b) {
-      w.send(opt_->exp_avg().data(), e - b, dist::CommDType::f32, 0, kExpAvg);
-      w.send(opt_->exp_avg_sq().data(), e - b, dist::CommDType::f32, 0, kExpAvgSq);
+    if (me.edp == 0) w.send(model_->params().data(), total, dist::CommDType::f32, 0, kParams);
+    const auto ranges = state_ranges(model_->table(), me.dp);
+    const size_t n = total_of(ranges);
+    if (n > 0) {
+      std::vector<float> lm, lv, pm(n), pv(n);
+      own_state(lm, lv);
+      size_t p = 0;
+      for (const auto& [b, e] : ranges) {
+        std::copy(lm.begin() + b, lm.begin() + e, pm.begin() + p);
+        std::copy(lv.begin() + b, lv.begin() + e, pv.begin() + p);
+        p += e - b;
+      }
+      w.send(pm.data(), n, dist::CommDType::f32, 0, kExpAvg);
+      w.send(pv.data(), n, dist::CommDType::f32, 0, kExpAvgSq);
     }
     return;
   }
@@ -555,45 +651,61 @@ void Training::gather_whole(const ParamTable& whole, std::vector<float>& params,
   m.assign(whole.total(), 0.0f);
   v.assign(whole.total(), 0.0f);
   for (int t = 0; t < gs.tp; t++) {
-    ParamShard shard;
-    shard.tp_rank = t;
-    shard.tp_size = gs.tp;
-    const ParamTable lt(mcfg_, shard);
-    std::vector<float> lp(lt.total(), 0.0f), lm(lt.total(), 0.0f), lv(lt.total(), 0.0f);
     for (int d = 0; d < gs.dp; d++) {
       dist::GridCoord c;
       c.tp = t;
       c.dp = d;
       const int src = dist::grid_rank(gs, c);
-      const auto [b, e] = state_range(lt.total(), d);
+      ParamShard shard;
+      shard.tp_rank = t;
+      shard.tp_size = gs.tp;
+      if (ep_on) {
+        const int El = mcfg_.num_local_experts / gs.ep, r = d % gs.ep;
+        shard.expert_begin = r * El;
+        shard.expert_end = (r + 1) * El;
+      }
+      const ParamTable lt(mcfg_, shard);
+      const auto ranges = state_ranges(lt, d);
+      const size_t n = total_of(ranges);
+      const bool sends_params = d < gs.ep;  // edp rank 0
+      std::vector<float> lp, lm, lv;
       if (src == 0) {
         lp = model_->params();
-        std::copy(opt_->exp_avg().begin(), opt_->exp_avg().end(), lm.begin() + b);
-        std::copy(opt_->exp_avg_sq().begin(), opt_->exp_avg_sq().end(), lv.begin() + b);
-        continue;
+        own_state(lm, lv);
+      } else {
+        lp.assign(lt.total(), 0.0f);
+        lm.assign(lt.total(), 0.0f);
+        lv.assign(lt.total(), 0.0f);
+        if (sends_params) w.recv(lp.data(), lt.total(), dist::CommDType::f32, src, kParams);
+        if (n > 0) {
+          std::vector<float> pm(n), pv(n);
+          w.recv(pm.data(), n, dist::CommDType::f32, src, kExpAvg);
+          w.recv(pv.data(), n, dist::CommDType::f32, src, kExpAvgSq);
+          size_t p = 0;
+          for (const auto& [b, e] : ranges) {
+            std::copy(pm.begin() + p, pm.begin() + p + (e - b), lm.begin() + b);
+            std::copy(pv.begin() + p, pv.begin() + p + (e - b), lv.begin() + b);
+            p += e - b;
+          }
+        }
       }
-      if (d == 0) w.recv(lp.data(), lt.total(), dist::CommDType::f32, src, kParams);
-      if (e > b) {
-        w.recv(lm.data() + b, e - b, dist::CommDType::f32, src, kExpAvg);
-        w.recv(lv.data() + b, e - b, dist::CommDType::f32, src, kExpAvgSq);
-      }
+      if (sends_params) copy_to_whole(lt, lp.data(), whole, params.data());
+      copy_to_whole(lt, lm.data(), whole, m.data(), ranges);
+      copy_to_whole(lt, lv.data(), whole, v.data(), ranges);
     }
-    copy_to_whole(lt, lp.data(), whole, params.data());
-    copy_to_whole(lt, lm.data(), whole, m.data());
-    copy_to_whole(lt, lv.data(), whole, v.data());
   }
 }
 
 std::string Training::save(long step, bool final_save) {
   // Never write a checkpoint that could not be resumed usefully.
-  const double param_norm = opt_->global_norm(model_->params().data());
+  const double param_norm = global_norm(model_->params().data());
   if (!std::isfinite(param_norm)) {
     log_.line(fmt::format("step {}: parameters are not finite; checkpoint NOT saved", step));
     return "";
   }
   const auto t0 = Clock::now();
   const ParamTable& table = model_->table();
-  const bool direct = world_->size() == 1 && table.is_whole();
+  const bool direct = world_->size() == 1 && table.is_whole() && !opt_exp_;
   std::optional<ParamTable> whole_own;
   if (!table.is_whole()) whole_own.emplace(mcfg_);
   const ParamTable& whole = table.is_whole() ? table : *whole_own;
@@ -648,14 +760,14 @@ TrainSummary Training::run() {
     const StepResult r = train_step(step);
     if (std::find(options_.inject_nan_steps.begin(), options_.inject_nan_steps.end(), step) !=
         options_.inject_nan_steps.end())
-      model_->grads()[opt_->state_begin()] = std::nanf("");  // an element this rank owns
-    const double grad_norm = opt_->global_norm(model_->grads().data());
+      if (!opt_->state_ranges().empty())
+        model_->grads()[opt_->state_ranges()[0].first] = std::nanf("");  // an element this rank owns
+    const double grad_norm = global_norm(model_->grads().data());
     const double lr = schedule_.at(step);
     const bool finite = std::isfinite(r.loss) && std::isfinite(grad_norm);
     if (finite) {
       nan_in_row = 0;
-      opt_->step(model_->params().data(), model_->grads().data(), lr,
-                 (float)clip_coefficient(grad_norm, cfg_.train.grad_clip));
+      optimizer_step(lr, (float)clip_coefficient(grad_norm, cfg_.train.grad_clip));
     } else {
       nan_in_row++;
       log_.line(fmt::format("step {}: non-finite {} (loss {}, grad norm {}); update skipped ({} in a row, limit {})",
@@ -677,7 +789,7 @@ TrainSummary Training::run() {
 
     const bool log_now = cfg_.log.every_steps > 0 && (step % cfg_.log.every_steps == 0 || step == total_steps_);
     // Collective: every rank takes part in the norm.
-    const double param_norm = log_now ? opt_->global_norm(model_->params().data()) : 0.0;
+    const double param_norm = log_now ? global_norm(model_->params().data()) : 0.0;
     int64_t all_bytes[2] = {(int64_t)step_bytes, (int64_t)step_bytes};  // sum and max over the ranks
     if (log_now && world_->size() > 1) {
       all_bytes[0] = world_->all_reduce_value(all_bytes[0]);

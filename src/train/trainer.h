@@ -8,11 +8,13 @@
 // update (logged); `train.nan_skip_limit` skips in a row abort the run before any bad checkpoint.
 // SIGTERM / SIGINT finish the current step, save a checkpoint and exit 0 (Slurm preemption).
 //
-// Distributed (tp x dp; pp and ep come later): each data-parallel rank takes its micro-batches of the
+// Distributed (tp x dp, with ep dividing dp; pp comes later): each data-parallel rank takes its micro-batches of the
 // global batch (DataLoader dp sharding); the token counts that scale the loss are summed over dp
 // before the forward passes, so every layout optimises the same objective; the gradients are
 // reduced over dp (ZeRO-1: reduce-scatter, sharded AdamW, all-gather; else all-reduce); clipping
-// uses the global norm.  Tensor parallelism is the model's (model/mixtral.h).  World rank 0 alone
+// uses the global norm.  Tensor and expert parallelism are the model's (model/mixtral.h); under
+// ep > 1 the expert tensors have their own optimizer, reduced and sharded over edp (the ranks
+// holding the same experts), the others over dp.  World rank 0 alone
 // writes the run directory (log, metrics.jsonl, TensorBoard, checkpoints); checkpoints hold whole
 // tensors gathered to it, and every rank reads its part on resume, so any layout resumes any other.
 // A signal seen by any rank stops every rank after the same step.  metrics.jsonl adds comm_bytes
@@ -59,6 +61,8 @@ struct TrainOptions {
   // step fail_step (-1: never).
   int fail_rank = -1;
   long fail_step = -1;
+  // Test aid: a constant bias[E] added to the router logits of every MoE layer (skewed routing).
+  std::vector<float> router_bias;
   // The processes of a distributed run (dist::make_world_comm(); must outlive the call); null: this
   // process alone.
   dist::Comm* world = nullptr;
