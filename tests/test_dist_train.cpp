@@ -157,6 +157,37 @@ TEST_F(DistTrain, ExpertParallelWithCapacityFactorMatchesOneProcess) {
   expect_equivalent_to(ref, "tp2ep2_cap", 4, {"parallel.ep=2", "parallel.tp=2", cf});
 }
 
+// Capacity factor 1.0 on skewed routing through the trainer: the bias sends every token to experts 0
+// and 1, each of which then has room for ceil(N_real / 2) of its N_real real assignments per
+// micro-batch, so the reported fraction of every layer and step is sum floor(N_i / 2) / sum N_i over
+// the step's micro-batches: 0.5 when every micro-batch has an even number of real tokens, just under
+// it otherwise (the exact counts are pinned in test_model's Capacity.FactorOneOnSkewedRouting...).
+// The same run without a factor reports 0; ep 2 (whose second rank holds the two idle experts)
+// drops what one process drops.
+TEST_F(DistTrain, CapacityFactorOneOnSkewedRoutingDropsAndReportsTheFraction) {
+  const std::string bias = "--debug-router-bias=2,1,-1,-1";
+  const auto fractions = [](const fs::path& run) {
+    std::vector<double> f;
+    for (const auto& step : read_metrics(run, "moe"))
+      for (const auto& layer : step["moe"]) f.push_back(layer["dropped_fraction"].get<double>());
+    return f;
+  };
+  const fs::path dropless = train("skew_dropless", 0, {bias});
+  const fs::path capped = train("skew_cap1", 0, {bias, "moe.capacity_factor=1.0"});
+  const std::vector<double> none = fractions(dropless), half = fractions(capped);
+  ASSERT_EQ(none.size(), 20u);  // 10 steps x 2 layers
+  ASSERT_EQ(half.size(), 20u);
+  for (double f : none) EXPECT_EQ(f, 0.0);
+  for (double f : half) {
+    EXPECT_LE(f, 0.5);
+    // Each of the 8 micro-batches (at most 64 real tokens) rounds at most half an assignment per
+    // expert up: sum N_i >= 8 x 8 tokens (the shortest document) bounds the shortfall by 1/16.
+    EXPECT_GE(f, 0.5 - 8 * 0.5 / 64.0);
+  }
+  EXPECT_NE(losses(capped), losses(dropless));
+  expect_equivalent_to(capped, "ep2_skew_cap1", 2, {"parallel.ep=2", bias, "moe.capacity_factor=1.0"});
+}
+
 // Layouts that cannot work fail before any work: exit 2, a one-line message naming the field.
 TEST_F(DistTrain, ExpertParallelBadLayoutsFailNamingTheField) {
   const fs::path a = train("bad_ep_dp", 2, {"parallel.ep=4"}, 2);

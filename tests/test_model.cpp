@@ -305,3 +305,42 @@ TEST(Capacity, NoRoomLimitIsDroplessAndDroppingBackwardIsTheGradient) {
     }
   }
 }
+
+// Capacity factor 1.0 on skewed routing: a router bias sends both choices of every token to experts
+// 0 and 1.  30 tokens, K = 2: each of the two experts gets 30 assignments and has room for
+// ceil(1.0 x 30 x 2 / 4) = 15, so 30 of the 60 assignments are dropped in each layer.  Right padding
+// (attention_mask 0) is dropped first and not counted: with 5 padded positions, 25 real tokens,
+// room for ceil(12.5) = 13, so each expert drops its 5 padded rows and 12 real ones (24 counted).
+// Without a factor nothing is dropped.
+TEST(Capacity, FactorOneOnSkewedRoutingDropsHalfOfTheAssignments) {
+  const ModelConfig cfg = tiny_mixtral();
+  for (const int padded : {0, 5}) {
+    SCOPED_TRACE(padded);
+    Batch b;
+    b.B = 2;
+    b.T = 15;
+    b.input_ids = tokens(30, 11, cfg.vocab_size);
+    b.labels = b.input_ids;
+    b.attention_mask.assign(30, 1);
+    for (int i = 0; i < padded; i++) {
+      b.attention_mask[29 - i] = 0;
+      b.labels[29 - i] = -100;
+    }
+    LossWeights w;
+    w.ce_scale = 1.0 / count_loss_tokens(b);
+    MixtralModel skewed(cfg), dropless(cfg);
+    for (MixtralModel* m : {&skewed, &dropless}) {
+      init_parameters(m->table(), cfg, 5, m->params().data());
+      m->set_router_bias({40.0f, 20.0f, -40.0f, -40.0f});
+    }
+    skewed.set_capacity_factor(1.0);
+    skewed.forward(b, w);
+    dropless.forward(b, w);
+    const long real = 30 - padded, want = 2 * (real - (real + 1) / 2);
+    ASSERT_EQ(skewed.dropped().size(), 2u);
+    ASSERT_EQ(dropless.dropped().size(), 2u);
+    for (long d : skewed.dropped()) EXPECT_EQ(d, want);
+    for (long d : dropless.dropped()) EXPECT_EQ(d, 0);
+    EXPECT_EQ(want, padded == 0 ? 30 : 24);
+  }
+}
