@@ -175,6 +175,24 @@ TEST_F(CommChild, AllToAllVSendRecvBroadcastAndSplit) {
   }
   EXPECT_EQ(got[999], prev + 0.5);
 
+  // sendrecv: every rank sends to next and receives from prev at once (no ordering by parity), with
+  // a message large enough for a rendezvous protocol; then the reverse direction, and the ends of an
+  // open chain (rank 0 receives nothing, the last rank sends nothing).
+  {
+    std::vector<float> big(300000, (float)me), from_prev(big.size(), -1.0f);
+    const uint64_t before = w.stats().bytes_sent;
+    w.sendrecv(big.data(), big.size(), next, from_prev.data(), from_prev.size(), prev, CommDType::f32, 20);
+    EXPECT_EQ(w.stats().bytes_sent - before, big.size() * 4);
+    EXPECT_EQ(from_prev.front(), (float)prev);
+    EXPECT_EQ(from_prev.back(), (float)prev);
+    std::vector<int64_t> down = {me * 10, me * 10 + 1}, from_next(2, -1);
+    w.sendrecv(down.data(), 2, prev, from_next.data(), 2, next, CommDType::i64, 21);
+    EXPECT_EQ(from_next, (std::vector<int64_t>{next * 10, next * 10 + 1}));
+    std::vector<double> chain = {me + 0.25}, in_chain = {-1.0};
+    w.sendrecv(chain.data(), 1, me + 1 < n ? me + 1 : -1, in_chain.data(), 1, me > 0 ? me - 1 : -1, CommDType::f64, 22);
+    EXPECT_EQ(in_chain[0], me > 0 ? me - 1 + 0.25 : -1.0);
+  }
+
   std::string s = me == 1 ? "from rank one" : "";
   w.broadcast_string(s, 1);
   EXPECT_EQ(s, "from rank one");
@@ -274,6 +292,8 @@ TEST(SelfComm, IsAGroupOfOne) {
   EXPECT_EQ(y, x);
   EXPECT_THROW(c.reduce_scatter(y.data(), x.data(), {1, 2}, CommDType::f32, ReduceOp::sum), Error);
   EXPECT_THROW(c.send(x.data(), 3, CommDType::f32, 1, 0), Error);
+  EXPECT_THROW(c.sendrecv(x.data(), 3, 0, y.data(), 3, -1, CommDType::f32, 0), Error);
+  c.sendrecv(x.data(), 3, -1, y.data(), 3, -1, CommDType::f32, 0);  // neither half: nothing to do
   EXPECT_EQ(c.split(0, 0, "x")->size(), 1);
   EXPECT_EQ(c.stats().bytes_sent, 0u);
 }

@@ -15,6 +15,13 @@
 // with exit status 2 and a message naming parallel.ep; a capacity factor drops the same
 // assignments under ep (and tp x ep) as in one process.
 //
+// Pipeline parallelism (stages of contiguous layers, the 1F1B schedule over the micro-batches of
+// each data-parallel rank, at least 4 of them): (pp 2), (pp 4 of a 4-layer model) and uneven stages
+// of 1 and 3 layers over 8 micro-batches, (pp 2, tp 2) and (pp 2, ep 2, dp 2) over 4 match one process the same way; a
+// checkpoint written at (pp 2, ep 2, dp 2) resumes at (1, 1, 1) and at (tp 2, dp 2); the number of
+// micro-batches whose activations a stage keeps at once is min(pp - stage, m) whatever m, so its
+// activation memory does not grow with m; a pp that does not divide the layers fails with exit 2.
+//
 // The tolerances are fp32 reduction order: a layout sums the same gradients in another order
 // (micro-batches across ranks, partial sums of row-parallel matmuls and of the vocabulary-parallel
 // softmax), so values differ by a few ulps per step, amplified a little by Adam over 10 steps.
@@ -59,6 +66,11 @@ class DistTrain : public ::testing::Test {
   // The single-process reference, trained once for the whole suite.
   static const fs::path& reference() {
     static const fs::path run = train("ref", 0, {});
+    return run;
+  }
+  // The same with a 4-layer model (the deeper pipelines).
+  static const fs::path& reference_4_layers() {
+    static const fs::path run = train("ref_l4", 0, {"model.config.num_hidden_layers=4"});
     return run;
   }
   static std::vector<double> losses(const fs::path& run) {
@@ -146,7 +158,7 @@ TEST_F(DistTrain, TensorExpertAndDataParallel2x2x2MatchOneProcess) { expect_equi
 
 // Skewed routing: a router bias makes every token choose experts 0 and 1, so under ep 2 the rank
 // holding experts 2 and 3 receives no token, and no rank sends it any; no hang, and the run matches
-// one process with the same bias (and so does dp 2).  The bias is the mildest that starves experts
+// one process with the same bias (and so do dp 2 and pp 2 x ep 2 x dp 2).  The bias is the mildest that starves experts
 // 2 and 3: with 6,0,-6,-6 the losses still agreed to 1e-5, but the embedding's final weights ended
 // 2e-4 (dp 2) and 1e-3 (ep 2) apart relative -- reduction-order differences amplified by Adam's
 // normalisation of tiny gradients (not investigated further).
@@ -155,14 +167,17 @@ TEST_F(DistTrain, ExpertParallelWithAnIdleExpertRankMatchesOneProcess) {
   const fs::path ref = train("ref_skew", 0, {bias});
   expect_equivalent_to(ref, "ep2_skew", 2, {"parallel.ep=2", bias});
   expect_equivalent_to(ref, "dp2_skew", 2, {"parallel.ep=1", bias});
-  for (const fs::path& run : {ref, *root_ / "ep2_skew"}) {
+  expect_equivalent_to(ref, "pp2ep2dp2_skew", 4, {"parallel.pp=2", "parallel.ep=2", bias});
+  for (const fs::path& run : {ref, *root_ / "ep2_skew", *root_ / "pp2ep2dp2_skew"}) {
     const auto moe = read_metrics(run, "moe");
     ASSERT_EQ(moe.size(), 10u);
-    for (const auto& step : moe)
+    for (const auto& step : moe) {
+      ASSERT_EQ(step["moe"].size(), 2u) << run << ": both layers' telemetry, whichever stage holds them";
       for (const auto& layer : step["moe"]) {
         EXPECT_EQ(layer["shares"][2].get<double>(), 0.0) << run;
         EXPECT_EQ(layer["shares"][3].get<double>(), 0.0) << run;
       }
+    }
   }
 }
 
@@ -236,6 +251,90 @@ TEST_F(DistTrain, ExpertParallelCheckpointResumesUnderAnotherLayout) {
   expect_resumes_like(a, {{"b_ep_1x1", 0, {"parallel.ep=1", "parallel.tp=1"}},
                           {"c_ep2dp4", 4, {"parallel.ep=2", "parallel.tp=1"}},
                           {"d_tp2ep2dp2", 4, {"parallel.ep=2", "parallel.tp=2"}}});
+}
+
+TEST_F(DistTrain, PipelineParallel2MatchesOneProcess) {
+  expect_equivalent_to(reference(), "pp2", 2, {"parallel.pp=2"});
+}
+
+TEST_F(DistTrain, PipelineParallel4Of4LayersMatchesOneProcess) {
+  expect_equivalent_to(reference_4_layers(), "pp4_l4", 4, {"model.config.num_hidden_layers=4", "parallel.pp=4"});
+}
+
+// parallel.layers_per_stage: stages of 1 and 3 layers.
+TEST_F(DistTrain, PipelineUnevenStagesMatchOneProcess) {
+  expect_equivalent_to(reference_4_layers(), "pp2_1_3", 2,
+                       {"model.config.num_hidden_layers=4", "parallel.pp=2", "parallel.layers_per_stage=[1, 3]"});
+}
+
+TEST_F(DistTrain, PipelineAndTensorParallel2x2MatchOneProcess) {
+  expect_equivalent_to(reference(), "pp2tp2", 4, {"parallel.pp=2", "parallel.tp=2"});
+}
+
+TEST_F(DistTrain, PipelineExpertAndDataParallel2x2x2MatchOneProcess) {
+  expect_equivalent_to(reference(), "pp2ep2dp2", 4, {"parallel.pp=2", "parallel.ep=2", "parallel.zero1=true"});
+}
+
+// The pooled load-balancing loss spans the stages (statistics forward, gradient back); the
+// per-layer loss stays within each stage.  Both match one process at pp 2.
+TEST_F(DistTrain, PipelineParallelPerLayerAuxLossMatchesOneProcess) {
+  const fs::path ref = train("ref_per_layer", 0, {"moe.aux_loss=per_layer", "moe.z_loss_coef=0.001"});
+  expect_equivalent_to(ref, "pp2_per_layer", 2, {"parallel.pp=2", "moe.aux_loss=per_layer", "moe.z_loss_coef=0.001"});
+}
+
+// A checkpoint written under pipeline x expert x data parallelism holds every layer and expert: it
+// resumes at (1, 1, 1) and at (tp 2, dp 2) with the losses (and final weights) of continuing.
+TEST_F(DistTrain, PipelineCheckpointResumesUnderAnotherLayout) {
+  const fs::path a = train("a_pp2ep2dp2", 4, {"parallel.pp=2", "parallel.ep=2"});
+  expect_resumes_like(a, {{"b_pp_1x1x1", 0, {"parallel.pp=1", "parallel.ep=1"}},
+                          {"c_pp_tp2dp2", 4, {"parallel.pp=1", "parallel.ep=1", "parallel.tp=2"}}});
+}
+
+// 1F1B keeps at most min(pp - stage, m) micro-batches' activations on a stage: measured by the
+// model's activation sets (metrics.jsonl "pipeline"), the peak is the same with 8 and with 16
+// micro-batches per step, and stage 0 holds 4 micro-batches' activations, not m.
+TEST_F(DistTrain, PipelineActivationMemoryIsBoundedByStagesNotMicroBatches) {
+  std::vector<nlohmann::json> seen;
+  for (int m : {8, 16}) {
+    const std::string name = "pp4_mem_m" + std::to_string(m);
+    const fs::path run = train(name, 4,
+                               {"model.config.num_hidden_layers=4", "parallel.pp=4", "train.max_steps=2",
+                                "train.global_batch_size=" + std::to_string(m), "eval.every_steps=0"});
+    const auto metrics = read_metrics(run, "pipeline");
+    ASSERT_EQ(metrics.size(), 2u) << name;
+    const nlohmann::json& p = metrics.back()["pipeline"];
+    EXPECT_EQ(p["micro_batches"].get<int>(), m);
+    EXPECT_EQ(p["peak_micro_batches_in_flight"].get<std::vector<int>>(), (std::vector<int>{4, 3, 2, 1})) << name;
+    const auto bytes = p["peak_activation_bytes"].get<std::vector<int64_t>>();
+    const auto per_micro = p["activation_bytes_per_micro_batch"].get<std::vector<int64_t>>();
+    ASSERT_EQ(bytes.size(), 4u);
+    for (int st = 0; st < 4; st++) {
+      EXPECT_GT(per_micro[st], 0);
+      EXPECT_EQ(bytes[st], (4 - st) * per_micro[st]) << name << ": stage " << st;
+    }
+    EXPECT_LT(bytes[0], m * per_micro[0]);
+    seen.push_back(p);
+  }
+  EXPECT_EQ(seen[0]["peak_activation_bytes"], seen[1]["peak_activation_bytes"]);
+}
+
+// Evaluation runs forwards without backwards between steps; none of that may leak into the next
+// step's gradients: one process with evaluation every 5 steps trains bitwise as one without, and
+// pp 2 evaluating every step matches them too.
+TEST_F(DistTrain, EvaluationBetweenStepsDoesNotChangeTraining) {
+  const std::vector<double> with_eval = losses(reference());
+  const std::vector<double> without = losses(train("ref_no_eval", 0, {"eval.every_steps=0"}));
+  ASSERT_EQ(with_eval.size(), 10u);
+  EXPECT_EQ(without, with_eval);
+  expect_same_losses(losses(train("pp2_eval_every_step", 2, {"parallel.pp=2", "eval.every_steps=1"})), with_eval, 1,
+                     "pp 2, evaluating every step");
+}
+
+TEST_F(DistTrain, PipelineBadLayoutFailsNamingTheField) {
+  const fs::path a = train("bad_pp_layers", 3, {"parallel.pp=3"}, 2);
+  EXPECT_NE(read_file(*root_ / "bad_pp_layers.log").find("pp 3 does not divide num_hidden_layers 2"), std::string::npos)
+      << read_file(*root_ / "bad_pp_layers.log");
+  EXPECT_FALSE(fs::exists(a / "metrics.jsonl"));
 }
 
 // ZeRO-1 shards the Adam moments over the data-parallel ranks: per-rank optimizer state at dp 4 is

@@ -344,3 +344,103 @@ TEST(Capacity, FactorOneOnSkewedRoutingDropsHalfOfTheAssignments) {
     EXPECT_EQ(want, padded == 0 ? 30 : 24);
   }
 }
+
+// Pipeline stages (model/mixtral.h): a 4-layer model split into stages [0, 2) and [2, 4) in one
+// process, its three micro-batches all in flight on both stages (three forwards queued, then the
+// three backwards, oldest first), the hidden states, pooled router statistics, their gradients and
+// the pooled aux-loss gradient handed from stage to stage by hand, computes what the whole model
+// computes micro-batch by micro-batch: the same losses (summed over the stages) and BITWISE the same
+// gradients for every tensor -- each op runs on the same inputs in the same order, and the pooled
+// statistics are summed in layer order on both paths.  For the HF pooled and the per-layer aux loss,
+// with a z-loss, right padding and decisive (uneven) routing.
+TEST(PipelineStages, TwoStagesComputeTheWholeModelBitwise) {
+  const ModelConfig cfg = tiny_mixtral(4);
+  std::vector<Batch> micro(3);
+  long loss_tokens = 0;
+  for (int i = 0; i < 3; i++) {
+    Batch& b = micro[i];
+    b.B = 2;
+    b.T = 12;
+    b.input_ids = tokens(24, 11 + i, cfg.vocab_size);
+    b.labels = b.input_ids;
+    b.attention_mask.assign(24, 1);
+    for (int t = 9 + i; t < 12; t++) {
+      b.attention_mask[12 + t] = 0;
+      b.labels[12 + t] = -100;
+    }
+    loss_tokens += count_loss_tokens(b);
+  }
+  for (AuxLossKind kind : {AuxLossKind::hf_pooled, AuxLossKind::per_layer}) {
+    const char* what = kind == AuxLossKind::hf_pooled ? "hf_pooled" : "per_layer";
+    LossWeights w;
+    w.ce_scale = 1.0 / (double)loss_tokens;
+    w.aux_coef = 0.02 / 3;
+    w.z_coef = 0.001 / 3;
+    w.aux_kind = kind;
+    MixtralModel whole(cfg), s0(cfg, nullptr, nullptr, {0, 2}), s1(cfg, nullptr, nullptr, {2, 4});
+    ASSERT_TRUE(s0.first_stage() && !s0.last_stage() && s1.last_stage() && !s1.first_stage());
+    init_decisive(whole, 5);
+    copy_from_whole(whole.table(), whole.params().data(), s0.table(), s0.params().data());
+    copy_from_whole(whole.table(), whole.params().data(), s1.table(), s1.params().data());
+    whole.zero_grads();
+    s0.zero_grads();
+    s1.zero_grads();
+    double want = 0, got = 0;
+    for (const Batch& b : micro) {
+      want += whole.forward(b, w).loss;
+      whole.backward();
+    }
+    const size_t NC = 24 * (size_t)cfg.hidden_size;
+    std::vector<std::vector<float>> hidden;
+    std::vector<ops::RouterLayerStats> pooled;
+    for (const Batch& b : micro) {
+      got += s0.forward_queued(b, w).loss;
+      hidden.emplace_back(s0.stage_output(), s0.stage_output() + NC);
+      pooled.push_back(s0.pooled_stats());
+    }
+    for (int i = 0; i < 3; i++) got += s1.forward_queued(micro[i], w, {hidden[i].data(), &pooled[i]}).loss;
+    EXPECT_EQ(s0.pending(), 3u);
+    EXPECT_EQ(s1.peak_pending(), 3u);
+    EXPECT_EQ(s0.peak_activation_bytes(), 3 * s0.activation_bytes_per_micro_batch());
+    for (int i = 0; i < 3; i++) {
+      s1.backward();
+      const std::vector<float> dhidden(s1.input_grad(), s1.input_grad() + NC);
+      const std::vector<double> aux = s1.input_aux_grad();
+      ASSERT_EQ(aux.size(), 4u);
+      if (kind == AuxLossKind::hf_pooled) {
+        EXPECT_GT(*std::max_element(aux.begin(), aux.end()), 0.0) << what;
+      }
+      s0.backward({dhidden.data(), aux.data()});
+    }
+    EXPECT_EQ(s0.pending(), 0u);
+    EXPECT_NEAR(got, want, 1e-12 * std::fabs(want)) << what;
+    std::vector<float> staged(whole.table().total(), 0.0f);
+    copy_to_whole(s0.table(), s0.grads().data(), whole.table(), staged.data());
+    copy_to_whole(s1.table(), s1.grads().data(), whole.table(), staged.data());
+    for (const ParamSpec& s : whole.table().specs())
+      EXPECT_EQ(std::memcmp(staged.data() + s.offset, whole.grads().data() + s.offset, sizeof(float) * s.numel), 0)
+          << what << ": " << s.name << " max |diff| "
+          << max_abs_diff(staged.data() + s.offset, whole.grads().data() + s.offset, s.numel);
+  }
+}
+
+// A stage is told what it lacks: a later stage's forward needs hidden states, an earlier stage's
+// backward needs the gradient of its output, the first stage has no input gradient.
+TEST(PipelineStages, MissingStageInputsAreErrors) {
+  const ModelConfig cfg = tiny_mixtral(4);
+  MixtralModel s0(cfg, nullptr, nullptr, {0, 2}), s1(cfg, nullptr, nullptr, {2, 4});
+  init_parameters(s0.table(), cfg, 1, s0.params().data());
+  init_parameters(s1.table(), cfg, 1, s1.params().data());
+  Batch b;
+  b.B = 1;
+  b.T = 8;
+  b.input_ids = tokens(8, 3, cfg.vocab_size);
+  b.labels = b.input_ids;
+  EXPECT_THROW(s1.forward(b, LossWeights{}), Error);
+  s0.forward(b, LossWeights{});
+  EXPECT_THROW(s0.backward(), Error);
+  EXPECT_EQ(s0.pending(), 1u);  // the refused backward leaves the micro-batch pending
+  EXPECT_THROW(s0.input_grad(), Error);
+  EXPECT_FALSE(s0.table().has(ParamKind::lm_head));
+  EXPECT_FALSE(s1.table().has(ParamKind::embedding));
+}

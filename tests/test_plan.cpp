@@ -235,6 +235,28 @@ TEST(PlanRules, LayersDivisibleByPp) {
   expect_rule(error_of([] { small_plan(3, 1, 3, 1, {}, 33); }), "pp 3 does not divide num_hidden_layers 8");
 }
 
+// parallel.layers_per_stage: uneven contiguous stages; one entry per stage, summing to the layers.
+TEST(PlanRules, LayersPerStageListsEveryStageAndSumsToTheLayers) {
+  const ModelConfig m = model_config_from_json(small_json(), "test");  // 8 layers
+  TrainConfig c = small_cfg(1, 3, 1, 33);
+  c.parallel.layers_per_stage = {2, 3, 3};
+  const Plan p = make_plan(c, m, 3);
+  ASSERT_EQ(p.stages.size(), 3u);
+  EXPECT_EQ(p.stages[0].first_layer, 0);
+  EXPECT_EQ(p.stages[0].num_layers, 2);
+  EXPECT_EQ(p.stages[1].first_layer, 2);
+  EXPECT_EQ(p.stages[2].first_layer, 5);
+  EXPECT_EQ(p.stages[2].num_layers, 3);
+  EXPECT_LT(p.stages[0].params.attention, p.stages[1].params.attention);
+  EXPECT_EQ(stage_layer_starts(c, m), (std::vector<int>{0, 2, 5, 8}));
+  c.parallel.layers_per_stage = {2, 3};
+  expect_rule(error_of([&] { make_plan(c, m, 3); }), "parallel.layers_per_stage has 2 entries, pp is 3");
+  c.parallel.layers_per_stage = {2, 3, 4};
+  expect_rule(error_of([&] { make_plan(c, m, 3); }), "parallel.layers_per_stage sums to 9 layers, the model has 8");
+  c.parallel.layers_per_stage = {4, 4, 0};
+  expect_rule(error_of([&] { make_plan(c, m, 3); }), "parallel.layers_per_stage[2] is 0");
+}
+
 TEST(PlanRules, ExpertsDivisibleByEp) {
   expect_rule(error_of([] { small_plan(3, 1, 1, 3, {}, 33, 1); }), "ep 3 does not divide num_local_experts 8");
 }

@@ -151,7 +151,7 @@ TEST(TrainConfig, WrongTypesNameFileLineAndValue) {
   }
   // Sections and model.config must be mappings; booleans are true/false.
   EXPECT_HAS(error_of(std::string(kBase) + "parallel: 8\n"),
-             "cfg.yaml:17:11: parallel: expected a mapping (a section with keys tp, pp, ep, zero1), got '8'");
+             "cfg.yaml:17:11: parallel: expected a mapping (a section with keys tp, pp, ep, layers_per_stage, zero1), got '8'");
   EXPECT_HAS(error_of(kBase, {"model.config=[1]"}), "model.config: expected a mapping of HF config.json fields");
   EXPECT_HAS(error_of(std::string(kBase) + "log: {tensorboard: yes}\n"),
              "cfg.yaml:17:20: log.tensorboard: expected true or false, got 'yes'");
@@ -298,12 +298,13 @@ TEST(TrainConfig, ResolvedYamlRoundTrips) {
       "model.config.name_or_path=\"007\"", "model.config.eos_token_id=[2, 32000]",
       "model.config.rope_scaling={type: linear, factor: 2.0}", "model.config.sliding_window=null",
       "model.config.flag=true", "model.config.big=18446744073709551615", "seed=0", "data.packing=false",
-      "log.tensorboard=false", "parallel.zero1=false"});
+      "log.tensorboard=false", "parallel.zero1=false", "parallel.layers_per_stage=[3, 5]"});
   EXPECT_EQ(c.run_dir, "123");
   EXPECT_EQ(c.checkpoint.resume, "true");
   EXPECT_EQ(c.data.path, "null");
   EXPECT_TRUE(c.model.config["rope_theta"].is_number_float());
   EXPECT_TRUE(c.model.config["sliding_window"].is_null());
+  EXPECT_EQ(c.parallel.layers_per_stage, (std::vector<int>{3, 5}));
   const std::string yaml = train_config_to_yaml(c);
   const TrainConfig back = load_text(yaml);
   EXPECT_EQ(back, c) << yaml;
@@ -322,6 +323,19 @@ TEST(TrainConfig, ResolvedYamlRoundTrips) {
   }
 }
 
+// parallel.layers_per_stage is a list of positive integers ([] or null: an even split).
+TEST(TrainConfig, LayersPerStageIsAListOfPositiveIntegers) {
+  EXPECT_EQ(load_text(kBase, {"parallel.layers_per_stage=[1, 3]"}).parallel.layers_per_stage, (std::vector<int>{1, 3}));
+  EXPECT_TRUE(load_text(kBase, {"parallel.layers_per_stage=null"}).parallel.layers_per_stage.empty());
+  EXPECT_TRUE(load_text(kBase, {"parallel.layers_per_stage=[]"}).parallel.layers_per_stage.empty());
+  EXPECT_TRUE(load_text(kBase).parallel.layers_per_stage.empty());
+  EXPECT_HAS(error_of(kBase, {"parallel.layers_per_stage=4"}),
+             "override 'parallel.layers_per_stage=4': parallel.layers_per_stage: expected a list of integers");
+  EXPECT_HAS(error_of(kBase, {"parallel.layers_per_stage=[2, two]"}), "expected a list of integers, e.g. [3, 5]");
+  EXPECT_HAS(error_of(kBase, {"parallel.layers_per_stage=[2, 0]"}),
+             "parallel.layers_per_stage: entry 1 (stage 1) must be >= 1, got 0");
+}
+
 TEST(TrainConfig, JsonHasEveryKeyInItsSection) {
   const TrainConfig c = load_text(kBase, {"moe.capacity_factor=2"});
   const json j = train_config_to_json(c);
@@ -334,7 +348,7 @@ TEST(TrainConfig, JsonHasEveryKeyInItsSection) {
   EXPECT_EQ(j["moe"]["capacity_factor"], 2.0);
   EXPECT_TRUE(j["moe"]["aux_loss_coef"].is_null());
   EXPECT_EQ(j["model"]["config"]["hidden_size"], 64);
-  EXPECT_EQ(train_config_keys().size(), 40u);  // update with the key table
+  EXPECT_EQ(train_config_keys().size(), 41u);  // update with the key table
 }
 
 TEST(TrainConfig, TinyMixtralExampleLoads) {

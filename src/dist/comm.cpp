@@ -84,6 +84,11 @@ void SelfComm::recv(void*, size_t, CommDType, int peer, int) {
   fail("[recv] group '{}' has one rank; there is no peer {}", name(), peer);
 }
 
+void SelfComm::sendrecv(const void*, size_t, int to, void*, size_t, int from, CommDType, int) {
+  if (to != -1 || from != -1)
+    fail("[sendrecv] group '{}' has one rank; there is no peer {}", name(), to != -1 ? to : from);
+}
+
 void SelfComm::broadcast(void*, size_t, CommDType, int root) {
   if (root != 0) fail("[broadcast] group '{}' has one rank; root {} does not exist", name(), root);
 }

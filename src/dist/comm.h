@@ -85,6 +85,11 @@ class Comm {
   // Point to point within the group; `tag` >= 0 tells apart messages between the same pair.
   virtual void send(const void* data, size_t count, CommDType dtype, int peer, int tag) = 0;
   virtual void recv(void* data, size_t count, CommDType dtype, int peer, int tag) = 0;
+  // Sends send[send_count] to peer `to` and receives recv[recv_count] from peer `from` in one call
+  // (either half absent when its peer is -1), so two ranks exchanging in opposite directions --
+  // pipeline stages passing activations forward and gradients back -- cannot deadlock on each other.
+  virtual void sendrecv(const void* send, size_t send_count, int to, void* recv, size_t recv_count, int from,
+                        CommDType dtype, int tag) = 0;
   virtual void broadcast(void* data, size_t count, CommDType dtype, int root) = 0;
   virtual void barrier() = 0;
   // A sub-group: the ranks passing the same color, ordered by key (collective over this group).
@@ -140,6 +145,8 @@ class SelfComm final : public Comm {
                     const std::vector<size_t>& send_counts, CommDType dtype) override;
   void send(const void* data, size_t count, CommDType dtype, int peer, int tag) override;
   void recv(void* data, size_t count, CommDType dtype, int peer, int tag) override;
+  void sendrecv(const void* send, size_t send_count, int to, void* recv, size_t recv_count, int from, CommDType dtype,
+                int tag) override;
   void broadcast(void* data, size_t count, CommDType dtype, int root) override;
   void barrier() override {}
   std::unique_ptr<Comm> split(int color, int key, const std::string& name) override;

@@ -454,6 +454,16 @@ class MpiComm final : public Comm {
     count_bytes(0);
   }
 
+  void sendrecv(const void* send, size_t send_count, int to, void* recv, size_t recv_count, int from, CommDType dtype,
+                int tag) override {
+    if (to != -1) check_peer("sendrecv", to);
+    if (from != -1) check_peer("sendrecv", from);
+    const size_t es = comm_dtype_size(dtype);
+    sendrecv_bytes(static_cast<const uint8_t*>(send), send_count * es, to, static_cast<uint8_t*>(recv), recv_count * es,
+                   from, tag);
+    count_bytes(to != -1 ? send_count * es : 0);
+  }
+
   void broadcast(void* data, size_t count, CommDType dtype, int root) override {
     check_peer("broadcast", root);
     const size_t bytes = count * comm_dtype_size(dtype);
@@ -491,20 +501,22 @@ class MpiComm final : public Comm {
     if (peer < 0 || peer >= size()) fail("[{}] group '{}' has {} ranks; no rank {}", op, name(), size(), peer);
   }
   void count_bytes(uint64_t b) { count(b); }
-  // Sends sbytes to `to` while receiving rbytes from `from`, in messages of at most kMaxMessage
-  // bytes (each direction chunked independently, so the two sides always agree).
-  void sendrecv_bytes(const uint8_t* sbuf, size_t sbytes, int to, uint8_t* rbuf, size_t rbytes, int from) {
+  // Sends sbytes to `to` while receiving rbytes from `from` (-1: that half is absent), in messages
+  // of at most kMaxMessage bytes (each direction chunked independently, so the two sides agree).
+  void sendrecv_bytes(const uint8_t* sbuf, size_t sbytes, int to, uint8_t* rbuf, size_t rbytes, int from, int tag = 3) {
     std::vector<MPI_Request> reqs;
-    for (size_t off = 0; off < rbytes || (off == 0 && rbytes == 0); off += kMaxMessage) {
-      reqs.emplace_back();
-      MPI_Irecv(rbuf + off, (int)std::min(kMaxMessage, rbytes - off), MPI_BYTE, from, 3, comm_, &reqs.back());
-      if (rbytes == 0) break;
-    }
-    for (size_t off = 0; off < sbytes || (off == 0 && sbytes == 0); off += kMaxMessage) {
-      reqs.emplace_back();
-      MPI_Isend(sbuf + off, (int)std::min(kMaxMessage, sbytes - off), MPI_BYTE, to, 3, comm_, &reqs.back());
-      if (sbytes == 0) break;
-    }
+    if (from != -1)
+      for (size_t off = 0; off < rbytes || (off == 0 && rbytes == 0); off += kMaxMessage) {
+        reqs.emplace_back();
+        MPI_Irecv(rbuf + off, (int)std::min(kMaxMessage, rbytes - off), MPI_BYTE, from, tag, comm_, &reqs.back());
+        if (rbytes == 0) break;
+      }
+    if (to != -1)
+      for (size_t off = 0; off < sbytes || (off == 0 && sbytes == 0); off += kMaxMessage) {
+        reqs.emplace_back();
+        MPI_Isend(sbuf + off, (int)std::min(kMaxMessage, sbytes - off), MPI_BYTE, to, tag, comm_, &reqs.back());
+        if (sbytes == 0) break;
+      }
     MPI_Waitall((int)reqs.size(), reqs.data(), MPI_STATUSES_IGNORE);
   }
 

@@ -204,6 +204,15 @@ class NcclComm final : public Comm {
     sync("recv");
     count_bytes(0);
   }
+  void sendrecv(const void* send, size_t send_count, int to, void* recv, size_t recv_count, int from, CommDType dtype,
+                int) override {
+    check_nccl(ncclGroupStart(), "sendrecv", name());
+    if (to != -1) check_nccl(ncclSend(send, send_count, nccl_type(dtype), to, comm_, stream_), "sendrecv", name());
+    if (from != -1) check_nccl(ncclRecv(recv, recv_count, nccl_type(dtype), from, comm_, stream_), "sendrecv", name());
+    check_nccl(ncclGroupEnd(), "sendrecv", name());
+    sync("sendrecv");
+    count_bytes(to != -1 ? send_count * comm_dtype_size(dtype) : 0);
+  }
   void broadcast(void* data, size_t count, CommDType dtype, int root) override {
     check_nccl(ncclBroadcast(data, data, count, nccl_type(dtype), root, comm_, stream_), "broadcast", name());
     sync("broadcast");

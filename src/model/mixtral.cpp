@@ -44,8 +44,10 @@ long count_loss_tokens(const Batch& b) {
 
 namespace {
 
-ParamShard model_shard(const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep) {
+ParamShard model_shard(const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep, LayerRange layers) {
   ParamShard s;
+  s.layer_begin = layers.begin;
+  s.layer_end = layers.end;
   if (tp != nullptr) {
     s.tp_rank = tp->rank();
     s.tp_size = tp->size();
@@ -53,8 +55,7 @@ ParamShard model_shard(const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep) {
   if (ep != nullptr && ep->size() > 1) {
     const int E = cfg.is_moe() ? cfg.num_local_experts : 1;
     if (!cfg.is_moe()) fail("parallel.ep: ep {} needs an MoE model (num_local_experts is 0)", ep->size());
-    if (E % ep->size() != 0)
-      fail("parallel.ep: ep {} does not divide num_local_experts {}", ep->size(), E);
+    if (E % ep->size() != 0) fail("parallel.ep: ep {} does not divide num_local_experts {}", ep->size(), E);
     const int El = E / ep->size();
     s.expert_begin = ep->rank() * El;
     s.expert_end = (ep->rank() + 1) * El;
@@ -64,16 +65,17 @@ ParamShard model_shard(const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep) {
 
 }  // namespace
 
-MixtralModel::MixtralModel(const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep)
+MixtralModel::MixtralModel(const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep, LayerRange layers)
     : cfg_(cfg),
       tp_(tp),
       tp_size_(tp ? tp->size() : 1),
       ep_(ep),
       ep_size_(ep ? ep->size() : 1),
-      table_(cfg, model_shard(cfg, tp, ep)) {
+      layer_begin_(layers.begin),
+      layer_end_(layers.end < 0 ? cfg.num_hidden_layers : layers.end),
+      table_(cfg, model_shard(cfg, tp, ep, layers)) {
   const int NKV = cfg_.num_key_value_heads;
-  if (tp_on() && NKV < tp_size_)
-    kv_comm_ = tp_->split(tp_->rank() / (tp_size_ / NKV), tp_->rank(), "tp-kv");
+  if (tp_on() && NKV < tp_size_) kv_comm_ = tp_->split(tp_->rank() / (tp_size_ / NKV), tp_->rank(), "tp-kv");
   params_.assign(table_.total(), 0.0f);
   grads_.assign(table_.total(), 0.0f);
 }
@@ -89,7 +91,7 @@ uint64_t MixtralModel::comm_bytes() const { return kv_comm_ ? kv_comm_->stats().
 
 void MixtralModel::reduce_replicated_grads() {
   if (!kv_comm_ || kv_comm_->size() == 1) return;
-  for (int l = 0; l < cfg_.num_hidden_layers; l++)
+  for (int l = layer_begin_; l < layer_end_; l++)
     for (ParamKind k : {ParamKind::k_proj, ParamKind::v_proj}) {
       const ParamSpec& s = table_.at(k, l);
       kv_comm_->all_reduce(grads_.data() + s.offset, s.numel);
@@ -183,8 +185,7 @@ void MixtralModel::ep_send(float* out_local, const float* in, const EpLayer& ep,
   ep_buf_.resize((size_t)Mr * C);
   ep_->all_to_all_v(ep_buf_.data(), rc, in, sc, dist::CommDType::f32);
 #pragma omp parallel for schedule(static)
-  for (int64_t m = 0; m < Mr; m++)
-    std::memcpy(out_local + ep.perm[m] * C, ep_buf_.data() + m * C, sizeof(float) * C);
+  for (int64_t m = 0; m < Mr; m++) std::memcpy(out_local + ep.perm[m] * C, ep_buf_.data() + m * C, sizeof(float) * C);
 }
 
 void MixtralModel::ep_return(float* out, const float* y_local, const EpLayer& ep, int C) {
@@ -193,8 +194,7 @@ void MixtralModel::ep_return(float* out, const float* y_local, const EpLayer& ep
   const int64_t Mr = (int64_t)ep.perm.size();
   ep_buf_.resize((size_t)Mr * C);
 #pragma omp parallel for schedule(static)
-  for (int64_t m = 0; m < Mr; m++)
-    std::memcpy(ep_buf_.data() + m * C, y_local + ep.perm[m] * C, sizeof(float) * C);
+  for (int64_t m = 0; m < Mr; m++) std::memcpy(ep_buf_.data() + m * C, y_local + ep.perm[m] * C, sizeof(float) * C);
   std::vector<size_t> sc(P), rc(P);
   for (int p = 0; p < P; p++) {
     sc[p] = ep.recv_rows[p] * C;
@@ -205,14 +205,15 @@ void MixtralModel::ep_return(float* out, const float* y_local, const EpLayer& ep
 
 void MixtralModel::zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
 
-void MixtralModel::allocate(int B, int T) {
-  if (B == B_ && T == T_ && !layers_.empty()) return;
-  B_ = B;
-  T_ = T;
+void MixtralModel::allocate(Activations& s, int B, int T) {
+  if (B == s.B && T == s.T && !s.layers.empty()) return;
+  s.B = B;
+  s.T = T;
   const long N = (long)B * T;
   const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
   const long M = N * K;
-  const int L = cfg_.num_hidden_layers;
+  const int L = layer_end_ - layer_begin_;
+  const bool head = last_stage();
 
   // Two passes: the first measures, the second hands out pointers.
   size_t used = 0;
@@ -222,11 +223,11 @@ void MixtralModel::allocate(int B, int T) {
     used += (size_t)(n + 15) / 16 * 16;
     return p;
   };
-  layers_.assign(L, LayerActs{});
+  s.layers.assign(L, LayerActs{});
   for (int pass = 0; pass < 2; pass++) {
     used = 0;
     for (int l = 0; l < L; l++) {
-      LayerActs& a = layers_[l];
+      LayerActs& a = s.layers[l];
       a.x = take(N * C);
       a.ln1 = take(N * C);
       a.rstd1 = take(N);
@@ -246,11 +247,41 @@ void MixtralModel::allocate(int B, int T) {
       a.act = take(M * I);
       a.yperm = moe ? take(M * C) : nullptr;
     }
-    x_final_ = take(N * C);
-    lnf_ = take(N * C);
-    rstdf_ = take(N);
-    logits_ = take(N * V);
-    lse_ = take(N);
+    s.x_final = take(N * C);
+    s.lnf = head ? take(N * C) : nullptr;
+    s.rstdf = head ? take(N) : nullptr;
+    s.logits = head ? take(N * V) : nullptr;
+    s.lse = head ? take(N) : nullptr;
+    if (pass == 0) {
+      s.arena.assign(used, 0.0f);
+      base = s.arena.data();
+    }
+  }
+  s.topk_arena.assign(moe ? (size_t)L * M : 0, 0);
+  for (int l = 0; l < L; l++) s.layers[l].topk_idx = moe ? s.topk_arena.data() + (size_t)l * M : nullptr;
+  if (!moe) {
+    // A dense FFN is one expert that every token visits with weight 1: the identity plan.
+    std::vector<int32_t> zeros(N, 0);
+    for (LayerActs& a : s.layers) ops::moe_plan_build(a.plan, zeros.data(), N, 1, 1);
+  }
+}
+
+void MixtralModel::allocate_scratch(int B, int T) {
+  if (B == scratch_B_ && T == scratch_T_ && !scratch_.empty()) return;
+  scratch_B_ = B;
+  scratch_T_ = T;
+  const long N = (long)B * T;
+  const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
+  const long M = N * K;
+  size_t used = 0;
+  float* base = nullptr;
+  auto take = [&](long n) -> float* {
+    float* p = base ? base + used : nullptr;
+    used += (size_t)(n + 15) / 16 * 16;
+    return p;
+  };
+  for (int pass = 0; pass < 2; pass++) {
+    used = 0;
     dres_ = take(N * C);
     dln_ = take(N * C);
     tmp_ = take(N * C);
@@ -264,17 +295,55 @@ void MixtralModel::allocate(int B, int T) {
     dyperm_ = moe ? take(M * C) : nullptr;
     ffn_scratch_ = take(3 * M * I);
     if (pass == 0) {
-      arena_.assign(used, 0.0f);
-      base = arena_.data();
+      scratch_.assign(used, 0.0f);
+      base = scratch_.data();
     }
   }
-  topk_arena_.assign(moe ? (size_t)L * M : 0, 0);
-  for (int l = 0; l < L; l++) layers_[l].topk_idx = moe ? topk_arena_.data() + (size_t)l * M : nullptr;
-  if (!moe) {
-    // A dense FFN is one expert that every token visits with weight 1: the identity plan.
-    std::vector<int32_t> zeros(N, 0);
-    for (LayerActs& a : layers_) ops::moe_plan_build(a.plan, zeros.data(), N, 1, 1);
-  }
+}
+
+MixtralModel::Activations& MixtralModel::acquire() {
+  for (const auto& a : pool_)
+    if (std::find(pending_.begin(), pending_.end(), a.get()) == pending_.end()) return *a;
+  pool_.push_back(std::make_unique<Activations>());
+  return *pool_.back();
+}
+
+namespace {
+
+size_t activation_bytes(const std::vector<float>& arena, const std::vector<int32_t>& topk) {
+  return arena.size() * sizeof(float) + topk.size() * sizeof(int32_t);
+}
+
+}  // namespace
+
+size_t MixtralModel::activation_bytes_per_micro_batch() const {
+  if (last_ == nullptr) return 0;
+  size_t b = activation_bytes(last_->arena, last_->topk_arena);
+  for (const LayerActs& a : last_->layers)
+    b += (a.ep.x.size() + a.ep.h13.size() + a.ep.act.size() + a.combine_w.size()) * sizeof(float);
+  return b;
+}
+
+const float* MixtralModel::logits() const { return last_ ? last_->logits : nullptr; }
+
+const float* MixtralModel::stage_output() const {
+  if (last_ == nullptr) fail("[MixtralModel::stage_output] no forward pass yet");
+  return last_->x_final;
+}
+
+const ops::RouterLayerStats& MixtralModel::pooled_stats() const {
+  if (last_ == nullptr) fail("[MixtralModel::pooled_stats] no forward pass yet");
+  return last_->pooled;
+}
+
+const std::vector<double>& MixtralModel::stage_aux_grad() const {
+  if (last_ == nullptr) fail("[MixtralModel::stage_aux_grad] no forward pass yet");
+  return last_->aux_grad;
+}
+
+const float* MixtralModel::input_grad() const {
+  if (first_stage()) fail("[MixtralModel::input_grad] the first stage has no input hidden states (layers from 0)");
+  return dres_;
 }
 
 MixtralModel::Dims MixtralModel::dims() const {
@@ -295,9 +364,38 @@ MixtralModel::Dims MixtralModel::dims() const {
               moe};
 }
 
-Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
+Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights, const StageInput& in) {
+  pending_.clear();
+  return forward_queued(batch, weights, in);
+}
+
+Losses MixtralModel::forward_queued(const Batch& batch, const LossWeights& weights, const StageInput& in) {
   validate_batch(batch, cfg_.vocab_size);
-  allocate(batch.B, batch.T);
+  if (!first_stage() && in.hidden == nullptr)
+    fail("[MixtralModel::forward] the stage of layers [{}, {}) needs the previous stage's hidden states", layer_begin_,
+         layer_end_);
+  const int E = cfg_.is_moe() ? cfg_.num_local_experts : 0;
+  if (in.pooled != nullptr && ((int)in.pooled->assigned.size() != E || (int)in.pooled->prob_sum.size() != E))
+    fail("[MixtralModel::forward] pooled router statistics for {} experts, the model has {}",
+         in.pooled->assigned.size(), E);
+  Activations& s = acquire();
+  const Losses out = run_forward(s, batch, weights, in);
+  pending_.push_back(&s);
+  last_ = &s;
+  peak_pending_ = std::max(peak_pending_, pending_.size());
+  size_t bytes = 0;
+  for (const Activations* a : pending_) {
+    bytes += activation_bytes(a->arena, a->topk_arena);
+    for (const LayerActs& l : a->layers)
+      bytes += (l.ep.x.size() + l.ep.h13.size() + l.ep.act.size() + l.combine_w.size()) * sizeof(float);
+  }
+  peak_activation_bytes_ = std::max(peak_activation_bytes_, bytes);
+  return out;
+}
+
+Losses MixtralModel::run_forward(Activations& s, const Batch& batch, const LossWeights& weights, const StageInput& in) {
+  allocate(s, batch.B, batch.T);
+  allocate_scratch(batch.B, batch.T);
   const int B = batch.B, T = batch.T;
   const long N = (long)B * T;
   const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
@@ -305,60 +403,62 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
   const float* P = params_.data();
   auto W = [&](ParamKind kind, int layer = -1) { return P + table_.at(kind, layer).offset; };
 
-  weights_ = weights;
-  tokens_ = batch.input_ids;
+  s.weights = weights;
+  s.tokens = batch.input_ids;
   // Positions: given, or 0..T-1 restarting at each segment start.
-  positions_.resize(N);
+  s.positions.resize(N);
   for (int b = 0; b < B; b++)
     for (int t = 0; t < T; t++) {
       const long i = (long)b * T + t;
       if (!batch.position_ids.empty())
-        positions_[i] = batch.position_ids[i];
+        s.positions[i] = batch.position_ids[i];
       else if (!batch.segment_ids.empty() && t > 0 && batch.segment_ids[i] == batch.segment_ids[i - 1])
-        positions_[i] = positions_[i - 1] + 1;
+        s.positions[i] = s.positions[i - 1] + 1;
       else if (!batch.segment_ids.empty())
-        positions_[i] = 0;
+        s.positions[i] = 0;
       else
-        positions_[i] = t;
+        s.positions[i] = t;
     }
   // Targets: the next token's label within the same segment.
-  has_labels_ = !batch.labels.empty();
-  targets_.assign(N, ops::IGNORE_INDEX);
-  if (has_labels_)
+  s.has_labels = !batch.labels.empty();
+  s.targets.assign(N, ops::IGNORE_INDEX);
+  if (s.has_labels)
     for (int b = 0; b < B; b++)
       for (int t = 0; t + 1 < T; t++) {
         const long i = (long)b * T + t;
         if (!batch.segment_ids.empty() && batch.segment_ids[i] != batch.segment_ids[i + 1]) continue;
-        targets_[i] = batch.labels[i + 1];
+        s.targets[i] = batch.labels[i + 1];
       }
-  has_token_mask_ = !batch.attention_mask.empty();
-  token_mask_.assign(N, 1);
-  if (has_token_mask_)
-    for (long i = 0; i < N; i++) token_mask_[i] = batch.attention_mask[i] != 0;
-  const uint8_t* tmask = has_token_mask_ ? token_mask_.data() : nullptr;
+  s.has_token_mask = !batch.attention_mask.empty();
+  s.token_mask.assign(N, 1);
+  if (s.has_token_mask)
+    for (long i = 0; i < N; i++) s.token_mask[i] = batch.attention_mask[i] != 0;
+  const uint8_t* tmask = s.has_token_mask ? s.token_mask.data() : nullptr;
 
   ops::AttentionMask amask;
   amask.attention_mask = batch.attention_mask.empty() ? nullptr : batch.attention_mask.data();
   amask.segment_ids = batch.segment_ids.empty() ? nullptr : batch.segment_ids.data();
   amask.sliding_window = cfg_.sliding_window;
 
-  const int L = cfg_.num_hidden_layers;
+  const int lb = layer_begin_, le = layer_end_, L = le - lb;
   router_stats_.assign(moe ? L : 0, ops::RouterLayerStats{});
   dropped_.assign(moe ? L : 0, 0);
 
-  {
+  if (!first_stage()) {
+    std::memcpy(s.layers[0].x, in.hidden, sizeof(float) * N * C);
+  } else {
     ScopedTimer t(profile_, "fwd.embedding");
     if (!tp_on()) {
-      ops::embedding_forward(layers_[0].x, tokens_.data(), W(ParamKind::embedding), N, C, V);
+      ops::embedding_forward(s.layers[0].x, s.tokens.data(), W(ParamKind::embedding), N, C, V);
     } else {
-      dist::embedding_forward_vocab_parallel(layers_[0].x, tokens_.data(), W(ParamKind::embedding), N, C,
+      dist::embedding_forward_vocab_parallel(s.layers[0].x, s.tokens.data(), W(ParamKind::embedding), N, C,
                                              table_.vocab_begin(), V);
-      tp_all_reduce(layers_[0].x, N * C);
+      tp_all_reduce(s.layers[0].x, N * C);
     }
   }
-  for (int l = 0; l < L; l++) {
-    LayerActs& a = layers_[l];
-    float* x_next = l + 1 < L ? layers_[l + 1].x : x_final_;
+  for (int l = lb; l < le; l++) {
+    LayerActs& a = s.layers[l - lb];
+    float* x_next = l + 1 < le ? s.layers[l - lb + 1].x : s.x_final;
     // Attention block: h = x + o_proj(attn(rope(q), rope(k), v)).
     {
       ScopedTimer t(profile_, "fwd.norms");
@@ -372,8 +472,8 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
     }
     {
       ScopedTimer t(profile_, "fwd.rope");
-      ops::rope_forward(a.q, a.q, positions_.data(), N, NH, HD, theta);
-      ops::rope_forward(a.k, a.k, positions_.data(), N, NKV, HD, theta);
+      ops::rope_forward(a.q, a.q, s.positions.data(), N, NH, HD, theta);
+      ops::rope_forward(a.k, a.k, s.positions.data(), N, NKV, HD, theta);
     }
     {
       ScopedTimer t(profile_, "fwd.attention");
@@ -407,9 +507,9 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
           for (long n = 0; n < N; n++)
             for (int e = 0; e < E; e++) a.rlogits[n * E + e] += router_bias_[e];
         ops::router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, N, E, K);
-        ops::router_layer_stats(router_stats_[l], a.rlogits, a.rprobs, a.topk_idx, tmask, N, E, K);
+        ops::router_layer_stats(router_stats_[l - lb], a.rlogits, a.rprobs, a.topk_idx, tmask, N, E, K);
         if (capacity_factor_ > 0) {
-          dropped_[l] = apply_capacity(a, tmask, N, E, K);
+          dropped_[l - lb] = apply_capacity(a, tmask, N, E, K);
         } else {
           ops::moe_plan_build(a.plan, a.topk_idx, N, E, K);
           a.plan.overflow = 0;
@@ -431,8 +531,8 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
         ep_dy_.resize(Mr * C);  // the local outputs, before they travel back
         {
           ScopedTimer t(profile_, "fwd.experts");
-          ops::moe_experts_forward(ep_dy_.data(), a.ep.h13.data(), a.ep.act.data(), a.ep.x.data(), w13, w2,
-                                   a.ep.plan, C, I);
+          ops::moe_experts_forward(ep_dy_.data(), a.ep.h13.data(), a.ep.act.data(), a.ep.x.data(), w13, w2, a.ep.plan,
+                                   C, I);
         }
         ep_return(a.yperm, ep_dy_.data(), a.ep, C);
       }
@@ -454,49 +554,79 @@ Losses MixtralModel::forward(const Batch& batch, const LossWeights& weights) {
       add_inplace(x_next, a.h, N * C);
     }
   }
-  {
+  if (last_stage()) {
     ScopedTimer t(profile_, "fwd.head");
-    ops::rmsnorm_forward(lnf_, rstdf_, x_final_, W(ParamKind::final_norm), N, C, eps);
-    ops::matmul_forward(logits_, lnf_, W(ParamKind::lm_head), N, C, V);
+    ops::rmsnorm_forward(s.lnf, s.rstdf, s.x_final, W(ParamKind::final_norm), N, C, eps);
+    ops::matmul_forward(s.logits, s.lnf, W(ParamKind::lm_head), N, C, V);
   }
 
   Losses out;
-  aux_dprobs_.assign(moe ? L : 0, std::vector<double>(E, 0.0));
+  s.aux_dprobs.assign(moe ? L : 0, std::vector<double>(E, 0.0));
+  s.aux_grad.assign(moe ? E : 0, 0.0);
   if (moe) {
+    // The statistics pooled over the layers so far, in layer order (the single-process sums).
+    if (in.pooled != nullptr) {
+      s.pooled = *in.pooled;
+    } else {
+      s.pooled = ops::RouterLayerStats{};
+      s.pooled.assigned.assign(E, 0.0);
+      s.pooled.prob_sum.assign(E, 0.0);
+    }
+    for (int l = 0; l < L; l++) {
+      for (int e = 0; e < E; e++) {
+        s.pooled.assigned[e] += router_stats_[l].assigned[e];
+        s.pooled.prob_sum[e] += router_stats_[l].prob_sum[e];
+      }
+      s.pooled.tokens += router_stats_[l].tokens;
+    }
     if (weights.aux_kind == AuxLossKind::hf_pooled) {
-      std::vector<double> d;
-      out.aux_loss = ops::load_balancing_loss_pooled(router_stats_, E, K, &d);
-      for (int l = 0; l < L; l++)
-        for (int e = 0; e < E; e++) aux_dprobs_[l][e] = weights.aux_coef * d[e];
+      // The last stage holds every layer's statistics; earlier stages get the gradient at backward.
+      if (last_stage()) {
+        std::vector<double> d;
+        out.aux_loss = ops::load_balancing_loss_pooled({s.pooled}, E, K, &d);
+        for (int e = 0; e < E; e++) s.aux_grad[e] = weights.aux_coef * d[e];
+        for (int l = 0; l < L; l++) s.aux_dprobs[l] = s.aux_grad;
+      }
     } else {
       for (int l = 0; l < L; l++) {
         std::vector<double> d;
         out.aux_loss += ops::load_balancing_loss_layer(router_stats_[l], E, K, &d);
-        for (int e = 0; e < E; e++) aux_dprobs_[l][e] = weights.aux_coef * d[e];
+        for (int e = 0; e < E; e++) s.aux_dprobs[l][e] = weights.aux_coef * d[e];
       }
     }
     for (int l = 0; l < L; l++) out.z_loss += ops::router_z_loss_layer(router_stats_[l]);
   }
-  if (has_labels_) {
-    ScopedTimer t(profile_, "fwd.cross_entropy");
-    if (!tp_on())
-      out.ce_sum = ops::cross_entropy_forward(lse_, logits_, targets_.data(), N, V, 1.0f);
-    else
-      out.ce_sum = dist::cross_entropy_forward_vocab_parallel(lse_, logits_, targets_.data(), N, V,
-                                                              table_.vocab_begin(), 1.0f, *tp_);
-    out.loss_tokens = 0;
-    for (long i = 0; i < N; i++) out.loss_tokens += targets_[i] != ops::IGNORE_INDEX;
-    out.ce_loss = weights.ce_scale * out.ce_sum;
+  if (s.has_labels) {
+    if (last_stage()) {
+      ScopedTimer t(profile_, "fwd.cross_entropy");
+      if (!tp_on())
+        out.ce_sum = ops::cross_entropy_forward(s.lse, s.logits, s.targets.data(), N, V, 1.0f);
+      else
+        out.ce_sum = dist::cross_entropy_forward_vocab_parallel(s.lse, s.logits, s.targets.data(), N, V,
+                                                                table_.vocab_begin(), 1.0f, *tp_);
+      out.loss_tokens = 0;
+      for (long i = 0; i < N; i++) out.loss_tokens += s.targets[i] != ops::IGNORE_INDEX;
+      out.ce_loss = weights.ce_scale * out.ce_sum;
+    }
     out.loss = out.ce_loss + weights.aux_coef * out.aux_loss + weights.z_coef * out.z_loss;
   }
-  forward_done_ = true;
   return out;
 }
 
-void MixtralModel::backward() {
-  if (!forward_done_ || !has_labels_) fail("[MixtralModel::backward] needs a forward pass with labels first");
-  forward_done_ = false;
-  const int B = B_, T = T_;
+void MixtralModel::backward(const StageGrad& grad) {
+  if (pending_.empty()) fail("[MixtralModel::backward] needs a forward pass with labels first (none is pending)");
+  Activations& s = *pending_.front();
+  if (!s.has_labels) fail("[MixtralModel::backward] needs a forward pass with labels first");
+  if (!last_stage() && grad.hidden == nullptr)
+    fail("[MixtralModel::backward] the stage of layers [{}, {}) needs the gradient of its output hidden states",
+         layer_begin_, layer_end_);
+  const bool pooled_aux = dims().moe && s.weights.aux_kind == AuxLossKind::hf_pooled;
+  if (pooled_aux && !last_stage() && grad.aux_grad == nullptr)
+    fail("[MixtralModel::backward] the stage of layers [{}, {}) needs the last stage's aux-loss gradient",
+         layer_begin_, layer_end_);
+  pending_.pop_front();
+  const int B = s.B, T = s.T;
+  allocate_scratch(B, T);
   const long N = (long)B * T;
   const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
   const float theta = (float)cfg_.rope_theta;
@@ -504,27 +634,35 @@ void MixtralModel::backward() {
   float* G = grads_.data();
   auto W = [&](ParamKind kind, int layer = -1) { return P + table_.at(kind, layer).offset; };
   auto D = [&](ParamKind kind, int layer = -1) { return G + table_.at(kind, layer).offset; };
-  const uint8_t* tmask = has_token_mask_ ? token_mask_.data() : nullptr;
-  const int L = cfg_.num_hidden_layers;
-
-  // Head and final norm.  The logits buffer becomes dlogits in place.
-  {
-    ScopedTimer t(profile_, "bwd.cross_entropy");
-    if (!tp_on())
-      ops::cross_entropy_backward(logits_, logits_, lse_, targets_.data(), N, V, (float)weights_.ce_scale);
-    else
-      dist::cross_entropy_backward_vocab_parallel(logits_, logits_, lse_, targets_.data(), N, V, table_.vocab_begin(),
-                                                  (float)weights_.ce_scale);
+  const uint8_t* tmask = s.has_token_mask ? s.token_mask.data() : nullptr;
+  const int lb = layer_begin_, le = layer_end_;
+  if (pooled_aux && !last_stage()) {
+    // The pooled aux loss's gradient per expert, from the last stage (the same for every layer).
+    s.aux_grad.assign(grad.aux_grad, grad.aux_grad + E);
+    for (auto& d : s.aux_dprobs) d = s.aux_grad;
   }
-  {
+  last_aux_grad_ = s.aux_grad;
+
+  if (!last_stage()) {
+    std::memcpy(dres_, grad.hidden, sizeof(float) * N * C);
+  } else {
+    // Head and final norm.  The logits buffer becomes dlogits in place.
+    {
+      ScopedTimer t(profile_, "bwd.cross_entropy");
+      if (!tp_on())
+        ops::cross_entropy_backward(s.logits, s.logits, s.lse, s.targets.data(), N, V, (float)s.weights.ce_scale);
+      else
+        dist::cross_entropy_backward_vocab_parallel(s.logits, s.logits, s.lse, s.targets.data(), N, V,
+                                                    table_.vocab_begin(), (float)s.weights.ce_scale);
+    }
     ScopedTimer t(profile_, "bwd.head");
-    ops::matmul_backward(dln_, D(ParamKind::lm_head), logits_, lnf_, W(ParamKind::lm_head), N, C, V);
+    ops::matmul_backward(dln_, D(ParamKind::lm_head), s.logits, s.lnf, W(ParamKind::lm_head), N, C, V);
     if (tp_on()) tp_all_reduce(dln_, N * C);
-    ops::rmsnorm_backward(dres_, D(ParamKind::final_norm), dln_, x_final_, W(ParamKind::final_norm), rstdf_, N, C);
+    ops::rmsnorm_backward(dres_, D(ParamKind::final_norm), dln_, s.x_final, W(ParamKind::final_norm), s.rstdf, N, C);
   }
 
-  for (int l = L - 1; l >= 0; l--) {
-    LayerActs& a = layers_[l];
+  for (int l = le - 1; l >= lb; l--) {
+    LayerActs& a = s.layers[l - lb];
     // FFN block: dres is d(x_next); it flows to h unchanged plus through the FFN.
     const float* w13 = W(ParamKind::ffn_w13, l);
     const float* w2 = W(ParamKind::ffn_w2, l);
@@ -568,9 +706,10 @@ void MixtralModel::backward() {
       }
       if (tp_on()) tp_all_reduce(dln_, N * C);  // column-parallel w1/w3: partial input gradient
       ScopedTimer t(profile_, "bwd.router");
-      ops::router_backward(drlogits_, dtopk_, aux_dprobs_[l].data(), tmask, a.rprobs, a.topk_idx, a.topk_w, N, E, K);
-      if (weights_.z_coef != 0.0)
-        ops::router_z_loss_backward(drlogits_, a.rlogits, a.rprobs, tmask, N, E, (float)weights_.z_coef);
+      ops::router_backward(drlogits_, dtopk_, s.aux_dprobs[l - lb].data(), tmask, a.rprobs, a.topk_idx, a.topk_w, N, E,
+                           K);
+      if (s.weights.z_coef != 0.0)
+        ops::router_z_loss_backward(drlogits_, a.rlogits, a.rprobs, tmask, N, E, (float)s.weights.z_coef);
       ops::matmul_backward(tmp_, D(ParamKind::router, l), drlogits_, a.ln2, W(ParamKind::router, l), N, C, E);
       add_inplace(dln_, tmp_, N * C);
     } else {
@@ -595,8 +734,8 @@ void MixtralModel::backward() {
     }
     {
       ScopedTimer t(profile_, "bwd.rope");
-      ops::rope_backward(dq_, dq_, positions_.data(), N, NH, HD, theta);
-      ops::rope_backward(dk_, dk_, positions_.data(), N, NKV, HD, theta);
+      ops::rope_backward(dq_, dq_, s.positions.data(), N, NH, HD, theta);
+      ops::rope_backward(dk_, dk_, s.positions.data(), N, NKV, HD, theta);
     }
     {
       ScopedTimer t(profile_, "bwd.attn_proj");
@@ -613,12 +752,13 @@ void MixtralModel::backward() {
       add_inplace(dres_, tmp_, N * C);
     }  // dres is now d(x) of this layer
   }
+  if (!first_stage()) return;  // dres is the gradient of the stage's input: input_grad()
   ScopedTimer t(profile_, "bwd.embedding");
   if (!tp_on())
-    ops::embedding_backward(D(ParamKind::embedding), dres_, tokens_.data(), N, C, V);
+    ops::embedding_backward(D(ParamKind::embedding), dres_, s.tokens.data(), N, C, V);
   else
-    dist::embedding_backward_vocab_parallel(D(ParamKind::embedding), dres_, tokens_.data(), N, C,
-                                            table_.vocab_begin(), V);
+    dist::embedding_backward_vocab_parallel(D(ParamKind::embedding), dres_, s.tokens.data(), N, C, table_.vocab_begin(),
+                                            V);
 }
 
 }  // namespace moetron

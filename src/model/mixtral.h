@@ -25,9 +25,26 @@
 // gradients then hold the contributions of every token of the ep group; the caller sums them over
 // the ranks holding the same experts (edp).  Composes with tp: the ep group is made of ranks with the
 // same tp rank, whose expert slices match.
+//
+// Pipeline parallel (DESIGN §6): built with a layer range (a stage), the model holds those decoder
+// layers, the embedding only when the range starts at layer 0, the final norm and head only when it
+// ends at the last layer.  A later stage's forward starts from the previous stage's hidden states
+// (StageInput) instead of the embedding; an earlier stage's forward ends with its hidden states
+// (stage_output) instead of logits and loss, and its backward starts from their gradient
+// (StageGrad); every stage but the first leaves the gradient of its input (input_grad) for the
+// previous one.  The HF pooled load-balancing loss pools router statistics over ALL layers: each
+// stage adds its layers' statistics to those it received (pooled_stats travels forward with the
+// hidden states), the last stage computes the loss and its gradient per expert (stage_aux_grad),
+// which travels back with the hidden-state gradient so each stage applies it to its own routers.
+// The per-layer aux loss and the z-loss are local to each layer's stage.
+//
+// Micro-batches in flight (the 1F1B schedule): forward_queued keeps the activations of earlier
+// forwards that await their backward, one activation set each, and backward always runs the oldest;
+// forward drops any pending ones first (evaluation, single micro-batches).
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <vector>
 
@@ -79,12 +96,32 @@ struct Losses {
 // Number of positions whose target (the next token's label in the same segment) is not ignored.
 long count_loss_tokens(const Batch& batch);
 
+// The decoder layers a pipeline stage holds: [begin, end); end -1: to the last layer.
+struct LayerRange {
+  int begin = 0, end = -1;
+};
+
+// What a stage's forward starts from, besides the batch (its token ids, masks, positions and labels
+// are every stage's: each stage reads the same micro-batches).
+struct StageInput {
+  const float* hidden = nullptr;                  // [N,C] the previous stage's output (every stage but the first)
+  const ops::RouterLayerStats* pooled = nullptr;  // router statistics of the earlier stages' layers (null: none)
+};
+
+// What a stage's backward starts from (every stage but the last).
+struct StageGrad {
+  const float* hidden = nullptr;     // [N,C] d loss / d stage_output()
+  const double* aux_grad = nullptr;  // [E] the last stage's stage_aux_grad() (MoE, hf_pooled aux loss)
+};
+
 class MixtralModel {
  public:
   // tp: the tensor-parallel group (null or size 1: the whole model); it must outlive the model.
   // Collective over tp (splits the group of ranks sharing a replicated kv head).
   // ep: the expert-parallel group (null or size 1: every expert); it must outlive the model.
-  explicit MixtralModel(const ModelConfig& cfg, dist::Comm* tp = nullptr, dist::Comm* ep = nullptr);
+  // layers: the pipeline stage's decoder layers (default: all).
+  explicit MixtralModel(const ModelConfig& cfg, dist::Comm* tp = nullptr, dist::Comm* ep = nullptr,
+                        LayerRange layers = {});
   ~MixtralModel();
   MixtralModel(MixtralModel&&) = delete;
 
@@ -96,11 +133,40 @@ class MixtralModel {
   const std::vector<float>& grads() const { return grads_; }
   void zero_grads();
 
-  // Forward pass; losses are computed when the batch has labels.  Validates the batch.
-  Losses forward(const Batch& batch, const LossWeights& weights);
-  // d loss / d params accumulated into grads(); requires a forward with labels just before.
-  // Overwrites the logits in place.
-  void backward();
+  int layer_begin() const { return layer_begin_; }
+  int layer_end() const { return layer_end_; }
+  bool first_stage() const { return layer_begin_ == 0; }
+  bool last_stage() const { return layer_end_ == cfg_.num_hidden_layers; }
+
+  // Forward pass; losses are computed when the batch has labels (on the last stage; earlier stages
+  // report their layers' router losses only).  Validates the batch.  Drops pending micro-batches.
+  Losses forward(const Batch& batch, const LossWeights& weights, const StageInput& in = {});
+  // The same, keeping the activations of pending micro-batches (this one joins them).
+  Losses forward_queued(const Batch& batch, const LossWeights& weights, const StageInput& in = {});
+  // Drops the activations of every pending micro-batch (a schedule starts from none).
+  void discard_pending() { pending_.clear(); }
+  // d loss / d params of the OLDEST pending micro-batch accumulated into grads(); it needs a forward
+  // with labels.  Overwrites its logits in place.
+  void backward(const StageGrad& grad = {});
+
+  // The newest forward's output hidden states [N,C] (every stage but the last), and the router
+  // statistics pooled over the layers of this and the earlier stages (MoE models).
+  const float* stage_output() const;
+  const ops::RouterLayerStats& pooled_stats() const;
+  // The newest forward's [E] d (aux_coef * aux) / d probs of any real token of any layer (last
+  // stage, hf_pooled aux loss; zeros otherwise).
+  const std::vector<double>& stage_aux_grad() const;
+  // After a backward on a stage other than the first: d loss / d (its StageInput hidden) [N,C], and
+  // the aux gradient it used; valid until the next forward or backward.
+  const float* input_grad() const;
+  const std::vector<double>& input_aux_grad() const { return last_aux_grad_; }
+  // Micro-batches whose activations are kept (pending a backward), now and at most since
+  // construction, and the bytes of activations they held at most.
+  size_t pending() const { return pending_.size(); }
+  size_t peak_pending() const { return peak_pending_; }
+  size_t peak_activation_bytes() const { return peak_activation_bytes_; }
+  // The activation bytes one micro-batch of the newest forward's shape keeps.
+  size_t activation_bytes_per_micro_batch() const;
 
   // Sums the gradients of replicated kv heads (NKV < tp) over the tp ranks sharing each head; call
   // once per optimizer step, after the backward passes.  A no-op otherwise.
@@ -109,12 +175,13 @@ class MixtralModel {
   uint64_t comm_bytes() const;
 
   // [B,T,V] logits of the last forward (until backward); [B,T,V/tp] (this rank's vocabulary
-  // columns) under tensor parallelism.
-  const float* logits() const { return logits_; }
+  // columns) under tensor parallelism.  Last stage only.
+  const float* logits() const;
   // Time the forward/backward sections into `profile` (null: off).  The caller owns it.
   void set_profile(Profile* profile) { profile_ = profile; }
 
-  // Routing statistics per MoE layer of the last forward (empty for dense models).
+  // Routing statistics per MoE layer of this stage (layer_begin() + index) of the last forward
+  // (empty for dense models).
   const std::vector<ops::RouterLayerStats>& router_stats() const { return router_stats_; }
 
   // Test hook: bias[E] added to the router logits of every MoE layer (skews the routing; the
@@ -127,7 +194,8 @@ class MixtralModel {
   // the later token).  A dropped assignment contributes nothing to the token's output (the other
   // weights are not renormalised).  0: dropless (the default).
   void set_capacity_factor(double f) { capacity_factor_ = f; }
-  // Per MoE layer of the last forward: assignments of real tokens dropped by the capacity limit.
+  // Per MoE layer of this stage of the last forward: assignments of real tokens dropped by the
+  // capacity limit.
   const std::vector<long>& dropped() const { return dropped_; }
 
  private:
@@ -155,8 +223,27 @@ class MixtralModel {
     int C, V, I, NH, NKV, HD, Q, KVd, E, K;
     bool moe;
   };
+  // One micro-batch's activations and per-forward inputs, kept until its backward: one arena sized
+  // for its (B, T), re-laid when the shape changes.
+  struct Activations {
+    int B = 0, T = 0;
+    std::vector<float> arena;
+    std::vector<int32_t> topk_arena;
+    std::vector<LayerActs> layers;  // this stage's layers
+    float *x_final = nullptr, *lnf = nullptr, *rstdf = nullptr, *logits = nullptr, *lse = nullptr;
+    std::vector<int32_t> tokens, targets, positions;
+    std::vector<uint8_t> token_mask;
+    bool has_token_mask = false, has_labels = false;
+    LossWeights weights;
+    ops::RouterLayerStats pooled;                 // hf_pooled: over this and the earlier stages' layers
+    std::vector<double> aux_grad;                 // [E] hf_pooled d(aux_coef*aux)/d probs (all layers)
+    std::vector<std::vector<double>> aux_dprobs;  // [local layer][E] d(aux_coef*aux)/d probs
+  };
   Dims dims() const;
-  void allocate(int B, int T);
+  void allocate(Activations& a, int B, int T);
+  void allocate_scratch(int B, int T);
+  Activations& acquire();
+  Losses run_forward(Activations& s, const Batch& batch, const LossWeights& weights, const StageInput& in);
   bool tp_on() const { return tp_size_ > 1; }
   void tp_all_reduce(float* x, long n);
   bool ep_on() const { return ep_size_ > 1; }
@@ -174,6 +261,7 @@ class MixtralModel {
   int tp_size_ = 1;
   dist::Comm* ep_ = nullptr;
   int ep_size_ = 1;
+  int layer_begin_ = 0, layer_end_ = 0;
   std::vector<float> router_bias_;
   double capacity_factor_ = 0.0;
   std::vector<long> dropped_;
@@ -186,26 +274,20 @@ class MixtralModel {
   ParamTable table_;
   std::vector<float> params_, grads_;
 
-  // Activations: one arena sized for the current (B, T), re-laid when the shape changes.
-  int B_ = 0, T_ = 0;
-  std::vector<float> arena_;
-  std::vector<int32_t> topk_arena_;
-  std::vector<LayerActs> layers_;
-  float *x_final_ = nullptr, *lnf_ = nullptr, *rstdf_ = nullptr, *logits_ = nullptr, *lse_ = nullptr;
-  // Backward scratch, inside the same arena.
-  float *dres_ = nullptr, *dln_ = nullptr, *tmp_ = nullptr, *datt_ = nullptr, *dq_ = nullptr,
-        *dk_ = nullptr, *dv_ = nullptr, *drlogits_ = nullptr, *dtopk_ = nullptr, *dxperm_ = nullptr,
-        *dyperm_ = nullptr, *ffn_scratch_ = nullptr;
+  // Activation sets: every one allocated, the pending ones (oldest first), the newest forward's.
+  std::vector<std::unique_ptr<Activations>> pool_;
+  std::deque<Activations*> pending_;
+  Activations* last_ = nullptr;
+  size_t peak_pending_ = 0, peak_activation_bytes_ = 0;
+  std::vector<double> last_aux_grad_;  // of the last backward
+  // Backward scratch (and the forward's tensor-parallel partial sums), shared by every micro-batch.
+  int scratch_B_ = 0, scratch_T_ = 0;
+  std::vector<float> scratch_;
+  float *dres_ = nullptr, *dln_ = nullptr, *tmp_ = nullptr, *datt_ = nullptr, *dq_ = nullptr, *dk_ = nullptr,
+        *dv_ = nullptr, *drlogits_ = nullptr, *dtopk_ = nullptr, *dxperm_ = nullptr, *dyperm_ = nullptr,
+        *ffn_scratch_ = nullptr;
 
-  // Per-forward inputs kept for the backward.
-  std::vector<int32_t> tokens_, targets_, positions_;
-  std::vector<uint8_t> token_mask_;
-  bool has_token_mask_ = false;
-  bool has_labels_ = false;
-  LossWeights weights_;
-  std::vector<ops::RouterLayerStats> router_stats_;
-  std::vector<std::vector<double>> aux_dprobs_;  // [L][E] d(aux_coef*aux)/d probs
-  bool forward_done_ = false;
+  std::vector<ops::RouterLayerStats> router_stats_;  // of the last forward
   Profile* profile_ = nullptr;
 };
 

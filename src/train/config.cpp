@@ -27,7 +27,8 @@ using nlohmann::json;
 // suggestions for unknown keys, the YAML dump and the JSON dump all walk this one table, so a key
 // added here is complete everywhere. Keys of one section are contiguous (the dump relies on it).
 
-using FieldRef = std::variant<std::string*, int*, long*, uint64_t*, double*, bool*, std::optional<double>*, json*>;
+using FieldRef = std::variant<std::string*, int*, long*, uint64_t*, double*, bool*, std::optional<double>*, json*,
+                              std::vector<int>*>;
 
 struct Field {
   const char* key;
@@ -68,6 +69,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"parallel.tp", &c.parallel.tp},
       {"parallel.pp", &c.parallel.pp},
       {"parallel.ep", &c.parallel.ep},
+      {"parallel.layers_per_stage", &c.parallel.layers_per_stage},
       {"parallel.zero1", &c.parallel.zero1},
       {"checkpoint.every_steps", &c.checkpoint.every_steps},
       {"checkpoint.keep_last", &c.checkpoint.keep_last},
@@ -475,6 +477,21 @@ class Reader {
             const auto b = parse_bool(v.Scalar());
             if (!b) bad("true or false");
             *p = *b;
+          } else if constexpr (std::is_same_v<T, std::vector<int>>) {
+            constexpr const char* expected = "a list of integers, e.g. [3, 5] (or [] / null)";
+            if (v.IsNull()) {
+              p->clear();
+            } else {
+              if (!v.IsSequence()) bad(expected);
+              std::vector<int> out;
+              for (const YAML::Node& e : v) {
+                if (!e.IsScalar() || is_quoted(e)) bad(expected);
+                const auto i = parse_integer(e.Scalar());
+                if (!i || *i < std::numeric_limits<int>::min() || *i > std::numeric_limits<int>::max()) bad(expected);
+                out.push_back((int)*i);
+              }
+              *p = std::move(out);
+            }
           } else if constexpr (std::is_same_v<T, json>) {
             if (v.IsNull()) *p = json::object();
             else if (v.IsMap()) *p = yaml_to_json(v, key, o);
@@ -573,6 +590,10 @@ void validate(const TrainConfig& c, const std::string& source, const std::map<st
   positive("parallel.tp", c.parallel.tp);
   positive("parallel.pp", c.parallel.pp);
   positive("parallel.ep", c.parallel.ep);
+  for (size_t i = 0; i < c.parallel.layers_per_stage.size(); i++)
+    if (c.parallel.layers_per_stage[i] < 1)
+      fail("{}: parallel.layers_per_stage: entry {} (stage {}) must be >= 1, got {}", at("parallel.layers_per_stage"),
+           i, i, c.parallel.layers_per_stage[i]);
 
   if (c.checkpoint.every_steps < 0)
     fail("{}: checkpoint.every_steps: must be >= 0 (0: only at the end), got {}", at("checkpoint.every_steps"),
@@ -646,6 +667,10 @@ void emit_field(YAML::Emitter& em, const FieldRef& ref) {
           em << (*p ? "true" : "false");
         } else if constexpr (std::is_same_v<T, json>) {
           emit_json(em, *p);
+        } else if constexpr (std::is_same_v<T, std::vector<int>>) {
+          em << YAML::Flow << YAML::BeginSeq;
+          for (int x : *p) em << x;
+          em << YAML::EndSeq;
         } else {
           em << *p;  // integers
         }

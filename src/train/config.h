@@ -17,7 +17,8 @@
 // train.schedule cosine|linear|constant, moe.aux_loss hf_pooled|per_layer); lr >= min_lr >= 0;
 // warmup_steps >= 0; betas in [0, 1); adam_eps > 0; weight_decay, grad_clip (0: no clipping),
 // z_loss_coef and aux_loss_coef >= 0; capacity_factor > 0; positive sizes (seq_length, batch sizes,
-// tp/pp/ep, keep_last, nan_skip_limit, log.every_steps, eval.batches); checkpoint.every_steps >= 0
+// tp/pp/ep, layers_per_stage entries, keep_last, nan_skip_limit, log.every_steps, eval.batches);
+// checkpoint.every_steps >= 0
 // (0: only at the end) and eval.every_steps >= 0 (0: no evaluation); data.path, run_dir,
 // model.init and checkpoint.resume non-empty; model.init "random" needs a non-empty model.config,
 // model.init DIR needs an empty one (the directory's config.json defines the model).
@@ -77,6 +78,9 @@ struct TrainConfig {
 
   struct Parallel {
     int tp = 1, pp = 1, ep = 1;
+    // Decoder layers of each pipeline stage, first stage first ([] : an even split; else pp positive
+    // entries summing to num_hidden_layers, checked with the model by plan's layout rules).
+    std::vector<int> layers_per_stage;
     bool zero1 = true;
     bool operator==(const Parallel&) const = default;
   } parallel;

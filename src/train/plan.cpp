@@ -55,6 +55,35 @@ Dims dims_of(const Plan& p) {
   return d;
 }
 
+}  // namespace
+
+std::vector<int> stage_layer_starts(const TrainConfig& cfg, const ModelConfig& mc) {
+  const int pp = cfg.parallel.pp, L = mc.num_hidden_layers;
+  const std::vector<int>& per = cfg.parallel.layers_per_stage;
+  std::vector<int> starts = {0};
+  if (per.empty()) {
+    if (pp < 1 || L % pp != 0)
+      fail(
+          "parallel layout: pp {} does not divide num_hidden_layers {} (stages hold equal contiguous layer ranges; "
+          "parallel.layers_per_stage sets uneven ones)",
+          pp, L);
+    for (int s = 0; s < pp; s++) starts.push_back(starts.back() + L / pp);
+    return starts;
+  }
+  if ((int)per.size() != pp)
+    fail("parallel layout: parallel.layers_per_stage has {} entries, pp is {} (one per stage)", per.size(), pp);
+  for (size_t s = 0; s < per.size(); s++) {
+    if (per[s] < 1) fail("parallel layout: parallel.layers_per_stage[{}] is {}: every stage needs a layer", s, per[s]);
+    starts.push_back(starts.back() + per[s]);
+  }
+  if (starts.back() != L)
+    fail("parallel layout: parallel.layers_per_stage sums to {} layers, the model has {} (num_hidden_layers)",
+         starts.back(), L);
+  return starts;
+}
+
+namespace {
+
 void validate_layout(const TrainConfig& cfg, const ModelConfig& mc, int world) {
   const int tp = cfg.parallel.tp, pp = cfg.parallel.pp, ep = cfg.parallel.ep;
   if (world < 1) fail("parallel layout: the world size must be >= 1, got {}", world);
@@ -72,9 +101,7 @@ void validate_layout(const TrainConfig& cfg, const ModelConfig& mc, int world) {
     fail("parallel layout: num_key_value_heads {} and tp {}: neither divides the other (kv heads are split over "
          "tp, or replicated when tp is a multiple of them)",
          nkv, tp);
-  if (mc.num_hidden_layers % pp != 0)
-    fail("parallel layout: pp {} does not divide num_hidden_layers {} (stages hold equal contiguous layer ranges)",
-         pp, mc.num_hidden_layers);
+  stage_layer_starts(cfg, mc);
   if (!mc.is_moe() && ep != 1)
     fail("parallel layout: ep {} needs an MoE model; {} is dense (num_local_experts 0)", ep, mc.architecture);
   if (mc.is_moe() && mc.num_local_experts % ep != 0)
@@ -272,15 +299,15 @@ Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size,
   const int m = p.micro_batches;
   p.bubble = (p.pp - 1.0) / (m + p.pp - 1.0);
 
-  const int per_stage = model.num_hidden_layers / p.pp;
+  const std::vector<int> starts = stage_layer_starts(cfg, model);
   const int64_t opt = p.optimizer_bytes_per_param;
   const int64_t dense_shards = p.zero1 ? p.dp : 1;
   const int64_t expert_shards = p.zero1 ? p.dp / (model.is_moe() ? p.ep : 1) : 1;
   for (int si = 0; si < p.pp; si++) {
     StagePlan s;
     s.stage = si;
-    s.first_layer = si * per_stage;
-    s.num_layers = per_stage;
+    s.first_layer = starts[si];
+    s.num_layers = starts[si + 1] - starts[si];
     const bool first = si == 0, last = si == p.pp - 1;
     s.params = rank_params(p, t, s.first_layer, s.num_layers, first, last);
     s.param_bytes = s.params.total() * p.param_dtype_bytes;
@@ -309,7 +336,7 @@ std::vector<std::string> plan_formulas(const Plan& p) {
   const bool cpu = p.device != "cuda";
   std::vector<std::string> f = {
       "layout: world = pp x dp x tp; m = global_batch / (micro_batch x dp); stage s holds layers "
-      "[s L/pp, (s+1) L/pp)",
+      "[s L/pp, (s+1) L/pp) (or the parallel.layers_per_stage list)",
       "params per rank: embedding V/tp x C (first stage); per layer q, o NH/tp x HD x C, k, v "
       "max(NKV/tp, 1) x HD x C, norms 2C and router E x C (replicated over tp), experts E/ep x 3 x I/tp x C; "
       "final norm C + head V/tp x C (last stage)",

@@ -4,8 +4,8 @@
 //
 // Layout: world = pp x dp x tp; ep divides dp. tp splits attention heads (kv heads are replicated
 // when NKV < tp), the expert FFN width I and the vocabulary (embedding and head); norms and the
-// router are replicated on every tp rank. pp splits the layers into equal contiguous stages; the
-// embedding lives on the first stage, the final norm, head and loss on the last. ep splits the
+// router are replicated on every tp rank. pp splits the layers into contiguous stages (equal ones,
+// or parallel.layers_per_stage); the embedding lives on the first stage, the final norm, head and loss on the last. ep splits the
 // experts (E/ep per rank); every other weight is replicated over the dp ranks. ZeRO-1 shards the
 // fp32 master weights and the Adam moments over the dp ranks (expert tensors over the dp/ep ranks
 // that hold the same experts). Every rank of a stage needs the same, assuming balanced routing.
@@ -92,12 +92,18 @@ struct Plan {
 ModelConfig plan_model_config(const TrainConfig& cfg, std::string* source = nullptr);
 
 // Validates the layout (an Error with a one-line reason naming the numbers) and computes the plan.
-// Rules: world % (tp*pp); dp % ep; NH % tp; NKV % tp or tp % NKV; L % pp; E % ep (a dense model
-// needs ep 1); I % tp; V % tp; global_batch_size % (micro_batch_size * dp); seq_length <=
+// Rules: world % (tp*pp); dp % ep; NH % tp; NKV % tp or tp % NKV; E % ep (a dense model
+// needs ep 1); I % tp; V % tp; parallel.layers_per_stage: empty and L % pp, or pp entries summing to
+// L; global_batch_size % (micro_batch_size * dp); seq_length <=
 // max_position_embeddings. A pipeline that cannot fill (m < pp) is a warning, not an error: 1F1B
 // still runs, with a bubble of (pp-1)/(m+pp-1).
 Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size,
                const std::string& model_source = "model.config");
+
+// The first layer of each pipeline stage and L after the last: pp + 1 values, stage s holding
+// layers [starts[s], starts[s+1]) (an even split, or parallel.layers_per_stage).  Error naming the
+// numbers when they do not fit the model (the layout rules above).
+std::vector<int> stage_layer_starts(const TrainConfig& cfg, const ModelConfig& model);
 
 // The plan as text (tables, totals and the formulas), and as one JSON object.
 std::string format_plan(const Plan& plan);

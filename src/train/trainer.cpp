@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -161,6 +162,96 @@ nlohmann::json moe_telemetry(const std::vector<std::vector<double>>& assigned, c
   return layers;
 }
 
+// The point-to-point traffic of one pipeline stage with its neighbours in the pp group: hidden
+// states [N,C] and the router statistics pooled so far ([E] assigned, [E] prob sums, tokens) go
+// forward; the gradient of the hidden states [N,C] and the pooled aux loss's gradient per expert [E]
+// go back.  Every transfer is a sendrecv, so in the 1F1B steady state, where neighbours exchange in
+// opposite directions at once, neither waits for the other.  On a stage without that neighbour (or
+// without pipeline parallelism) a call does nothing.
+class PipelineLink {
+ public:
+  PipelineLink(dist::Comm& pp, int experts)
+      : pp_(pp), stage_(pp.rank()), stages_(pp.size()), E_(experts), stats_in_(2 * experts + 1), aux_in_(experts) {}
+
+  // Receives the previous stage's output (the next forward's input).
+  void recv_forward(size_t n) {
+    if (!first()) transfer(-1, nullptr, nullptr, 0, prev(), hidden_in_, stats_in_, n);
+  }
+  void send_forward(const MixtralModel& m, size_t n) {
+    if (!last()) transfer(next(), m.stage_output(), pack(m).data(), stats_in_.size(), -1, grad_in_, aux_in_, n);
+  }
+  // The forward's output to the next stage while its gradient for the oldest pending micro-batch
+  // comes back.
+  void send_forward_recv_backward(const MixtralModel& m, size_t n) {
+    if (!last()) transfer(next(), m.stage_output(), pack(m).data(), stats_in_.size(), next(), grad_in_, aux_in_, n);
+  }
+  // The backward's input gradient to the previous stage while the next forward's input arrives.
+  void send_backward_recv_forward(const MixtralModel& m, size_t n) {
+    if (!first())
+      transfer(prev(), m.input_grad(), m.input_aux_grad().data(), aux_in_.size(), prev(), hidden_in_, stats_in_, n);
+  }
+  void recv_backward(size_t n) {
+    if (!last()) transfer(-1, nullptr, nullptr, 0, next(), grad_in_, aux_in_, n);
+  }
+  void send_backward(const MixtralModel& m, size_t n) {
+    if (!first())
+      transfer(prev(), m.input_grad(), m.input_aux_grad().data(), aux_in_.size(), -1, hidden_in_, stats_in_, n);
+  }
+
+  StageInput input() {
+    StageInput in;
+    if (first()) return in;
+    in.hidden = hidden_in_.data();
+    if (E_ > 0) {
+      pooled_in_.assigned.assign(stats_in_.begin(), stats_in_.begin() + E_);
+      pooled_in_.prob_sum.assign(stats_in_.begin() + E_, stats_in_.begin() + 2 * E_);
+      pooled_in_.tokens = stats_in_[2 * E_];
+      in.pooled = &pooled_in_;
+    }
+    return in;
+  }
+  StageGrad grad() const {
+    StageGrad g;
+    if (last()) return g;
+    g.hidden = grad_in_.data();
+    if (E_ > 0) g.aux_grad = aux_in_.data();
+    return g;
+  }
+
+ private:
+  bool first() const { return stage_ == 0; }
+  bool last() const { return stage_ == stages_ - 1; }
+  int prev() const { return stage_ - 1; }
+  int next() const { return stage_ + 1; }
+  const std::vector<double>& pack(const MixtralModel& m) {
+    stats_out_.assign(stats_in_.size(), 0.0);
+    if (E_ > 0) {
+      const ops::RouterLayerStats& st = m.pooled_stats();
+      std::copy(st.assigned.begin(), st.assigned.end(), stats_out_.begin());
+      std::copy(st.prob_sum.begin(), st.prob_sum.end(), stats_out_.begin() + E_);
+      stats_out_[2 * E_] = st.tokens;
+    }
+    return stats_out_;
+  }
+  // Hidden states (n floats) and the statistics that go with them, each one sendrecv.
+  void transfer(int to, const float* hidden, const double* stats, size_t stats_n, int from,
+                std::vector<float>& hidden_in, std::vector<double>& stats_in, size_t n) {
+    constexpr int kHidden = 40, kStats = 41;
+    hidden_in.resize(n);
+    pp_.sendrecv(hidden, to != -1 ? n : 0, to, hidden_in.data(), from != -1 ? n : 0, from, dist::CommDType::f32,
+                 kHidden);
+    if (E_ > 0)
+      pp_.sendrecv(stats, to != -1 ? stats_n : 0, to, stats_in.data(), from != -1 ? stats_in.size() : 0, from,
+                   dist::CommDType::f64, kStats);
+  }
+
+  dist::Comm& pp_;
+  int stage_, stages_, E_;
+  std::vector<float> hidden_in_, grad_in_;
+  std::vector<double> stats_in_, stats_out_, aux_in_;
+  ops::RouterLayerStats pooled_in_;
+};
+
 struct StepResult {
   double loss = 0, ce_loss = 0, aux_loss = 0, z_loss = 0;
   long loss_tokens = 0, tokens = 0;
@@ -179,10 +270,15 @@ class Training {
   void setup();
   void load_resume(const std::string& dir);
   StepResult train_step(long step);
+  // Forward and backward of this step's micro-batches (micro_) in the 1F1B pipeline schedule;
+  // `account` sees each forward's losses.  Without pipeline parallelism: forward, backward, ...
+  void run_schedule(const std::function<void(const Losses&)>& account);
+  // One forward (no backward) on this stage: the previous stage's output is received first, this
+  // stage's is sent on after.
+  Losses stage_forward(const Batch& b, const LossWeights& w);
   double evaluate();
   std::string save(long step, bool final_save);
-  void gather_whole(const ParamTable& whole, std::vector<float>& params, std::vector<float>& m,
-                    std::vector<float>& v);
+  void gather_whole(const ParamTable& whole, std::vector<float>& params, std::vector<float>& m, std::vector<float>& v);
   nlohmann::json trainer_state(long step) const;
   uint64_t comm_bytes() const;
   // Over the optimizers (one, or dense + experts under ep): the global L2 norm of a flat array laid
@@ -201,6 +297,8 @@ class Training {
   RunLog log_;
   ModelConfig mcfg_;
   std::optional<MixtralModel> model_;
+  std::optional<PipelineLink> link_;
+  std::vector<int> stage_starts_;  // the first layer of each pipeline stage, then L
   std::optional<ShardedAdamW> opt_;      // every tensor, or (ep > 1) all but the experts, over dp
   std::optional<ShardedAdamW> opt_exp_;  // ep > 1: the expert tensors, over edp
   std::optional<DataLoader> train_data_, valid_data_;
@@ -217,23 +315,18 @@ class Training {
   std::vector<Batch> micro_;  // the current step's micro-batches
   nlohmann::json last_moe_;   // MoE telemetry of the last step
   std::optional<TensorBoardWriter> tb_;
-  double sgemm_peak_ = 0;  // GFLOP/s, for MFU
+  double sgemm_peak_ = 0;             // GFLOP/s, for MFU
   uint64_t opt_state_bytes_max_ = 0;  // the largest optimizer state of any rank
 };
 
 void Training::setup() {
   if (cfg_.device != "cpu")
     fail("device: '{}' is not available in this build yet (only 'cpu'); set device: cpu", cfg_.device);
-  if (cfg_.parallel.pp != 1)
-    fail(
-        "parallel.pp: pp={}: pipeline parallelism is not implemented yet (tensor, data and expert parallelism "
-        "are); use pp: 1",
-        cfg_.parallel.pp);
   {
-    const int tp = cfg_.parallel.tp, ep = cfg_.parallel.ep, world = world_->size();
-    if (tp >= 1 && world % tp == 0 && ep >= 1 && (world / tp) % ep != 0)
-      fail("parallel.ep: ep {} does not divide the data-parallel size {} (= world {} / (tp {} x pp 1))", ep,
-           world / tp, world, tp);
+    const int tp = cfg_.parallel.tp, pp = cfg_.parallel.pp, ep = cfg_.parallel.ep, world = world_->size();
+    if (tp >= 1 && pp >= 1 && world % (tp * pp) == 0 && ep >= 1 && (world / (tp * pp)) % ep != 0)
+      fail("parallel.ep: ep {} does not divide the data-parallel size {} (= world {} / (tp {} x pp {}))", ep,
+           world / (tp * pp), world, tp, pp);
   }
   grid_.emplace(*world_, cfg_.parallel.tp, cfg_.parallel.pp, cfg_.parallel.ep);
   const dist::GridShape& gs = grid_->shape();
@@ -313,7 +406,11 @@ void Training::setup() {
     sgemm_peak_ = ops::measure_sgemm_gflops(1024, 3);
   }
 
-  model_.emplace(mcfg_, &grid_->tp(), &grid_->ep());
+  // Pipeline stage s holds layers [starts[s], starts[s+1]) (an even split or layers_per_stage).
+  stage_starts_ = stage_layer_starts(cfg_, mcfg_);
+  const LayerRange layers = {stage_starts_[grid_->coord().pp], stage_starts_[grid_->coord().pp + 1]};
+  model_.emplace(mcfg_, &grid_->tp(), &grid_->ep(), layers);
+  link_.emplace(grid_->pp(), mcfg_.is_moe() ? mcfg_.num_local_experts : 0);
   if (!options_.router_bias.empty()) model_->set_router_bias(options_.router_bias);
   if (cfg_.moe.capacity_factor) model_->set_capacity_factor(*cfg_.moe.capacity_factor);
   AdamWConfig ac;
@@ -381,9 +478,9 @@ void Training::setup() {
       micro_per_step_, cfg_.train.micro_batch_size));
   if (world_->size() > 1)
     log_.line(fmt::format(
-        "distributed: {} ranks over {} ({}): tp {} x dp {} (pp {}, ep {}); ZeRO-1 {}; optimizer state {} per rank "
+        "distributed: {} ranks over {} ({}): pp {} x dp {} x tp {} (ep {}); ZeRO-1 {}; optimizer state {} per rank "
         "(largest)",
-        world_->size(), world_->transport(), grid_->describe(), gs.tp, gs.dp, gs.pp, gs.ep,
+        world_->size(), world_->transport(), grid_->describe(), gs.pp, gs.dp, gs.tp, gs.ep,
         cfg_.parallel.zero1 ? "on" : "off", format_bytes((double)opt_state_bytes_max_)));
 }
 
@@ -408,8 +505,7 @@ void Training::load_resume(const std::string& dir) {
                       opt_->state_ranges()[0] == ShardedAdamW::Range{0, table.total()};
   LoadedCheckpoint ck;
   if (direct) {
-    ck = load_checkpoint(dir, mcfg_, table, model_->params().data(), opt_->exp_avg().data(),
-                         opt_->exp_avg_sq().data());
+    ck = load_checkpoint(dir, mcfg_, table, model_->params().data(), opt_->exp_avg().data(), opt_->exp_avg_sq().data());
   } else {
     // The root loads the whole checkpoint the single-process way (every file's checksum, the
     // architecture, no unknown tensor) -- it holds whole tensors for saving anyway; the other ranks
@@ -504,32 +600,86 @@ StepResult Training::train_step(long step) {
   const int L = mcfg_.num_hidden_layers, E = mcfg_.is_moe() ? mcfg_.num_local_experts : 0;
   std::vector<std::vector<double>> assigned(mcfg_.is_moe() ? L : 0, std::vector<double>(E, 0.0));
   std::vector<double> dropped(assigned.size(), 0.0);
-  for (const Batch& b : micro_) {
-    const Losses l = model_->forward(b, weights_);
-    model_->backward();
+  const int lb = model_->layer_begin();
+  run_schedule([&](const Losses& l) {
     r.loss += l.loss;
     r.ce_loss += l.ce_loss;
     r.aux_loss += l.aux_loss / (double)active;
     r.z_loss += l.z_loss / (double)active;
     for (int i = 0; i < (int)model_->router_stats().size(); i++) {
-      for (int e = 0; e < E; e++) assigned[i][e] += model_->router_stats()[i].assigned[e];
-      dropped[i] += (double)model_->dropped()[i];
+      for (int e = 0; e < E; e++) assigned[lb + i][e] += model_->router_stats()[i].assigned[e];
+      dropped[lb + i] += (double)model_->dropped()[i];
     }
-  }
-  // Sums over the data-parallel ranks (tensor-parallel ranks hold identical values).
+  });
+  // Sums over the pipeline stages (each holds its layers' router terms; the cross-entropy and the
+  // pooled aux loss are the last stage's), then over the data-parallel ranks (tensor-parallel ranks
+  // hold identical values).
+  const bool pipelined = grid_->shape().pp > 1;
   double sums[4] = {r.loss, r.ce_loss, r.aux_loss, r.z_loss};
+  if (pipelined) grid_->pp().all_reduce(sums, 4);
   grid_->dp().all_reduce(sums, 4);
   r.loss = sums[0];
   r.ce_loss = sums[1];
   r.aux_loss = sums[2];
   r.z_loss = sums[3];
-  for (auto& a : assigned) grid_->dp().all_reduce(a.data(), a.size());
-  if (!dropped.empty()) grid_->dp().all_reduce(dropped.data(), dropped.size());
+  for (auto& a : assigned) {
+    if (pipelined) grid_->pp().all_reduce(a.data(), a.size());
+    grid_->dp().all_reduce(a.data(), a.size());
+  }
+  if (!dropped.empty()) {
+    if (pipelined) grid_->pp().all_reduce(dropped.data(), dropped.size());
+    grid_->dp().all_reduce(dropped.data(), dropped.size());
+  }
   last_moe_ = moe_telemetry(assigned, dropped);
   // Gradients: replicated kv heads over their tp ranks, then everything over dp (experts over edp).
   model_->reduce_replicated_grads();
   reduce_gradients();
   return r;
+}
+
+// Megatron's 1F1B ("PipeDream-flush") schedule for stage s of pp over m micro-batches: warm-up
+// forwards min(pp - s - 1, m), then one forward and one backward at a time, then the remaining
+// backwards.  Stage s keeps at most min(pp - s, m) micro-batches' activations, whatever m.
+void Training::run_schedule(const std::function<void(const Losses&)>& account) {
+  const int P = grid_->shape().pp, st = grid_->coord().pp, m = (int)micro_.size();
+  const size_t n = micro_.empty() ? 0 : (size_t)micro_[0].B * micro_[0].T * mcfg_.hidden_size;
+  for (const Batch& b : micro_)
+    if ((size_t)b.B * b.T * mcfg_.hidden_size != n)
+      fail("pipeline: micro-batches of one step differ in shape ({}x{} and {}x{})", micro_[0].B, micro_[0].T, b.B, b.T);
+  PipelineLink& link = *link_;
+  model_->discard_pending();  // an evaluation's forward may have left one
+  int f = 0;
+  auto forward = [&] { account(model_->forward_queued(micro_[f++], weights_, link.input())); };
+  auto backward = [&] { model_->backward(link.grad()); };
+  const int warmup = std::min(P - st - 1, m), steady = m - warmup;
+  for (int i = 0; i < warmup; i++) {
+    link.recv_forward(n);
+    forward();
+    link.send_forward(*model_, n);
+  }
+  if (steady > 0) link.recv_forward(n);
+  for (int i = 0; i < steady; i++) {
+    forward();
+    link.send_forward_recv_backward(*model_, n);
+    backward();
+    if (i + 1 == steady)
+      link.send_backward(*model_, n);
+    else
+      link.send_backward_recv_forward(*model_, n);
+  }
+  for (int i = 0; i < warmup; i++) {
+    link.recv_backward(n);
+    backward();
+    link.send_backward(*model_, n);
+  }
+}
+
+Losses Training::stage_forward(const Batch& b, const LossWeights& w) {
+  const size_t n = (size_t)b.B * b.T * mcfg_.hidden_size;
+  link_->recv_forward(n);
+  const Losses l = model_->forward(b, w, link_->input());
+  link_->send_forward(*model_, n);
+  return l;
 }
 
 double Training::evaluate() {
@@ -543,13 +693,14 @@ double Training::evaluate() {
   // Micro-batch k of data-parallel rank d is batch k * dp + d of one process: each rank evaluates
   // its share of the first eval.batches batches.
   // Under expert parallelism every forward is collective over the ep group: a rank out of batches
-  // runs the rounds the others still run on a padding batch whose result is discarded.
+  // runs the rounds the others still run on a padding batch whose result is discarded.  The stages
+  // of a pipeline read the same batches; each forward passes through them in turn.
   const int dp = grid_->shape().dp, d = grid_->coord().dp;
   const int rounds = (cfg_.eval.batches + dp - 1) / dp;
   for (int k = 0; k < rounds; k++) {
     if (k * dp + d < cfg_.eval.batches) {
       valid_data_->next(b);
-      const Losses l = model_->forward(b, w);
+      const Losses l = stage_forward(b, w);
       ce_sum += l.ce_sum;
       tokens += l.loss_tokens;
     } else if (grid_->shape().ep > 1) {
@@ -557,10 +708,12 @@ double Training::evaluate() {
       pad.B = 1;
       pad.T = cfg_.data.seq_length;
       pad.input_ids.assign(pad.T, 0);
-      model_->forward(pad, w);
+      stage_forward(pad, w);
     }
   }
+  // The cross-entropy is the last stage's.
   double sums[2] = {ce_sum, (double)tokens};
+  if (grid_->shape().pp > 1) grid_->pp().all_reduce(sums, 2);
   grid_->dp().all_reduce(sums, 2);
   ce_sum = sums[0];
   tokens = (long)sums[1];
@@ -586,7 +739,7 @@ nlohmann::json Training::trainer_state(long step) const {
 
 // World rank 0 receives every rank's part and assembles whole tensors (the checkpoint is layout
 // independent); the other ranks send: parameters from the ranks with edp rank 0 (dp rank 0 without
-// expert parallelism) of each tensor-parallel rank, moments from every rank holding a ZeRO-1 shard
+// expert parallelism) of each (pipeline stage, tensor-parallel rank), moments from every rank holding a ZeRO-1 shard
 // of a parameter set (or from the first rank of the set's group without ZeRO-1).
 void Training::gather_whole(const ParamTable& whole, std::vector<float>& params, std::vector<float>& m,
                             std::vector<float>& v) {
@@ -650,50 +803,54 @@ void Training::gather_whole(const ParamTable& whole, std::vector<float>& params,
   params.assign(whole.total(), 0.0f);
   m.assign(whole.total(), 0.0f);
   v.assign(whole.total(), 0.0f);
-  for (int t = 0; t < gs.tp; t++) {
-    for (int d = 0; d < gs.dp; d++) {
-      dist::GridCoord c;
-      c.tp = t;
-      c.dp = d;
-      const int src = dist::grid_rank(gs, c);
-      ParamShard shard;
-      shard.tp_rank = t;
-      shard.tp_size = gs.tp;
-      if (ep_on) {
-        const int El = mcfg_.num_local_experts / gs.ep, r = d % gs.ep;
-        shard.expert_begin = r * El;
-        shard.expert_end = (r + 1) * El;
-      }
-      const ParamTable lt(mcfg_, shard);
-      const auto ranges = state_ranges(lt, d);
-      const size_t n = total_of(ranges);
-      const bool sends_params = d < gs.ep;  // edp rank 0
-      std::vector<float> lp, lm, lv;
-      if (src == 0) {
-        lp = model_->params();
-        own_state(lm, lv);
-      } else {
-        lp.assign(lt.total(), 0.0f);
-        lm.assign(lt.total(), 0.0f);
-        lv.assign(lt.total(), 0.0f);
-        if (sends_params) w.recv(lp.data(), lt.total(), dist::CommDType::f32, src, kParams);
-        if (n > 0) {
-          std::vector<float> pm(n), pv(n);
-          w.recv(pm.data(), n, dist::CommDType::f32, src, kExpAvg);
-          w.recv(pv.data(), n, dist::CommDType::f32, src, kExpAvgSq);
-          size_t p = 0;
-          for (const auto& [b, e] : ranges) {
-            std::copy(pm.begin() + p, pm.begin() + p + (e - b), lm.begin() + b);
-            std::copy(pv.begin() + p, pv.begin() + p + (e - b), lv.begin() + b);
-            p += e - b;
+  for (int p = 0; p < gs.pp; p++)
+    for (int t = 0; t < gs.tp; t++) {
+      for (int d = 0; d < gs.dp; d++) {
+        dist::GridCoord c;
+        c.tp = t;
+        c.dp = d;
+        c.pp = p;
+        const int src = dist::grid_rank(gs, c);
+        ParamShard shard;
+        shard.tp_rank = t;
+        shard.tp_size = gs.tp;
+        shard.layer_begin = stage_starts_[p];
+        shard.layer_end = stage_starts_[p + 1];
+        if (ep_on) {
+          const int El = mcfg_.num_local_experts / gs.ep, r = d % gs.ep;
+          shard.expert_begin = r * El;
+          shard.expert_end = (r + 1) * El;
+        }
+        const ParamTable lt(mcfg_, shard);
+        const auto ranges = state_ranges(lt, d);
+        const size_t n = total_of(ranges);
+        const bool sends_params = d < gs.ep;  // edp rank 0
+        std::vector<float> lp, lm, lv;
+        if (src == 0) {
+          lp = model_->params();
+          own_state(lm, lv);
+        } else {
+          lp.assign(lt.total(), 0.0f);
+          lm.assign(lt.total(), 0.0f);
+          lv.assign(lt.total(), 0.0f);
+          if (sends_params) w.recv(lp.data(), lt.total(), dist::CommDType::f32, src, kParams);
+          if (n > 0) {
+            std::vector<float> pm(n), pv(n);
+            w.recv(pm.data(), n, dist::CommDType::f32, src, kExpAvg);
+            w.recv(pv.data(), n, dist::CommDType::f32, src, kExpAvgSq);
+            size_t p = 0;
+            for (const auto& [b, e] : ranges) {
+              std::copy(pm.begin() + p, pm.begin() + p + (e - b), lm.begin() + b);
+              std::copy(pv.begin() + p, pv.begin() + p + (e - b), lv.begin() + b);
+              p += e - b;
+            }
           }
         }
+        if (sends_params) copy_to_whole(lt, lp.data(), whole, params.data());
+        copy_to_whole(lt, lm.data(), whole, m.data(), ranges);
+        copy_to_whole(lt, lv.data(), whole, v.data(), ranges);
       }
-      if (sends_params) copy_to_whole(lt, lp.data(), whole, params.data());
-      copy_to_whole(lt, lm.data(), whole, m.data(), ranges);
-      copy_to_whole(lt, lv.data(), whole, v.data(), ranges);
     }
-  }
 }
 
 std::string Training::save(long step, bool final_save) {
@@ -771,8 +928,8 @@ TrainSummary Training::run() {
     } else {
       nan_in_row++;
       log_.line(fmt::format("step {}: non-finite {} (loss {}, grad norm {}); update skipped ({} in a row, limit {})",
-                             step, std::isfinite(r.loss) ? "gradient" : "loss", r.loss, grad_norm, nan_in_row,
-                             cfg_.train.nan_skip_limit));
+                            step, std::isfinite(r.loss) ? "gradient" : "loss", r.loss, grad_norm, nan_in_row,
+                            cfg_.train.nan_skip_limit));
       if (nan_in_row >= cfg_.train.nan_skip_limit)
         fail(
             "training diverged: {} non-finite steps in a row (train.nan_skip_limit); the last good checkpoint "
@@ -795,6 +952,15 @@ TrainSummary Training::run() {
       all_bytes[0] = world_->all_reduce_value(all_bytes[0]);
       all_bytes[1] = world_->all_reduce_value(all_bytes[1], dist::ReduceOp::max);
     }
+    // Per pipeline stage (gathered over the root's pp group): micro-batches whose activations were
+    // kept at once at most, the bytes they held, and one micro-batch's.
+    const int P = grid_->shape().pp;
+    std::vector<int64_t> stage_memory(3 * (size_t)P, 0);
+    if (log_now && P > 1) {
+      const int64_t mine[3] = {(int64_t)model_->peak_pending(), (int64_t)model_->peak_activation_bytes(),
+                               (int64_t)model_->activation_bytes_per_micro_batch()};
+      grid_->pp().all_gather(stage_memory.data(), mine, std::vector<size_t>(P, 3), dist::CommDType::i64);
+    }
     if (log_now && root_) {
       nlohmann::json m = {{"step", step},           {"loss", r.loss},      {"ce_loss", r.ce_loss},
                           {"aux_loss", r.aux_loss}, {"z_loss", r.z_loss},  {"lr", lr},
@@ -809,6 +975,19 @@ TrainSummary Training::run() {
         m["comm_bytes_all_ranks"] = all_bytes[0];
       }
       m["optimizer_state_bytes"] = opt_state_bytes_max_;
+      if (P > 1) {
+        std::vector<int64_t> in_flight, bytes, per_micro;
+        for (int st = 0; st < P; st++) {
+          in_flight.push_back(stage_memory[3 * st]);
+          bytes.push_back(stage_memory[3 * st + 1]);
+          per_micro.push_back(stage_memory[3 * st + 2]);
+        }
+        m["pipeline"] = {{"stages", P},
+                         {"micro_batches", micro_per_step_},
+                         {"peak_micro_batches_in_flight", in_flight},
+                         {"peak_activation_bytes", bytes},
+                         {"activation_bytes_per_micro_batch", per_micro}};
+      }
       if (!last_moe_.empty()) m["moe"] = last_moe_;
       metrics << m.dump() << '\n';
       metrics.flush();

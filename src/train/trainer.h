@@ -8,18 +8,21 @@
 // update (logged); `train.nan_skip_limit` skips in a row abort the run before any bad checkpoint.
 // SIGTERM / SIGINT finish the current step, save a checkpoint and exit 0 (Slurm preemption).
 //
-// Distributed (tp x dp, with ep dividing dp; pp comes later): each data-parallel rank takes its micro-batches of the
-// global batch (DataLoader dp sharding); the token counts that scale the loss are summed over dp
-// before the forward passes, so every layout optimises the same objective; the gradients are
+// Distributed (pp x dp x tp, with ep dividing dp): each data-parallel rank takes its micro-batches
+// of the global batch (DataLoader dp sharding); the token counts that scale the loss are summed over
+// dp before the forward passes, so every layout optimises the same objective; the gradients are
 // reduced over dp (ZeRO-1: reduce-scatter, sharded AdamW, all-gather; else all-reduce); clipping
 // uses the global norm.  Tensor and expert parallelism are the model's (model/mixtral.h); under
 // ep > 1 the expert tensors have their own optimizer, reduced and sharded over edp (the ranks
-// holding the same experts), the others over dp.  World rank 0 alone
-// writes the run directory (log, metrics.jsonl, TensorBoard, checkpoints); checkpoints hold whole
-// tensors gathered to it, and every rank reads its part on resume, so any layout resumes any other.
-// A signal seen by any rank stops every rank after the same step.  metrics.jsonl adds comm_bytes
-// (bytes rank 0 sent in the step), comm_bytes_max / comm_bytes_all_ranks, optimizer_state_bytes
-// (the largest rank's).
+// holding the same experts), the others over dp.  Under pp > 1 the stages of one dp rank read the
+// same micro-batches and run them in the 1F1B schedule (warm-up forwards, one forward one backward,
+// cool-down backwards), passing hidden states forward and their gradients back; the losses are
+// summed over the stages.  World rank 0 alone writes the run directory (log, metrics.jsonl,
+// TensorBoard, checkpoints); checkpoints hold whole tensors gathered to it, and every rank reads its
+// part on resume, so any layout resumes any other.  A signal seen by any rank stops every rank after
+// the same step.  metrics.jsonl adds comm_bytes (bytes rank 0 sent in the step), comm_bytes_max /
+// comm_bytes_all_ranks, optimizer_state_bytes (the largest rank's) and, under pp > 1, pipeline (the
+// peak micro-batches and activation bytes each stage kept).
 #pragma once
 
 #include <cstdint>
