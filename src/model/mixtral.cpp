@@ -22,6 +22,18 @@ namespace moetron {
 
 namespace {
 
+// Hands out pieces of one float arena, each rounded up to 16 floats: a measuring pass (base null,
+// the pieces are null) sizes the arena, a second pass with base set hands out the real pointers.
+struct ArenaCarver {
+  float* base = nullptr;
+  size_t used = 0;
+  float* take(long n) {
+    float* p = base ? base + used : nullptr;
+    used += (size_t)(n + 15) / 16 * 16;
+    return p;
+  }
+};
+
 // y[n] += x[n] for n floats
 void add_inplace(float* y, const float* x, long n) {
 #pragma omp parallel for schedule(static)
@@ -216,16 +228,11 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
   const bool head = last_stage();
 
   // Two passes: the first measures, the second hands out pointers.
-  size_t used = 0;
-  float* base = nullptr;
-  auto take = [&](long n) -> float* {
-    float* p = base ? base + used : nullptr;
-    used += (size_t)(n + 15) / 16 * 16;
-    return p;
-  };
+  ArenaCarver arena;
+  auto take = [&](long n) { return arena.take(n); };
   s.layers.assign(L, LayerActs{});
   for (int pass = 0; pass < 2; pass++) {
-    used = 0;
+    arena.used = 0;
     for (int l = 0; l < L; l++) {
       LayerActs& a = s.layers[l];
       a.x = take(N * C);
@@ -253,8 +260,8 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
     s.logits = head ? take(N * V) : nullptr;
     s.lse = head ? take(N) : nullptr;
     if (pass == 0) {
-      s.arena.assign(used, 0.0f);
-      base = s.arena.data();
+      s.arena.assign(arena.used, 0.0f);
+      arena.base = s.arena.data();
     }
   }
   s.topk_arena.assign(moe ? (size_t)L * M : 0, 0);
@@ -273,15 +280,10 @@ void MixtralModel::allocate_scratch(int B, int T) {
   const long N = (long)B * T;
   const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
   const long M = N * K;
-  size_t used = 0;
-  float* base = nullptr;
-  auto take = [&](long n) -> float* {
-    float* p = base ? base + used : nullptr;
-    used += (size_t)(n + 15) / 16 * 16;
-    return p;
-  };
+  ArenaCarver arena;
+  auto take = [&](long n) { return arena.take(n); };
   for (int pass = 0; pass < 2; pass++) {
-    used = 0;
+    arena.used = 0;
     dres_ = take(N * C);
     dln_ = take(N * C);
     tmp_ = take(N * C);
@@ -295,8 +297,8 @@ void MixtralModel::allocate_scratch(int B, int T) {
     dyperm_ = moe ? take(M * C) : nullptr;
     ffn_scratch_ = take(3 * M * I);
     if (pass == 0) {
-      scratch_.assign(used, 0.0f);
-      base = scratch_.data();
+      scratch_.assign(arena.used, 0.0f);
+      arena.base = scratch_.data();
     }
   }
 }
@@ -308,21 +310,14 @@ MixtralModel::Activations& MixtralModel::acquire() {
   return *pool_.back();
 }
 
-namespace {
-
-size_t activation_bytes(const std::vector<float>& arena, const std::vector<int32_t>& topk) {
-  return arena.size() * sizeof(float) + topk.size() * sizeof(int32_t);
-}
-
-}  // namespace
-
-size_t MixtralModel::activation_bytes_per_micro_batch() const {
-  if (last_ == nullptr) return 0;
-  size_t b = activation_bytes(last_->arena, last_->topk_arena);
-  for (const LayerActs& a : last_->layers)
+size_t MixtralModel::Activations::bytes() const {
+  size_t b = arena.size() * sizeof(float) + topk_arena.size() * sizeof(int32_t);
+  for (const LayerActs& a : layers)
     b += (a.ep.x.size() + a.ep.h13.size() + a.ep.act.size() + a.combine_w.size()) * sizeof(float);
   return b;
 }
+
+size_t MixtralModel::activation_bytes_per_micro_batch() const { return last_ ? last_->bytes() : 0; }
 
 const float* MixtralModel::logits() const { return last_ ? last_->logits : nullptr; }
 
@@ -384,11 +379,7 @@ Losses MixtralModel::forward_queued(const Batch& batch, const LossWeights& weigh
   last_ = &s;
   peak_pending_ = std::max(peak_pending_, pending_.size());
   size_t bytes = 0;
-  for (const Activations* a : pending_) {
-    bytes += activation_bytes(a->arena, a->topk_arena);
-    for (const LayerActs& l : a->layers)
-      bytes += (l.ep.x.size() + l.ep.h13.size() + l.ep.act.size() + l.combine_w.size()) * sizeof(float);
-  }
+  for (const Activations* a : pending_) bytes += a->bytes();
   peak_activation_bytes_ = std::max(peak_activation_bytes_, bytes);
   return out;
 }
@@ -622,8 +613,8 @@ void MixtralModel::backward(const StageGrad& grad) {
          layer_begin_, layer_end_);
   const bool pooled_aux = dims().moe && s.weights.aux_kind == AuxLossKind::hf_pooled;
   if (pooled_aux && !last_stage() && grad.aux_grad == nullptr)
-    fail("[MixtralModel::backward] the stage of layers [{}, {}) needs the last stage's aux-loss gradient",
-         layer_begin_, layer_end_);
+    fail("[MixtralModel::backward] the stage of layers [{}, {}) needs the last stage's aux-loss gradient", layer_begin_,
+         layer_end_);
   pending_.pop_front();
   const int B = s.B, T = s.T;
   allocate_scratch(B, T);

@@ -238,6 +238,7 @@ class MixtralModel {
     ops::RouterLayerStats pooled;                 // hf_pooled: over this and the earlier stages' layers
     std::vector<double> aux_grad;                 // [E] hf_pooled d(aux_coef*aux)/d probs (all layers)
     std::vector<std::vector<double>> aux_dprobs;  // [local layer][E] d(aux_coef*aux)/d probs
+    size_t bytes() const;                         // the activations kept (arenas, expert-parallel rows)
   };
   Dims dims() const;
   void allocate(Activations& a, int B, int T);

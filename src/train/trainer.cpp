@@ -298,7 +298,7 @@ class Training {
   ModelConfig mcfg_;
   std::optional<MixtralModel> model_;
   std::optional<PipelineLink> link_;
-  std::vector<int> stage_starts_;  // the first layer of each pipeline stage, then L
+  std::vector<int> stage_starts_;        // the first layer of each pipeline stage, then L
   std::optional<ShardedAdamW> opt_;      // every tensor, or (ep > 1) all but the experts, over dp
   std::optional<ShardedAdamW> opt_exp_;  // ep > 1: the expert tensors, over edp
   std::optional<DataLoader> train_data_, valid_data_;
@@ -739,8 +739,9 @@ nlohmann::json Training::trainer_state(long step) const {
 
 // World rank 0 receives every rank's part and assembles whole tensors (the checkpoint is layout
 // independent); the other ranks send: parameters from the ranks with edp rank 0 (dp rank 0 without
-// expert parallelism) of each (pipeline stage, tensor-parallel rank), moments from every rank holding a ZeRO-1 shard
-// of a parameter set (or from the first rank of the set's group without ZeRO-1).
+// expert parallelism) of each (pipeline stage, tensor-parallel rank), moments from every rank
+// holding a ZeRO-1 shard of a parameter set (or from the first rank of the set's group without
+// ZeRO-1).
 void Training::gather_whole(const ParamTable& whole, std::vector<float>& params, std::vector<float>& m,
                             std::vector<float>& v) {
   const dist::GridShape& gs = grid_->shape();
@@ -803,19 +804,19 @@ void Training::gather_whole(const ParamTable& whole, std::vector<float>& params,
   params.assign(whole.total(), 0.0f);
   m.assign(whole.total(), 0.0f);
   v.assign(whole.total(), 0.0f);
-  for (int p = 0; p < gs.pp; p++)
+  for (int stage = 0; stage < gs.pp; stage++)
     for (int t = 0; t < gs.tp; t++) {
       for (int d = 0; d < gs.dp; d++) {
         dist::GridCoord c;
         c.tp = t;
         c.dp = d;
-        c.pp = p;
+        c.pp = stage;
         const int src = dist::grid_rank(gs, c);
         ParamShard shard;
         shard.tp_rank = t;
         shard.tp_size = gs.tp;
-        shard.layer_begin = stage_starts_[p];
-        shard.layer_end = stage_starts_[p + 1];
+        shard.layer_begin = stage_starts_[stage];
+        shard.layer_end = stage_starts_[stage + 1];
         if (ep_on) {
           const int El = mcfg_.num_local_experts / gs.ep, r = d % gs.ep;
           shard.expert_begin = r * El;
