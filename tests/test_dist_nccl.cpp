@@ -16,12 +16,12 @@ using dist::ReduceOp;
 
 namespace {
 
-bool is_child() {
+[[maybe_unused]] bool is_child() {
   const char* v = std::getenv("MOETRON_NCCL_CHILD");
   return v != nullptr && std::string(v) == "1";
 }
 
-bool have_gpu() {
+[[maybe_unused]] bool have_gpu() {
 #ifdef MOETRON_HAVE_NCCL
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;

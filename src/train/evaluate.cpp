@@ -19,6 +19,29 @@ namespace moetron {
 
 namespace fs = std::filesystem;
 
+LoaderConfig training_loader_config(const TrainConfig& cfg) {
+  LoaderConfig lc;
+  lc.seq_length = cfg.data.seq_length;
+  lc.micro_batch_size = cfg.train.micro_batch_size;
+  lc.packing = cfg.data.packing;
+  lc.over_long = cfg.data.over_long == "drop" ? LoaderConfig::OverLong::drop : LoaderConfig::OverLong::split;
+  lc.seed = cfg.seed;
+  lc.global_batch_size = cfg.train.global_batch_size;
+  return lc;
+}
+
+LoaderConfig validation_loader_config(const TrainConfig& cfg) {
+  LoaderConfig lc = training_loader_config(cfg);
+  lc.shuffle = false;
+  lc.global_batch_size = 0;  // one micro-batch (per data-parallel rank) per call
+  return lc;
+}
+
+std::string split_mask_prefix(const std::string& data_dir, const std::string& split) {
+  const fs::path mask = fs::path(data_dir) / (split + "_mask");
+  return fs::exists(mask.string() + ".idx") ? mask.string() : "";
+}
+
 std::string resolve_eval_model(const TrainConfig& cfg, const std::string& model_override) {
   if (!model_override.empty()) return model_override;
   std::string latest;
@@ -62,16 +85,8 @@ EvalResult evaluate_model(const TrainConfig& cfg, const std::string& model_dir, 
           data.string(), vocab, model_dir, mcfg.vocab_size));
   }
 
-  LoaderConfig lc;
-  lc.seq_length = cfg.data.seq_length;
-  lc.micro_batch_size = cfg.train.micro_batch_size;
-  lc.packing = cfg.data.packing;
-  lc.over_long = cfg.data.over_long == "drop" ? LoaderConfig::OverLong::drop : LoaderConfig::OverLong::split;
-  lc.seed = cfg.seed;
-  lc.shuffle = false;
-  lc.global_batch_size = 0;  // one micro-batch per call
-  const fs::path vmask = data / "valid_mask.idx";
-  DataLoader valid((data / "valid").string(), fs::exists(vmask) ? (data / "valid_mask").string() : "", lc);
+  DataLoader valid((data / "valid").string(), split_mask_prefix(data.string(), "valid"),
+                   validation_loader_config(cfg));
   const long n = batches > 0 ? batches : static_cast<long>(valid.steps_per_epoch(0));
 
   MixtralModel model(mcfg);

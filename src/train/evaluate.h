@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "data/loader.h"
 #include "train/config.h"
 
 namespace moetron {
@@ -17,6 +18,14 @@ struct EvalResult {
   long loss_tokens = 0;   // tokens with a target in the batches evaluated
   long batches = 0;       // micro-batches evaluated
 };
+
+// The run's data loading (one process; the caller sets the data-parallel shard): the training
+// split's settings, and the validation split's (the same, unshuffled, one micro-batch per call --
+// the trainer's periodic evaluation and `moetron eval` read the same batches).
+LoaderConfig training_loader_config(const TrainConfig& cfg);
+LoaderConfig validation_loader_config(const TrainConfig& cfg);
+// "DATA/SPLIT_mask" when DATA/SPLIT_mask.idx exists, else "" (every token is a loss token).
+std::string split_mask_prefix(const std::string& data_dir, const std::string& split);
 
 // The model to evaluate: `model_override` when given, else the newest complete checkpoint of the
 // run directory, else model.init when it is a directory. SetupError when there is none.

@@ -31,6 +31,7 @@
 #include "optim/lr_schedule.h"
 #include "optim/zero.h"
 #include "train/checkpoint.h"
+#include "train/evaluate.h"
 #include "train/plan.h"
 #include "train/tensorboard.h"
 
@@ -355,23 +356,15 @@ void Training::setup() {
   const fs::path data = cfg_.data.path;
   if (!fs::exists(data / "train.idx"))
     fail("data.path: '{}' has no train.idx/train.bin; create it with `moetron data prepare`", data.string());
-  LoaderConfig lc;
-  lc.seq_length = cfg_.data.seq_length;
-  lc.micro_batch_size = cfg_.train.micro_batch_size;
-  lc.packing = cfg_.data.packing;
-  lc.over_long = cfg_.data.over_long == "drop" ? LoaderConfig::OverLong::drop : LoaderConfig::OverLong::split;
-  lc.seed = cfg_.seed;
-  lc.global_batch_size = cfg_.train.global_batch_size;
+  LoaderConfig lc = training_loader_config(cfg_);
   lc.dp_rank = grid_->coord().dp;
   lc.dp_size = gs.dp;
-  const fs::path mask = data / "train_mask.idx";
-  train_data_.emplace((data / "train").string(), fs::exists(mask) ? (data / "train_mask").string() : "", lc);
+  train_data_.emplace((data / "train").string(), split_mask_prefix(data.string(), "train"), lc);
   if (fs::exists(data / "valid.idx") && cfg_.eval.every_steps > 0 && cfg_.eval.batches > 0) {
-    LoaderConfig vc = lc;
-    vc.shuffle = false;
-    vc.global_batch_size = 0;  // one micro-batch per data-parallel rank per call
-    const fs::path vmask = data / "valid_mask.idx";
-    valid_data_.emplace((data / "valid").string(), fs::exists(vmask) ? (data / "valid_mask").string() : "", vc);
+    LoaderConfig vc = validation_loader_config(cfg_);
+    vc.dp_rank = lc.dp_rank;
+    vc.dp_size = lc.dp_size;
+    valid_data_.emplace((data / "valid").string(), split_mask_prefix(data.string(), "valid"), vc);
     valid_start_ = valid_data_->state();
   }
   const DataLoader& td = *train_data_;
