@@ -331,11 +331,6 @@ const ops::RouterLayerStats& MixtralModel::pooled_stats() const {
   return last_->pooled;
 }
 
-const std::vector<double>& MixtralModel::stage_aux_grad() const {
-  if (last_ == nullptr) fail("[MixtralModel::stage_aux_grad] no forward pass yet");
-  return last_->aux_grad;
-}
-
 const float* MixtralModel::input_grad() const {
   if (first_stage()) fail("[MixtralModel::input_grad] the first stage has no input hidden states (layers from 0)");
   return dres_;
@@ -611,7 +606,7 @@ void MixtralModel::backward(const StageGrad& grad) {
   if (!last_stage() && grad.hidden == nullptr)
     fail("[MixtralModel::backward] the stage of layers [{}, {}) needs the gradient of its output hidden states",
          layer_begin_, layer_end_);
-  const bool pooled_aux = dims().moe && s.weights.aux_kind == AuxLossKind::hf_pooled;
+  const bool pooled_aux = cfg_.is_moe() && s.weights.aux_kind == AuxLossKind::hf_pooled;
   if (pooled_aux && !last_stage() && grad.aux_grad == nullptr)
     fail("[MixtralModel::backward] the stage of layers [{}, {}) needs the last stage's aux-loss gradient", layer_begin_,
          layer_end_);

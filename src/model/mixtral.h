@@ -34,7 +34,7 @@
 // (StageGrad); every stage but the first leaves the gradient of its input (input_grad) for the
 // previous one.  The HF pooled load-balancing loss pools router statistics over ALL layers: each
 // stage adds its layers' statistics to those it received (pooled_stats travels forward with the
-// hidden states), the last stage computes the loss and its gradient per expert (stage_aux_grad),
+// hidden states), the last stage computes the loss and its gradient per expert (input_aux_grad),
 // which travels back with the hidden-state gradient so each stage applies it to its own routers.
 // The per-layer aux loss and the z-loss are local to each layer's stage.
 //
@@ -111,7 +111,7 @@ struct StageInput {
 // What a stage's backward starts from (every stage but the last).
 struct StageGrad {
   const float* hidden = nullptr;     // [N,C] d loss / d stage_output()
-  const double* aux_grad = nullptr;  // [E] the last stage's stage_aux_grad() (MoE, hf_pooled aux loss)
+  const double* aux_grad = nullptr;  // [E] the next stage's input_aux_grad() (MoE, hf_pooled aux loss)
 };
 
 class MixtralModel {
@@ -153,11 +153,10 @@ class MixtralModel {
   // statistics pooled over the layers of this and the earlier stages (MoE models).
   const float* stage_output() const;
   const ops::RouterLayerStats& pooled_stats() const;
-  // The newest forward's [E] d (aux_coef * aux) / d probs of any real token of any layer (last
-  // stage, hf_pooled aux loss; zeros otherwise).
-  const std::vector<double>& stage_aux_grad() const;
-  // After a backward on a stage other than the first: d loss / d (its StageInput hidden) [N,C], and
-  // the aux gradient it used; valid until the next forward or backward.
+  // After a backward on a stage other than the first: d loss / d (its StageInput hidden) [N,C],
+  // valid until the next forward or backward; and the [E] d (aux_coef * aux) / d probs of any real
+  // token of any layer that backward used (computed on the last stage, received on the others; the
+  // hf_pooled aux loss of an MoE model, zeros otherwise), to pass on to the previous stage.
   const float* input_grad() const;
   const std::vector<double>& input_aux_grad() const { return last_aux_grad_; }
   // Micro-batches whose activations are kept (pending a backward), now and at most since

@@ -238,7 +238,7 @@ class PipelineLink {
   void transfer(int to, const float* hidden, const double* stats, size_t stats_n, int from,
                 std::vector<float>& hidden_in, std::vector<double>& stats_in, size_t n) {
     constexpr int kHidden = 40, kStats = 41;
-    hidden_in.resize(n);
+    if (from != -1) hidden_in.resize(n);
     pp_.sendrecv(hidden, to != -1 ? n : 0, to, hidden_in.data(), from != -1 ? n : 0, from, dist::CommDType::f32,
                  kHidden);
     if (E_ > 0)
