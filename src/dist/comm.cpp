@@ -19,6 +19,8 @@ size_t comm_dtype_size(CommDType t) {
       return 8;
     case CommDType::u8:
       return 1;
+    case CommDType::bf16:
+      return 2;
   }
   return 1;
 }
@@ -35,6 +37,8 @@ const char* comm_dtype_name(CommDType t) {
       return "i64";
     case CommDType::u8:
       return "u8";
+    case CommDType::bf16:
+      return "bf16";
   }
   return "?";
 }

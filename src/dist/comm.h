@@ -28,7 +28,8 @@
 
 namespace moetron::dist {
 
-enum class CommDType { f32, f64, i32, i64, u8 };
+// bf16: 2-byte floats moved as they are (all_to_all_v, send/recv, gathers); only NCCL reduces them.
+enum class CommDType { f32, f64, i32, i64, u8, bf16 };
 enum class ReduceOp { sum, max, min };
 
 size_t comm_dtype_size(CommDType t);
@@ -65,8 +66,12 @@ class Comm {
   const std::string& name() const { return name_; }
   // The rank of this process in the world group (for messages).
   int world_rank() const { return world_rank_; }
-  // "self", "mpi", "nccl".
+  // "self", "mpi", "nccl", "staged".
   virtual const char* transport() const = 0;
+  // The same ranks over host memory: this group itself for the host transports (self, MPI); the MPI
+  // group a device transport (NCCL, staged through the host) was made from.  Control data --
+  // counts, statistics, scalars -- travels through it.
+  virtual Comm& host() { return *this; }
 
   // data[count] in place: the element-wise reduction over the group, in rank order.
   virtual void all_reduce(void* data, size_t count, CommDType dtype, ReduceOp op) = 0;

@@ -86,6 +86,8 @@ MPI_Datatype mpi_type(CommDType t) {
       return MPI_INT64_T;
     case CommDType::u8:
       return MPI_UINT8_T;
+    case CommDType::bf16:
+      return MPI_UINT16_T;  // moved, never reduced (reduce_blocks refuses it)
   }
   return MPI_BYTE;
 }
@@ -146,6 +148,8 @@ void reduce_blocks(void* out, const void* src, int n, size_t count, size_t strid
       return reduce_blocks((int64_t*)out, (const int64_t*)src, n, count, stride, op);
     case CommDType::u8:
       return reduce_blocks((uint8_t*)out, (const uint8_t*)src, n, count, stride, op);
+    case CommDType::bf16:
+      fail("the MPI transport does not reduce bf16 values (reduce in f32)");
   }
 }
 

@@ -49,6 +49,8 @@ ncclDataType_t nccl_type(CommDType t) {
       return ncclInt64;
     case CommDType::u8:
       return ncclUint8;
+    case CommDType::bf16:
+      return ncclBfloat16;
   }
   return ncclUint8;
 }

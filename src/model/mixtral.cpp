@@ -1,58 +1,20 @@
-// Mixtral forward and backward.  The backward is the forward's call list in reverse; parameter
-// gradients accumulate (+=) into grads(), activation gradients flow through scratch buffers.
+// Mixtral forward and backward, the one layer body of every backend.  The backward is the forward's
+// call list in reverse; parameter gradients accumulate (+=) into grads(), activation gradients flow
+// through scratch tensors; the residual-stream gradient dres (f32) accumulates the branches.
 #include "model/mixtral.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <tuple>
+#include <optional>
 
+#include "backend/cpu.h"
 #include "core/error.h"
 #include "dist/comm.h"
-#include "dist/tp_ops.h"
 #include "model/batch_io.h"
-#include "ops/attention.h"
 #include "ops/cross_entropy.h"
-#include "ops/embedding.h"
-#include "ops/matmul.h"
-#include "ops/rmsnorm.h"
-#include "ops/rope.h"
 
 namespace moetron {
-
-namespace {
-
-// Hands out pieces of one float arena, each rounded up to 16 floats: a measuring pass (base null,
-// the pieces are null) sizes the arena, a second pass with base set hands out the real pointers.
-struct ArenaCarver {
-  float* base = nullptr;
-  size_t used = 0;
-  float* take(long n) {
-    float* p = base ? base + used : nullptr;
-    used += (size_t)(n + 15) / 16 * 16;
-    return p;
-  }
-};
-
-// y[n] += x[n] for n floats
-void add_inplace(float* y, const float* x, long n) {
-#pragma omp parallel for schedule(static)
-  for (long i = 0; i < n; i++) y[i] += x[i];
-}
-
-}  // namespace
-
-long count_loss_tokens(const Batch& b) {
-  if (b.labels.empty()) return 0;
-  long count = 0;
-  for (int r = 0; r < b.B; r++)
-    for (int t = 0; t + 1 < b.T; t++) {
-      const long i = (long)r * b.T + t;
-      if (!b.segment_ids.empty() && b.segment_ids[i] != b.segment_ids[i + 1]) continue;
-      if (b.labels[i + 1] != ops::IGNORE_INDEX) count++;
-    }
-  return count;
-}
 
 namespace {
 
@@ -75,28 +37,150 @@ ParamShard model_shard(const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep, L
   return s;
 }
 
+// A profile section; on a device backend it synchronises before and after (only when on), so the
+// time is the device's.
+class Section {
+ public:
+  Section(Backend& be, Profile* profile, const char* name) : be_(be), on_(profile != nullptr) {
+    if (on_) be.synchronize(name);
+    timer_.emplace(profile, name);
+  }
+  ~Section() {
+    if (on_) {
+      try {
+        be_.synchronize("profile section");
+      } catch (...) {  // surfaces at the next call
+      }
+    }
+  }
+  Section(const Section&) = delete;
+  Section& operator=(const Section&) = delete;
+
+ private:
+  Backend& be_;
+  bool on_;
+  std::optional<ScopedTimer> timer_;
+};
+
 }  // namespace
 
 MixtralModel::MixtralModel(const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep, LayerRange layers)
-    : cfg_(cfg),
-      tp_(tp),
-      tp_size_(tp ? tp->size() : 1),
-      ep_(ep),
-      ep_size_(ep ? ep->size() : 1),
-      layer_begin_(layers.begin),
-      layer_end_(layers.end < 0 ? cfg.num_hidden_layers : layers.end),
+    : own_backend_(make_cpu_backend()),
+      be_(*own_backend_),
+      cfg_(cfg),
       table_(cfg, model_shard(cfg, tp, ep, layers)) {
-  const int NKV = cfg_.num_key_value_heads;
-  if (tp_on() && NKV < tp_size_) kv_comm_ = tp_->split(tp_->rank() / (tp_size_ / NKV), tp_->rank(), "tp-kv");
-  params_.assign(table_.total(), 0.0f);
-  grads_.assign(table_.total(), 0.0f);
+  init(tp, ep, layers);
 }
 
-MixtralModel::~MixtralModel() = default;
+MixtralModel::MixtralModel(Backend& backend, const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep,
+                           LayerRange layers)
+    : be_(backend), cfg_(cfg), table_(cfg, model_shard(cfg, tp, ep, layers)) {
+  init(tp, ep, layers);
+}
 
-void MixtralModel::tp_all_reduce(float* x, long n) {
-  ScopedTimer t(profile_, "tp.all_reduce");
-  tp_->all_reduce(x, (size_t)n);
+void MixtralModel::init(dist::Comm* tp, dist::Comm* ep, LayerRange layers) {
+  tp_ = tp;
+  tp_size_ = tp ? tp->size() : 1;
+  ep_ = ep;
+  ep_size_ = ep ? ep->size() : 1;
+  layer_begin_ = layers.begin;
+  layer_end_ = layers.end < 0 ? cfg_.num_hidden_layers : layers.end;
+  const int NKV = cfg_.num_key_value_heads;
+  if (tp_on() && NKV < tp_size_) kv_comm_ = tp_->split(tp_->rank() / (tp_size_ / NKV), tp_->rank(), "tp-kv");
+  const Dims d = dims();
+  dispatch_ = ep_on() ? make_all_to_all_dispatch(be_, *ep_, d.C, d.I, d.E) : make_local_dispatch(be_, d.C, d.I);
+  const size_t total = table_.total();
+  if (be_.host_memory()) {
+    params_.assign(total, 0.0f);
+    grads_.assign(total, 0.0f);
+    params_t_ = be_.view(params_.data(), Store::f32, total);
+    grads_t_ = be_.view(grads_.data(), Store::f32, total);
+  } else {
+    params_alloc_ = be_.allocate(total * 4, "parameters");
+    grads_alloc_ = be_.allocate(total * 4, "gradients");
+    params_t_ = be_.view(params_alloc_->data(), Store::f32, total);
+    grads_t_ = be_.view(grads_alloc_->data(), Store::f32, total);
+  }
+  if (be_.act_store() == Store::f32) {
+    gemm_t_ = params_t_;
+  } else {
+    gemm_alloc_ = be_.allocate((size_t)total * be_.element_bytes(be_.act_store()), "GEMM weights");
+    gemm_t_ = be_.view(gemm_alloc_->data(), be_.act_store(), total);
+  }
+  gemm_stale_ = true;
+}
+
+MixtralModel::~MixtralModel() {
+  try {
+    be_.synchronize("~MixtralModel");
+  } catch (...) {  // a destructor must not throw; the error was the last call's
+  }
+}
+
+Tensor MixtralModel::param_tensor() {
+  gemm_stale_ = true;
+  return params_t_;
+}
+
+std::vector<float>& MixtralModel::params() {
+  if (!be_.host_memory()) fail("[MixtralModel::params] the parameters live in {} memory; use get_params", be_.name());
+  gemm_stale_ = true;
+  return params_;
+}
+const std::vector<float>& MixtralModel::params() const {
+  if (!be_.host_memory()) fail("[MixtralModel::params] the parameters live in {} memory; use get_params", be_.name());
+  return params_;
+}
+std::vector<float>& MixtralModel::grads() {
+  if (!be_.host_memory()) fail("[MixtralModel::grads] the gradients live in {} memory; use get_grads", be_.name());
+  return grads_;
+}
+const std::vector<float>& MixtralModel::grads() const {
+  if (!be_.host_memory()) fail("[MixtralModel::grads] the gradients live in {} memory; use get_grads", be_.name());
+  return grads_;
+}
+
+void MixtralModel::get_params(float* host) const { be_.download(host, params_t_); }
+void MixtralModel::set_params(const float* host) {
+  be_.upload(params_t_, host);
+  gemm_stale_ = true;
+}
+void MixtralModel::get_grads(float* host) const { be_.download(host, grads_t_); }
+void MixtralModel::zero_grads() { be_.fill_zero(grads_t_); }
+
+void MixtralModel::refresh_gemm_weights() {
+  if (!gemm_stale_) return;
+  if (gemm_t_.data != params_t_.data) be_.convert(gemm_t_, params_t_);
+  gemm_stale_ = false;
+}
+
+Tensor MixtralModel::W(ParamKind kind, int layer) const {
+  const ParamSpec& s = table_.at(kind, layer);
+  return params_t_.part(s.offset, s.numel);
+}
+Tensor MixtralModel::Wg(ParamKind kind, int layer) {
+  const ParamSpec& s = table_.at(kind, layer);
+  return gemm_t_.part(s.offset, s.numel);
+}
+Tensor MixtralModel::G(ParamKind kind, int layer) const {
+  const ParamSpec& s = table_.at(kind, layer);
+  return grads_t_.part(s.offset, s.numel);
+}
+
+Tensor MixtralModel::as_act(Tensor src, Tensor scratch) {
+  if (be_.act_store() == src.store) return src;
+  be_.convert(scratch, src);
+  return scratch;
+}
+
+void MixtralModel::set_profile(Profile* profile) {
+  profile_ = profile;
+  dispatch_->set_profile(profile);
+}
+
+void MixtralModel::tp_all_reduce(Tensor x) {
+  Section t(be_, profile_, "tp.all_reduce");
+  tp_->all_reduce(x.data, x.numel, dist::CommDType::f32, dist::ReduceOp::sum);
 }
 
 uint64_t MixtralModel::comm_bytes() const { return kv_comm_ ? kv_comm_->stats().bytes_sent : 0; }
@@ -105,117 +189,21 @@ void MixtralModel::reduce_replicated_grads() {
   if (!kv_comm_ || kv_comm_->size() == 1) return;
   for (int l = layer_begin_; l < layer_end_; l++)
     for (ParamKind k : {ParamKind::k_proj, ParamKind::v_proj}) {
-      const ParamSpec& s = table_.at(k, l);
-      kv_comm_->all_reduce(grads_.data() + s.offset, s.numel);
+      const Tensor g = G(k, l);
+      kv_comm_->all_reduce(g.data, g.numel, dist::CommDType::f32, dist::ReduceOp::sum);
     }
 }
 
 void MixtralModel::set_router_bias(std::vector<float> bias) {
   if (!bias.empty() && (!cfg_.is_moe() || (int)bias.size() != cfg_.num_local_experts))
     fail("router bias: {} values for a model of {} experts", bias.size(), cfg_.is_moe() ? cfg_.num_local_experts : 0);
-  router_bias_ = std::move(bias);
+  router_bias_ = Tensor{};
+  bias_alloc_.reset();
+  if (bias.empty()) return;
+  bias_alloc_ = be_.allocate(bias.size() * 4, "router bias");
+  router_bias_ = be_.view(bias_alloc_->data(), Store::f32, bias.size());
+  be_.upload(router_bias_, bias.data());
 }
-
-long MixtralModel::apply_capacity(LayerActs& a, const uint8_t* token_mask, long N, int E, int K) {
-  long real = 0;
-  for (long n = 0; n < N; n++) real += token_mask == nullptr || token_mask[n];
-  const long cap = (long)std::ceil(capacity_factor_ * (double)real * K / E);
-  // Assignments per expert, best first: real tokens, then higher probability, then earlier.
-  std::vector<std::vector<int64_t>> by_expert(E);
-  for (long i = 0; i < N * K; i++) by_expert[a.topk_idx[i]].push_back(i);
-  std::vector<int32_t> idx(a.topk_idx, a.topk_idx + N * K);
-  a.combine_w.assign(a.topk_w, a.topk_w + N * K);
-  long dropped = 0;
-  for (int e = 0; e < E; e++) {
-    std::vector<int64_t>& v = by_expert[e];
-    if ((long)v.size() <= cap) continue;
-    auto key = [&](int64_t i) {
-      const long n = i / K;
-      return std::tuple<int, float, int64_t>(token_mask == nullptr || token_mask[n] ? 0 : 1, -a.rprobs[n * E + e], i);
-    };
-    std::stable_sort(v.begin(), v.end(), [&](int64_t x, int64_t y) { return key(x) < key(y); });
-    for (size_t j = (size_t)cap; j < v.size(); j++) {
-      idx[v[j]] = E;  // the overflow expert
-      a.combine_w[v[j]] = 0.0f;
-      dropped += token_mask == nullptr || token_mask[v[j] / K];
-    }
-  }
-  ops::moe_plan_build(a.plan, idx.data(), N, E + 1, K);
-  a.plan.overflow = 1;
-  return dropped;
-}
-
-void MixtralModel::ep_dispatch(LayerActs& a, int C, int El) {
-  ScopedTimer t(profile_, "ep.all_to_all");
-  const int P = ep_size_;
-  EpLayer& ep = a.ep;
-  // Rows per (owner rank, local expert), exchanged: recv[s * El + j] rows arrive from rank s for
-  // local expert j.
-  std::vector<int64_t> send(P * El), recv(P * El);
-  for (int e = 0; e < P * El; e++) send[e] = a.plan.expert_offsets[e + 1] - a.plan.expert_offsets[e];
-  const std::vector<size_t> per_peer(P, (size_t)El);
-  ep_->all_to_all_v(recv.data(), per_peer, send.data(), per_peer, dist::CommDType::i64);
-  ep.send_rows.assign(P, 0);
-  ep.recv_rows.assign(P, 0);
-  std::vector<int64_t> expert_rows(El, 0);
-  for (int p = 0; p < P; p++)
-    for (int j = 0; j < El; j++) {
-      ep.send_rows[p] += (size_t)send[p * El + j];
-      ep.recv_rows[p] += (size_t)recv[p * El + j];
-      expert_rows[j] += recv[p * El + j];
-    }
-  int64_t Mr = 0;
-  for (int j = 0; j < El; j++) Mr += expert_rows[j];
-  // The local plan: experts in order, each over its rows from every source in rank order.
-  ops::MoePlan& lp = ep.plan;
-  lp.N = Mr;
-  lp.E = El;
-  lp.K = 1;
-  lp.expert_offsets.assign(El + 1, 0);
-  for (int j = 0; j < El; j++) lp.expert_offsets[j + 1] = lp.expert_offsets[j] + expert_rows[j];
-  lp.row_token.resize(Mr);
-  lp.row_of.resize(Mr);
-  for (int64_t m = 0; m < Mr; m++) lp.row_token[m] = lp.row_of[m] = (int32_t)m;
-  ep.perm.resize(Mr);
-  std::vector<int64_t> cursor(lp.expert_offsets.begin(), lp.expert_offsets.end() - 1);
-  int64_t i = 0;
-  for (int s = 0; s < P; s++)
-    for (int j = 0; j < El; j++)
-      for (int64_t r = 0; r < recv[s * El + j]; r++) ep.perm[i++] = cursor[j]++;
-  ep.x.resize((size_t)Mr * C);
-  ep_send(ep.x.data(), a.xperm, ep, C);
-}
-
-void MixtralModel::ep_send(float* out_local, const float* in, const EpLayer& ep, int C) {
-  const int P = ep_size_;
-  const int64_t Mr = (int64_t)ep.perm.size();
-  std::vector<size_t> sc(P), rc(P);
-  for (int p = 0; p < P; p++) {
-    sc[p] = ep.send_rows[p] * C;
-    rc[p] = ep.recv_rows[p] * C;
-  }
-  ep_buf_.resize((size_t)Mr * C);
-  ep_->all_to_all_v(ep_buf_.data(), rc, in, sc, dist::CommDType::f32);
-#pragma omp parallel for schedule(static)
-  for (int64_t m = 0; m < Mr; m++) std::memcpy(out_local + ep.perm[m] * C, ep_buf_.data() + m * C, sizeof(float) * C);
-}
-
-void MixtralModel::ep_return(float* out, const float* y_local, const EpLayer& ep, int C) {
-  ScopedTimer t(profile_, "ep.all_to_all");
-  const int P = ep_size_;
-  const int64_t Mr = (int64_t)ep.perm.size();
-  ep_buf_.resize((size_t)Mr * C);
-#pragma omp parallel for schedule(static)
-  for (int64_t m = 0; m < Mr; m++) std::memcpy(ep_buf_.data() + m * C, y_local + ep.perm[m] * C, sizeof(float) * C);
-  std::vector<size_t> sc(P), rc(P);
-  for (int p = 0; p < P; p++) {
-    sc[p] = ep.recv_rows[p] * C;
-    rc[p] = ep.send_rows[p] * C;
-  }
-  ep_->all_to_all_v(out, rc, ep_buf_.data(), sc, dist::CommDType::f32);
-}
-
-void MixtralModel::zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
 
 void MixtralModel::allocate(Activations& s, int B, int T) {
   if (B == s.B && T == s.T && !s.layers.empty()) return;
@@ -226,79 +214,98 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
   const long M = N * K;
   const int L = layer_end_ - layer_begin_;
   const bool head = last_stage();
+  const Store act = be_.act_store(), f32 = Store::f32, i32 = Store::i32;
+  const bool router_copy = act != f32;  // the router's input in f32 beside the act-store one
+  const bool local_experts = !ep_on();  // the expert activations live in the arena
 
-  // Two passes: the first measures, the second hands out pointers.
-  ArenaCarver arena;
-  auto take = [&](long n) { return arena.take(n); };
-  s.layers.assign(L, LayerActs{});
+  s.arena.reset();
+  s.layers.clear();
+  s.layers.resize(L);
+  // Two passes: the first measures, the second hands out views.
+  void* base = nullptr;
   for (int pass = 0; pass < 2; pass++) {
-    arena.used = 0;
+    TensorCarver c(be_, base);
     for (int l = 0; l < L; l++) {
       LayerActs& a = s.layers[l];
-      a.x = take(N * C);
-      a.ln1 = take(N * C);
-      a.rstd1 = take(N);
-      a.q = take(N * Q);
-      a.k = take(N * KVd);
-      a.v = take(N * KVd);
-      a.probs = take((long)B * NH * T * T);
-      a.att = take(N * Q);
-      a.h = take(N * C);
-      a.ln2 = take(N * C);
-      a.rstd2 = take(N);
-      a.rlogits = moe ? take(N * E) : nullptr;
-      a.rprobs = moe ? take(N * E) : nullptr;
-      a.topk_w = moe ? take(N * K) : nullptr;
-      a.xperm = moe ? take(M * C) : nullptr;
-      a.h13 = take(2 * M * I);
-      a.act = take(M * I);
-      a.yperm = moe ? take(M * C) : nullptr;
+      a.x = c.take(f32, N * C);
+      a.ln1 = c.take(act, N * C);
+      a.rstd1 = c.take(f32, N);
+      a.q = c.take(act, N * Q);
+      a.k = c.take(act, N * KVd);
+      a.v = c.take(act, N * KVd);
+      a.attn_saved = c.take(f32, be_.attention_saved_numel(B, T, NH));
+      a.att = c.take(act, N * Q);
+      a.h = c.take(f32, N * C);
+      a.ln2 = c.take(act, N * C);
+      a.ln2f = moe && router_copy ? c.take(f32, N * C) : a.ln2;
+      a.rstd2 = c.take(f32, N);
+      if (moe) {
+        a.rlogits = c.take(f32, N * E);
+        a.rprobs = c.take(f32, N * E);
+        a.topk_w = c.take(f32, N * K);
+        a.topk_idx = c.take(i32, N * K);
+        a.combine_w = c.take(f32, N * K);
+        a.xperm = c.take(act, M * C);
+        a.yperm = c.take(act, M * C);
+      }
+      a.row_token = c.take(i32, M);
+      a.row_of = c.take(i32, M);
+      a.dispatch.h13 = local_experts ? c.take(act, 2 * M * I) : Tensor{};
+      a.dispatch.act = local_experts ? c.take(act, M * I) : Tensor{};
     }
-    s.x_final = take(N * C);
-    s.lnf = head ? take(N * C) : nullptr;
-    s.rstdf = head ? take(N) : nullptr;
-    s.logits = head ? take(N * V) : nullptr;
-    s.lse = head ? take(N) : nullptr;
+    s.x_final = c.take(f32, N * C);
+    s.lnf = head ? c.take(act, N * C) : Tensor{};
+    s.rstdf = head ? c.take(f32, N) : Tensor{};
+    s.logits = head ? c.take(f32, N * V) : Tensor{};
+    s.lse = head ? c.take(f32, N) : Tensor{};
+    s.tokens = c.take(i32, N);
+    s.targets = c.take(i32, N);
+    s.positions = c.take(i32, N);
+    s.attention_mask = c.take(i32, N);
+    s.segment_ids = c.take(i32, N);
+    s.token_mask = c.take(Store::u8, N);
     if (pass == 0) {
-      s.arena.assign(arena.used, 0.0f);
-      arena.base = s.arena.data();
+      s.arena = be_.allocate(c.used(), "activations");
+      base = s.arena->data();
     }
   }
-  s.topk_arena.assign(moe ? (size_t)L * M : 0, 0);
-  for (int l = 0; l < L; l++) s.layers[l].topk_idx = moe ? s.topk_arena.data() + (size_t)l * M : nullptr;
   if (!moe) {
     // A dense FFN is one expert that every token visits with weight 1: the identity plan.
     std::vector<int32_t> zeros(N, 0);
-    for (LayerActs& a : s.layers) ops::moe_plan_build(a.plan, zeros.data(), N, 1, 1);
+    for (LayerActs& a : s.layers) {
+      ops::moe_plan_build(a.plan, zeros.data(), N, 1, 1);
+      a.pv = be_.upload_plan(a.plan, a.row_token, a.row_of);
+    }
   }
 }
 
 void MixtralModel::allocate_scratch(int B, int T) {
-  if (B == scratch_B_ && T == scratch_T_ && !scratch_.empty()) return;
+  if (B == scratch_B_ && T == scratch_T_ && scratch_alloc_) return;
   scratch_B_ = B;
   scratch_T_ = T;
   const long N = (long)B * T;
   const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
   const long M = N * K;
-  ArenaCarver arena;
-  auto take = [&](long n) { return arena.take(n); };
+  const Store act = be_.act_store(), f32 = Store::f32;
+  scratch_alloc_.reset();
+  void* base = nullptr;
   for (int pass = 0; pass < 2; pass++) {
-    arena.used = 0;
-    dres_ = take(N * C);
-    dln_ = take(N * C);
-    tmp_ = take(N * C);
-    datt_ = take(N * Q);
-    dq_ = take(N * Q);
-    dk_ = take(N * KVd);
-    dv_ = take(N * KVd);
-    drlogits_ = moe ? take(N * E) : nullptr;
-    dtopk_ = moe ? take(N * K) : nullptr;
-    dxperm_ = moe ? take(M * C) : nullptr;
-    dyperm_ = moe ? take(M * C) : nullptr;
-    ffn_scratch_ = take(3 * M * I);
+    TensorCarver c(be_, base);
+    dres_ = c.take(f32, N * C);
+    dln_ = c.take(f32, N * C);
+    tmp_ = c.take(f32, N * C);
+    datt_ = c.take(act, N * Q);
+    dq_ = c.take(act, N * Q);
+    dk_ = c.take(act, N * KVd);
+    dv_ = c.take(act, N * KVd);
+    drlogits_ = moe ? c.take(f32, N * E) : Tensor{};
+    dtopk_ = moe ? c.take(f32, N * K) : Tensor{};
+    dxperm_ = moe ? c.take(act, M * C) : Tensor{};
+    dyperm_ = moe ? c.take(act, M * C) : Tensor{};
+    dres_act_ = act != f32 ? c.take(act, N * C) : Tensor{};
     if (pass == 0) {
-      scratch_.assign(arena.used, 0.0f);
-      arena.base = scratch_.data();
+      scratch_alloc_ = be_.allocate(c.used(), "scratch");
+      base = scratch_alloc_->data();
     }
   }
 }
@@ -311,29 +318,52 @@ MixtralModel::Activations& MixtralModel::acquire() {
 }
 
 size_t MixtralModel::Activations::bytes() const {
-  size_t b = arena.size() * sizeof(float) + topk_arena.size() * sizeof(int32_t);
-  for (const LayerActs& a : layers)
-    b += (a.ep.x.size() + a.ep.h13.size() + a.ep.act.size() + a.combine_w.size()) * sizeof(float);
+  size_t b = arena ? arena->bytes() : 0;
+  for (const LayerActs& a : layers) b += a.dispatch.bytes();
   return b;
 }
 
 size_t MixtralModel::activation_bytes_per_micro_batch() const { return last_ ? last_->bytes() : 0; }
 
-const float* MixtralModel::logits() const { return last_ ? last_->logits : nullptr; }
+size_t MixtralModel::state_bytes() const {
+  size_t b = 0;
+  for (const auto* a : {&params_alloc_, &grads_alloc_, &gemm_alloc_})
+    if (*a) b += (*a)->bytes();
+  if (be_.host_memory()) b += (params_.size() + grads_.size()) * sizeof(float);
+  return b;
+}
+
+size_t MixtralModel::activation_bytes() const {
+  size_t b = scratch_alloc_ ? scratch_alloc_->bytes() : 0;
+  for (const auto& a : pool_) b += a->bytes();
+  return b;
+}
+
+const float* MixtralModel::logits() const {
+  if (last_ == nullptr) return nullptr;
+  if (!be_.host_memory())
+    fail("[MixtralModel::logits] the logits live in {} memory; use download_logits", be_.name());
+  return last_->logits.empty() ? nullptr : last_->logits.f32();
+}
+
+void MixtralModel::download_logits(float* host) const {
+  if (last_ == nullptr || last_->logits.empty()) fail("[MixtralModel::download_logits] no logits (no forward pass on the last stage)");
+  be_.download(host, last_->logits);
+}
 
 const float* MixtralModel::stage_output() const {
   if (last_ == nullptr) fail("[MixtralModel::stage_output] no forward pass yet");
-  return last_->x_final;
+  return static_cast<const float*>(last_->x_final.data);
 }
 
 const ops::RouterLayerStats& MixtralModel::pooled_stats() const {
   if (last_ == nullptr) fail("[MixtralModel::pooled_stats] no forward pass yet");
-  return last_->pooled;
+  return last_->router.pooled;
 }
 
 const float* MixtralModel::input_grad() const {
   if (first_stage()) fail("[MixtralModel::input_grad] the first stage has no input hidden states (layers from 0)");
-  return dres_;
+  return static_cast<const float*>(dres_.data);
 }
 
 MixtralModel::Dims MixtralModel::dims() const {
@@ -380,218 +410,66 @@ Losses MixtralModel::forward_queued(const Batch& batch, const LossWeights& weigh
 }
 
 Losses MixtralModel::run_forward(Activations& s, const Batch& batch, const LossWeights& weights, const StageInput& in) {
+  refresh_gemm_weights();
   allocate(s, batch.B, batch.T);
   allocate_scratch(batch.B, batch.T);
-  const int B = batch.B, T = batch.T;
-  const long N = (long)B * T;
+  const long N = (long)batch.B * batch.T;
   const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
-  const float eps = (float)cfg_.rms_norm_eps, theta = (float)cfg_.rope_theta;
-  const float* P = params_.data();
-  auto W = [&](ParamKind kind, int layer = -1) { return P + table_.at(kind, layer).offset; };
+  (void)I;
+  (void)NH;
+  (void)NKV;
+  (void)HD;
+  (void)Q;
+  (void)KVd;
 
   s.weights = weights;
-  s.tokens = batch.input_ids;
-  // Positions: given, or 0..T-1 restarting at each segment start.
-  s.positions.resize(N);
-  for (int b = 0; b < B; b++)
-    for (int t = 0; t < T; t++) {
-      const long i = (long)b * T + t;
-      if (!batch.position_ids.empty())
-        s.positions[i] = batch.position_ids[i];
-      else if (!batch.segment_ids.empty() && t > 0 && batch.segment_ids[i] == batch.segment_ids[i - 1])
-        s.positions[i] = s.positions[i - 1] + 1;
-      else if (!batch.segment_ids.empty())
-        s.positions[i] = 0;
-      else
-        s.positions[i] = t;
-    }
-  // Targets: the next token's label within the same segment.
-  s.has_labels = !batch.labels.empty();
-  s.targets.assign(N, ops::IGNORE_INDEX);
-  if (s.has_labels)
-    for (int b = 0; b < B; b++)
-      for (int t = 0; t + 1 < T; t++) {
-        const long i = (long)b * T + t;
-        if (!batch.segment_ids.empty() && batch.segment_ids[i] != batch.segment_ids[i + 1]) continue;
-        s.targets[i] = batch.labels[i + 1];
-      }
-  s.has_token_mask = !batch.attention_mask.empty();
-  s.token_mask.assign(N, 1);
-  if (s.has_token_mask)
-    for (long i = 0; i < N; i++) s.token_mask[i] = batch.attention_mask[i] != 0;
-  const uint8_t* tmask = s.has_token_mask ? s.token_mask.data() : nullptr;
-
-  ops::AttentionMask amask;
-  amask.attention_mask = batch.attention_mask.empty() ? nullptr : batch.attention_mask.data();
-  amask.segment_ids = batch.segment_ids.empty() ? nullptr : batch.segment_ids.data();
-  amask.sliding_window = cfg_.sliding_window;
+  s.prep = prepare_batch(batch);
+  be_.upload(s.tokens, batch.input_ids.data());
+  be_.upload(s.positions, s.prep.positions.data());
+  be_.upload(s.targets, s.prep.targets.data());
+  be_.upload(s.token_mask, s.prep.token_mask.data());
+  s.amask = AttnMask{};
+  s.amask.sliding_window = cfg_.sliding_window;
+  if (!batch.attention_mask.empty()) {
+    be_.upload(s.attention_mask, batch.attention_mask.data());
+    s.amask.attention_mask = s.attention_mask;
+  }
+  if (!batch.segment_ids.empty()) {
+    be_.upload(s.segment_ids, batch.segment_ids.data());
+    s.amask.segment_ids = s.segment_ids;
+  }
 
   const int lb = layer_begin_, le = layer_end_, L = le - lb;
   router_stats_.assign(moe ? L : 0, ops::RouterLayerStats{});
   dropped_.assign(moe ? L : 0, 0);
 
   if (!first_stage()) {
-    std::memcpy(s.layers[0].x, in.hidden, sizeof(float) * N * C);
+    be_.copy(s.layers[0].x, be_.view(const_cast<float*>(in.hidden), Store::f32, (size_t)N * C));
   } else {
-    ScopedTimer t(profile_, "fwd.embedding");
-    if (!tp_on()) {
-      ops::embedding_forward(s.layers[0].x, s.tokens.data(), W(ParamKind::embedding), N, C, V);
-    } else {
-      dist::embedding_forward_vocab_parallel(s.layers[0].x, s.tokens.data(), W(ParamKind::embedding), N, C,
-                                             table_.vocab_begin(), V);
-      tp_all_reduce(s.layers[0].x, N * C);
-    }
+    Section t(be_, profile_, "fwd.embedding");
+    be_.embedding_forward(s.layers[0].x, s.tokens, W(ParamKind::embedding), N, C, table_.vocab_begin(), V, !tp_on());
+    if (tp_on()) tp_all_reduce(s.layers[0].x);
   }
-  for (int l = lb; l < le; l++) {
-    LayerActs& a = s.layers[l - lb];
-    float* x_next = l + 1 < le ? s.layers[l - lb + 1].x : s.x_final;
-    // Attention block: h = x + o_proj(attn(rope(q), rope(k), v)).
-    {
-      ScopedTimer t(profile_, "fwd.norms");
-      ops::rmsnorm_forward(a.ln1, a.rstd1, a.x, W(ParamKind::input_norm, l), N, C, eps);
-    }
-    {
-      ScopedTimer t(profile_, "fwd.attn_proj");
-      ops::matmul_forward(a.q, a.ln1, W(ParamKind::q_proj, l), N, C, Q);
-      ops::matmul_forward(a.k, a.ln1, W(ParamKind::k_proj, l), N, C, KVd);
-      ops::matmul_forward(a.v, a.ln1, W(ParamKind::v_proj, l), N, C, KVd);
-    }
-    {
-      ScopedTimer t(profile_, "fwd.rope");
-      ops::rope_forward(a.q, a.q, s.positions.data(), N, NH, HD, theta);
-      ops::rope_forward(a.k, a.k, s.positions.data(), N, NKV, HD, theta);
-    }
-    {
-      ScopedTimer t(profile_, "fwd.attention");
-      ops::attention_forward(a.att, a.probs, a.q, a.k, a.v, amask, B, T, NH, NKV, HD);
-    }
-    {
-      ScopedTimer t(profile_, "fwd.attn_proj");
-      if (!tp_on()) {
-        std::memcpy(a.h, a.x, sizeof(float) * N * C);
-        ops::matmul_forward_accumulate(a.h, a.att, W(ParamKind::o_proj, l), N, Q, C);
-      } else {
-        // Row-parallel o_proj: each rank's heads give a partial sum of the output.
-        ops::matmul_forward(tmp_, a.att, W(ParamKind::o_proj, l), N, Q, C);
-        tp_all_reduce(tmp_, N * C);
-        std::memcpy(a.h, a.x, sizeof(float) * N * C);
-        add_inplace(a.h, tmp_, N * C);
-      }
-    }
-    {
-      ScopedTimer t(profile_, "fwd.norms");
-      // FFN block: x_next = h + ffn(rmsnorm(h)).
-      ops::rmsnorm_forward(a.ln2, a.rstd2, a.h, W(ParamKind::post_norm, l), N, C, eps);
-    }
-    const float* w13 = W(ParamKind::ffn_w13, l);
-    const float* w2 = W(ParamKind::ffn_w2, l);
-    if (moe) {
-      {
-        ScopedTimer t(profile_, "fwd.router");
-        ops::matmul_forward(a.rlogits, a.ln2, W(ParamKind::router, l), N, C, E);
-        if (!router_bias_.empty())
-          for (long n = 0; n < N; n++)
-            for (int e = 0; e < E; e++) a.rlogits[n * E + e] += router_bias_[e];
-        ops::router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, N, E, K);
-        ops::router_layer_stats(router_stats_[l - lb], a.rlogits, a.rprobs, a.topk_idx, tmask, N, E, K);
-        if (capacity_factor_ > 0) {
-          dropped_[l - lb] = apply_capacity(a, tmask, N, E, K);
-        } else {
-          ops::moe_plan_build(a.plan, a.topk_idx, N, E, K);
-          a.plan.overflow = 0;
-        }
-      }
-      {
-        ScopedTimer t(profile_, "fwd.moe_permute");
-        ops::moe_permute_forward(a.xperm, a.ln2, a.plan, C);
-      }
-      if (!ep_on()) {
-        ScopedTimer t(profile_, "fwd.experts");
-        ops::moe_experts_forward(a.yperm, a.h13, a.act, a.xperm, w13, w2, a.plan, C, I);
-      } else {
-        const int El = E / ep_size_;
-        ep_dispatch(a, C, El);
-        const size_t Mr = a.ep.perm.size();
-        a.ep.h13.resize(Mr * 2 * I);
-        a.ep.act.resize(Mr * I);
-        ep_dy_.resize(Mr * C);  // the local outputs, before they travel back
-        {
-          ScopedTimer t(profile_, "fwd.experts");
-          ops::moe_experts_forward(ep_dy_.data(), a.ep.h13.data(), a.ep.act.data(), a.ep.x.data(), w13, w2, a.ep.plan,
-                                   C, I);
-        }
-        ep_return(a.yperm, ep_dy_.data(), a.ep, C);
-      }
-      // Dropped rows (capacity) computed nothing: their outputs are zeros.
-      const long kept = a.plan.expert_offsets[E];
-      std::fill(a.yperm + kept * C, a.yperm + N * K * C, 0.0f);
-      {
-        ScopedTimer t(profile_, "fwd.moe_permute");
-        ops::moe_combine_forward(x_next, a.yperm, a.plan.overflow ? a.combine_w.data() : a.topk_w, a.plan, C);
-      }
-    } else {
-      ScopedTimer t(profile_, "fwd.experts");
-      ops::moe_experts_forward(x_next, a.h13, a.act, a.ln2, w13, w2, a.plan, C, I);
-    }
-    // Row-parallel w2: the FFN output is a partial sum on each tp rank.
-    if (tp_on()) tp_all_reduce(x_next, N * C);
-    {
-      ScopedTimer t(profile_, "fwd.residual");
-      add_inplace(x_next, a.h, N * C);
-    }
-  }
+  for (int l = lb; l < le; l++) layer_forward(s, l, l + 1 < le ? s.layers[l - lb + 1].x : s.x_final);
   if (last_stage()) {
-    ScopedTimer t(profile_, "fwd.head");
-    ops::rmsnorm_forward(s.lnf, s.rstdf, s.x_final, W(ParamKind::final_norm), N, C, eps);
-    ops::matmul_forward(s.logits, s.lnf, W(ParamKind::lm_head), N, C, V);
+    Section t(be_, profile_, "fwd.head");
+    be_.rmsnorm_forward(s.lnf, s.rstdf, s.x_final, W(ParamKind::final_norm), N, C, (float)cfg_.rms_norm_eps);
+    be_.matmul_forward(s.logits, s.lnf, Wg(ParamKind::lm_head), (int)N, C, V, false);
   }
 
   Losses out;
-  s.aux_dprobs.assign(moe ? L : 0, std::vector<double>(E, 0.0));
-  s.aux_grad.assign(moe ? E : 0, 0.0);
+  s.router = RouterLossTerms{};
   if (moe) {
-    // The statistics pooled over the layers so far, in layer order (the single-process sums).
-    if (in.pooled != nullptr) {
-      s.pooled = *in.pooled;
-    } else {
-      s.pooled = ops::RouterLayerStats{};
-      s.pooled.assigned.assign(E, 0.0);
-      s.pooled.prob_sum.assign(E, 0.0);
-    }
-    for (int l = 0; l < L; l++) {
-      for (int e = 0; e < E; e++) {
-        s.pooled.assigned[e] += router_stats_[l].assigned[e];
-        s.pooled.prob_sum[e] += router_stats_[l].prob_sum[e];
-      }
-      s.pooled.tokens += router_stats_[l].tokens;
-    }
-    if (weights.aux_kind == AuxLossKind::hf_pooled) {
-      // The last stage holds every layer's statistics; earlier stages get the gradient at backward.
-      if (last_stage()) {
-        std::vector<double> d;
-        out.aux_loss = ops::load_balancing_loss_pooled({s.pooled}, E, K, &d);
-        for (int e = 0; e < E; e++) s.aux_grad[e] = weights.aux_coef * d[e];
-        for (int l = 0; l < L; l++) s.aux_dprobs[l] = s.aux_grad;
-      }
-    } else {
-      for (int l = 0; l < L; l++) {
-        std::vector<double> d;
-        out.aux_loss += ops::load_balancing_loss_layer(router_stats_[l], E, K, &d);
-        for (int e = 0; e < E; e++) s.aux_dprobs[l][e] = weights.aux_coef * d[e];
-      }
-    }
-    for (int l = 0; l < L; l++) out.z_loss += ops::router_z_loss_layer(router_stats_[l]);
+    s.router = router_loss_terms(router_stats_, in.pooled, weights, E, K, last_stage());
+    out.aux_loss = s.router.aux_loss;
+    out.z_loss = s.router.z_loss;
   }
-  if (s.has_labels) {
+  if (s.prep.has_labels) {
     if (last_stage()) {
-      ScopedTimer t(profile_, "fwd.cross_entropy");
-      if (!tp_on())
-        out.ce_sum = ops::cross_entropy_forward(s.lse, s.logits, s.targets.data(), N, V, 1.0f);
-      else
-        out.ce_sum = dist::cross_entropy_forward_vocab_parallel(s.lse, s.logits, s.targets.data(), N, V,
-                                                                table_.vocab_begin(), 1.0f, *tp_);
-      out.loss_tokens = 0;
-      for (long i = 0; i < N; i++) out.loss_tokens += s.targets[i] != ops::IGNORE_INDEX;
+      Section t(be_, profile_, "fwd.cross_entropy");
+      out.ce_sum = be_.cross_entropy_forward(s.lse, s.logits, s.targets, N, V, table_.vocab_begin(), 1.0f,
+                                             tp_on() ? tp_ : nullptr);
+      out.loss_tokens = s.prep.loss_tokens;
       out.ce_loss = weights.ce_scale * out.ce_sum;
     }
     out.loss = out.ce_loss + weights.aux_coef * out.aux_loss + weights.z_coef * out.z_loss;
@@ -599,10 +477,120 @@ Losses MixtralModel::run_forward(Activations& s, const Batch& batch, const LossW
   return out;
 }
 
+// One decoder layer l: x_next = h + FFN(RMSNorm(h)), h = x + Attn(RMSNorm(x)).
+void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
+  const long N = (long)s.B * s.T;
+  const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
+  (void)V;
+  (void)I;
+  const float eps = (float)cfg_.rms_norm_eps, theta = (float)cfg_.rope_theta;
+  const int li = l - layer_begin_;
+  LayerActs& a = s.layers[li];
+  const Tensor tmask = s.prep.has_token_mask ? s.token_mask : Tensor{};
+  // Attention block: h = x + o_proj(attn(rope(q), rope(k), v)).
+  {
+    Section t(be_, profile_, "fwd.norms");
+    be_.rmsnorm_forward(a.ln1, a.rstd1, a.x, W(ParamKind::input_norm, l), N, C, eps);
+  }
+  {
+    Section t(be_, profile_, "fwd.attn_proj");
+    be_.matmul_forward(a.q, a.ln1, Wg(ParamKind::q_proj, l), (int)N, C, Q, false);
+    be_.matmul_forward(a.k, a.ln1, Wg(ParamKind::k_proj, l), (int)N, C, KVd, false);
+    be_.matmul_forward(a.v, a.ln1, Wg(ParamKind::v_proj, l), (int)N, C, KVd, false);
+  }
+  {
+    Section t(be_, profile_, "fwd.rope");
+    be_.rope_forward(a.q, s.positions, N, NH, HD, theta);
+    be_.rope_forward(a.k, s.positions, N, NKV, HD, theta);
+  }
+  {
+    Section t(be_, profile_, "fwd.attention");
+    be_.attention_forward(a.att, a.attn_saved, a.q, a.k, a.v, s.amask, s.B, s.T, NH, NKV, HD);
+  }
+  {
+    Section t(be_, profile_, "fwd.attn_proj");
+    if (!tp_on()) {
+      be_.copy(a.h, a.x);
+      be_.matmul_forward(a.h, a.att, Wg(ParamKind::o_proj, l), (int)N, Q, C, true);
+    } else {
+      // Row-parallel o_proj: each rank's heads give a partial sum of the output.
+      be_.matmul_forward(tmp_, a.att, Wg(ParamKind::o_proj, l), (int)N, Q, C, false);
+      tp_all_reduce(tmp_);
+      be_.copy(a.h, a.x);
+      be_.add(a.h, tmp_);
+    }
+  }
+  {
+    Section t(be_, profile_, "fwd.norms");
+    // FFN block: x_next = h + ffn(rmsnorm(h)).  The router reads the f32 normalised input.
+    if (a.ln2f.data != a.ln2.data) {
+      be_.rmsnorm_forward(a.ln2f, a.rstd2, a.h, W(ParamKind::post_norm, l), N, C, eps);
+      be_.convert(a.ln2, a.ln2f);
+    } else {
+      be_.rmsnorm_forward(a.ln2, a.rstd2, a.h, W(ParamKind::post_norm, l), N, C, eps);
+    }
+  }
+  const Tensor w13 = Wg(ParamKind::ffn_w13, l), w2 = Wg(ParamKind::ffn_w2, l);
+  if (moe) {
+    {
+      Section t(be_, profile_, "fwd.router");
+      be_.matmul_forward(a.rlogits, a.ln2f, W(ParamKind::router, l), (int)N, C, E, false);
+      if (!router_bias_.empty()) be_.add_bias_rows(a.rlogits, router_bias_, N, E);
+      be_.router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, N, E, K);
+      be_.router_layer_stats(router_stats_[li], a.rlogits, a.rprobs, a.topk_idx, tmask, N, E, K);
+      // The plan is built on the host from the router's choices (copies on a device backend).
+      const int32_t* idx = nullptr;
+      const float *w = nullptr, *probs = nullptr;
+      if (be_.host_memory()) {
+        idx = a.topk_idx.i32();
+        w = a.topk_w.f32();
+        probs = a.rprobs.f32();
+      } else {
+        topk_idx_host_.resize(a.topk_idx.numel);
+        be_.download(topk_idx_host_.data(), a.topk_idx);
+        idx = topk_idx_host_.data();
+        if (capacity_factor_ > 0) {
+          topk_w_host_.resize(a.topk_w.numel);
+          probs_host_.resize(a.rprobs.numel);
+          be_.download(topk_w_host_.data(), a.topk_w);
+          be_.download(probs_host_.data(), a.rprobs);
+          w = topk_w_host_.data();
+          probs = probs_host_.data();
+        }
+      }
+      const uint8_t* hmask = s.prep.has_token_mask ? s.prep.token_mask.data() : nullptr;
+      dropped_[li] = build_dispatch_plan(a.plan, combine_host_, idx, w, probs, hmask, N, E, K, capacity_factor_);
+      if (a.plan.overflow) be_.upload(a.combine_w, combine_host_.data());
+      a.pv = be_.upload_plan(a.plan, a.row_token, a.row_of);
+    }
+    {
+      Section t(be_, profile_, "fwd.moe_permute");
+      be_.moe_permute_forward(a.xperm, a.ln2, a.pv, C);
+    }
+    dispatch_->forward(a.dispatch, a.yperm, a.xperm, a.pv, w13, w2);
+    // Dropped rows (capacity) computed nothing: their outputs are zeros.
+    const long kept = a.plan.expert_offsets[E];
+    if (kept < N * K) be_.fill_zero(a.yperm.part((size_t)kept * C, (size_t)(N * K - kept) * C));
+    {
+      Section t(be_, profile_, "fwd.moe_permute");
+      be_.moe_combine_forward(x_next, a.yperm, a.plan.overflow ? a.combine_w : a.topk_w, a.pv, C);
+    }
+  } else {
+    Section t(be_, profile_, "fwd.experts");
+    be_.moe_experts_forward(x_next, a.dispatch.h13, a.dispatch.act, a.ln2, w13, w2, a.pv, C, I);
+  }
+  // Row-parallel w2: the FFN output is a partial sum on each tp rank.
+  if (tp_on()) tp_all_reduce(x_next);
+  {
+    Section t(be_, profile_, "fwd.residual");
+    be_.add(x_next, a.h);
+  }
+}
+
 void MixtralModel::backward(const StageGrad& grad) {
   if (pending_.empty()) fail("[MixtralModel::backward] needs a forward pass with labels first (none is pending)");
   Activations& s = *pending_.front();
-  if (!s.has_labels) fail("[MixtralModel::backward] needs a forward pass with labels first");
+  if (!s.prep.has_labels) fail("[MixtralModel::backward] needs a forward pass with labels first");
   if (!last_stage() && grad.hidden == nullptr)
     fail("[MixtralModel::backward] the stage of layers [{}, {}) needs the gradient of its output hidden states",
          layer_begin_, layer_end_);
@@ -611,140 +599,117 @@ void MixtralModel::backward(const StageGrad& grad) {
     fail("[MixtralModel::backward] the stage of layers [{}, {}) needs the last stage's aux-loss gradient", layer_begin_,
          layer_end_);
   pending_.pop_front();
-  const int B = s.B, T = s.T;
-  allocate_scratch(B, T);
-  const long N = (long)B * T;
+  allocate_scratch(s.B, s.T);
+  const long N = (long)s.B * s.T;
   const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
-  const float theta = (float)cfg_.rope_theta;
-  const float* P = params_.data();
-  float* G = grads_.data();
-  auto W = [&](ParamKind kind, int layer = -1) { return P + table_.at(kind, layer).offset; };
-  auto D = [&](ParamKind kind, int layer = -1) { return G + table_.at(kind, layer).offset; };
-  const uint8_t* tmask = s.has_token_mask ? s.token_mask.data() : nullptr;
-  const int lb = layer_begin_, le = layer_end_;
+  (void)I;
+  (void)NH;
+  (void)NKV;
+  (void)HD;
+  (void)Q;
+  (void)KVd;
+  (void)K;
   if (pooled_aux && !last_stage()) {
     // The pooled aux loss's gradient per expert, from the last stage (the same for every layer).
-    s.aux_grad.assign(grad.aux_grad, grad.aux_grad + E);
-    for (auto& d : s.aux_dprobs) d = s.aux_grad;
+    s.router.aux_grad.assign(grad.aux_grad, grad.aux_grad + E);
+    for (auto& d : s.router.aux_dprobs) d = s.router.aux_grad;
   }
-  last_aux_grad_ = s.aux_grad;
+  last_aux_grad_ = s.router.aux_grad;
 
   if (!last_stage()) {
-    std::memcpy(dres_, grad.hidden, sizeof(float) * N * C);
+    be_.copy(dres_, be_.view(const_cast<float*>(grad.hidden), Store::f32, (size_t)N * C));
   } else {
-    // Head and final norm.  The logits buffer becomes dlogits in place.
+    // Head and final norm.  The logits become their gradient in place.
     {
-      ScopedTimer t(profile_, "bwd.cross_entropy");
-      if (!tp_on())
-        ops::cross_entropy_backward(s.logits, s.logits, s.lse, s.targets.data(), N, V, (float)s.weights.ce_scale);
-      else
-        dist::cross_entropy_backward_vocab_parallel(s.logits, s.logits, s.lse, s.targets.data(), N, V,
-                                                    table_.vocab_begin(), (float)s.weights.ce_scale);
+      Section t(be_, profile_, "bwd.head");
+      be_.head_backward(dln_, G(ParamKind::lm_head), s.logits, s.lse, s.targets, s.lnf, Wg(ParamKind::lm_head), N, C,
+                        V, table_.vocab_begin(), (float)s.weights.ce_scale, !tp_on());
+      if (tp_on()) tp_all_reduce(dln_);
+      be_.rmsnorm_backward(dres_, G(ParamKind::final_norm), dln_, s.x_final, W(ParamKind::final_norm), s.rstdf, N, C,
+                           false);
     }
-    ScopedTimer t(profile_, "bwd.head");
-    ops::matmul_backward(dln_, D(ParamKind::lm_head), s.logits, s.lnf, W(ParamKind::lm_head), N, C, V);
-    if (tp_on()) tp_all_reduce(dln_, N * C);
-    ops::rmsnorm_backward(dres_, D(ParamKind::final_norm), dln_, s.x_final, W(ParamKind::final_norm), s.rstdf, N, C);
   }
-
-  for (int l = le - 1; l >= lb; l--) {
-    LayerActs& a = s.layers[l - lb];
-    // FFN block: dres is d(x_next); it flows to h unchanged plus through the FFN.
-    const float* w13 = W(ParamKind::ffn_w13, l);
-    const float* w2 = W(ParamKind::ffn_w2, l);
-    float* dw13 = D(ParamKind::ffn_w13, l);
-    float* dw2 = D(ParamKind::ffn_w2, l);
-    if (moe) {
-      {
-        ScopedTimer t(profile_, "bwd.moe_permute");
-        ops::moe_combine_backward(dyperm_, dtopk_, dres_, a.yperm, a.plan.overflow ? a.combine_w.data() : a.topk_w,
-                                  a.plan, C);
-      }
-      // yperm is this rank's partial expert output, so the routing-weight gradient is partial too.
-      if (tp_on()) tp_all_reduce(dtopk_, N * K);
-      if (!ep_on()) {
-        ScopedTimer t(profile_, "bwd.experts");
-        ops::moe_experts_backward(dxperm_, dw13, dw2, ffn_scratch_, dyperm_, a.h13, a.act, a.xperm, w13, w2, a.plan, C,
-                                  I);
-      } else {
-        const size_t Mr = a.ep.perm.size();
-        ep_dy_.resize(Mr * C);
-        ep_dx_.resize(Mr * C);
-        ep_scratch_.resize(3 * Mr * I);
-        {
-          ScopedTimer t(profile_, "ep.all_to_all");
-          ep_send(ep_dy_.data(), dyperm_, a.ep, C);
-        }
-        {
-          ScopedTimer t(profile_, "bwd.experts");
-          ops::moe_experts_backward(ep_dx_.data(), dw13, dw2, ep_scratch_.data(), ep_dy_.data(), a.ep.h13.data(),
-                                    a.ep.act.data(), a.ep.x.data(), w13, w2, a.ep.plan, C, I);
-        }
-        ep_return(dxperm_, ep_dx_.data(), a.ep, C);
-      }
-      {
-        const long kept = a.plan.expert_offsets[E];  // dropped rows pass no gradient to the input
-        std::fill(dxperm_ + kept * C, dxperm_ + N * K * C, 0.0f);
-      }
-      {
-        ScopedTimer t(profile_, "bwd.moe_permute");
-        ops::moe_permute_backward(dln_, dxperm_, a.plan, C);
-      }
-      if (tp_on()) tp_all_reduce(dln_, N * C);  // column-parallel w1/w3: partial input gradient
-      ScopedTimer t(profile_, "bwd.router");
-      ops::router_backward(drlogits_, dtopk_, s.aux_dprobs[l - lb].data(), tmask, a.rprobs, a.topk_idx, a.topk_w, N, E,
-                           K);
-      if (s.weights.z_coef != 0.0)
-        ops::router_z_loss_backward(drlogits_, a.rlogits, a.rprobs, tmask, N, E, (float)s.weights.z_coef);
-      ops::matmul_backward(tmp_, D(ParamKind::router, l), drlogits_, a.ln2, W(ParamKind::router, l), N, C, E);
-      add_inplace(dln_, tmp_, N * C);
-    } else {
-      ScopedTimer t(profile_, "bwd.experts");
-      ops::moe_experts_backward(dln_, dw13, dw2, ffn_scratch_, dres_, a.h13, a.act, a.ln2, w13, w2, a.plan, C, I);
-      if (tp_on()) tp_all_reduce(dln_, N * C);
-    }
-    {
-      ScopedTimer t(profile_, "bwd.norms");
-      ops::rmsnorm_backward(tmp_, D(ParamKind::post_norm, l), dln_, a.h, W(ParamKind::post_norm, l), a.rstd2, N, C);
-      add_inplace(dres_, tmp_, N * C);
-    }  // dres is now d(h)
-    {
-      ScopedTimer t(profile_, "bwd.attn_proj");
-
-      // Attention block: h = x + o_proj(att).
-      ops::matmul_backward(datt_, D(ParamKind::o_proj, l), dres_, a.att, W(ParamKind::o_proj, l), N, Q, C);
-    }
-    {
-      ScopedTimer t(profile_, "bwd.attention");
-      ops::attention_backward(dq_, dk_, dv_, datt_, a.probs, a.q, a.k, a.v, B, T, NH, NKV, HD);
-    }
-    {
-      ScopedTimer t(profile_, "bwd.rope");
-      ops::rope_backward(dq_, dq_, s.positions.data(), N, NH, HD, theta);
-      ops::rope_backward(dk_, dk_, s.positions.data(), N, NKV, HD, theta);
-    }
-    {
-      ScopedTimer t(profile_, "bwd.attn_proj");
-      ops::matmul_backward(dln_, D(ParamKind::q_proj, l), dq_, a.ln1, W(ParamKind::q_proj, l), N, C, Q);
-      ops::matmul_backward(tmp_, D(ParamKind::k_proj, l), dk_, a.ln1, W(ParamKind::k_proj, l), N, C, KVd);
-      add_inplace(dln_, tmp_, N * C);
-      ops::matmul_backward(tmp_, D(ParamKind::v_proj, l), dv_, a.ln1, W(ParamKind::v_proj, l), N, C, KVd);
-      add_inplace(dln_, tmp_, N * C);
-      if (tp_on()) tp_all_reduce(dln_, N * C);  // column-parallel q/k/v: partial input gradient
-    }
-    {
-      ScopedTimer t(profile_, "bwd.norms");
-      ops::rmsnorm_backward(tmp_, D(ParamKind::input_norm, l), dln_, a.x, W(ParamKind::input_norm, l), a.rstd1, N, C);
-      add_inplace(dres_, tmp_, N * C);
-    }  // dres is now d(x) of this layer
-  }
+  for (int l = layer_end_ - 1; l >= layer_begin_; l--) layer_backward(s, l);
   if (!first_stage()) return;  // dres is the gradient of the stage's input: input_grad()
-  ScopedTimer t(profile_, "bwd.embedding");
-  if (!tp_on())
-    ops::embedding_backward(D(ParamKind::embedding), dres_, s.tokens.data(), N, C, V);
-  else
-    dist::embedding_backward_vocab_parallel(D(ParamKind::embedding), dres_, s.tokens.data(), N, C, table_.vocab_begin(),
-                                            V);
+  Section t(be_, profile_, "bwd.embedding");
+  be_.embedding_backward(G(ParamKind::embedding), dres_, s.tokens, N, C, table_.vocab_begin(), V, !tp_on());
+}
+
+// Layer l in reverse; dres is d(x_next) on entry and d(x) of the layer on exit.
+void MixtralModel::layer_backward(Activations& s, int l) {
+  const long N = (long)s.B * s.T;
+  const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
+  (void)V;
+  const float theta = (float)cfg_.rope_theta;
+  const int li = l - layer_begin_;
+  LayerActs& a = s.layers[li];
+  const Tensor tmask = s.prep.has_token_mask ? s.token_mask : Tensor{};
+  // FFN block: dres is d(x_next); it flows to h unchanged plus through the FFN.
+  const Tensor w13 = Wg(ParamKind::ffn_w13, l), w2 = Wg(ParamKind::ffn_w2, l);
+  const Tensor dw13 = G(ParamKind::ffn_w13, l), dw2 = G(ParamKind::ffn_w2, l);
+  if (moe) {
+    {
+      Section t(be_, profile_, "bwd.moe_permute");
+      be_.moe_combine_backward(dyperm_, dtopk_, dres_, a.yperm, a.plan.overflow ? a.combine_w : a.topk_w, a.pv, C);
+    }
+    // yperm is this rank's partial expert output, so the routing-weight gradient is partial too.
+    if (tp_on()) tp_all_reduce(dtopk_);
+    dispatch_->backward(dxperm_, dw13, dw2, dyperm_, a.dispatch, a.xperm, a.pv, w13, w2);
+    {
+      const long kept = a.plan.expert_offsets[E];  // dropped rows pass no gradient to the input
+      if (kept < N * K) be_.fill_zero(dxperm_.part((size_t)kept * C, (size_t)(N * K - kept) * C));
+    }
+    {
+      Section t(be_, profile_, "bwd.moe_permute");
+      be_.moe_permute_backward(dln_, dxperm_, a.pv, C);
+    }
+    if (tp_on()) tp_all_reduce(dln_);  // column-parallel w1/w3: partial input gradient
+    Section t(be_, profile_, "bwd.router");
+    be_.router_backward(drlogits_, dtopk_, s.router.aux_dprobs[li].data(), tmask, a.rprobs, a.topk_idx, a.topk_w, N,
+                        E, K);
+    if (s.weights.z_coef != 0.0)
+      be_.router_z_loss_backward(drlogits_, a.rlogits, a.rprobs, tmask, N, E, (float)s.weights.z_coef,
+                                 s.prep.real_tokens);
+    be_.matmul_backward(dln_, G(ParamKind::router, l), drlogits_, a.ln2f, W(ParamKind::router, l), (int)N, C, E,
+                        true);
+  } else {
+    Section t(be_, profile_, "bwd.experts");
+    be_.moe_experts_backward(dln_, dw13, dw2, as_act(dres_, dres_act_), a.dispatch.h13, a.dispatch.act, a.ln2, w13,
+                             w2, a.pv, C, I);
+    if (tp_on()) tp_all_reduce(dln_);
+  }
+  {
+    Section t(be_, profile_, "bwd.norms");
+    be_.rmsnorm_backward(dres_, G(ParamKind::post_norm, l), dln_, a.h, W(ParamKind::post_norm, l), a.rstd2, N, C,
+                         true);
+  }  // dres is now d(h)
+  {
+    Section t(be_, profile_, "bwd.attn_proj");
+    // Attention block: h = x + o_proj(att).
+    be_.matmul_backward(datt_, G(ParamKind::o_proj, l), as_act(dres_, dres_act_), a.att, Wg(ParamKind::o_proj, l),
+                        (int)N, Q, C, false);
+  }
+  {
+    Section t(be_, profile_, "bwd.attention");
+    be_.attention_backward(dq_, dk_, dv_, datt_, a.att, a.attn_saved, a.q, a.k, a.v, s.amask, s.B, s.T, NH, NKV, HD);
+  }
+  {
+    Section t(be_, profile_, "bwd.rope");
+    be_.rope_backward(dq_, s.positions, N, NH, HD, theta);
+    be_.rope_backward(dk_, s.positions, N, NKV, HD, theta);
+  }
+  {
+    Section t(be_, profile_, "bwd.attn_proj");
+    be_.matmul_backward(dln_, G(ParamKind::q_proj, l), dq_, a.ln1, Wg(ParamKind::q_proj, l), (int)N, C, Q, false);
+    be_.matmul_backward(dln_, G(ParamKind::k_proj, l), dk_, a.ln1, Wg(ParamKind::k_proj, l), (int)N, C, KVd, true);
+    be_.matmul_backward(dln_, G(ParamKind::v_proj, l), dv_, a.ln1, Wg(ParamKind::v_proj, l), (int)N, C, KVd, true);
+    if (tp_on()) tp_all_reduce(dln_);  // column-parallel q/k/v: partial input gradient
+  }
+  {
+    Section t(be_, profile_, "bwd.norms");
+    be_.rmsnorm_backward(dres_, G(ParamKind::input_norm, l), dln_, a.x, W(ParamKind::input_norm, l), a.rstd1, N, C,
+                         true);
+  }  // dres is now d(x) of this layer
 }
 
 }  // namespace moetron

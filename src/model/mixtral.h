@@ -1,9 +1,19 @@
-// The Mixtral decoder (and dense Mistral/Llama through the same code) on CPU: forward and backward
-// as flat, mirror-image lists of op calls over one parameter table.
+// The Mixtral decoder (and dense Mistral/Llama through the same code): forward and backward as
+// flat, mirror-image lists of op calls over one parameter table, written ONCE over a Backend
+// (backend/backend.h) -- the CPU backend (fp32), the bf16-rounding CPU backend, the CUDA backend
+// (bf16 storage, fp32 accumulation) -- which owns the memory and supplies the kernels.
 //   h = x + Attn(RMSNorm(x)); out = h + FFN(RMSNorm(h)); final RMSNorm; untied lm_head.
 // Dimensions: B batch, T sequence, N = B*T tokens, C hidden, NH heads, NKV kv heads, HD head dim,
 // Q = NH*HD, KV = NKV*HD, E experts (1 for dense), K experts per token (1 for dense),
 // M = N*K routed rows, I FFN width, L layers, V vocab.
+//
+// Precision: parameters, gradients, the residual stream, norm statistics, router tensors and
+// logits are f32 on every backend; activations that feed GEMMs and the GEMM weights are in the
+// backend's act store (f32 on the CPU, bf16 on CUDA; the bf16 GEMM weights are a copy of the fp32
+// masters, refreshed at the first forward after the parameters change).  The router runs in f32
+// end to end (an f32 copy of its normalised input on backends whose act store is bf16).
+// Host work written once for every backend: batch preparation (model/batch.h), routing plans and
+// the capacity limit (model/token_dispatch.h), loss assembly (model/losses.h).
 //
 // Tensor parallel (Megatron, DESIGN §6): built with a tp group of size > 1, the model holds its
 // rank's part of the parameter table (ParamShard, params.h) -- query heads, kv heads (or one
@@ -15,16 +25,13 @@
 //
 // Expert parallel (DESIGN §6): built with an ep group of size > 1 (the ranks of one expert-parallel
 // group, each with its own tokens), the model holds experts [r*E/ep, (r+1)*E/ep) of every MoE layer
-// (ep rank r).  Each MoE layer routes locally (the router is replicated), exchanges per-expert row
-// counts over the group, sends each routed row to the rank owning its expert (all_to_all_v), runs
-// the local experts on the rows received (grouped by local expert, then source rank), and returns
-// the outputs with the reverse all_to_all_v; the combine (weighted by the router) happens on the
-// token's home rank.  The backward mirrors it: output gradients travel to the expert owners and
-// input gradients come back.  Dropless; zero rows to or from any rank are fine.  Every rank of the
-// group must call forward/backward the same number of times (they are collective over ep).  Expert
-// gradients then hold the contributions of every token of the ep group; the caller sums them over
-// the ranks holding the same experts (edp).  Composes with tp: the ep group is made of ranks with the
-// same tp rank, whose expert slices match.
+// (ep rank r) and its token dispatch is the all-to-all one (model/token_dispatch.h).  Every rank of
+// the group must call forward/backward the same number of times (they are collective over ep).
+// Expert gradients then hold the contributions of every token of the ep group; the caller sums them
+// over the ranks holding the same experts (edp).  Composes with tp: the ep group is made of ranks
+// with the same tp rank, whose expert slices match.
+// The tp and ep groups are Comms over the BACKEND's memory (dist/staged_comm.h for a device backend
+// over MPI); their host() groups carry counts.
 //
 // Pipeline parallel (DESIGN §6): built with a layer range (a stage), the model holds those decoder
 // layers, the embedding only when the range starts at layer 0, the final norm and head only when it
@@ -48,9 +55,13 @@
 #include <memory>
 #include <vector>
 
+#include "backend/backend.h"
 #include "core/profile.h"
 #include "io/hf_config.h"
+#include "model/batch.h"
+#include "model/losses.h"
 #include "model/params.h"
+#include "model/token_dispatch.h"
 #include "ops/moe_dispatch.h"
 #include "ops/router.h"
 
@@ -60,42 +71,6 @@ namespace dist {
 class Comm;
 }
 
-// One micro-batch.  All tensors are [B,T] row-major; optional ones are empty when absent.
-struct Batch {
-  int B = 0, T = 0;
-  std::vector<int32_t> input_ids;
-  std::vector<int32_t> labels;          // HF-aligned: the model shifts; -100 = ignored
-  std::vector<int32_t> attention_mask;  // 1 = real token (right padding)
-  std::vector<int32_t> position_ids;    // default: 0..T-1, restarting per segment when segment_ids given
-  std::vector<int32_t> segment_ids;     // packed documents: attention stays within a segment, and
-                                        // the last token of a segment has no target
-};
-
-enum class AuxLossKind { hf_pooled, per_layer };
-
-// How the loss terms are weighted.  loss = ce_scale * CE_sum + aux_coef * aux + z_coef * z.
-// For one batch ce_scale = 1 / (loss tokens in the batch); under gradient accumulation the trainer
-// passes 1 / (loss tokens in the global batch) and divides the aux/z coefficients by the number of
-// micro-batches.
-struct LossWeights {
-  double ce_scale = 1.0;
-  double aux_coef = 0.0;
-  double z_coef = 0.0;
-  AuxLossKind aux_kind = AuxLossKind::hf_pooled;
-};
-
-struct Losses {
-  double ce_sum = 0;     // sum of token cross-entropies
-  long loss_tokens = 0;  // tokens with a target
-  double ce_loss = 0;    // ce_scale * ce_sum
-  double aux_loss = 0;   // unweighted load-balancing loss (0 for dense models)
-  double z_loss = 0;     // unweighted router z-loss
-  double loss = 0;       // the objective: ce_loss + aux_coef * aux_loss + z_coef * z_loss
-};
-
-// Number of positions whose target (the next token's label in the same segment) is not ignored.
-long count_loss_tokens(const Batch& batch);
-
 // The decoder layers a pipeline stage holds: [begin, end); end -1: to the last layer.
 struct LayerRange {
   int begin = 0, end = -1;
@@ -104,33 +79,49 @@ struct LayerRange {
 // What a stage's forward starts from, besides the batch (its token ids, masks, positions and labels
 // are every stage's: each stage reads the same micro-batches).
 struct StageInput {
-  const float* hidden = nullptr;                  // [N,C] the previous stage's output (every stage but the first)
+  const float* hidden = nullptr;                  // [N,C] in backend memory: the previous stage's output
+                                                  // (every stage but the first)
   const ops::RouterLayerStats* pooled = nullptr;  // router statistics of the earlier stages' layers (null: none)
 };
 
 // What a stage's backward starts from (every stage but the last).
 struct StageGrad {
-  const float* hidden = nullptr;     // [N,C] d loss / d stage_output()
-  const double* aux_grad = nullptr;  // [E] the next stage's input_aux_grad() (MoE, hf_pooled aux loss)
+  const float* hidden = nullptr;     // [N,C] in backend memory: d loss / d stage_output()
+  const double* aux_grad = nullptr;  // [E] host: the next stage's input_aux_grad() (MoE, hf_pooled aux loss)
 };
 
 class MixtralModel {
  public:
-  // tp: the tensor-parallel group (null or size 1: the whole model); it must outlive the model.
-  // Collective over tp (splits the group of ranks sharing a replicated kv head).
-  // ep: the expert-parallel group (null or size 1: every expert); it must outlive the model.
+  // The model on its own CPU backend (fp32).  tp: the tensor-parallel group (null or size 1: the
+  // whole model); ep: the expert-parallel group (null or size 1: every expert); both must outlive
+  // the model.  Collective over tp (splits the group of ranks sharing a replicated kv head).
   // layers: the pipeline stage's decoder layers (default: all).
   explicit MixtralModel(const ModelConfig& cfg, dist::Comm* tp = nullptr, dist::Comm* ep = nullptr,
                         LayerRange layers = {});
+  // The model on `backend`, which must outlive it; tp / ep are groups over the backend's memory.
+  MixtralModel(Backend& backend, const ModelConfig& cfg, dist::Comm* tp = nullptr, dist::Comm* ep = nullptr,
+               LayerRange layers = {});
   ~MixtralModel();
   MixtralModel(MixtralModel&&) = delete;
 
   const ModelConfig& config() const { return cfg_; }
   const ParamTable& table() const { return table_; }
-  std::vector<float>& params() { return params_; }
-  const std::vector<float>& params() const { return params_; }
-  std::vector<float>& grads() { return grads_; }
-  const std::vector<float>& grads() const { return grads_; }
+  Backend& backend() { return be_; }
+
+  // Parameters and gradients: table().total() f32 each, in the backend's memory.  param_tensor()
+  // marks the parameters changed (the GEMM weight copy is refreshed at the next forward).
+  Tensor param_tensor();
+  Tensor grad_tensor() { return grads_t_; }
+  // Host copies, on any backend.
+  void get_params(float* host) const;
+  void set_params(const float* host);
+  void get_grads(float* host) const;
+  // Host-memory backends only (an Error otherwise): the arrays themselves.  The non-const
+  // params() marks the parameters changed.
+  std::vector<float>& params();
+  const std::vector<float>& params() const;
+  std::vector<float>& grads();
+  const std::vector<float>& grads() const;
   void zero_grads();
 
   int layer_begin() const { return layer_begin_; }
@@ -149,14 +140,15 @@ class MixtralModel {
   // with labels.  Overwrites its logits in place.
   void backward(const StageGrad& grad = {});
 
-  // The newest forward's output hidden states [N,C] (every stage but the last), and the router
-  // statistics pooled over the layers of this and the earlier stages (MoE models).
+  // The newest forward's output hidden states [N,C] in backend memory (every stage but the last),
+  // and the router statistics pooled over the layers of this and the earlier stages (MoE models).
   const float* stage_output() const;
   const ops::RouterLayerStats& pooled_stats() const;
-  // After a backward on a stage other than the first: d loss / d (its StageInput hidden) [N,C],
-  // valid until the next forward or backward; and the [E] d (aux_coef * aux) / d probs of any real
-  // token of any layer that backward used (computed on the last stage, received on the others; the
-  // hf_pooled aux loss of an MoE model, zeros otherwise), to pass on to the previous stage.
+  // After a backward on a stage other than the first: d loss / d (its StageInput hidden) [N,C] in
+  // backend memory, valid until the next forward or backward; and the [E] d (aux_coef * aux) / d
+  // probs of any real token of any layer that backward used (computed on the last stage, received
+  // on the others; the hf_pooled aux loss of an MoE model, zeros otherwise), to pass on to the
+  // previous stage.
   const float* input_grad() const;
   const std::vector<double>& input_aux_grad() const { return last_aux_grad_; }
   // Micro-batches whose activations are kept (pending a backward), now and at most since
@@ -166,6 +158,10 @@ class MixtralModel {
   size_t peak_activation_bytes() const { return peak_activation_bytes_; }
   // The activation bytes one micro-batch of the newest forward's shape keeps.
   size_t activation_bytes_per_micro_batch() const;
+  // Backend memory the model holds: parameters, gradients and the GEMM weight copy; activations
+  // and scratch (every set allocated).
+  size_t state_bytes() const;
+  size_t activation_bytes() const;
 
   // Sums the gradients of replicated kv heads (NKV < tp) over the tp ranks sharing each head; call
   // once per optimizer step, after the backward passes.  A no-op otherwise.
@@ -174,10 +170,13 @@ class MixtralModel {
   uint64_t comm_bytes() const;
 
   // [B,T,V] logits of the last forward (until backward); [B,T,V/tp] (this rank's vocabulary
-  // columns) under tensor parallelism.  Last stage only.
+  // columns) under tensor parallelism.  Last stage only.  logits(): host-memory backends;
+  // download_logits: any.
   const float* logits() const;
-  // Time the forward/backward sections into `profile` (null: off).  The caller owns it.
-  void set_profile(Profile* profile) { profile_ = profile; }
+  void download_logits(float* host) const;
+  // Time the forward/backward sections into `profile` (null: off; device backends synchronise
+  // around each section).  The caller owns it.
+  void set_profile(Profile* profile);
 
   // Routing statistics per MoE layer of this stage (layer_begin() + index) of the last forward
   // (empty for dense models).
@@ -187,34 +186,23 @@ class MixtralModel {
   // gradient is unchanged: the bias is a constant).  Empty: none.
   void set_router_bias(std::vector<float> bias);
 
-  // Capacity (DESIGN §4): with factor f > 0, each expert of a layer takes at most
-  // ceil(f * real tokens * K / E) assignments of a micro-batch (per rank, before any expert-parallel
-  // exchange); the overflow is dropped, padding first, then the lowest router probability (ties:
-  // the later token).  A dropped assignment contributes nothing to the token's output (the other
-  // weights are not renormalised).  0: dropless (the default).
+  // Capacity (DESIGN §4; build_dispatch_plan): with factor f > 0, each expert of a layer takes at
+  // most ceil(f * real tokens * K / E) assignments of a micro-batch (per rank, before any
+  // expert-parallel exchange); the overflow is dropped, padding first, then the lowest router
+  // probability (ties: the later token).  A dropped assignment contributes nothing to the token's
+  // output (the other weights are not renormalised).  0: dropless (the default).
   void set_capacity_factor(double f) { capacity_factor_ = f; }
   // Per MoE layer of this stage of the last forward: assignments of real tokens dropped by the
   // capacity limit.
   const std::vector<long>& dropped() const { return dropped_; }
 
  private:
-  // The expert-parallel exchange of one MoE layer (ep > 1).  Rows received are kept twice over:
-  // in source-major order (as they arrive: source rank, then local expert) and in expert-major
-  // order (local expert, then source rank) for the grouped GEMMs; perm maps the first to the second.
-  struct EpLayer {
-    std::vector<size_t> send_rows, recv_rows;  // [ep] rows to / from each rank
-    std::vector<int64_t> perm;                 // [Mr] expert-major row of each received row
-    ops::MoePlan plan;                         // local experts over the Mr received rows (K = 1)
-    std::vector<float> x, h13, act;            // [Mr,C], [Mr,2I], [Mr,I] expert-major, saved
-  };
   struct LayerActs {
-    float *x, *ln1, *rstd1, *q, *k, *v, *probs, *att, *h, *ln2, *rstd2;
-    float *rlogits, *rprobs, *topk_w;
-    int32_t* topk_idx;
-    float *xperm, *h13, *act, *yperm;
+    Tensor x, ln1, rstd1, q, k, v, attn_saved, att, h, ln2, ln2f, rstd2;  // ln2f: the router's f32 input
+    Tensor rlogits, rprobs, topk_w, topk_idx, combine_w, xperm, yperm, row_token, row_of;
     ops::MoePlan plan;
-    EpLayer ep;
-    std::vector<float> combine_w;  // [N,K] topk_w with 0 for dropped assignments (capacity only)
+    PlanView pv;
+    DispatchSaved dispatch;
   };
   // The dimension letters of this model (E = K = 1 for a dense FFN), per tensor-parallel rank:
   // V, I, NH, NKV, Q, KVd are this rank's parts (the whole model when tp = 1).
@@ -222,57 +210,59 @@ class MixtralModel {
     int C, V, I, NH, NKV, HD, Q, KVd, E, K;
     bool moe;
   };
-  // One micro-batch's activations and per-forward inputs, kept until its backward: one arena sized
-  // for its (B, T), re-laid when the shape changes.
+  // One micro-batch's activations and per-forward inputs, kept until its backward: one allocation
+  // sized for its (B, T), re-laid when the shape changes.
   struct Activations {
     int B = 0, T = 0;
-    std::vector<float> arena;
-    std::vector<int32_t> topk_arena;
+    std::unique_ptr<Allocation> arena;
     std::vector<LayerActs> layers;  // this stage's layers
-    float *x_final = nullptr, *lnf = nullptr, *rstdf = nullptr, *logits = nullptr, *lse = nullptr;
-    std::vector<int32_t> tokens, targets, positions;
-    std::vector<uint8_t> token_mask;
-    bool has_token_mask = false, has_labels = false;
+    Tensor x_final, lnf, rstdf, logits, lse;
+    Tensor tokens, targets, positions, token_mask, attention_mask, segment_ids;  // backend copies
+    AttnMask amask;
+    PreparedBatch prep;
     LossWeights weights;
-    ops::RouterLayerStats pooled;                 // hf_pooled: over this and the earlier stages' layers
-    std::vector<double> aux_grad;                 // [E] hf_pooled d(aux_coef*aux)/d probs (all layers)
-    std::vector<std::vector<double>> aux_dprobs;  // [local layer][E] d(aux_coef*aux)/d probs
-    size_t bytes() const;                         // the activations kept (arenas, expert-parallel rows)
+    RouterLossTerms router;  // pooled statistics and the aux-loss gradients of this forward
+    size_t bytes() const;    // the activations kept (the arena, expert-parallel rows)
   };
+  void init(dist::Comm* tp, dist::Comm* ep, LayerRange layers);
   Dims dims() const;
   void allocate(Activations& a, int B, int T);
   void allocate_scratch(int B, int T);
   Activations& acquire();
   Losses run_forward(Activations& s, const Batch& batch, const LossWeights& weights, const StageInput& in);
+  void layer_forward(Activations& s, int l, Tensor x_next);
+  void layer_backward(Activations& s, int l);
   bool tp_on() const { return tp_size_ > 1; }
-  void tp_all_reduce(float* x, long n);
+  void tp_all_reduce(Tensor x);
   bool ep_on() const { return ep_size_ > 1; }
-  // Sends the rows of xperm (global plan order) to their experts' owners: fills a.ep (counts,
-  // permutation, local plan) and a.ep.x.
-  void ep_dispatch(LayerActs& a, int C, int El);
-  // Rows in expert-major order (y_local[Mr, C]) back to their home ranks, into out[M, C] (global
-  // plan order).
-  void ep_return(float* out, const float* y_local, const EpLayer& ep, int C);
-  // Rows in global plan order (in[M, C]) to the expert owners, into out_local[Mr, C] expert-major.
-  void ep_send(float* out_local, const float* in, const EpLayer& ep, int C);
+  // The parameters as f32 masters, and as the GEMMs read them (the act-store copy).
+  Tensor W(ParamKind kind, int layer = -1) const;
+  Tensor Wg(ParamKind kind, int layer = -1);
+  Tensor G(ParamKind kind, int layer = -1) const;
+  // src (f32) in the act store: src itself when that is f32, else converted into `scratch`.
+  Tensor as_act(Tensor src, Tensor scratch);
+  void refresh_gemm_weights();
 
+  std::unique_ptr<Backend> own_backend_;  // the CPU backend of the first constructor
+  Backend& be_;
   ModelConfig cfg_;
   dist::Comm* tp_ = nullptr;
   int tp_size_ = 1;
   dist::Comm* ep_ = nullptr;
   int ep_size_ = 1;
   int layer_begin_ = 0, layer_end_ = 0;
-  std::vector<float> router_bias_;
+  std::unique_ptr<Allocation> bias_alloc_;
+  Tensor router_bias_;  // [E] f32, or empty
   double capacity_factor_ = 0.0;
   std::vector<long> dropped_;
-  // Drops the overflow of layer a (capacity_factor_ > 0): builds a.plan with an overflow expert
-  // and a.combine_w; returns the dropped assignments of real tokens.
-  long apply_capacity(LayerActs& a, const uint8_t* token_mask, long N, int E, int K);
-  // Expert-parallel scratch: one message in source-major order, and expert-major gradients.
-  std::vector<float> ep_buf_, ep_dy_, ep_dx_, ep_scratch_;
   std::unique_ptr<dist::Comm> kv_comm_;  // ranks sharing a replicated kv head (NKV < tp)
+  std::unique_ptr<TokenDispatcher> dispatch_;
   ParamTable table_;
+  // Parameters and gradients: host vectors on host-memory backends (params()), else allocations.
   std::vector<float> params_, grads_;
+  std::unique_ptr<Allocation> params_alloc_, grads_alloc_, gemm_alloc_;
+  Tensor params_t_, grads_t_, gemm_t_;  // gemm_t_: the GEMM weights (params_t_ when act is f32)
+  bool gemm_stale_ = true;
 
   // Activation sets: every one allocated, the pending ones (oldest first), the newest forward's.
   std::vector<std::unique_ptr<Activations>> pool_;
@@ -282,10 +272,11 @@ class MixtralModel {
   std::vector<double> last_aux_grad_;  // of the last backward
   // Backward scratch (and the forward's tensor-parallel partial sums), shared by every micro-batch.
   int scratch_B_ = 0, scratch_T_ = 0;
-  std::vector<float> scratch_;
-  float *dres_ = nullptr, *dln_ = nullptr, *tmp_ = nullptr, *datt_ = nullptr, *dq_ = nullptr, *dk_ = nullptr,
-        *dv_ = nullptr, *drlogits_ = nullptr, *dtopk_ = nullptr, *dxperm_ = nullptr, *dyperm_ = nullptr,
-        *ffn_scratch_ = nullptr;
+  std::unique_ptr<Allocation> scratch_alloc_;
+  Tensor dres_, dln_, tmp_, datt_, dq_, dk_, dv_, drlogits_, dtopk_, dxperm_, dyperm_, dres_act_;
+  // Host copies of one layer's routing (device backends) and its capacity-limited weights.
+  std::vector<int32_t> topk_idx_host_;
+  std::vector<float> topk_w_host_, probs_host_, combine_host_;
 
   std::vector<ops::RouterLayerStats> router_stats_;  // of the last forward
   Profile* profile_ = nullptr;
