@@ -20,6 +20,7 @@
 
 #include <gtest/gtest.h>
 
+#include "backend/attention_bf16.h"
 #include "core/dtype.h"
 #include "cuda/runtime.h"
 
@@ -120,11 +121,8 @@ class DeviceBuffers {
 };
 
 // ---- naive bf16 attention (PyTorch eager attention in bf16, as transformers runs it) ----------
-//   q[B,T,NH,HD], k/v[B,T,NKV,HD] packed; all values already bf16.  Forward:
-//   S = bf16(bf16(q k^T) * scale), masked; P = bf16(softmax_fp32(S)); out = bf16(P v).
-//   Backward (autograd of the same graph): dP = bf16(dO v^T); dV_h = bf16(P^T dO);
-//   dS = bf16(P32 * (dP - sum P32 dP)); dS' = bf16(dS * scale); dQ = bf16(dS' K);
-//   dK_h = bf16(dS'^T Q); GQA sums the G heads' dK_h/dV_h and rounds (repeat_kv's backward).
+// The bf16 CPU backend's attention (src/backend/attention_bf16.h) with its saved probabilities
+// kept here: q[B,T,NH,HD], k/v[B,T,NKV,HD] packed, all values already bf16.
 struct NaiveAttention {
   int B, T, NH, NKV, HD;
   const int32_t* amask = nullptr;  // host [B,T] or null
@@ -132,7 +130,6 @@ struct NaiveAttention {
   int window = 0;
   bool round = true;  // false: the same computation without bf16 rounding (checks this code itself)
 
-  float rb(float x) const { return round ? round_bf16(x) : x; }
   bool visible(int b, int i, int j) const {
     if (j > i) return false;
     if (window > 0 && i - j >= window) return false;
@@ -142,92 +139,28 @@ struct NaiveAttention {
   }
   size_t qi(int b, int t, int h) const { return (((size_t)b * T + t) * NH + h) * HD; }
   size_t ki(int b, int t, int g) const { return (((size_t)b * T + t) * NKV + g) * HD; }
-
-  // probs32 / probs16 [B,NH,T,T] are kept for the backward.
+  ops::AttentionMask mask() const {
+    ops::AttentionMask m;
+    m.attention_mask = amask;
+    m.segment_ids = seg;
+    m.sliding_window = window;
+    return m;
+  }
   void forward(std::vector<float>& out, const std::vector<float>& q, const std::vector<float>& k,
                const std::vector<float>& v) {
-    const int G = NH / NKV;
-    const float scale = 1.0f / std::sqrt((float)HD);
     out.assign((size_t)B * T * NH * HD, 0.0f);
     probs32.assign((size_t)B * NH * T * T, 0.0f);
     probs16.assign((size_t)B * NH * T * T, 0.0f);
-    std::vector<float> s(T);
-    for (int b = 0; b < B; b++)
-      for (int h = 0; h < NH; h++)
-        for (int i = 0; i < T; i++) {
-          float m = -INFINITY;
-          for (int j = 0; j < T; j++) {
-            double d = 0.0;
-            for (int e = 0; e < HD; e++) d += (double)q[qi(b, i, h) + e] * k[ki(b, j, h / G) + e];
-            s[j] = rb(rb((float)d) * scale);
-            if (visible(b, i, j)) m = std::max(m, s[j]);
-          }
-          if (m == -INFINITY) continue;  // no visible key: zeros
-          double z = 0.0;
-          for (int j = 0; j < T; j++)
-            if (visible(b, i, j)) z += std::exp((double)s[j] - m);
-          float* p32 = &probs32[(((size_t)b * NH + h) * T + i) * T];
-          float* p16 = &probs16[(((size_t)b * NH + h) * T + i) * T];
-          for (int j = 0; j < T; j++) {
-            p32[j] = visible(b, i, j) ? (float)(std::exp((double)s[j] - m) / z) : 0.0f;
-            p16[j] = rb(p32[j]);
-          }
-          for (int e = 0; e < HD; e++) {
-            double o = 0.0;
-            for (int j = 0; j < T; j++) o += (double)p16[j] * v[ki(b, j, h / G) + e];
-            out[qi(b, i, h) + e] = rb((float)o);
-          }
-        }
+    attention_bf16_forward(out.data(), probs32.data(), probs16.data(), q.data(), k.data(), v.data(), mask(), B, T, NH,
+                           NKV, HD, round);
   }
-
   void backward(std::vector<float>& dq, std::vector<float>& dk, std::vector<float>& dv, const std::vector<float>& dout,
                 const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v) const {
-    const int G = NH / NKV;
-    const float scale = 1.0f / std::sqrt((float)HD);
     dq.assign((size_t)B * T * NH * HD, 0.0f);
-    std::vector<double> dk_acc((size_t)B * T * NKV * HD, 0.0), dv_acc((size_t)B * T * NKV * HD, 0.0);
-    std::vector<float> ds((size_t)T * T), dp(T);
-    for (int b = 0; b < B; b++)
-      for (int h = 0; h < NH; h++) {
-        const int g = h / G;
-        const float* P32 = &probs32[((size_t)b * NH + h) * T * T];
-        const float* P16 = &probs16[((size_t)b * NH + h) * T * T];
-        for (int i = 0; i < T; i++) {
-          double pdp = 0.0;
-          for (int j = 0; j < T; j++) {
-            double d = 0.0;
-            for (int e = 0; e < HD; e++) d += (double)dout[qi(b, i, h) + e] * v[ki(b, j, g) + e];
-            dp[j] = rb((float)d);
-            pdp += (double)P32[(size_t)i * T + j] * dp[j];
-          }
-          for (int j = 0; j < T; j++) {
-            const float dsij = rb((float)((double)P32[(size_t)i * T + j] * (dp[j] - pdp)));
-            ds[(size_t)i * T + j] = rb(dsij * scale);
-          }
-        }
-        for (int i = 0; i < T; i++)
-          for (int e = 0; e < HD; e++) {
-            double a = 0.0;
-            for (int j = 0; j < T; j++) a += (double)ds[(size_t)i * T + j] * k[ki(b, j, g) + e];
-            dq[qi(b, i, h) + e] = rb((float)a);
-          }
-        for (int j = 0; j < T; j++)
-          for (int e = 0; e < HD; e++) {
-            double a = 0.0, c = 0.0;
-            for (int i = 0; i < T; i++) {
-              a += (double)ds[(size_t)i * T + j] * q[qi(b, i, h) + e];
-              c += (double)P16[(size_t)i * T + j] * dout[qi(b, i, h) + e];
-            }
-            dk_acc[ki(b, j, g) + e] += rb((float)a);
-            dv_acc[ki(b, j, g) + e] += rb((float)c);
-          }
-      }
-    dk.resize(dk_acc.size());
-    dv.resize(dv_acc.size());
-    for (size_t i = 0; i < dk_acc.size(); i++) {
-      dk[i] = rb((float)dk_acc[i]);
-      dv[i] = rb((float)dv_acc[i]);
-    }
+    dk.assign((size_t)B * T * NKV * HD, 0.0f);
+    dv.assign((size_t)B * T * NKV * HD, 0.0f);
+    attention_bf16_backward(dq.data(), dk.data(), dv.data(), dout.data(), probs32.data(), probs16.data(), q.data(),
+                            k.data(), v.data(), B, T, NH, NKV, HD, round);
   }
 
   std::vector<float> probs32 = {}, probs16 = {};

@@ -67,6 +67,12 @@ struct Tensor {
     MOETRON_ASSERT(elem_bytes == 4 && (store == Store::f32 || store == Store::bf16));
     return static_cast<float*>(data);
   }
+  // The data as a float pointer in the backend's memory (f32 store), for passing to a Comm or a
+  // kernel -- host code must not dereference it on a device backend.
+  float* f32_device() const {
+    MOETRON_ASSERT(store == Store::f32);
+    return static_cast<float*>(data);
+  }
   int32_t* i32() const {
     MOETRON_ASSERT(store == Store::i32);
     return static_cast<int32_t*>(data);
@@ -123,6 +129,13 @@ class Backend {
   // For collectives on this backend's memory over a host transport (dist/staged_comm.h); null for
   // backends whose memory the host reads.
   virtual dist::MemorySpace* memory_space() { return nullptr; }
+
+  // Error (naming the limit) when the backend's kernels cannot run a model of this head dimension
+  // and expert count (0: dense).
+  virtual void check_model(int head_dim, int experts) const {
+    (void)head_dim;
+    (void)experts;
+  }
 
   Tensor view(void* data, Store s, size_t n) const { return Tensor{data, n, s, element_bytes(s)}; }
 
@@ -227,6 +240,10 @@ class Backend {
   // whole: these are every column (one process or no tensor parallelism).
   virtual void head_backward(Tensor dln, Tensor dhead, Tensor logits, Tensor lse, Tensor targets, Tensor lnf,
                              Tensor head, long N, int C, int64_t Vr, int64_t V0, float scale, bool whole) = 0;
+
+  // ---- initialisation ----------------------------------------------------------------------------
+  // p[i] = std * normal_at(seed, key, i) (core/rng.h, fp64), or `fill` everywhere when std == 0.
+  virtual void init_normal(Tensor p, uint64_t seed, uint64_t key, double std, float fill) = 0;
 
   // ---- optimizer (optim/adamw.h semantics) ------------------------------------------------------
   // AdamW on n elements of param/m/v with gradient grad * grad_scale; step is 1-based.

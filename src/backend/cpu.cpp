@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "core/dtype.h"
+#include "core/rng.h"
 #include "dist/tp_ops.h"
 #include "ops/attention.h"
 #include "ops/cross_entropy.h"
@@ -259,6 +260,17 @@ void CpuBackend::head_backward(Tensor dln, Tensor dhead, Tensor logits, Tensor l
   else
     dist::cross_entropy_backward_vocab_parallel(l, l, lse.f32(), targets.i32(), N, Vr, V0, scale);
   ops::matmul_backward(dln.f32(), dhead.f32(), l, lnf.f32(), head.f32(), (int)N, C, (int)Vr);
+}
+
+void CpuBackend::init_normal(Tensor p, uint64_t seed, uint64_t key, double std, float fill) {
+  float* x = p.f32();
+  const size_t n = p.numel;
+  if (std == 0.0) {
+    std::fill(x, x + n, fill);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (size_t i = 0; i < n; i++) x[i] = (float)(std * normal_at(seed, key, i));
 }
 
 void CpuBackend::adamw_update(Tensor param, Tensor m, Tensor v, Tensor grad, float grad_scale, double lr, double beta1,

@@ -64,6 +64,7 @@ class CpuBackend : public Backend {
                                dist::Comm* tp) override;
   void head_backward(Tensor dln, Tensor dhead, Tensor logits, Tensor lse, Tensor targets, Tensor lnf, Tensor head,
                      long N, int C, int64_t Vr, int64_t V0, float scale, bool whole) override;
+  void init_normal(Tensor p, uint64_t seed, uint64_t key, double std, float fill) override;
   void adamw_update(Tensor param, Tensor m, Tensor v, Tensor grad, float grad_scale, double lr, double beta1,
                     double beta2, double eps, double weight_decay, long step) override;
   double sum_squares(Tensor values, const std::vector<std::pair<size_t, size_t>>& counted) override;

@@ -20,7 +20,10 @@
 #include "core/stats.h"
 #include "core/profile.h"
 #include "core/rng.h"
-#include "cuda/commands.h"
+#include "backend/select.h"
+#include "cuda/runtime.h"
+#include "dist/comm.h"
+#include "optim/zero.h"
 #include "io/hf_config.h"
 #include "model/flops.h"
 #include "model/mixtral.h"
@@ -34,6 +37,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 double peak_rss_mib() {
@@ -46,14 +51,15 @@ int run_bench_train(int argc, char** argv) {
   CLI::App app{"Train a model for a few steps on random tokens and report throughput and MFU.", "moetron bench train"};
   std::string model_dir;
   BenchModelShape shape;
-  int seq = 512, micro_batch = 4, steps = 5, warmup = 1, threads = 0, sgemm_n = 2048;
+  int seq = 512, micro_batch = 4, steps = 5, warmup = 1, threads = 0, sgemm_n = 2048, grad_accum = 1;
+  double peak_tflops = 989.0;
   bool json = false, profile = false;
   std::string device = "cpu";
-  gpu::BenchTrainOptions cuda_opts;
-  app.add_option("--device", device, "cpu, or cuda: bf16 on one NVIDIA GPU (src/cuda), MFU against --peak-tflops")
+  app.add_option("--device", device, "cpu (fp32; MFU against the in-process sgemm peak), or cuda (bf16 with fp32 "
+                                     "masters on one NVIDIA GPU; MFU against --peak-tflops)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--grad-accum", cuda_opts.grad_accum, "micro-batches per optimizer step (--device cuda)");
-  app.add_option("--peak-tflops", cuda_opts.peak_tflops, "dense bf16 peak for the MFU (--device cuda; H100/H200: 989)");
+  app.add_option("--grad-accum", grad_accum, "micro-batches per optimizer step");
+  app.add_option("--peak-tflops", peak_tflops, "dense bf16 peak for the MFU (--device cuda; H100/H200: 989)");
   app.add_option("--model", model_dir, "take the model shape from this HF directory's config.json instead");
   add_model_shape_options(app, shape);
   app.add_option("--seq", seq);
@@ -61,7 +67,7 @@ int run_bench_train(int argc, char** argv) {
   app.add_option("--steps", steps, "timed steps");
   app.add_option("--warmup", warmup, "untimed steps first");
   app.add_option("--threads", threads, "threads for OpenMP and BLAS (default: all)");
-  app.add_option("--sgemm-size", sgemm_n, "size of the square sgemm that sets the peak");
+  app.add_option("--sgemm-size", sgemm_n, "size of the square sgemm that sets the peak (--device cpu)");
   app.add_flag("--json", json, "also print one JSON line with the figures");
   app.add_flag("--profile", profile, "print the time spent per section of the timed steps");
   try {
@@ -70,6 +76,8 @@ int run_bench_train(int argc, char** argv) {
     return app.exit(e);
   }
   if (steps < 1) fail("--steps must be at least 1");
+  if (grad_accum < 1) fail("--grad-accum must be at least 1");
+  if (micro_batch < 1 || seq < 2) fail("--micro-batch must be >= 1 and --seq >= 2");
   if (threads > 0) {
     omp_set_num_threads(threads);
     ops::blas_set_num_threads(threads);
@@ -80,39 +88,46 @@ int run_bench_train(int argc, char** argv) {
   } else {
     cfg = bench_model_config(shape, "bench train flags");
   }
-  if (device == "cuda") {
-    cuda_opts.seq = seq;
-    cuda_opts.micro_batch = micro_batch;
-    cuda_opts.steps = steps;
-    cuda_opts.warmup = warmup;
-    cuda_opts.json = json;
-    cuda_opts.profile = profile;
-    return gpu::bench_train(cfg, cuda_opts);
-  }
-  if (cuda_opts.grad_accum != 1) fail("--grad-accum is implemented for --device cuda only");
-
+  const bool cuda = device == "cuda";
+  const std::unique_ptr<Backend> backend = make_backend(device);  // Error naming the reason without a GPU
   const int nthreads = omp_get_max_threads();
-  std::printf("bench train: %s, seq %d, micro-batch %d, %d threads\n", describe_model_shape(cfg).c_str(), seq,
-              micro_batch, nthreads);
-  double peak = ops::measure_sgemm_gflops(sgemm_n, 8);
-  std::printf("BLAS: %s, kernels %s (core type from %s)\n", ops::blas_library().path.c_str(),
-              ops::blas_library().core_name.c_str(), ops::blas_library().coretype_source.c_str());
+  std::printf("bench train (%s): %s, seq %d, micro-batch %d, grad-accum %d, %d threads\n", backend->name(),
+              describe_model_shape(cfg).c_str(), seq, micro_batch, grad_accum, nthreads);
+  double peak_gflops = 0;
+  if (cuda) {
+    const gpu::DeviceInfo dev = gpu::device_info();
+    std::printf("device: %s (compute capability %d.%d, %d SMs, %.1f GiB, %.1f GiB free)\n", dev.name.c_str(),
+                dev.major, dev.minor, dev.sm_count, dev.total_bytes / kGiB, dev.free_bytes / kGiB);
+    peak_gflops = peak_tflops * 1e3;
+  } else {
+    peak_gflops = ops::measure_sgemm_gflops(sgemm_n, 8);
+    std::printf("BLAS: %s, kernels %s (core type from %s)\n", ops::blas_library().path.c_str(),
+                ops::blas_library().core_name.c_str(), ops::blas_library().coretype_source.c_str());
+  }
+  std::fflush(stdout);
 
-  MixtralModel model(cfg);
-  init_parameters(model.table(), cfg, 1234, model.params().data());
+  MixtralModel model(*backend, cfg);
+  model.init_parameters(1234);
   AdamWConfig acfg;
   acfg.lr = 1e-4;
-  AdamW opt(model.table(), acfg);
-  Batch batch;
-  batch.B = micro_batch;
-  batch.T = seq;
-  batch.input_ids.resize((size_t)micro_batch * seq);
-  for (size_t i = 0; i < batch.input_ids.size(); i++)
-    batch.input_ids[i] = (int32_t)(mix64(i * 7919 + 17) % (uint64_t)cfg.vocab_size);
-  batch.labels = batch.input_ids;
+  dist::SelfComm self("bench");
+  ShardedAdamW opt(*backend, model.table(), acfg, self, self, false);
+  // grad_accum micro-batches of random tokens (labels = inputs), the same every step.
+  std::vector<Batch> batches(grad_accum);
+  long loss_tokens = 0;
+  for (int a = 0; a < grad_accum; a++) {
+    Batch& b = batches[a];
+    b.B = micro_batch;
+    b.T = seq;
+    b.input_ids.resize((size_t)micro_batch * seq);
+    for (size_t i = 0; i < b.input_ids.size(); i++)
+      b.input_ids[i] = (int32_t)(mix64(i * 7919 + 17 + (uint64_t)a * 1000003) % (uint64_t)cfg.vocab_size);
+    b.labels = b.input_ids;
+    loss_tokens += count_loss_tokens(b);
+  }
   LossWeights w;
-  w.ce_scale = 1.0 / (double)count_loss_tokens(batch);
-  w.aux_coef = cfg.router_aux_loss_coef;
+  w.ce_scale = 1.0 / (double)loss_tokens;
+  w.aux_coef = cfg.router_aux_loss_coef / grad_accum;
 
   Profile prof;
   Profile* pp = profile ? &prof : nullptr;
@@ -121,39 +136,52 @@ int run_bench_train(int argc, char** argv) {
   double last_loss = 0;
   for (int s = 0; s < warmup + steps; s++) {
     if (s == warmup) prof.clear();
+    backend->synchronize("bench train");
     const auto t0 = Clock::now();
     {
       ScopedTimer t(pp, "zero_grads");
       model.zero_grads();
     }
-    const Losses l = model.forward(batch, w);
-    model.backward();
+    double loss = 0;
+    for (const Batch& b : batches) {
+      loss += model.forward(b, w).loss;
+      model.backward();
+    }
     {
       ScopedTimer t(pp, "optimizer");
-      const double norm = global_grad_norm(model.grads().data(), model.grads().size());
-      opt.step(model.params().data(), model.grads().data(), acfg.lr, (float)clip_coefficient(norm, 1.0));
+      const double norm = opt.global_norm(model.grad_tensor());
+      opt.step(model.param_tensor(), model.grad_tensor(), acfg.lr, (float)clip_coefficient(norm, 1.0));
+      backend->synchronize("bench train");
     }
     const double dt = seconds_since(t0);
-    last_loss = l.loss;
+    last_loss = loss;
     if (s >= warmup) times.push_back(dt);
-    std::printf("  step %d: %.3f s  loss %.4f%s\n", s + 1, dt, l.loss, s < warmup ? "  (warm-up)" : "");
+    std::printf("  step %d: %.3f s  loss %.4f%s\n", s + 1, dt, loss, s < warmup ? "  (warm-up)" : "");
+    std::fflush(stdout);
   }
-  peak = std::max(peak, ops::measure_sgemm_gflops(sgemm_n, 8));
+  if (!cuda) peak_gflops = std::max(peak_gflops, ops::measure_sgemm_gflops(sgemm_n, 8));
   const double step_s = median(times);
-  const double tokens = (double)micro_batch * seq;
+  const double tokens = (double)micro_batch * seq * grad_accum;
   const double tps = tokens / step_s;
   const FlopCount fc = count_flops(cfg, seq);
   const double gflops = tps * fc.train_per_token() / 1e9;
-  const double mfu = gflops / peak;
+  const double mfu = gflops / peak_gflops;
   std::printf("FLOP formula: per token 3 x forward; forward = 2*L*(C*Q + 2*C*KV + Q*C + C*E + K*3*C*I) + 2*C*V "
               "[matmuls] + 2*L*T*Q [causal attention] = %.4g + %.4g FLOP\n",
               fc.forward_matmul_per_token, fc.forward_attention_per_token);
-  std::printf("step time (median of %d): %.3f s\n", steps, step_s);
+  std::printf("step time (median of %d): %.4f s  (%g tokens per step)\n", steps, step_s, tokens);
   std::printf("tokens/s: %.1f\n", tps);
-  std::printf("achieved GFLOP/s: %.2f\n", gflops);
-  std::printf("sgemm peak GFLOP/s (%dx%d, same process): %.2f\n", sgemm_n, sgemm_n, peak);
+  if (cuda) {
+    std::printf("achieved TFLOP/s: %.1f\n", gflops / 1e3);
+    std::printf("peak TFLOP/s (dense bf16): %.1f\n", peak_tflops);
+  } else {
+    std::printf("achieved GFLOP/s: %.2f\n", gflops);
+    std::printf("sgemm peak GFLOP/s (%dx%d, same process): %.2f\n", sgemm_n, sgemm_n, peak_gflops);
+  }
   std::printf("MFU: %.1f%%\n", 100.0 * mfu);
   std::printf("peak RSS: %.0f MiB\n", peak_rss_mib());
+  std::printf("%s memory: model state %.2f GiB, AdamW moments %.2f GiB, activations %.2f GiB\n", backend->name(),
+              model.state_bytes() / kGiB, opt.state_bytes() / kGiB, model.activation_bytes() / kGiB);
   if (profile) {
     std::vector<std::pair<double, std::string>> rows;
     double total = 0;
@@ -162,14 +190,18 @@ int run_bench_train(int argc, char** argv) {
       total += e.seconds / steps;
     }
     std::sort(rows.rbegin(), rows.rend());
-    std::printf("profile (seconds per step, %d timed steps; sections sum to %.3f of %.3f s):\n", steps, total,
-                step_s);
-    for (const auto& [sec, name] : rows) std::printf("  %-20s %8.3f  %5.1f%%\n", name.c_str(), sec, 100.0 * sec / step_s);
+    std::printf("profile (seconds per step, %d timed steps%s; sections sum to %.3f of %.3f s):\n", steps,
+                cuda ? ", device-synchronised sections" : "", total, step_s);
+    for (const auto& [sec, name] : rows) std::printf("  %-20s %8.4f  %5.1f%%\n", name.c_str(), sec, 100.0 * sec / step_s);
   }
   if (json)
-    std::printf("{\"tokens_per_s\": %.2f, \"gflops\": %.3f, \"sgemm_peak_gflops\": %.3f, \"mfu\": %.4f, "
-                "\"step_s\": %.4f, \"peak_rss_mib\": %.1f, \"threads\": %d, \"final_loss\": %.6f}\n",
-                tps, gflops, peak, mfu, step_s, peak_rss_mib(), nthreads, last_loss);
+    std::printf("{\"device\": \"%s\", \"tokens_per_s\": %.2f, \"gflops\": %.3f, \"tflops\": %.3f, "
+                "\"peak_gflops\": %.3f, \"sgemm_peak_gflops\": %.3f, \"mfu\": %.4f, \"step_s\": %.5f, "
+                "\"tokens_per_step\": %.0f, \"train_flop_per_token\": %.6g, \"peak_rss_mib\": %.1f, \"threads\": %d, "
+                "\"final_loss\": %.6f, \"state_gib\": %.3f, \"optimizer_gib\": %.3f, \"activation_gib\": %.3f}\n",
+                device.c_str(), tps, gflops, gflops / 1e3, peak_gflops, cuda ? 0.0 : peak_gflops, mfu, step_s, tokens,
+                fc.train_per_token(), peak_rss_mib(), nthreads, last_loss, model.state_bytes() / kGiB,
+                opt.state_bytes() / kGiB, model.activation_bytes() / kGiB);
   return 0;
 }
 

@@ -1,6 +1,7 @@
 // moetron forward: one forward (and backward) pass of an HF model directory on one batch.
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -8,7 +9,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
-#include "cuda/commands.h"
+#include "backend/select.h"
 #include "io/hf_config.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"
@@ -54,39 +55,20 @@ int run_forward(int argc, char** argv) {
   w.aux_kind = aux_kind == "per_layer" ? AuxLossKind::per_layer : AuxLossKind::hf_pooled;
   const ModelTensors files = ModelTensors::open(model_dir);
 
-  if (device == "cuda") {
-    const ParamTable table(cfg);
-    std::vector<float> params(table.total(), 0.0f);
-    load_hf_weights(files, table, params.data(), model_dir);
-    const gpu::ForwardResult r = gpu::forward_pass(cfg, params, batch, w, !grads_path.empty());
-    SafetensorsWriter out;
-    out.add_f32("logits", {batch.B, batch.T, cfg.vocab_size}, r.logits.data());
-    const float scalars[4] = {(float)r.losses.ce_loss, (float)r.losses.aux_loss, (float)r.losses.z_loss,
-                              (float)r.losses.loss};
-    if (!batch.labels.empty()) {
-      out.add_copy("ce_loss", DType::F32, {}, &scalars[0]);
-      out.add_copy("aux_loss", DType::F32, {}, &scalars[1]);
-      out.add_copy("z_loss", DType::F32, {}, &scalars[2]);
-      out.add_copy("loss", DType::F32, {}, &scalars[3]);
-      out.set_metadata("loss_tokens", std::to_string(loss_tokens));
-      std::printf("loss %.6f  ce_loss %.6f  aux_loss %.6f  z_loss %.6f  (%ld loss tokens, cuda bf16)\n",
-                  r.losses.loss, r.losses.ce_loss, r.losses.aux_loss, r.losses.z_loss, loss_tokens);
-    }
-    out.write(output);
-    if (!grads_path.empty()) {
-      SafetensorsWriter g;
-      add_hf_tensors(g, table, r.grads.data(), DType::F32);
-      g.write(grads_path);
-    }
-    return 0;
+  // The same model on either backend; the parameters are read on the host and uploaded.
+  const std::unique_ptr<Backend> backend = make_backend(device);
+  MixtralModel model(*backend, cfg);
+  {
+    std::vector<float> params(model.table().total(), 0.0f);
+    load_hf_weights(files, model.table(), params.data(), model_dir);
+    model.set_params(params.data());
   }
-
-  MixtralModel model(cfg);
-  load_hf_weights(files, model.table(), model.params().data(), model_dir);
   const Losses losses = model.forward(batch, w);
+  std::vector<float> logits((size_t)batch.B * batch.T * cfg.vocab_size);
+  model.download_logits(logits.data());  // before backward: backward overwrites the logits in place
 
   SafetensorsWriter out;
-  out.add_f32("logits", {batch.B, batch.T, cfg.vocab_size}, model.logits());
+  out.add_f32("logits", {batch.B, batch.T, cfg.vocab_size}, logits.data());
   const float scalars[4] = {(float)losses.ce_loss, (float)losses.aux_loss, (float)losses.z_loss, (float)losses.loss};
   if (!batch.labels.empty()) {
     out.add_copy("ce_loss", DType::F32, {}, &scalars[0]);
@@ -95,16 +77,18 @@ int run_forward(int argc, char** argv) {
     out.add_copy("loss", DType::F32, {}, &scalars[3]);
     out.set_metadata("loss_tokens", std::to_string(loss_tokens));
   }
-  out.write(output);  // before backward: backward overwrites the logits in place
+  out.write(output);
   if (!batch.labels.empty())
-    std::printf("loss %.6f  ce_loss %.6f  aux_loss %.6f  z_loss %.6f  (%ld loss tokens)\n", losses.loss,
-                losses.ce_loss, losses.aux_loss, losses.z_loss, loss_tokens);
+    std::printf("loss %.6f  ce_loss %.6f  aux_loss %.6f  z_loss %.6f  (%ld loss tokens%s)\n", losses.loss,
+                losses.ce_loss, losses.aux_loss, losses.z_loss, loss_tokens, device == "cuda" ? ", cuda bf16" : "");
 
   if (!grads_path.empty()) {
     model.zero_grads();
     model.backward();
+    std::vector<float> grads(model.table().total());
+    model.get_grads(grads.data());
     SafetensorsWriter g;
-    add_hf_tensors(g, model.table(), model.grads().data(), DType::F32);
+    add_hf_tensors(g, model.table(), grads.data(), DType::F32);
     g.write(grads_path);
   }
   return 0;

@@ -97,14 +97,14 @@ __global__ void permute_backward_kernel(float* dx, const bf16* dxperm, const int
   }
 }
 
-__global__ void combine_forward_kernel(float* out, const float* residual, const bf16* yperm, const float* topk_weight,
+__global__ void combine_forward_kernel(float* out, const bf16* yperm, const float* topk_weight,
                                        const int32_t* row_of, long N, int K, int C) {
   for (long n = blockIdx.x; n < N; n += gridDim.x) {
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
       float s = 0.0f;
       for (int k = 0; k < K; k++)
         s += topk_weight[n * K + k] * __bfloat162float(yperm[(long)row_of[n * K + k] * C + c]);
-      out[n * C + c] = residual ? residual[n * C + c] + s : s;
+      out[n * C + c] = s;
     }
   }
 }
@@ -134,7 +134,7 @@ unsigned row_blocks(long rows) { return (unsigned)(rows < (1 << 20) ? (rows > 0 
 
 void check_plan(const MoePlanDevice& plan, const char* op) {
   MOETRON_OP_CHECK(plan.E >= 1 && plan.K >= 1 && plan.N >= 0 && plan.row_token && plan.row_of &&
-                       plan.expert_offsets.size() == (size_t)plan.E + 1,
+                       plan.expert_offsets.size() == (size_t)plan.E + 1 && (plan.overflow == 0 || plan.overflow == 1),
                    op, "plan is not built (N={}, E={}, K={})", plan.N, plan.E, plan.K);
 }
 
@@ -151,6 +151,7 @@ void moe_plan_build(Context& ctx, MoePlanDevice& plan, int32_t* row_token, int32
   plan.N = N;
   plan.E = E;
   plan.K = K;
+  plan.overflow = 0;
   plan.row_token = row_token;
   plan.row_of = row_of;
   plan.expert_offsets.assign(E + 1, 0);
@@ -184,12 +185,12 @@ void moe_permute_backward(Context& ctx, float* dx, const Bf16* dxperm, const Moe
   CUDA_LAUNCHED("moe_permute_backward");
 }
 
-void moe_combine_forward(Context& ctx, float* out, const float* residual, const Bf16* yperm,
-                         const float* topk_weight, const MoePlanDevice& plan, int C) {
+void moe_combine_forward(Context& ctx, float* out, const Bf16* yperm, const float* topk_weight,
+                         const MoePlanDevice& plan, int C) {
   check_plan(plan, "moe_combine_forward");
   if (plan.N == 0) return;
-  combine_forward_kernel<<<row_blocks(plan.N), 256, 0, stream_of(ctx)>>>(out, residual, as_bf(yperm), topk_weight,
-                                                                         plan.row_of, plan.N, plan.K, C);
+  combine_forward_kernel<<<row_blocks(plan.N), 256, 0, stream_of(ctx)>>>(out, as_bf(yperm), topk_weight, plan.row_of,
+                                                                         plan.N, plan.K, C);
   CUDA_LAUNCHED("moe_combine_forward");
 }
 
@@ -202,50 +203,59 @@ void moe_combine_backward(Context& ctx, Bf16* dyperm, float* dtopk_weight, const
   CUDA_LAUNCHED("moe_combine_backward");
 }
 
-void moe_experts_forward(Context& ctx, Bf16* y, Bf16* h13, Bf16* act, const Bf16* xperm, const Bf16* w13,
-                         const Bf16* w2, const MoePlanDevice& plan, int C, int I) {
+void moe_experts_forward(Context& ctx, void* y, DType y_dtype, Bf16* h13, Bf16* act, const Bf16* xperm,
+                         const Bf16* w13, const Bf16* w2, const MoePlanDevice& plan, int C, int I) {
   check_plan(plan, "moe_experts_forward");
-  const long M = plan.N * plan.K;
+  MOETRON_OP_CHECK(y_dtype == DType::BF16 || y_dtype == DType::F32, "moe_experts_forward", "output dtype must be BF16 or F32 (got {})",
+                   (int)y_dtype);
+  const int E = plan.E - plan.overflow;  // the overflow expert is never computed
+  const long M = plan.expert_offsets[E];  // the computed rows come first
   const long IC = (long)I * C;
+  const size_t ys = y_dtype == DType::BF16 ? 2 : 4;
   const bf16* x = as_bf(xperm);
   const bf16* W13 = as_bf(w13);
   const bf16* W2 = as_bf(w2);
   bf16* H13 = as_bf(h13);
   bf16* ACT = as_bf(act);
-  bf16* Y = as_bf(y);
-  for (int e = 0; e < plan.E; e++) {
+  char* Y = static_cast<char*>(y);
+  for (int e = 0; e < E; e++) {
     const long off = plan.expert_offsets[e], rows = plan.expert_offsets[e + 1] - off;
     if (rows == 0) continue;
     // h13[rows, 2I] = x[rows, C] @ w13[e]^T
     gemm(ctx, false, true, (int)rows, 2 * I, C, 1.0f, x + off * C, C, W13 + e * 2 * IC, C, 0.0f, H13 + off * 2 * I,
          2 * I, DType::BF16, DType::BF16);
   }
-  swiglu_forward(ctx, act, h13, M, I);
-  for (int e = 0; e < plan.E; e++) {
+  if (M > 0) swiglu_forward(ctx, act, h13, M, I);
+  for (int e = 0; e < E; e++) {
     const long off = plan.expert_offsets[e], rows = plan.expert_offsets[e + 1] - off;
     if (rows == 0) continue;
     // y[rows, C] = act[rows, I] @ w2[e]^T
-    gemm(ctx, false, true, (int)rows, C, I, 1.0f, ACT + off * I, I, W2 + e * IC, I, 0.0f, Y + off * C, C, DType::BF16,
-         DType::BF16);
+    gemm(ctx, false, true, (int)rows, C, I, 1.0f, ACT + off * I, I, W2 + e * IC, I, 0.0f, Y + off * C * ys, C,
+         DType::BF16, y_dtype);
   }
 }
 
-void moe_experts_backward(Context& ctx, Bf16* dxperm, float* dw13, float* dw2, Bf16* scratch, const Bf16* dy,
-                          const Bf16* h13, const Bf16* act, const Bf16* xperm, const Bf16* w13, const Bf16* w2,
-                          const MoePlanDevice& plan, int C, int I) {
+void moe_experts_backward(Context& ctx, void* dxperm, DType dx_dtype, float* dw13, float* dw2, Bf16* scratch,
+                          const Bf16* dy, const Bf16* h13, const Bf16* act, const Bf16* xperm, const Bf16* w13,
+                          const Bf16* w2, const MoePlanDevice& plan, int C, int I) {
   check_plan(plan, "moe_experts_backward");
-  const long M = plan.N * plan.K;
+  MOETRON_OP_CHECK(dx_dtype == DType::BF16 || dx_dtype == DType::F32, "moe_experts_backward", "output dtype must be BF16 or F32 (got {})",
+                   (int)dx_dtype);
+  const int E = plan.E - plan.overflow;
+  const long M = plan.expert_offsets[E];
+  const long Mall = plan.N * plan.K;
   const long IC = (long)I * C;
+  const size_t xs = dx_dtype == DType::BF16 ? 2 : 4;
   bf16* dact = as_bf(scratch);                 // [M, I]
-  bf16* dh13 = as_bf(scratch) + M * I;         // [M, 2I]
+  bf16* dh13 = as_bf(scratch) + Mall * I;      // [M, 2I]
   const bf16* DY = as_bf(dy);
   const bf16* ACT = as_bf(act);
   const bf16* X = as_bf(xperm);
   const bf16* W13 = as_bf(w13);
   const bf16* W2 = as_bf(w2);
-  bf16* DX = as_bf(dxperm);
+  char* DX = static_cast<char*>(dxperm);
   // Every expert's dy is consumed here, before dxperm (which may alias dy) is written below.
-  for (int e = 0; e < plan.E; e++) {
+  for (int e = 0; e < E; e++) {
     const long off = plan.expert_offsets[e], rows = plan.expert_offsets[e + 1] - off;
     if (rows == 0) continue;
     // y = act @ w2^T:  dact[rows, I] = dy[rows, C] @ w2[e][C, I];  dw2[e] += dy^T @ act
@@ -254,13 +264,13 @@ void moe_experts_backward(Context& ctx, Bf16* dxperm, float* dw13, float* dw2, B
     gemm(ctx, true, false, C, I, (int)rows, 1.0f, DY + off * C, C, ACT + off * I, I, 1.0f, dw2 + e * IC, I,
          DType::BF16, DType::F32);
   }
-  swiglu_backward(ctx, reinterpret_cast<Bf16*>(dh13), reinterpret_cast<Bf16*>(dact), h13, M, I);
-  for (int e = 0; e < plan.E; e++) {
+  if (M > 0) swiglu_backward(ctx, reinterpret_cast<Bf16*>(dh13), reinterpret_cast<Bf16*>(dact), h13, M, I);
+  for (int e = 0; e < E; e++) {
     const long off = plan.expert_offsets[e], rows = plan.expert_offsets[e + 1] - off;
     if (rows == 0) continue;
     // h13 = x @ w13^T:  dx[rows, C] = dh13[rows, 2I] @ w13[e][2I, C];  dw13[e] += dh13^T @ x
     gemm(ctx, false, false, (int)rows, C, 2 * I, 1.0f, dh13 + off * 2 * I, 2 * I, W13 + e * 2 * IC, C, 0.0f,
-         DX + off * C, C, DType::BF16, DType::BF16);
+         DX + off * C * xs, C, DType::BF16, dx_dtype);
     gemm(ctx, true, false, 2 * I, C, (int)rows, 1.0f, dh13 + off * 2 * I, 2 * I, X + off * C, C, 1.0f,
          dw13 + e * 2 * IC, C, DType::BF16, DType::F32);
   }

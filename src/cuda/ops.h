@@ -1,6 +1,8 @@
-// The CUDA op families (DESIGN §5), mirroring the CPU ops in src/ops/*.h: the same names, the same
-// argument order (outputs, saved activations, inputs, weights, dimensions) and the same maths,
-// with a Context first.  Every pointer is DEVICE memory unless it says host.
+// The CUDA backend's kernels (DESIGN §5): the op families of src/ops/*.h with the same names, the
+// same argument order (outputs, saved activations, inputs, weights, dimensions) and the same maths,
+// with a Context first.  The model reaches them only through CudaBackend (cuda/backend.h), which
+// implements the Backend interface (backend/backend.h) with them; tests/test_cuda_ops.cpp checks
+// each against the CPU op.  Every pointer is DEVICE memory unless it says host.
 //
 // Precision: activations are stored in bf16 (Bf16*) where they feed tensor-core GEMMs; every op
 // computes in fp32; the residual stream, normalisation statistics, router tensors, logits and all
@@ -45,18 +47,19 @@ void matmul_forward_f32(Context& ctx, float* out, const Bf16* inp, const Bf16* w
 void matmul_backward(Context& ctx, Bf16* dinp, float* dweight, const Bf16* dout, const Bf16* inp,
                      const Bf16* weight, int N, int IC, int OC);
 
-// ---- embedding ------------------------------------------------------------------------------
-// out[N,C] = wte[tokens[n]] (fp32 from the fp32 master).  Token ids must be in [0, V) (the model
-// validates them on the host); an id outside writes zeros.
-void embedding_forward(Context& ctx, float* out, const int32_t* tokens, const float* wte, long N, int C, int V);
-// dwte[V,C] += scatter of dout[N,C] (fp32 atomics).
+// ---- embedding (this table's vocabulary rows [V0, V0 + Vr); V0 = 0, Vr = V for the whole) -----
+// out[N,C] = wte[tokens[n] - V0] (fp32 from the fp32 master); a token outside the rows writes
+// zeros (the tensor-parallel all-reduce then completes the lookup).
+void embedding_forward(Context& ctx, float* out, const int32_t* tokens, const float* wte, long N, int C, int64_t V0,
+                       int64_t Vr);
+// dwte[Vr,C] += scatter of dout[N,C] for the tokens of these rows (fp32 atomics).
 void embedding_backward(Context& ctx, float* dwte, const float* dout, const int32_t* tokens, long N, int C,
-                        int V);
+                        int64_t V0, int64_t Vr);
 
 // ---- RMSNorm --------------------------------------------------------------------------------
-// out[N,C] (bf16, skipped when null) and out_f32[N,C] (skipped when null) = weight * x * rstd;
-// rstd[N] saved (skipped when null).  inp fp32, weight fp32.
-void rmsnorm_forward(Context& ctx, Bf16* out, float* out_f32, float* rstd, const float* inp, const float* weight,
+// out[N,C] (out_dtype BF16 or F32) = weight * x * rstd; rstd[N] saved (skipped when null).
+// inp fp32, weight fp32.
+void rmsnorm_forward(Context& ctx, void* out, DType out_dtype, float* rstd, const float* inp, const float* weight,
                      long N, int C, float eps);
 // dinp[N,C] (fp32; = or += when accumulate, for the residual stream); dweight[C] += (fp32).
 void rmsnorm_backward(Context& ctx, float* dinp, float* dweight, const float* dout, const float* inp,
@@ -115,13 +118,15 @@ void router_z_loss_backward(Context& ctx, float* dlogits, const float* logits, c
 
 // ---- MoE dispatch ---------------------------------------------------------------------------
 // The permutation of ops::MoePlan (expert-contiguous; within an expert by token, then slot) with
-// its index arrays on the device and the expert offsets on the host (one device->host copy).
+// its index arrays on the device and the expert offsets on the host.  overflow = 1: the last expert
+// collects the assignments a capacity limit dropped and is never computed (as ops::MoePlan).
 struct MoePlanDevice {
   long N = 0;
   int E = 0, K = 0;
+  int overflow = 0;
   std::vector<int64_t> expert_offsets;  // HOST [E+1]
-  int32_t* row_token = nullptr;         // device [M]
-  int32_t* row_of = nullptr;            // device [N*K]
+  const int32_t* row_token = nullptr;   // device [M]
+  const int32_t* row_of = nullptr;      // device [N*K]
 };
 // Builds the plan from topk_idx[N,K]; row_token/row_of are caller memory (M ints each), scratch
 // is E+1 int64 of device memory.  Synchronises (the offsets come to the host).
@@ -132,21 +137,22 @@ void moe_permute_forward(Context& ctx, Bf16* xperm, const Bf16* x, const MoePlan
 // dx[N,C] (fp32; = or += when accumulate) = sum_k dxperm[row_of[n,k]]
 void moe_permute_backward(Context& ctx, float* dx, const Bf16* dxperm, const MoePlanDevice& plan, int C,
                           bool accumulate);
-// out[N,C] (fp32) = residual (fp32, or 0 when null) + sum_k topk_weight[n,k] * yperm[row_of[n,k]]
-void moe_combine_forward(Context& ctx, float* out, const float* residual, const Bf16* yperm,
-                         const float* topk_weight, const MoePlanDevice& plan, int C);
+// out[N,C] (fp32, assign) = sum_k topk_weight[n,k] * yperm[row_of[n,k]]
+void moe_combine_forward(Context& ctx, float* out, const Bf16* yperm, const float* topk_weight,
+                         const MoePlanDevice& plan, int C);
 // dyperm[M,C] = topk_weight * dout[token] (bf16);  dtopk_weight[N,K] = <dout[n], yperm[row]> (fp32)
 void moe_combine_backward(Context& ctx, Bf16* dyperm, float* dtopk_weight, const float* dout, const Bf16* yperm,
                           const float* topk_weight, const MoePlanDevice& plan, int C);
-// Grouped expert FFN, one cuBLASLt GEMM per expert over its contiguous rows (empty experts skipped):
-// h13[M,2I] = xperm @ w13[e]^T, act[M,I] = swiglu(h13), y[M,C] = act @ w2[e]^T  (all bf16)
-void moe_experts_forward(Context& ctx, Bf16* y, Bf16* h13, Bf16* act, const Bf16* xperm, const Bf16* w13,
-                         const Bf16* w2, const MoePlanDevice& plan, int C, int I);
-// dxperm[M,C] (bf16, assign; may alias dy); dw13[E,2I,C], dw2[E,C,I] (fp32, accumulate);
-// scratch: 3*M*I bf16.
-void moe_experts_backward(Context& ctx, Bf16* dxperm, float* dw13, float* dw2, Bf16* scratch, const Bf16* dy,
-                          const Bf16* h13, const Bf16* act, const Bf16* xperm, const Bf16* w13, const Bf16* w2,
-                          const MoePlanDevice& plan, int C, int I);
+// Grouped expert FFN, one cuBLASLt GEMM per expert over its contiguous rows (empty experts and the
+// overflow expert skipped): h13[M,2I] = xperm @ w13[e]^T, act[M,I] = swiglu(h13) (bf16),
+// y[M,C] = act @ w2[e]^T (y_dtype BF16 or F32).
+void moe_experts_forward(Context& ctx, void* y, DType y_dtype, Bf16* h13, Bf16* act, const Bf16* xperm,
+                         const Bf16* w13, const Bf16* w2, const MoePlanDevice& plan, int C, int I);
+// dxperm[M,C] (dx_dtype BF16 or F32, assign; may alias dy when BF16); dw13[E,2I,C], dw2[E,C,I]
+// (fp32, accumulate); scratch: 3*M*I bf16.
+void moe_experts_backward(Context& ctx, void* dxperm, DType dx_dtype, float* dw13, float* dw2, Bf16* scratch,
+                          const Bf16* dy, const Bf16* h13, const Bf16* act, const Bf16* xperm, const Bf16* w13,
+                          const Bf16* w2, const MoePlanDevice& plan, int C, int I);
 
 // ---- cross-entropy (one block per row, the vocabulary swept in chunks with an online logsumexp)
 // lse[N] and row_loss[N] (fp32, -log p[target], 0 for ignored rows) from logits[N,V] (fp32);
@@ -154,10 +160,35 @@ void moe_experts_backward(Context& ctx, Bf16* dxperm, float* dw13, float* dw2, B
 // IGNORE_INDEX or in [0, V) (the model validates labels on the host).
 double cross_entropy_forward(Context& ctx, float* lse, float* row_loss, const float* logits,
                              const int32_t* targets, long N, int V, float scale);
-// dlogits[N,V] (bf16, row stride ld elements) = scale * (softmax - onehot), 0 for ignored rows.
-// In place is allowed: dlogits == (Bf16*)logits with ld = 2V (each bf16 row inside its fp32 row).
+// dlogits[N,V] (bf16, row stride ld elements) = scale * (softmax - onehot), 0 for ignored rows,
+// over the vocabulary columns [V0, V0 + V) these logits hold (the one-hot of a target outside them
+// is 0; lse is the whole vocabulary's).  In place is allowed: dlogits == (Bf16*)logits with
+// ld = 2V (each bf16 row inside its fp32 row).
 void cross_entropy_backward(Context& ctx, Bf16* dlogits, long ld, const float* logits, const float* lse,
-                            const int32_t* targets, long N, int V, float scale);
+                            const int32_t* targets, long N, int V, int64_t V0, float scale);
+// The vocabulary-parallel forward (as dist::cross_entropy_forward_vocab_parallel), in three steps
+// around the caller's all-reduces over the tensor-parallel group:
+//   row_max[N] = max over these columns;                                   (all-reduce: max)
+//   sums[2N] (fp64) = sum exp(x - row_max) [0, N) and the target's logit when it is one of these
+//   columns, else 0 [N, 2N);                                               (all-reduce: sum)
+//   lse[N] = row_max + log(sums), row_loss[N] = lse - target logit (0 for ignored rows); returns
+//   scale * sum of row_loss in row order (host, synchronises).
+void cross_entropy_row_max(Context& ctx, float* row_max, const float* logits, long N, int V);
+void cross_entropy_row_sums(Context& ctx, double* sums, const float* logits, const float* row_max,
+                            const int32_t* targets, long N, int V, int64_t V0);
+double cross_entropy_finish(Context& ctx, float* lse, float* row_loss, const float* row_max, const double* sums,
+                            const int32_t* targets, long N, float scale);
+
+// ---- element-wise and data movement -----------------------------------------------------------
+// y[n] += x[n] (fp32)
+void add_f32(Context& ctx, float* y, const float* x, size_t n);
+// x[N,E] += bias[E] (fp32)
+void add_bias_rows(Context& ctx, float* x, const float* bias, long N, int E);
+// out[m] = in[index[m]] for rows of row_bytes bytes (m < rows)
+void gather_rows(Context& ctx, void* out, const void* in, const int32_t* index, long rows, size_t row_bytes);
+// partial[s] = sum of values[i]^2 over segment s = [begin[s], end[s]) (fp64, fixed reduction order).
+void sum_squares_segments(Context& ctx, double* partial, const float* values, const int64_t* begin,
+                          const int64_t* end, size_t segments);
 
 // ---- optimizer ------------------------------------------------------------------------------
 // AdamW exactly as moetron::adamw_update (torch semantics) on fp32 master weights, also writing

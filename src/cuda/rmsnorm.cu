@@ -63,13 +63,16 @@ __global__ void rmsnorm_dweight_kernel(float* dweight, const float* dout, const 
 
 }  // namespace
 
-void rmsnorm_forward(Context& ctx, Bf16* out, float* out_f32, float* rstd, const float* inp, const float* weight,
+void rmsnorm_forward(Context& ctx, void* out, DType out_dtype, float* rstd, const float* inp, const float* weight,
                      long N, int C, float eps) {
   MOETRON_OP_CHECK(N >= 0 && C > 0, "rmsnorm_forward", "bad dimensions N={} C={}", N, C);
+  MOETRON_OP_CHECK(out_dtype == DType::BF16 || out_dtype == DType::F32, "rmsnorm_forward", "output dtype must be BF16 or F32 (got {})",
+                   (int)out_dtype);
   if (N == 0) return;
   const unsigned blocks = (unsigned)((N + kRowsPerBlock - 1) / kRowsPerBlock);
-  rmsnorm_forward_kernel<<<blocks, 32 * kRowsPerBlock, 0, stream_of(ctx)>>>(as_bf(out), out_f32, rstd, inp, weight, N,
-                                                                            C, eps);
+  bf16* o16 = out_dtype == DType::BF16 ? static_cast<bf16*>(out) : nullptr;
+  float* o32 = out_dtype == DType::F32 ? static_cast<float*>(out) : nullptr;
+  rmsnorm_forward_kernel<<<blocks, 32 * kRowsPerBlock, 0, stream_of(ctx)>>>(o16, o32, rstd, inp, weight, N, C, eps);
   CUDA_LAUNCHED("rmsnorm_forward");
 }
 

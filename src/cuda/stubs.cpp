@@ -45,11 +45,13 @@ void matmul_forward_f32(Context&, float*, const Bf16*, const Bf16*, int, int, in
 void matmul_backward(Context&, Bf16*, float*, const Bf16*, const Bf16*, const Bf16*, int, int, int) {
   no_cuda("matmul_backward");
 }
-void embedding_forward(Context&, float*, const int32_t*, const float*, long, int, int) { no_cuda("embedding_forward"); }
-void embedding_backward(Context&, float*, const float*, const int32_t*, long, int, int) {
+void embedding_forward(Context&, float*, const int32_t*, const float*, long, int, int64_t, int64_t) {
+  no_cuda("embedding_forward");
+}
+void embedding_backward(Context&, float*, const float*, const int32_t*, long, int, int64_t, int64_t) {
   no_cuda("embedding_backward");
 }
-void rmsnorm_forward(Context&, Bf16*, float*, float*, const float*, const float*, long, int, float) {
+void rmsnorm_forward(Context&, void*, DType, float*, const float*, const float*, long, int, float) {
   no_cuda("rmsnorm_forward");
 }
 void rmsnorm_backward(Context&, float*, float*, const float*, const float*, const float*, const float*, long, int,
@@ -91,25 +93,39 @@ void moe_permute_forward(Context&, Bf16*, const Bf16*, const MoePlanDevice&, int
 void moe_permute_backward(Context&, float*, const Bf16*, const MoePlanDevice&, int, bool) {
   no_cuda("moe_permute_backward");
 }
-void moe_combine_forward(Context&, float*, const float*, const Bf16*, const float*, const MoePlanDevice&, int) {
+void moe_combine_forward(Context&, float*, const Bf16*, const float*, const MoePlanDevice&, int) {
   no_cuda("moe_combine_forward");
 }
 void moe_combine_backward(Context&, Bf16*, float*, const float*, const Bf16*, const float*, const MoePlanDevice&, int) {
   no_cuda("moe_combine_backward");
 }
-void moe_experts_forward(Context&, Bf16*, Bf16*, Bf16*, const Bf16*, const Bf16*, const Bf16*, const MoePlanDevice&,
-                         int, int) {
+void moe_experts_forward(Context&, void*, DType, Bf16*, Bf16*, const Bf16*, const Bf16*, const Bf16*,
+                         const MoePlanDevice&, int, int) {
   no_cuda("moe_experts_forward");
 }
-void moe_experts_backward(Context&, Bf16*, float*, float*, Bf16*, const Bf16*, const Bf16*, const Bf16*, const Bf16*,
-                          const Bf16*, const Bf16*, const MoePlanDevice&, int, int) {
+void moe_experts_backward(Context&, void*, DType, float*, float*, Bf16*, const Bf16*, const Bf16*, const Bf16*,
+                          const Bf16*, const Bf16*, const Bf16*, const MoePlanDevice&, int, int) {
   no_cuda("moe_experts_backward");
 }
 double cross_entropy_forward(Context&, float*, float*, const float*, const int32_t*, long, int, float) {
   no_cuda("cross_entropy_forward");
 }
-void cross_entropy_backward(Context&, Bf16*, long, const float*, const float*, const int32_t*, long, int, float) {
+void cross_entropy_backward(Context&, Bf16*, long, const float*, const float*, const int32_t*, long, int, int64_t,
+                            float) {
   no_cuda("cross_entropy_backward");
+}
+void cross_entropy_row_max(Context&, float*, const float*, long, int) { no_cuda("cross_entropy_row_max"); }
+void cross_entropy_row_sums(Context&, double*, const float*, const float*, const int32_t*, long, int, int64_t) {
+  no_cuda("cross_entropy_row_sums");
+}
+double cross_entropy_finish(Context&, float*, float*, const float*, const double*, const int32_t*, long, float) {
+  no_cuda("cross_entropy_finish");
+}
+void add_f32(Context&, float*, const float*, size_t) { no_cuda("add_f32"); }
+void add_bias_rows(Context&, float*, const float*, long, int) { no_cuda("add_bias_rows"); }
+void gather_rows(Context&, void*, const void*, const int32_t*, long, size_t) { no_cuda("gather_rows"); }
+void sum_squares_segments(Context&, double*, const float*, const int64_t*, const int64_t*, size_t) {
+  no_cuda("sum_squares_segments");
 }
 void adamw_update(Context&, float*, Bf16*, float*, float*, const float*, size_t, float, double, double, double, double,
                   double, long) {

@@ -104,7 +104,8 @@ class Comm {
   // alone would otherwise leave its peers waiting forever in the next collective.
   [[noreturn]] virtual void abort(int code, const std::string& message) = 0;
 
-  const CommStats& stats() const { return stats_; }
+  // Bytes this group sent (a device transport staged through a host group reports the host group's).
+  virtual const CommStats& stats() const { return stats_; }
 
   // Typed conveniences.
   template <typename T>

@@ -10,6 +10,7 @@
 
 #include "backend/cpu.h"
 #include "core/error.h"
+#include "core/rng.h"
 #include "dist/comm.h"
 #include "model/batch_io.h"
 #include "ops/cross_entropy.h"
@@ -19,22 +20,8 @@ namespace moetron {
 namespace {
 
 ParamShard model_shard(const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep, LayerRange layers) {
-  ParamShard s;
-  s.layer_begin = layers.begin;
-  s.layer_end = layers.end;
-  if (tp != nullptr) {
-    s.tp_rank = tp->rank();
-    s.tp_size = tp->size();
-  }
-  if (ep != nullptr && ep->size() > 1) {
-    const int E = cfg.is_moe() ? cfg.num_local_experts : 1;
-    if (!cfg.is_moe()) fail("parallel.ep: ep {} needs an MoE model (num_local_experts is 0)", ep->size());
-    if (E % ep->size() != 0) fail("parallel.ep: ep {} does not divide num_local_experts {}", ep->size(), E);
-    const int El = E / ep->size();
-    s.expert_begin = ep->rank() * El;
-    s.expert_end = (ep->rank() + 1) * El;
-  }
-  return s;
+  return make_param_shard(cfg, layers.begin, layers.end, tp ? tp->rank() : 0, tp ? tp->size() : 1,
+                          ep ? ep->rank() : 0, ep ? ep->size() : 1);
 }
 
 // A profile section; on a device backend it synchronises before and after (only when on), so the
@@ -88,6 +75,7 @@ void MixtralModel::init(dist::Comm* tp, dist::Comm* ep, LayerRange layers) {
   const int NKV = cfg_.num_key_value_heads;
   if (tp_on() && NKV < tp_size_) kv_comm_ = tp_->split(tp_->rank() / (tp_size_ / NKV), tp_->rank(), "tp-kv");
   const Dims d = dims();
+  be_.check_model(cfg_.head_dim, cfg_.is_moe() ? cfg_.num_local_experts : 0);
   dispatch_ = ep_on() ? make_all_to_all_dispatch(be_, *ep_, d.C, d.I, d.E) : make_local_dispatch(be_, d.C, d.I);
   const size_t total = table_.total();
   if (be_.host_memory()) {
@@ -146,6 +134,23 @@ void MixtralModel::set_params(const float* host) {
   gemm_stale_ = true;
 }
 void MixtralModel::get_grads(float* host) const { be_.download(host, grads_t_); }
+void MixtralModel::init_parameters(uint64_t seed) {
+  gemm_stale_ = true;
+  if (be_.host_memory()) return moetron::init_parameters(table_, cfg_, seed, params_.data());
+  if (!table_.is_whole()) {  // slices of tensors: drawn on the host at their whole-tensor indices
+    std::vector<float> host(table_.total(), 0.0f);
+    moetron::init_parameters(table_, cfg_, seed, host.data());
+    return set_params(host.data());
+  }
+  for (const HfTensorRef& t : table_.hf_tensors()) {
+    const Tensor p = params_t_.part(t.offset, t.numel);
+    if (table_.spec_of(t).is_norm())
+      be_.init_normal(p, seed, 0, 0.0, 1.0f);
+    else
+      be_.init_normal(p, seed, hash_name(t.name), cfg_.initializer_range, 0.0f);
+  }
+}
+
 void MixtralModel::zero_grads() { be_.fill_zero(grads_t_); }
 
 void MixtralModel::refresh_gemm_weights() {

@@ -112,10 +112,15 @@ class MixtralModel {
   // marks the parameters changed (the GEMM weight copy is refreshed at the next forward).
   Tensor param_tensor();
   Tensor grad_tensor() { return grads_t_; }
+  // The parameters for reading only (the GEMM weight copy stays valid).
+  Tensor param_view() const { return params_t_; }
   // Host copies, on any backend.
   void get_params(float* host) const;
   void set_params(const float* host);
   void get_grads(float* host) const;
+  // moetron::init_parameters (params.h) in the backend's memory: the same counter RNG, so any
+  // backend and any shard hold the same values (a device evaluates the fp64 maths itself).
+  void init_parameters(uint64_t seed);
   // Host-memory backends only (an Error otherwise): the arrays themselves.  The non-const
   // params() marks the parameters changed.
   std::vector<float>& params();

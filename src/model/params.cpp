@@ -256,6 +256,24 @@ void for_each_run(const ParamTable& whole, const ParamTable& shard, F&& f) {
 
 }  // namespace
 
+ParamShard make_param_shard(const ModelConfig& cfg, int layer_begin, int layer_end, int tp_rank, int tp_size,
+                            int ep_rank, int ep_size) {
+  ParamShard s;
+  s.layer_begin = layer_begin;
+  s.layer_end = layer_end;
+  s.tp_rank = tp_rank;
+  s.tp_size = tp_size;
+  if (ep_size > 1) {
+    if (!cfg.is_moe()) fail("parallel.ep: ep {} needs an MoE model (num_local_experts is 0)", ep_size);
+    const int E = cfg.num_local_experts;
+    if (E % ep_size != 0) fail("parallel.ep: ep {} does not divide num_local_experts {}", ep_size, E);
+    const int El = E / ep_size;
+    s.expert_begin = ep_rank * El;
+    s.expert_end = (ep_rank + 1) * El;
+  }
+  return s;
+}
+
 void copy_from_whole(const ParamTable& whole, const float* whole_values, const ParamTable& shard, float* shard_values) {
   for_each_run(whole, shard, [&](size_t wo, size_t so, size_t n) {
     std::copy(whole_values + wo, whole_values + wo + n, shard_values + so);

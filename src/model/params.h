@@ -45,6 +45,13 @@ struct ParamShard {
   int tp_rank = 0, tp_size = 1;
 };
 
+// The shard of the rank holding layers [layer_begin, layer_end) (-1: to the last), tensor-parallel
+// rank tp_rank of tp_size and expert-parallel rank ep_rank of ep_size (experts
+// [ep_rank E/ep, (ep_rank+1) E/ep)).  Error naming parallel.ep when ep_size > 1 does not fit the
+// model (a dense model, or ep not dividing the experts).
+ParamShard make_param_shard(const ModelConfig& cfg, int layer_begin, int layer_end, int tp_rank, int tp_size,
+                            int ep_rank, int ep_size);
+
 // How a tensor is split over the tensor-parallel ranks.
 enum class TpSplit {
   none,  // whole on every tp rank (replicated)

@@ -67,9 +67,9 @@ std::vector<ShardedAdamW::Range> ShardedAdamW::state_ranges_of(const ParamTable&
   return packed_to_flat(ranges, pb, pe);
 }
 
-ShardedAdamW::ShardedAdamW(const ParamTable& table, const AdamWConfig& cfg, dist::Comm& group, dist::Comm& world,
-                           bool zero1, ParamSet set)
-    : table_(table), cfg_(cfg), group_(group), world_(world), zero1_(zero1), set_(set) {
+ShardedAdamW::ShardedAdamW(Backend& backend, const ParamTable& table, const AdamWConfig& cfg, dist::Comm& group,
+                           dist::Comm& world, bool zero1, ParamSet set)
+    : be_(backend), table_(table), cfg_(cfg), group_(group), world_(world), zero1_(zero1), set_(set) {
   ranges_ = set_ranges(table_, set_);
   for (const auto& [b, e] : ranges_) packed_total_ += e - b;
   identity_ = ranges_.size() == 1 && ranges_[0].first == 0 && ranges_[0].second == table_.total();
@@ -86,8 +86,9 @@ ShardedAdamW::ShardedAdamW(const ParamTable& table, const AdamWConfig& cfg, dist
   std::sort(counted_.begin(), counted_.end());
   size_t n = 0;
   for (const auto& [b, e] : state_ranges_) n += e - b;
-  m_.assign(n, 0.0f);
-  v_.assign(n, 0.0f);
+  state_ = be_.allocate(2 * n * sizeof(float), "AdamW moments");
+  m_ = be_.view(state_->data(), Store::f32, n);
+  v_ = be_.view(static_cast<float*>(state_->data()) + n, Store::f32, n);
 }
 
 std::vector<size_t> ShardedAdamW::shard_counts() const {
@@ -99,76 +100,60 @@ std::vector<size_t> ShardedAdamW::shard_counts() const {
   return counts;
 }
 
-void ShardedAdamW::pack(float* buf, const float* flat) const {
+void ShardedAdamW::pack(Tensor buf, Tensor flat) const {
   size_t p = 0;
   for (const auto& [b, e] : ranges_) {
-    std::copy(flat + b, flat + e, buf + p);
+    be_.copy(buf.part(p, e - b), flat.part(b, e - b));
     p += e - b;
   }
 }
 
-void ShardedAdamW::unpack(float* flat, const float* buf, size_t pb, size_t pe) const {
+void ShardedAdamW::unpack(Tensor flat, Tensor buf, size_t pb, size_t pe) const {
   size_t p = 0;
   for (const auto& [b, e] : ranges_) {
     const size_t lo = std::max(pb, p), hi = std::min(pe, p + (e - b));
-    if (lo < hi) std::copy(buf + lo, buf + hi, flat + b + (lo - p));
+    if (lo < hi) be_.copy(flat.part(b + (lo - p), hi - lo), buf.part(lo, hi - lo));
     p += e - b;
   }
 }
 
-void ShardedAdamW::reduce_gradients(float* grads) {
+void ShardedAdamW::reduce_gradients(Tensor grads) {
+  MOETRON_ASSERT(grads.numel == table_.total() && grads.store == Store::f32);
   if (group_.size() == 1) return;
+  float* g = grads.f32_device();
   if (zero1_) {
     const std::vector<size_t> counts = shard_counts();
     if (identity()) {
-      group_.reduce_scatter(grads + shard_begin_, grads, counts, dist::CommDType::f32, dist::ReduceOp::sum);
+      group_.reduce_scatter(g + shard_begin_, g, counts, dist::CommDType::f32, dist::ReduceOp::sum);
       return;
     }
-    buf_.resize(packed_total_);
-    pack(buf_.data(), grads);
-    group_.reduce_scatter(buf_.data() + shard_begin_, buf_.data(), counts, dist::CommDType::f32,
-                          dist::ReduceOp::sum);
-    unpack(grads, buf_.data(), shard_begin_, shard_end_);
+    const Tensor buf = buf_.get(be_, Store::f32, packed_total_, "ZeRO-1 packing");
+    pack(buf, grads);
+    float* bp = buf.f32_device();
+    group_.reduce_scatter(bp + shard_begin_, bp, counts, dist::CommDType::f32, dist::ReduceOp::sum);
+    unpack(grads, buf, shard_begin_, shard_end_);
     return;
   }
   for (const auto& [rb, re] : ranges_)
-    for (size_t b = rb; b < re; b += kBucket) group_.all_reduce(grads + b, std::min(kBucket, re - b));
+    for (size_t b = rb; b < re; b += kBucket)
+      group_.all_reduce(g + b, std::min(kBucket, re - b), dist::CommDType::f32, dist::ReduceOp::sum);
 }
 
-double ShardedAdamW::local_sum_squares(const float* values) const {
+double ShardedAdamW::local_sum_squares(Tensor values) const {
   // Chunks of the flat index, as global_grad_norm, restricted to the counted intervals.
-  constexpr size_t chunk = 1 << 14;
-  const size_t n = table_.total();
-  const size_t nchunks = (n + chunk - 1) / chunk;
-  std::vector<double> partial(nchunks, 0.0);
-  const std::vector<Range>& iv = counted_;
-#pragma omp parallel for schedule(static)
-  for (size_t c = 0; c < nchunks; c++) {
-    const size_t c0 = c * chunk, c1 = std::min(n, c0 + chunk);
-    // First interval that ends after c0.
-    size_t k = std::upper_bound(iv.begin(), iv.end(), c0, [](size_t x, const Range& a) { return x < a.second; }) -
-               iv.begin();
-    double s = 0.0;
-    for (; k < iv.size() && iv[k].first < c1; k++) {
-      const size_t lo = std::max(c0, iv[k].first), hi = std::min(c1, iv[k].second);
-      for (size_t i = lo; i < hi; i++) s += (double)values[i] * values[i];
-    }
-    partial[c] = s;
-  }
-  double total = 0.0;
-  for (double s : partial) total += s;
-  return total;
+  MOETRON_ASSERT(values.numel == table_.total());
+  return be_.sum_squares(values, counted_);
 }
 
-double ShardedAdamW::global_norm(const float* values) const {
+double ShardedAdamW::global_norm(Tensor values) const {
   return std::sqrt(world_.all_reduce_value(local_sum_squares(values)));
 }
 
 void ShardedAdamW::state_to_flat(float* m, float* v) const {
   size_t p = 0;
   for (const auto& [b, e] : state_ranges_) {
-    std::copy(m_.begin() + p, m_.begin() + p + (e - b), m + b);
-    std::copy(v_.begin() + p, v_.begin() + p + (e - b), v + b);
+    be_.download(m + b, m_.part(p, e - b));
+    be_.download(v + b, v_.part(p, e - b));
     p += e - b;
   }
 }
@@ -176,13 +161,14 @@ void ShardedAdamW::state_to_flat(float* m, float* v) const {
 void ShardedAdamW::state_from_flat(const float* m, const float* v) {
   size_t p = 0;
   for (const auto& [b, e] : state_ranges_) {
-    std::copy(m + b, m + e, m_.begin() + p);
-    std::copy(v + b, v + e, v_.begin() + p);
+    be_.upload(m_.part(p, e - b), m + b);
+    be_.upload(v_.part(p, e - b), v + b);
     p += e - b;
   }
 }
 
-void ShardedAdamW::step(float* params, const float* grads, double lr, float grad_scale) {
+void ShardedAdamW::step(Tensor params, Tensor grads, double lr, float grad_scale) {
+  MOETRON_ASSERT(params.numel == table_.total() && grads.numel == table_.total());
   step_++;
   size_t p = 0;
   for (const auto& [rb, re] : state_ranges_) {
@@ -191,21 +177,23 @@ void ShardedAdamW::step(float* params, const float* grads, double lr, float grad
       if (lo >= hi) continue;
       const double wd = s.weight_decay ? cfg_.weight_decay : 0.0;
       const size_t at = p + (lo - rb);
-      adamw_update(params + lo, m_.data() + at, v_.data() + at, grads + lo, hi - lo, grad_scale, lr, cfg_.beta1,
-                   cfg_.beta2, cfg_.eps, wd, step_);
+      be_.adamw_update(params.part(lo, hi - lo), m_.part(at, hi - lo), v_.part(at, hi - lo), grads.part(lo, hi - lo),
+                       grad_scale, lr, cfg_.beta1, cfg_.beta2, cfg_.eps, wd, step_);
     }
     p += re - rb;
   }
   if (zero1_ && group_.size() > 1) {
     const std::vector<size_t> counts = shard_counts();
+    float* pp = params.f32_device();
     if (identity()) {
-      group_.all_gather(params, params + shard_begin_, counts, dist::CommDType::f32);
+      group_.all_gather(pp, pp + shard_begin_, counts, dist::CommDType::f32);
       return;
     }
-    buf_.resize(packed_total_);
-    pack(buf_.data(), params);
-    group_.all_gather(buf_.data(), buf_.data() + shard_begin_, counts, dist::CommDType::f32);
-    unpack(params, buf_.data(), 0, packed_total_);
+    const Tensor buf = buf_.get(be_, Store::f32, packed_total_, "ZeRO-1 packing");
+    pack(buf, params);
+    float* bp = buf.f32_device();
+    group_.all_gather(bp, bp + shard_begin_, counts, dist::CommDType::f32);
+    unpack(params, buf, 0, packed_total_);
   }
 }
 

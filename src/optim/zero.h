@@ -21,12 +21,16 @@
 // sqrt(world-sum of both local_sum_squares): every parameter of the model counted once.
 // Padding between tensors is never updated.  Every reduction has a fixed order: the same layout
 // gives bitwise-identical runs.
+// Memory: parameters, gradients and the moments live in the backend's memory (host memory on the
+// CPU, device memory on a GPU); `group` is a Comm over that memory (dist/staged_comm.h for a device
+// over MPI), `world` a host group for the norms.
 #pragma once
 
 #include <cstddef>
 #include <utility>
 #include <vector>
 
+#include "backend/backend.h"
 #include "dist/comm.h"
 #include "model/params.h"
 #include "optim/adamw.h"
@@ -40,21 +44,22 @@ class ShardedAdamW {
   using Range = std::pair<size_t, size_t>;  // [begin, end) of the table's flat index
 
   // group: the ranks that hold the same values of this set and sum their gradients (dp, or edp for
-  // the experts); world: every rank (for norms).  Both must outlive the optimizer.
-  ShardedAdamW(const ParamTable& table, const AdamWConfig& cfg, dist::Comm& group, dist::Comm& world, bool zero1,
-               ParamSet set = ParamSet::all);
+  // the experts), over the backend's memory; world: every rank (for norms).  All must outlive the
+  // optimizer.
+  ShardedAdamW(Backend& backend, const ParamTable& table, const AdamWConfig& cfg, dist::Comm& group,
+               dist::Comm& world, bool zero1, ParamSet set = ParamSet::all);
 
   // Sums grads[table.total()] over the group (ZeRO-1: valid in the owned shard only).
-  void reduce_gradients(float* grads);
+  void reduce_gradients(Tensor grads);
   // The L2 norm over the whole model of a flat array laid out by the table (collective over world):
   // call after reduce_gradients for the gradient norm, or on the parameters.  (One optimizer for
   // the whole table only; with several, combine local_sum_squares.)
-  double global_norm(const float* values) const;
+  double global_norm(Tensor values) const;
   // This rank's part of the squared norm (not reduced).
-  double local_sum_squares(const float* values) const;
+  double local_sum_squares(Tensor values) const;
   // One AdamW step with gradient grads * grad_scale at learning rate lr, then (ZeRO-1) the
   // all-gather of the parameters.  Collective over the group.
-  void step(float* params, const float* grads, double lr, float grad_scale);
+  void step(Tensor params, Tensor grads, double lr, float grad_scale);
 
   bool zero1() const { return zero1_; }
   ParamSet set() const { return set_; }
@@ -66,31 +71,31 @@ class ShardedAdamW {
   static std::vector<Range> set_ranges(const ParamTable& table, ParamSet set);
   // The flat ranges whose moments group rank d (of group_size) holds, in order.
   static std::vector<Range> state_ranges_of(const ParamTable& table, ParamSet set, int group_size, int d, bool zero1);
-  // This rank's: the moments exp_avg()/exp_avg_sq() are these ranges packed, in order.
+  // This rank's: the moments exp_avg()/exp_avg_sq() (backend memory) are these ranges packed, in
+  // order.
   const std::vector<Range>& state_ranges() const { return state_ranges_; }
-  std::vector<float>& exp_avg() { return m_; }
-  std::vector<float>& exp_avg_sq() { return v_; }
-  const std::vector<float>& exp_avg() const { return m_; }
-  const std::vector<float>& exp_avg_sq() const { return v_; }
-  // Between the packed moments and flat arrays laid out by the table (only the state ranges are
-  // read or written).
+  Tensor exp_avg() const { return m_; }
+  Tensor exp_avg_sq() const { return v_; }
+  // Between the packed moments and HOST flat arrays laid out by the table (only the state ranges
+  // are read or written).
   void state_to_flat(float* m, float* v) const;
   void state_from_flat(const float* m, const float* v);
   long steps_taken() const { return step_; }
   void set_steps_taken(long s) { step_ = s; }
   // Bytes of optimizer state this rank holds (the Adam moments' allocations; fp32 parameters are
   // their own master weights).
-  size_t state_bytes() const { return (m_.capacity() + v_.capacity()) * sizeof(float); }
+  size_t state_bytes() const { return state_ ? state_->bytes() : 0; }
   // Elements per all-reduce bucket (zero1 = false).
   static constexpr size_t kBucket = size_t(1) << 22;
 
  private:
   // Packs the ranges of flat into buf (packed order) / unpacks [pb, pe) of the packed space.
-  void pack(float* buf, const float* flat) const;
-  void unpack(float* flat, const float* buf, size_t pb, size_t pe) const;
+  void pack(Tensor buf, Tensor flat) const;
+  void unpack(Tensor flat, Tensor buf, size_t pb, size_t pe) const;
   bool identity() const { return identity_; }
   std::vector<size_t> shard_counts() const;
 
+  Backend& be_;
   const ParamTable& table_;
   AdamWConfig cfg_;
   dist::Comm& group_;
@@ -103,8 +108,9 @@ class ShardedAdamW {
   size_t shard_begin_ = 0, shard_end_ = 0;  // this rank's shard of the packed space
   std::vector<Range> state_ranges_;  // flat ranges whose moments this rank holds
   std::vector<Range> counted_;       // owned parts of primary tensors, sorted: what this rank's norm sums
-  std::vector<float> m_, v_;
-  std::vector<float> buf_;           // packing buffer (sets other than a whole table)
+  std::unique_ptr<Allocation> state_;  // the moments, m then v
+  Tensor m_, v_;
+  GrowableBuffer buf_;                 // packing buffer (sets other than a whole table)
   long step_ = 0;
 };
 

@@ -3,16 +3,19 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "backend/select.h"
 #include "data/loader.h"
 #include "io/hf_config.h"
 #include "io/model_files.h"
 #include "model/mixtral.h"
 #include "model/weights.h"
 #include "train/checkpoint.h"
+#include "train/layout.h"
 #include "train/trainer.h"
 
 namespace moetron {
@@ -58,7 +61,10 @@ std::string resolve_eval_model(const TrainConfig& cfg, const std::string& model_
 }
 
 EvalResult evaluate_model(const TrainConfig& cfg, const std::string& model_dir, long batches) {
-  // Everything that can be wrong with the inputs is found before the model is built.
+  // Everything that can be wrong with the inputs is found before the model is built; the device
+  // first (no usable GPU for device: cuda).
+  const std::string why = device_unavailable_reason(cfg.device);
+  if (!why.empty()) throw SetupError(fmt::format("device: {}: {}", cfg.device, why));
   const fs::path data = cfg.data.path;
   if (!fs::exists(data / "valid.idx"))
     throw SetupError(fmt::format(
@@ -89,8 +95,19 @@ EvalResult evaluate_model(const TrainConfig& cfg, const std::string& model_dir, 
                    validation_loader_config(cfg));
   const long n = batches > 0 ? batches : static_cast<long>(valid.steps_per_epoch(0));
 
-  MixtralModel model(mcfg);
-  load_hf_weights(*files, model.table(), model.params().data(), model_dir);
+  std::unique_ptr<Backend> backend;
+  try {
+    check_device_rules(cfg, mcfg);
+    backend = make_backend(cfg.device);
+  } catch (const Error& e) {
+    throw SetupError(e.what());
+  }
+  MixtralModel model(*backend, mcfg);
+  {
+    std::vector<float> params(model.table().total(), 0.0f);
+    load_hf_weights(*files, model.table(), params.data(), model_dir);
+    model.set_params(params.data());
+  }
   files.reset();
 
   // The trainer's evaluation: token cross-entropy summed over the batches, divided by their loss tokens.

@@ -57,72 +57,7 @@ Dims dims_of(const Plan& p) {
 
 }  // namespace
 
-std::vector<int> stage_layer_starts(const TrainConfig& cfg, const ModelConfig& mc) {
-  const int pp = cfg.parallel.pp, L = mc.num_hidden_layers;
-  const std::vector<int>& per = cfg.parallel.layers_per_stage;
-  std::vector<int> starts = {0};
-  if (per.empty()) {
-    if (pp < 1 || L % pp != 0)
-      fail(
-          "parallel layout: pp {} does not divide num_hidden_layers {} (stages hold equal contiguous layer ranges; "
-          "parallel.layers_per_stage sets uneven ones)",
-          pp, L);
-    for (int s = 0; s < pp; s++) starts.push_back(starts.back() + L / pp);
-    return starts;
-  }
-  if ((int)per.size() != pp)
-    fail("parallel layout: parallel.layers_per_stage has {} entries, pp is {} (one per stage)", per.size(), pp);
-  for (size_t s = 0; s < per.size(); s++) {
-    if (per[s] < 1) fail("parallel layout: parallel.layers_per_stage[{}] is {}: every stage needs a layer", s, per[s]);
-    starts.push_back(starts.back() + per[s]);
-  }
-  if (starts.back() != L)
-    fail("parallel layout: parallel.layers_per_stage sums to {} layers, the model has {} (num_hidden_layers)",
-         starts.back(), L);
-  return starts;
-}
-
 namespace {
-
-void validate_layout(const TrainConfig& cfg, const ModelConfig& mc, int world) {
-  const int tp = cfg.parallel.tp, pp = cfg.parallel.pp, ep = cfg.parallel.ep;
-  if (world < 1) fail("parallel layout: the world size must be >= 1, got {}", world);
-  if (tp < 1 || pp < 1 || ep < 1) fail("parallel layout: tp {}, pp {}, ep {} must all be >= 1", tp, pp, ep);
-  if (world % (tp * pp) != 0)
-    fail("parallel layout: world size {} is not divisible by tp {} x pp {} = {}", world, tp, pp, tp * pp);
-  const int dp = world / (tp * pp);
-  if (dp % ep != 0)
-    fail("parallel layout: ep {} does not divide the data-parallel size {} (= world {} / (tp {} x pp {}))", ep, dp,
-         world, tp, pp);
-  if (mc.num_attention_heads % tp != 0)
-    fail("parallel layout: tp {} does not divide num_attention_heads {}", tp, mc.num_attention_heads);
-  const int nkv = mc.num_key_value_heads;
-  if (nkv % tp != 0 && tp % nkv != 0)
-    fail("parallel layout: num_key_value_heads {} and tp {}: neither divides the other (kv heads are split over "
-         "tp, or replicated when tp is a multiple of them)",
-         nkv, tp);
-  stage_layer_starts(cfg, mc);
-  if (!mc.is_moe() && ep != 1)
-    fail("parallel layout: ep {} needs an MoE model; {} is dense (num_local_experts 0)", ep, mc.architecture);
-  if (mc.is_moe() && mc.num_local_experts % ep != 0)
-    fail("parallel layout: ep {} does not divide num_local_experts {}", ep, mc.num_local_experts);
-  if (mc.intermediate_size % tp != 0)
-    fail("parallel layout: tp {} does not divide intermediate_size {} (the FFN width is split over tp)", tp,
-         mc.intermediate_size);
-  if (mc.vocab_size % tp != 0)
-    fail("parallel layout: tp {} does not divide vocab_size {} (the embedding and the head are split over tp)", tp,
-         mc.vocab_size);
-  const int gbs = cfg.train.global_batch_size, mbs = cfg.train.micro_batch_size;
-  if (gbs < 1 || mbs < 1)
-    fail("batch: train.global_batch_size {} and train.micro_batch_size {} must be >= 1", gbs, mbs);
-  if (gbs % (mbs * dp) != 0)
-    fail("batch: train.global_batch_size {} is not divisible by micro_batch_size {} x data-parallel size {} = {}",
-         gbs, mbs, dp, mbs * dp);
-  if (cfg.data.seq_length < 1) fail("data.seq_length must be >= 1, got {}", cfg.data.seq_length);
-  if (cfg.data.seq_length > mc.max_position_embeddings)
-    fail("data.seq_length {} exceeds the model's max_position_embeddings {}", cfg.data.seq_length,
-         mc.max_position_embeddings);
-}
 
 int64_t numel(const ParamTable& t, ParamKind kind, int layer = -1) { return (int64_t)t.at(kind, layer).numel; }
 
@@ -259,7 +194,7 @@ ModelConfig plan_model_config(const TrainConfig& cfg, std::string* source) {
 }
 
 Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size, const std::string& model_source) {
-  validate_layout(cfg, model, world_size);
+  resolve_layout(cfg, model, world_size);
   Plan p;
   p.model_source = model_source;
   p.model = model;

@@ -24,6 +24,7 @@
 
 #include "io/hf_config.h"
 #include "train/config.h"
+#include "train/layout.h"
 
 namespace moetron {
 
@@ -91,19 +92,12 @@ struct Plan {
 // only config.json is read). `source` receives the path or "model.config".
 ModelConfig plan_model_config(const TrainConfig& cfg, std::string* source = nullptr);
 
-// Validates the layout (an Error with a one-line reason naming the numbers) and computes the plan.
-// Rules: world % (tp*pp); dp % ep; NH % tp; NKV % tp or tp % NKV; E % ep (a dense model
-// needs ep 1); I % tp; V % tp; parallel.layers_per_stage: empty and L % pp, or pp entries summing to
-// L; global_batch_size % (micro_batch_size * dp); seq_length <=
-// max_position_embeddings. A pipeline that cannot fill (m < pp) is a warning, not an error: 1F1B
-// still runs, with a bubble of (pp-1)/(m+pp-1).
+// Validates the layout with resolve_layout (train/layout.h: the rules `moetron train` applies, an
+// Error with a one-line reason naming the numbers) and computes the plan.  A pipeline that cannot
+// fill (m < pp) is a warning, not an error: 1F1B still runs, with a bubble of (pp-1)/(m+pp-1).
 Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size,
                const std::string& model_source = "model.config");
 
-// The first layer of each pipeline stage and L after the last: pp + 1 values, stage s holding
-// layers [starts[s], starts[s+1]) (an even split, or parallel.layers_per_stage).  Error naming the
-// numbers when they do not fit the model (the layout rules above).
-std::vector<int> stage_layer_starts(const TrainConfig& cfg, const ModelConfig& model);
 
 // The plan as text (tables, totals and the formulas), and as one JSON object.
 std::string format_plan(const Plan& plan);

@@ -1,25 +1,27 @@
+// The training loop (trainer.h): setup, one optimizer step, the loop with logging, evaluation and
+// checkpoints.  The pieces it orchestrates live in their own files: the layout (layout.h), the 1F1B
+// schedule and stage links (pipeline.h), the checkpoint gather (checkpoint_gather.h), metrics
+// (metrics.h), the log (run_log.h); the model and its backend (model/mixtral.h, backend/).
 #include "train/trainer.h"
 
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <csignal>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <set>
-#include <sstream>
 
+#include "backend/select.h"
 #include "core/error.h"
 #include "data/loader.h"
 #include "dist/comm.h"
 #include "dist/grid.h"
+#include "dist/staged_comm.h"
 #include "io/hf_config.h"
 #include "io/model_files.h"
 #include "model/flops.h"
@@ -31,9 +33,13 @@
 #include "optim/lr_schedule.h"
 #include "optim/zero.h"
 #include "train/checkpoint.h"
+#include "train/checkpoint_gather.h"
 #include "train/evaluate.h"
+#include "train/layout.h"
+#include "train/metrics.h"
+#include "train/pipeline.h"
 #include "train/plan.h"
-#include "train/tensorboard.h"
+#include "train/run_log.h"
 
 namespace fs = std::filesystem;
 
@@ -71,186 +77,35 @@ class StopSignals {
 
 using Clock = std::chrono::steady_clock;
 
-// RUN/log.txt and the terminal: a live progress line on a TTY, plain lines otherwise.
-// Only the root rank of a distributed run writes; the others' RunLog is inactive (default-built).
-class RunLog {
+// The dense bf16 peak of an H100/H200 SXM, which device: cuda's MFU is measured against.
+constexpr double kCudaPeakGflops = 989e3;
+
+// The groups of the process grid over the backend's memory: the grid's own (host) groups on a
+// host-memory backend, else the same ranks staged through the host (dist/staged_comm.h).
+class DeviceGroups {
  public:
-  RunLog() = default;
-  explicit RunLog(const fs::path& path) : file_(path, std::ios::app), tty_(isatty(fileno(stdout))), active_(true) {
-    if (!file_) fail("{}: cannot open for writing", path.string());
+  DeviceGroups(const dist::ProcessGrid& grid, Backend& be) {
+    dist::MemorySpace* mem = be.memory_space();
+    auto wrap = [&](dist::Comm& host, std::unique_ptr<dist::Comm>& own) -> dist::Comm& {
+      if (mem == nullptr) return host;
+      own = dist::make_staged_comm(host, *mem);
+      return *own;
+    };
+    tp_ = &wrap(grid.tp(), own_[0]);
+    dp_ = &wrap(grid.dp(), own_[1]);
+    pp_ = &wrap(grid.pp(), own_[2]);
+    ep_ = &wrap(grid.ep(), own_[3]);
+    edp_ = &wrap(grid.edp(), own_[4]);
   }
-  void line(const std::string& text) {
-    if (!active_) return;
-    end_progress();
-    std::printf("%s\n", text.c_str());
-    std::fflush(stdout);
-    file_ << text << '\n';
-    file_.flush();
-  }
-  void progress(const std::string& text) {
-    if (!active_) return;
-    file_ << text << '\n';
-    file_.flush();
-    if (tty_) {
-      std::printf("\r\033[K%s", text.c_str());
-      progress_open_ = true;
-    } else {
-      std::printf("%s\n", text.c_str());
-    }
-    std::fflush(stdout);
-  }
-  void end_progress() {
-    if (progress_open_) std::printf("\n");
-    progress_open_ = false;
-  }
+  dist::Comm& tp() const { return *tp_; }
+  dist::Comm& dp() const { return *dp_; }
+  dist::Comm& pp() const { return *pp_; }
+  dist::Comm& ep() const { return *ep_; }
+  dist::Comm& edp() const { return *edp_; }
 
  private:
-  std::ofstream file_;
-  bool tty_ = false;
-  bool active_ = false;
-  bool progress_open_ = false;
-};
-
-// Keeps metrics.jsonl lines up to `step` (after a resume, lines of steps that were redone go).
-void truncate_metrics(const fs::path& path, long step) {
-  if (!fs::exists(path)) return;
-  std::ifstream in(path);
-  std::vector<std::string> keep;
-  for (std::string line; std::getline(in, line);) {
-    if (line.empty()) continue;
-    const auto j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_object() && j.contains("step") && j["step"].is_number() && j["step"].get<long>() <= step)
-      keep.push_back(line);
-  }
-  in.close();
-  std::ofstream out(path, std::ios::trunc);
-  for (const auto& l : keep) out << l << '\n';
-}
-
-std::string format_duration(double s) {
-  if (!std::isfinite(s) || s < 0) return "?";
-  const long t = (long)s;
-  if (t >= 3600) return fmt::format("{}h{:02d}m", t / 3600, (t % 3600) / 60);
-  if (t >= 60) return fmt::format("{}m{:02d}s", t / 60, t % 60);
-  return fmt::format("{}s", t);
-}
-
-// Per MoE layer telemetry over one step: each expert's share of the routed assignments, and the
-// fraction of them a capacity limit dropped.
-nlohmann::json moe_telemetry(const std::vector<std::vector<double>>& assigned, const std::vector<double>& dropped) {
-  nlohmann::json layers = nlohmann::json::array();
-  for (size_t l = 0; l < assigned.size(); l++) {
-    const std::vector<double>& a = assigned[l];
-    double total = 0;
-    for (double x : a) total += x;
-    if (total <= 0) continue;
-    double mx = 0, mn = 1, mean = 1.0 / a.size(), var = 0;
-    for (double x : a) {
-      const double share = x / total;
-      mx = std::max(mx, share);
-      mn = std::min(mn, share);
-      var += (share - mean) * (share - mean);
-    }
-    std::vector<double> shares(a.size());
-    for (size_t e = 0; e < a.size(); e++) shares[e] = a[e] / total;
-    layers.push_back({{"layer", l},
-                      {"shares", shares},
-                      {"max_share", mx},
-                      {"min_share", mn},
-                      {"cv", std::sqrt(var / a.size()) / mean},
-                      {"dropped_fraction", dropped[l] / total}});
-  }
-  return layers;
-}
-
-// The point-to-point traffic of one pipeline stage with its neighbours in the pp group: hidden
-// states [N,C] and the router statistics pooled so far ([E] assigned, [E] prob sums, tokens) go
-// forward; the gradient of the hidden states [N,C] and the pooled aux loss's gradient per expert [E]
-// go back.  Every transfer is a sendrecv, so in the 1F1B steady state, where neighbours exchange in
-// opposite directions at once, neither waits for the other.  On a stage without that neighbour (or
-// without pipeline parallelism) a call does nothing.
-class PipelineLink {
- public:
-  PipelineLink(dist::Comm& pp, int experts)
-      : pp_(pp), stage_(pp.rank()), stages_(pp.size()), E_(experts), stats_in_(2 * experts + 1), aux_in_(experts) {}
-
-  // Receives the previous stage's output (the next forward's input).
-  void recv_forward(size_t n) {
-    if (!first()) transfer(-1, nullptr, nullptr, 0, prev(), hidden_in_, stats_in_, n);
-  }
-  void send_forward(const MixtralModel& m, size_t n) {
-    if (!last()) transfer(next(), m.stage_output(), pack(m).data(), stats_in_.size(), -1, grad_in_, aux_in_, n);
-  }
-  // The forward's output to the next stage while its gradient for the oldest pending micro-batch
-  // comes back.
-  void send_forward_recv_backward(const MixtralModel& m, size_t n) {
-    if (!last()) transfer(next(), m.stage_output(), pack(m).data(), stats_in_.size(), next(), grad_in_, aux_in_, n);
-  }
-  // The backward's input gradient to the previous stage while the next forward's input arrives.
-  void send_backward_recv_forward(const MixtralModel& m, size_t n) {
-    if (!first())
-      transfer(prev(), m.input_grad(), m.input_aux_grad().data(), aux_in_.size(), prev(), hidden_in_, stats_in_, n);
-  }
-  void recv_backward(size_t n) {
-    if (!last()) transfer(-1, nullptr, nullptr, 0, next(), grad_in_, aux_in_, n);
-  }
-  void send_backward(const MixtralModel& m, size_t n) {
-    if (!first())
-      transfer(prev(), m.input_grad(), m.input_aux_grad().data(), aux_in_.size(), -1, hidden_in_, stats_in_, n);
-  }
-
-  StageInput input() {
-    StageInput in;
-    if (first()) return in;
-    in.hidden = hidden_in_.data();
-    if (E_ > 0) {
-      pooled_in_.assigned.assign(stats_in_.begin(), stats_in_.begin() + E_);
-      pooled_in_.prob_sum.assign(stats_in_.begin() + E_, stats_in_.begin() + 2 * E_);
-      pooled_in_.tokens = stats_in_[2 * E_];
-      in.pooled = &pooled_in_;
-    }
-    return in;
-  }
-  StageGrad grad() const {
-    StageGrad g;
-    if (last()) return g;
-    g.hidden = grad_in_.data();
-    if (E_ > 0) g.aux_grad = aux_in_.data();
-    return g;
-  }
-
- private:
-  bool first() const { return stage_ == 0; }
-  bool last() const { return stage_ == stages_ - 1; }
-  int prev() const { return stage_ - 1; }
-  int next() const { return stage_ + 1; }
-  const std::vector<double>& pack(const MixtralModel& m) {
-    stats_out_.assign(stats_in_.size(), 0.0);
-    if (E_ > 0) {
-      const ops::RouterLayerStats& st = m.pooled_stats();
-      std::copy(st.assigned.begin(), st.assigned.end(), stats_out_.begin());
-      std::copy(st.prob_sum.begin(), st.prob_sum.end(), stats_out_.begin() + E_);
-      stats_out_[2 * E_] = st.tokens;
-    }
-    return stats_out_;
-  }
-  // Hidden states (n floats) and the statistics that go with them, each one sendrecv.
-  void transfer(int to, const float* hidden, const double* stats, size_t stats_n, int from,
-                std::vector<float>& hidden_in, std::vector<double>& stats_in, size_t n) {
-    constexpr int kHidden = 40, kStats = 41;
-    if (from != -1) hidden_in.resize(n);
-    pp_.sendrecv(hidden, to != -1 ? n : 0, to, hidden_in.data(), from != -1 ? n : 0, from, dist::CommDType::f32,
-                 kHidden);
-    if (E_ > 0)
-      pp_.sendrecv(stats, to != -1 ? stats_n : 0, to, stats_in.data(), from != -1 ? stats_in.size() : 0, from,
-                   dist::CommDType::f64, kStats);
-  }
-
-  dist::Comm& pp_;
-  int stage_, stages_, E_;
-  std::vector<float> hidden_in_, grad_in_;
-  std::vector<double> stats_in_, stats_out_, aux_in_;
-  ops::RouterLayerStats pooled_in_;
+  std::unique_ptr<dist::Comm> own_[5];
+  dist::Comm *tp_, *dp_, *pp_, *ep_, *edp_;
 };
 
 struct StepResult {
@@ -269,37 +124,41 @@ class Training {
 
  private:
   void setup();
+  void build_model();
+  void initialise();
   void load_resume(const std::string& dir);
-  StepResult train_step(long step);
-  // Forward and backward of this step's micro-batches (micro_) in the 1F1B pipeline schedule;
-  // `account` sees each forward's losses.  Without pipeline parallelism: forward, backward, ...
-  void run_schedule(const std::function<void(const Losses&)>& account);
-  // One forward (no backward) on this stage: the previous stage's output is received first, this
-  // stage's is sent on after.
-  Losses stage_forward(const Batch& b, const LossWeights& w);
+  StepResult train_step();
   double evaluate();
   std::string save(long step, bool final_save);
-  void gather_whole(const ParamTable& whole, std::vector<float>& params, std::vector<float>& m, std::vector<float>& v);
   nlohmann::json trainer_state(long step) const;
+  nlohmann::json step_line(long step, const StepResult& r, double lr, double grad_norm, double dt, bool finite,
+                           double param_norm, const int64_t all_bytes[2], uint64_t step_bytes,
+                           const std::vector<int64_t>& stage_memory) const;
   uint64_t comm_bytes() const;
   // Over the optimizers (one, or dense + experts under ep): the global L2 norm of a flat array laid
   // out by the table, every parameter counted once; gradient reduction; the AdamW step.
-  double global_norm(const float* values) const;
+  double global_norm(Tensor values) const;
   void reduce_gradients();
   void optimizer_step(double lr, float grad_scale);
+  // This rank's parameters and moments as host arrays in its table's layout.
+  RankState host_state(std::vector<float>& params_store) const;
+  // Fills this rank's parameters through a host array (the model's own on a host backend).
+  void fill_params(const std::function<void(float*)>& fill);
 
   const TrainConfig& cfg_;
   const TrainOptions& options_;
   std::unique_ptr<dist::Comm> own_world_;  // a SelfComm when the caller gave no world
   dist::Comm* world_ = nullptr;
   bool root_ = true;  // world rank 0: writes the run directory, metrics, TensorBoard, checkpoints
+  Layout layout_;
   std::optional<dist::ProcessGrid> grid_;
+  std::unique_ptr<Backend> backend_;
+  std::optional<DeviceGroups> groups_;
   fs::path run_dir_;
   RunLog log_;
   ModelConfig mcfg_;
   std::optional<MixtralModel> model_;
   std::optional<PipelineLink> link_;
-  std::vector<int> stage_starts_;        // the first layer of each pipeline stage, then L
   std::optional<ShardedAdamW> opt_;      // every tensor, or (ep > 1) all but the experts, over dp
   std::optional<ShardedAdamW> opt_exp_;  // ep > 1: the expert tensors, over edp
   std::optional<DataLoader> train_data_, valid_data_;
@@ -310,28 +169,19 @@ class Training {
   std::string init_dir_;  // source of tokenizer files, when initialised from an HF directory
   long total_steps_ = 0;
   long start_step_ = 0;  // last step done before this invocation
-  long micro_per_step_ = 0;
   long consumed_samples_ = 0, consumed_tokens_ = 0;
   FlopCount flops_;
   std::vector<Batch> micro_;  // the current step's micro-batches
   nlohmann::json last_moe_;   // MoE telemetry of the last step
-  std::optional<TensorBoardWriter> tb_;
-  double sgemm_peak_ = 0;             // GFLOP/s, for MFU
+  std::optional<MetricsWriter> metrics_;
+  double peak_gflops_ = 0;            // for MFU: the in-process sgemm peak (cpu), or kCudaPeakGflops
   uint64_t opt_state_bytes_max_ = 0;  // the largest optimizer state of any rank
 };
 
 void Training::setup() {
-  if (cfg_.device != "cpu")
-    fail("device: '{}' is not available in this build yet (only 'cpu'); set device: cpu", cfg_.device);
-  {
-    const int tp = cfg_.parallel.tp, pp = cfg_.parallel.pp, ep = cfg_.parallel.ep, world = world_->size();
-    if (tp >= 1 && pp >= 1 && world % (tp * pp) == 0 && ep >= 1 && (world / (tp * pp)) % ep != 0)
-      fail("parallel.ep: ep {} does not divide the data-parallel size {} (= world {} / (tp {} x pp {}))", ep,
-           world / (tp * pp), world, tp, pp);
-  }
-  grid_.emplace(*world_, cfg_.parallel.tp, cfg_.parallel.pp, cfg_.parallel.ep);
-  const dist::GridShape& gs = grid_->shape();
-  if (cfg_.model.dtype != "fp32") fail("model.dtype: '{}' is not supported on CPU; use fp32", cfg_.model.dtype);
+  // The device first: without a usable GPU, device: cuda stops here, before any work.
+  const std::string why = device_unavailable_reason(cfg_.device);
+  if (!why.empty()) fail("device: {}: {}", cfg_.device, why);
 
   // Model config: from the init directory or from model.config.
   if (cfg_.model.init == "random") {
@@ -345,13 +195,10 @@ void Training::setup() {
           "defines the model",
           init_dir_);
   }
-  if (cfg_.parallel.ep > 1 && !mcfg_.is_moe())
-    fail("parallel.ep: ep {} needs an MoE model; {} is dense (num_local_experts 0)", cfg_.parallel.ep,
-         mcfg_.architecture);
-  if (cfg_.parallel.ep > 1 && mcfg_.num_local_experts % cfg_.parallel.ep != 0)
-    fail("parallel.ep: ep {} does not divide num_local_experts {}", cfg_.parallel.ep, mcfg_.num_local_experts);
-  // The layout against the model (heads, FFN width, vocabulary, batch divisible): plan's rules.
-  if (world_->size() > 1) make_plan(cfg_, mcfg_, world_->size());
+  // The layout against the world and the model: the rules `moetron plan` applies.
+  layout_ = resolve_layout(cfg_, mcfg_, world_->size());
+  grid_.emplace(*world_, layout_.tp, layout_.pp, layout_.ep);
+  const dist::GridShape& gs = grid_->shape();
   // Data: checked before any allocation-heavy work.
   const fs::path data = cfg_.data.path;
   if (!fs::exists(data / "train.idx"))
@@ -372,7 +219,6 @@ void Training::setup() {
                                           : (long)std::ceil(cfg_.train.epochs * (double)td.steps_per_epoch(0));
   if (total_steps_ <= 0)
     fail("train: the run has no steps (max_steps={}, epochs={})", cfg_.train.max_steps, cfg_.train.epochs);
-  micro_per_step_ = cfg_.train.global_batch_size / (cfg_.train.micro_batch_size * gs.dp);
 
   schedule_.lr = cfg_.train.lr;
   schedule_.min_lr = cfg_.train.min_lr;
@@ -395,15 +241,35 @@ void Training::setup() {
       fs::rename(tmp, run_dir_ / "config.yaml");
     }
     log_ = RunLog(run_dir_ / "log.txt");
-    if (cfg_.log.tensorboard) tb_.emplace((run_dir_ / "tb").string());
-    sgemm_peak_ = ops::measure_sgemm_gflops(1024, 3);
   }
+  build_model();
+  initialise();
+  if (root_) metrics_.emplace(run_dir_, cfg_.log.tensorboard);  // after a resume truncated metrics.jsonl
 
-  // Pipeline stage s holds layers [starts[s], starts[s+1]) (an even split or layers_per_stage).
-  stage_starts_ = stage_layer_starts(cfg_, mcfg_);
-  const LayerRange layers = {stage_starts_[grid_->coord().pp], stage_starts_[grid_->coord().pp + 1]};
-  model_.emplace(mcfg_, &grid_->tp(), &grid_->ep(), layers);
-  link_.emplace(grid_->pp(), mcfg_.is_moe() ? mcfg_.num_local_experts : 0);
+  const LoaderStats& ls = td.stats();
+  log_.line(fmt::format(
+      "model {}: {} layers, hidden {}, {} experts top-{}, {:.1f}M parameters; data {}: {} documents, {} blocks of {} "
+      "tokens per epoch ({} split, {} dropped); {} steps of {} sequences ({} micro-batches of {}); device {}",
+      mcfg_.architecture, mcfg_.num_hidden_layers, mcfg_.hidden_size, mcfg_.num_local_experts,
+      mcfg_.num_experts_per_tok, (double)model_->table().total() / 1e6, cfg_.data.path, ls.documents, ls.blocks,
+      cfg_.data.seq_length, ls.split_documents, ls.dropped_documents, total_steps_, cfg_.train.global_batch_size,
+      layout_.micro_batches, cfg_.train.micro_batch_size, backend_->name()));
+  if (world_->size() > 1)
+    log_.line(fmt::format(
+        "distributed: {} ranks over {} ({}): pp {} x dp {} x tp {} (ep {}); ZeRO-1 {}; optimizer state {} per rank "
+        "(largest)",
+        world_->size(), world_->transport(), grid_->describe(), gs.pp, gs.dp, gs.tp, gs.ep,
+        cfg_.parallel.zero1 ? "on" : "off", format_bytes((double)opt_state_bytes_max_)));
+}
+
+// The backend, this rank's stage of the model, its pipeline link and optimizers.
+void Training::build_model() {
+  backend_ = make_backend(cfg_.device);
+  groups_.emplace(*grid_, *backend_);
+  if (root_) peak_gflops_ = backend_->host_memory() ? ops::measure_sgemm_gflops(1024, 3) : kCudaPeakGflops;
+  const dist::GridShape& gs = grid_->shape();
+  model_.emplace(*backend_, mcfg_, &groups_->tp(), &groups_->ep(), layout_.stage_layers(grid_->coord().pp));
+  link_.emplace(*backend_, groups_->pp(), mcfg_.is_moe() ? mcfg_.num_local_experts : 0);
   if (!options_.router_bias.empty()) model_->set_router_bias(options_.router_bias);
   if (cfg_.moe.capacity_factor) model_->set_capacity_factor(*cfg_.moe.capacity_factor);
   AdamWConfig ac;
@@ -413,12 +279,23 @@ void Training::setup() {
   ac.eps = cfg_.train.adam_eps;
   ac.weight_decay = cfg_.train.weight_decay;
   const bool ep_on = gs.ep > 1;
-  opt_.emplace(model_->table(), ac, grid_->dp(), *world_, cfg_.parallel.zero1, ep_on ? ParamSet::dense : ParamSet::all);
-  if (ep_on) opt_exp_.emplace(model_->table(), ac, grid_->edp(), *world_, cfg_.parallel.zero1, ParamSet::experts);
+  opt_.emplace(*backend_, model_->table(), ac, groups_->dp(), *world_, cfg_.parallel.zero1,
+               ep_on ? ParamSet::dense : ParamSet::all);
+  if (ep_on)
+    opt_exp_.emplace(*backend_, model_->table(), ac, groups_->edp(), *world_, cfg_.parallel.zero1, ParamSet::experts);
   const size_t state_bytes = opt_->state_bytes() + (opt_exp_ ? opt_exp_->state_bytes() : 0);
   opt_state_bytes_max_ = (uint64_t)world_->all_reduce_value((int64_t)state_bytes, dist::ReduceOp::max);
+}
 
-  // Resume, or initialise.  The root decides which checkpoint (the others follow).
+void Training::fill_params(const std::function<void(float*)>& fill) {
+  if (backend_->host_memory()) return fill(model_->params().data());
+  std::vector<float> host(model_->table().total(), 0.0f);
+  fill(host.data());
+  model_->set_params(host.data());
+}
+
+// Resume, or initialise.  The root decides which checkpoint (the others follow).
+void Training::initialise() {
   std::string resume_dir;
   if (root_) {
     if (cfg_.checkpoint.resume == "auto")
@@ -434,106 +311,51 @@ void Training::setup() {
     log_.line(fmt::format("resumed from {} at step {}", resume_dir, start_step_));
   } else if (cfg_.model.init == "random") {
     // Keyed by (seed, HF name, index in the whole tensor): any shard initialises to its part.
-    init_parameters(table, mcfg_, cfg_.seed, model_->params().data());
+    model_->init_parameters(cfg_.seed);
     if (root_) truncate_metrics(run_dir_ / "metrics.jsonl", 0);
   } else {
     const ModelTensors files = ModelTensors::open(init_dir_);
-    if (table.is_whole()) {
-      load_hf_weights(files, table, model_->params().data(), init_dir_);
-    } else {
-      // Only this rank's slices are read (weights.h): its tensor-parallel part of its experts.  Each
-      // rank also checks that the directory holds nothing the whole model lacks.
-      const ParamTable whole(mcfg_);
-      std::set<std::string> used;
-      for (const HfTensorRef& ref : table.hf_tensors()) {
-        HfTensorSlice slice;
-        slice.ref = whole.find_hf(ref.name);
-        MOETRON_ASSERT(slice.ref != nullptr);
-        slice.dim = ref.slice_dim;
-        slice.begin = ref.slice_begin;
-        slice.end = ref.slice_end;
-        used.insert(read_hf_slice(files, whole, slice, model_->params().data() + ref.offset, init_dir_));
-      }
-      for (const std::string& name : files.names())
-        if (!used.count(name) && whole.find_hf(name) == nullptr &&
-            name.find("rotary_emb.inv_freq") == std::string::npos)
-          fail("{}: tensor '{}' is not a parameter of the model config.json describes", init_dir_, name);
-    }
+    fill_params([&](float* p) {
+      if (table.is_whole())
+        load_hf_weights(files, table, p, init_dir_);
+      else
+        read_rank_hf_weights(files, init_dir_, mcfg_, table, p);
+    });
     if (root_) truncate_metrics(run_dir_ / "metrics.jsonl", 0);
   }
-  const LoaderStats& ls = td.stats();
-  log_.line(fmt::format(
-      "model {}: {} layers, hidden {}, {} experts top-{}, {:.1f}M parameters; data {}: {} documents, {} blocks of {} "
-      "tokens per epoch ({} split, {} dropped); {} steps of {} sequences ({} micro-batches of {})",
-      mcfg_.architecture, mcfg_.num_hidden_layers, mcfg_.hidden_size, mcfg_.num_local_experts,
-      mcfg_.num_experts_per_tok, (double)model_->table().total() / 1e6, cfg_.data.path, ls.documents, ls.blocks,
-      cfg_.data.seq_length, ls.split_documents, ls.dropped_documents, total_steps_, cfg_.train.global_batch_size,
-      micro_per_step_, cfg_.train.micro_batch_size));
-  if (world_->size() > 1)
-    log_.line(fmt::format(
-        "distributed: {} ranks over {} ({}): pp {} x dp {} x tp {} (ep {}); ZeRO-1 {}; optimizer state {} per rank "
-        "(largest)",
-        world_->size(), world_->transport(), grid_->describe(), gs.pp, gs.dp, gs.tp, gs.ep,
-        cfg_.parallel.zero1 ? "on" : "off", format_bytes((double)opt_state_bytes_max_)));
 }
-
-namespace {
-
-// The part of a whole tensor `view` (of the whole model's shape) that `ref` of a sharded table holds.
-void read_slice(const TensorView& view, const HfTensorRef& ref, float* out, const std::string& source) {
-  if (view.shape != ref.full_shape)
-    fail("{}: tensor '{}' has shape {}, but the model config implies {}", source, view.name,
-         nlohmann::json(view.shape).dump(), nlohmann::json(ref.full_shape).dump());
-  if (ref.slice_dim < 0)
-    read_f32(view, out, ref.numel);
-  else
-    read_f32_slice(view, ref.slice_dim, ref.slice_begin, ref.slice_end, out);
-}
-
-}  // namespace
 
 void Training::load_resume(const std::string& dir) {
   const ParamTable& table = model_->table();
-  const bool direct = table.is_whole() && !opt_exp_ && opt_->state_ranges().size() == 1 &&
-                      opt_->state_ranges()[0] == ShardedAdamW::Range{0, table.total()};
+  const size_t total = table.total();
+  std::vector<float> lm(total, 0.0f), lv(total, 0.0f);
   LoadedCheckpoint ck;
-  if (direct) {
-    ck = load_checkpoint(dir, mcfg_, table, model_->params().data(), opt_->exp_avg().data(), opt_->exp_avg_sq().data());
+  if (table.is_whole() && world_->size() == 1) {
+    fill_params([&](float* p) { ck = load_checkpoint(dir, mcfg_, table, p, lm.data(), lv.data()); });
   } else {
     // The root loads the whole checkpoint the single-process way (every file's checksum, the
     // architecture, no unknown tensor) -- it holds whole tensors for saving anyway; the other ranks
     // wait for that, then read only their slices (tensor-parallel parts of their experts).
-    std::vector<float> lm(table.total(), 0.0f), lv(table.total(), 0.0f);
     if (root_) {
       std::optional<ParamTable> whole_own;
       if (!table.is_whole()) whole_own.emplace(mcfg_);
       const ParamTable& whole = table.is_whole() ? table : *whole_own;
       std::vector<float> wp(whole.total(), 0.0f), wm(whole.total(), 0.0f), wv(whole.total(), 0.0f);
       ck = load_checkpoint(dir, mcfg_, whole, wp.data(), wm.data(), wv.data());
-      copy_from_whole(whole, wp.data(), table, model_->params().data());
+      fill_params([&](float* p) { copy_from_whole(whole, wp.data(), table, p); });
       copy_from_whole(whole, wm.data(), table, lm.data());
       copy_from_whole(whole, wv.data(), table, lv.data());
     }
     world_->barrier();
     if (!root_) {
-      const std::string opt_dir = (fs::path(dir) / "optimizer").string();
-      const ShardedSafetensors opt = ShardedSafetensors::open(opt_dir, "optimizer");
-      for (const HfTensorRef& ref : table.hf_tensors()) {
-        const std::pair<const char*, float*> parts[] = {
-            {".master", model_->params().data()}, {".exp_avg", lm.data()}, {".exp_avg_sq", lv.data()}};
-        for (const auto& [suffix, dst] : parts) {
-          const TensorView* t = opt.find(ref.name + suffix);
-          if (t == nullptr) fail("{}: tensor '{}' is missing", opt_dir, ref.name + suffix);
-          read_slice(*t, ref, dst + ref.offset, opt_dir);
-        }
-      }
+      fill_params([&](float* p) { read_rank_optimizer_state(dir, table, p, lm.data(), lv.data()); });
       nlohmann::json state = read_trainer_state(dir);
       ck.optimizer_steps = state.at("optimizer_steps").get<long>();
       ck.trainer_state = std::move(state);
     }
-    opt_->state_from_flat(lm.data(), lv.data());
-    if (opt_exp_) opt_exp_->state_from_flat(lm.data(), lv.data());
   }
+  opt_->state_from_flat(lm.data(), lv.data());
+  if (opt_exp_) opt_exp_->state_from_flat(lm.data(), lv.data());
   opt_->set_steps_taken(ck.optimizer_steps);
   if (opt_exp_) opt_exp_->set_steps_taken(ck.optimizer_steps);
   const nlohmann::json& st = ck.trainer_state;
@@ -544,32 +366,32 @@ void Training::load_resume(const std::string& dir) {
 }
 
 uint64_t Training::comm_bytes() const {
+  // The host groups count what their staged device views send too.
   uint64_t b = world_->stats().bytes_sent + model_->comm_bytes();
   for (dist::Comm* c : {&grid_->tp(), &grid_->dp(), &grid_->pp(), &grid_->ep(), &grid_->edp()})
     b += c->stats().bytes_sent;
   return b;
 }
 
-double Training::global_norm(const float* values) const {
+double Training::global_norm(Tensor values) const {
   double s = opt_->local_sum_squares(values);
   if (opt_exp_) s += opt_exp_->local_sum_squares(values);
   return std::sqrt(world_->all_reduce_value(s));
 }
 
 void Training::reduce_gradients() {
-  opt_->reduce_gradients(model_->grads().data());
-  if (opt_exp_) opt_exp_->reduce_gradients(model_->grads().data());
+  opt_->reduce_gradients(model_->grad_tensor());
+  if (opt_exp_) opt_exp_->reduce_gradients(model_->grad_tensor());
 }
 
 void Training::optimizer_step(double lr, float grad_scale) {
-  opt_->step(model_->params().data(), model_->grads().data(), lr, grad_scale);
-  if (opt_exp_) opt_exp_->step(model_->params().data(), model_->grads().data(), lr, grad_scale);
+  opt_->step(model_->param_tensor(), model_->grad_tensor(), lr, grad_scale);
+  if (opt_exp_) opt_exp_->step(model_->param_tensor(), model_->grad_tensor(), lr, grad_scale);
 }
 
-StepResult Training::train_step(long step) {
-  (void)step;
+StepResult Training::train_step() {
   StepResult r;
-  micro_.resize(micro_per_step_);
+  micro_.resize(layout_.micro_batches);
   // This rank's micro-batches; the counts that scale the loss are the GLOBAL batch's (summed over
   // the data-parallel ranks first), so every layout optimises the same objective.
   int64_t counts[3] = {0, 0, 0};  // loss tokens, real tokens, micro-batches holding real tokens
@@ -594,7 +416,7 @@ StepResult Training::train_step(long step) {
   std::vector<std::vector<double>> assigned(mcfg_.is_moe() ? L : 0, std::vector<double>(E, 0.0));
   std::vector<double> dropped(assigned.size(), 0.0);
   const int lb = model_->layer_begin();
-  run_schedule([&](const Losses& l) {
+  run_1f1b(*model_, *link_, micro_, weights_, grid_->coord().pp, grid_->shape().pp, [&](const Losses& l) {
     r.loss += l.loss;
     r.ce_loss += l.ce_loss;
     r.aux_loss += l.aux_loss / (double)active;
@@ -630,51 +452,6 @@ StepResult Training::train_step(long step) {
   return r;
 }
 
-// Megatron's 1F1B ("PipeDream-flush") schedule for stage s of pp over m micro-batches: warm-up
-// forwards min(pp - s - 1, m), then one forward and one backward at a time, then the remaining
-// backwards.  Stage s keeps at most min(pp - s, m) micro-batches' activations, whatever m.
-void Training::run_schedule(const std::function<void(const Losses&)>& account) {
-  const int P = grid_->shape().pp, st = grid_->coord().pp, m = (int)micro_.size();
-  const size_t n = micro_.empty() ? 0 : (size_t)micro_[0].B * micro_[0].T * mcfg_.hidden_size;
-  for (const Batch& b : micro_)
-    if ((size_t)b.B * b.T * mcfg_.hidden_size != n)
-      fail("pipeline: micro-batches of one step differ in shape ({}x{} and {}x{})", micro_[0].B, micro_[0].T, b.B, b.T);
-  PipelineLink& link = *link_;
-  model_->discard_pending();  // an evaluation's forward may have left one
-  int f = 0;
-  auto forward = [&] { account(model_->forward_queued(micro_[f++], weights_, link.input())); };
-  auto backward = [&] { model_->backward(link.grad()); };
-  const int warmup = std::min(P - st - 1, m), steady = m - warmup;
-  for (int i = 0; i < warmup; i++) {
-    link.recv_forward(n);
-    forward();
-    link.send_forward(*model_, n);
-  }
-  if (steady > 0) link.recv_forward(n);
-  for (int i = 0; i < steady; i++) {
-    forward();
-    link.send_forward_recv_backward(*model_, n);
-    backward();
-    if (i + 1 == steady)
-      link.send_backward(*model_, n);
-    else
-      link.send_backward_recv_forward(*model_, n);
-  }
-  for (int i = 0; i < warmup; i++) {
-    link.recv_backward(n);
-    backward();
-    link.send_backward(*model_, n);
-  }
-}
-
-Losses Training::stage_forward(const Batch& b, const LossWeights& w) {
-  const size_t n = (size_t)b.B * b.T * mcfg_.hidden_size;
-  link_->recv_forward(n);
-  const Losses l = model_->forward(b, w, link_->input());
-  link_->send_forward(*model_, n);
-  return l;
-}
-
 double Training::evaluate() {
   // The same batches every time: the validation loader restarts from its first row.
   valid_data_->restore(*valid_start_);
@@ -693,7 +470,7 @@ double Training::evaluate() {
   for (int k = 0; k < rounds; k++) {
     if (k * dp + d < cfg_.eval.batches) {
       valid_data_->next(b);
-      const Losses l = stage_forward(b, w);
+      const Losses l = stage_forward(*model_, *link_, b, w);
       ce_sum += l.ce_sum;
       tokens += l.loss_tokens;
     } else if (grid_->shape().ep > 1) {
@@ -701,7 +478,7 @@ double Training::evaluate() {
       pad.B = 1;
       pad.T = cfg_.data.seq_length;
       pad.input_ids.assign(pad.T, 0);
-      stage_forward(pad, w);
+      stage_forward(*model_, *link_, pad, w);
     }
   }
   // The cross-entropy is the last stage's.
@@ -730,146 +507,50 @@ nlohmann::json Training::trainer_state(long step) const {
           {"config", train_config_to_json(cfg_)}};
 }
 
-// World rank 0 receives every rank's part and assembles whole tensors (the checkpoint is layout
-// independent); the other ranks send: parameters from the ranks with edp rank 0 (dp rank 0 without
-// expert parallelism) of each (pipeline stage, tensor-parallel rank), moments from every rank
-// holding a ZeRO-1 shard of a parameter set (or from the first rank of the set's group without
-// ZeRO-1).
-void Training::gather_whole(const ParamTable& whole, std::vector<float>& params, std::vector<float>& m,
-                            std::vector<float>& v) {
-  const dist::GridShape& gs = grid_->shape();
+RankState Training::host_state(std::vector<float>& params_store) const {
+  RankState s;
   const dist::GridCoord& me = grid_->coord();
-  dist::Comm& w = *world_;
-  constexpr int kParams = 11, kExpAvg = 12, kExpAvgSq = 13;
-  const bool zero1 = cfg_.parallel.zero1, ep_on = gs.ep > 1;
-  // The flat ranges of table `t` whose moments the rank at dp rank d sends, in the order of its
-  // optimizers' packed moments.
-  auto state_ranges = [&](const ParamTable& t, int d) {
-    struct Set {
-      ParamSet set;
-      int size, rank;
-    };
-    std::vector<Set> sets;
-    if (!ep_on)
-      sets.push_back({ParamSet::all, gs.dp, d});
-    else
-      sets = {{ParamSet::dense, gs.dp, d}, {ParamSet::experts, gs.dp / gs.ep, d / gs.ep}};
-    std::vector<ShardedAdamW::Range> out;
-    for (const Set& s : sets) {
-      if (!zero1 && s.rank != 0) continue;
-      const auto r = ShardedAdamW::state_ranges_of(t, s.set, s.size, s.rank, zero1);
-      out.insert(out.end(), r.begin(), r.end());
-    }
-    std::sort(out.begin(), out.end());
-    return out;
-  };
-  auto total_of = [](const std::vector<ShardedAdamW::Range>& rs) {
-    size_t n = 0;
-    for (const auto& [b, e] : rs) n += e - b;
-    return n;
-  };
-  // Flat moments of this rank (zeros outside its state ranges).
-  auto own_state = [&](std::vector<float>& lm, std::vector<float>& lv) {
-    lm.assign(model_->table().total(), 0.0f);
-    lv.assign(model_->table().total(), 0.0f);
-    if (zero1 || me.dp == 0) opt_->state_to_flat(lm.data(), lv.data());
-    if (opt_exp_ && (zero1 || me.edp == 0)) opt_exp_->state_to_flat(lm.data(), lv.data());
-  };
-  if (!root_) {
-    const size_t total = model_->table().total();
-    if (me.edp == 0) w.send(model_->params().data(), total, dist::CommDType::f32, 0, kParams);
-    const auto ranges = state_ranges(model_->table(), me.dp);
-    const size_t n = total_of(ranges);
-    if (n > 0) {
-      std::vector<float> lm, lv, pm(n), pv(n);
-      own_state(lm, lv);
-      size_t p = 0;
-      for (const auto& [b, e] : ranges) {
-        std::copy(lm.begin() + b, lm.begin() + e, pm.begin() + p);
-        std::copy(lv.begin() + b, lv.begin() + e, pv.begin() + p);
-        p += e - b;
-      }
-      w.send(pm.data(), n, dist::CommDType::f32, 0, kExpAvg);
-      w.send(pv.data(), n, dist::CommDType::f32, 0, kExpAvgSq);
-    }
-    return;
+  const size_t total = model_->table().total();
+  if (backend_->host_memory()) {
+    s.params = model_->params().data();
+  } else {
+    params_store.resize(total);
+    model_->get_params(params_store.data());
+    s.params = params_store.data();
   }
-  params.assign(whole.total(), 0.0f);
-  m.assign(whole.total(), 0.0f);
-  v.assign(whole.total(), 0.0f);
-  for (int stage = 0; stage < gs.pp; stage++)
-    for (int t = 0; t < gs.tp; t++) {
-      for (int d = 0; d < gs.dp; d++) {
-        dist::GridCoord c;
-        c.tp = t;
-        c.dp = d;
-        c.pp = stage;
-        const int src = dist::grid_rank(gs, c);
-        ParamShard shard;
-        shard.tp_rank = t;
-        shard.tp_size = gs.tp;
-        shard.layer_begin = stage_starts_[stage];
-        shard.layer_end = stage_starts_[stage + 1];
-        if (ep_on) {
-          const int El = mcfg_.num_local_experts / gs.ep, r = d % gs.ep;
-          shard.expert_begin = r * El;
-          shard.expert_end = (r + 1) * El;
-        }
-        const ParamTable lt(mcfg_, shard);
-        const auto ranges = state_ranges(lt, d);
-        const size_t n = total_of(ranges);
-        const bool sends_params = d < gs.ep;  // edp rank 0
-        std::vector<float> lp, lm, lv;
-        if (src == 0) {
-          lp = model_->params();
-          own_state(lm, lv);
-        } else {
-          lp.assign(lt.total(), 0.0f);
-          lm.assign(lt.total(), 0.0f);
-          lv.assign(lt.total(), 0.0f);
-          if (sends_params) w.recv(lp.data(), lt.total(), dist::CommDType::f32, src, kParams);
-          if (n > 0) {
-            std::vector<float> pm(n), pv(n);
-            w.recv(pm.data(), n, dist::CommDType::f32, src, kExpAvg);
-            w.recv(pv.data(), n, dist::CommDType::f32, src, kExpAvgSq);
-            size_t p = 0;
-            for (const auto& [b, e] : ranges) {
-              std::copy(pm.begin() + p, pm.begin() + p + (e - b), lm.begin() + b);
-              std::copy(pv.begin() + p, pv.begin() + p + (e - b), lv.begin() + b);
-              p += e - b;
-            }
-          }
-        }
-        if (sends_params) copy_to_whole(lt, lp.data(), whole, params.data());
-        copy_to_whole(lt, lm.data(), whole, m.data(), ranges);
-        copy_to_whole(lt, lv.data(), whole, v.data(), ranges);
-      }
-    }
+  s.exp_avg.assign(total, 0.0f);
+  s.exp_avg_sq.assign(total, 0.0f);
+  if (cfg_.parallel.zero1 || me.dp == 0) opt_->state_to_flat(s.exp_avg.data(), s.exp_avg_sq.data());
+  if (opt_exp_ && (cfg_.parallel.zero1 || me.edp == 0)) opt_exp_->state_to_flat(s.exp_avg.data(), s.exp_avg_sq.data());
+  return s;
 }
 
 std::string Training::save(long step, bool final_save) {
   // Never write a checkpoint that could not be resumed usefully.
-  const double param_norm = global_norm(model_->params().data());
+  const double param_norm = global_norm(model_->param_view());
   if (!std::isfinite(param_norm)) {
     log_.line(fmt::format("step {}: parameters are not finite; checkpoint NOT saved", step));
     return "";
   }
   const auto t0 = Clock::now();
   const ParamTable& table = model_->table();
+  std::vector<float> params_store;
+  const RankState mine = host_state(params_store);
   const bool direct = world_->size() == 1 && table.is_whole() && !opt_exp_;
   std::optional<ParamTable> whole_own;
   if (!table.is_whole()) whole_own.emplace(mcfg_);
   const ParamTable& whole = table.is_whole() ? table : *whole_own;
   std::vector<float> wp, wm, wv;
-  if (!direct) gather_whole(whole, wp, wm, wv);
+  if (!direct)
+    gather_whole_state(*world_, layout_, grid_->shape(), grid_->coord(), mcfg_, table, mine, whole, wp, wm, wv);
   std::string dir;
   if (root_) {
     CheckpointContents c;
     c.model_config = &mcfg_;
     c.table = &whole;
-    c.params = direct ? model_->params().data() : wp.data();
-    c.exp_avg = direct ? opt_->exp_avg().data() : wm.data();
-    c.exp_avg_sq = direct ? opt_->exp_avg_sq().data() : wv.data();
+    c.params = direct ? mine.params : wp.data();
+    c.exp_avg = direct ? mine.exp_avg.data() : wm.data();
+    c.exp_avg_sq = direct ? mine.exp_avg_sq.data() : wv.data();
     c.optimizer_steps = opt_->steps_taken();
     c.trainer_state = trainer_state(step);
     SaveOptions o;
@@ -881,6 +562,40 @@ std::string Training::save(long step, bool final_save) {
   }
   world_->broadcast_string(dir, 0);
   return dir;
+}
+
+nlohmann::json Training::step_line(long step, const StepResult& r, double lr, double grad_norm, double dt,
+                                   bool finite, double param_norm, const int64_t all_bytes[2], uint64_t step_bytes,
+                                   const std::vector<int64_t>& stage_memory) const {
+  const double tps = (double)cfg_.train.global_batch_size * cfg_.data.seq_length / dt;
+  nlohmann::json m = {{"step", step},           {"loss", r.loss},      {"ce_loss", r.ce_loss},
+                      {"aux_loss", r.aux_loss}, {"z_loss", r.z_loss},  {"lr", lr},
+                      {"grad_norm", grad_norm}, {"tokens_per_s", tps}, {"loss_tokens", r.loss_tokens},
+                      {"step_time_s", dt},      {"skipped", !finite}};
+  m["param_norm"] = param_norm;
+  m["mfu"] = tps * flops_.train_per_token() / 1e9 / peak_gflops_;
+  if (world_->size() > 1) {
+    m["comm_bytes"] = step_bytes;  // sent by this (the root) rank during the step
+    m["comm_bytes_max"] = all_bytes[1];
+    m["comm_bytes_all_ranks"] = all_bytes[0];
+  }
+  m["optimizer_state_bytes"] = opt_state_bytes_max_;
+  const int P = grid_->shape().pp;
+  if (P > 1) {
+    std::vector<int64_t> in_flight, bytes, per_micro;
+    for (int st = 0; st < P; st++) {
+      in_flight.push_back(stage_memory[3 * st]);
+      bytes.push_back(stage_memory[3 * st + 1]);
+      per_micro.push_back(stage_memory[3 * st + 2]);
+    }
+    m["pipeline"] = {{"stages", P},
+                     {"micro_batches", layout_.micro_batches},
+                     {"peak_micro_batches_in_flight", in_flight},
+                     {"peak_activation_bytes", bytes},
+                     {"activation_bytes_per_micro_batch", per_micro}};
+  }
+  if (!last_moe_.empty()) m["moe"] = last_moe_;
+  return m;
 }
 
 TrainSummary Training::run() {
@@ -896,11 +611,6 @@ TrainSummary Training::run() {
   summary.first_step = start_step_ + 1;
   summary.total_steps = total_steps_;
   summary.last_step = start_step_;
-  std::ofstream metrics;
-  if (root_) {
-    metrics.open(run_dir_ / "metrics.jsonl", std::ios::app);
-    if (!metrics) fail("{}: cannot open for writing", (run_dir_ / "metrics.jsonl").string());
-  }
   const auto run_t0 = Clock::now();
   int nan_in_row = 0;
   for (long step = start_step_ + 1; step <= total_steps_; step++) {
@@ -908,12 +618,14 @@ TrainSummary Training::run() {
     const uint64_t bytes0 = comm_bytes();
     if (options_.fail_rank == world_->rank() && options_.fail_step == step)
       fail("--debug-fail: failure injected on rank {} at step {}", options_.fail_rank, step);
-    const StepResult r = train_step(step);
+    const StepResult r = train_step();
     if (std::find(options_.inject_nan_steps.begin(), options_.inject_nan_steps.end(), step) !=
         options_.inject_nan_steps.end())
-      if (!opt_->state_ranges().empty())
-        model_->grads()[opt_->state_ranges()[0].first] = std::nanf("");  // an element this rank owns
-    const double grad_norm = global_norm(model_->grads().data());
+      if (!opt_->state_ranges().empty()) {  // an element this rank owns
+        const float nan = std::nanf("");
+        backend_->upload(model_->grad_tensor().part(opt_->state_ranges()[0].first, 1), &nan);
+      }
+    const double grad_norm = global_norm(model_->grad_tensor());
     const double lr = schedule_.at(step);
     const bool finite = std::isfinite(r.loss) && std::isfinite(grad_norm);
     if (finite) {
@@ -930,17 +642,17 @@ TrainSummary Training::run() {
             "is {}",
             nan_in_row, summary.last_checkpoint.empty() ? std::string("none") : summary.last_checkpoint);
     }
+    backend_->synchronize("train step");
     const uint64_t step_bytes = comm_bytes() - bytes0;
     consumed_samples_ += cfg_.train.global_batch_size;
     consumed_tokens_ += r.tokens;
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-    const double tps = (double)cfg_.train.global_batch_size * cfg_.data.seq_length / dt;
     summary.last_step = step;
     summary.last_loss = r.loss;
 
     const bool log_now = cfg_.log.every_steps > 0 && (step % cfg_.log.every_steps == 0 || step == total_steps_);
     // Collective: every rank takes part in the norm.
-    const double param_norm = log_now ? global_norm(model_->params().data()) : 0.0;
+    const double param_norm = log_now ? global_norm(model_->param_view()) : 0.0;
     int64_t all_bytes[2] = {(int64_t)step_bytes, (int64_t)step_bytes};  // sum and max over the ranks
     if (log_now && world_->size() > 1) {
       all_bytes[0] = world_->all_reduce_value(all_bytes[0]);
@@ -956,46 +668,12 @@ TrainSummary Training::run() {
       grid_->pp().all_gather(stage_memory.data(), mine, std::vector<size_t>(P, 3), dist::CommDType::i64);
     }
     if (log_now && root_) {
-      nlohmann::json m = {{"step", step},           {"loss", r.loss},      {"ce_loss", r.ce_loss},
-                          {"aux_loss", r.aux_loss}, {"z_loss", r.z_loss},  {"lr", lr},
-                          {"grad_norm", grad_norm}, {"tokens_per_s", tps}, {"loss_tokens", r.loss_tokens},
-                          {"step_time_s", dt},      {"skipped", !finite}};
-      const double mfu = tps * flops_.train_per_token() / 1e9 / sgemm_peak_;
-      m["param_norm"] = param_norm;
-      m["mfu"] = mfu;
-      if (world_->size() > 1) {
-        m["comm_bytes"] = step_bytes;  // sent by this (the root) rank during the step
-        m["comm_bytes_max"] = all_bytes[1];
-        m["comm_bytes_all_ranks"] = all_bytes[0];
-      }
-      m["optimizer_state_bytes"] = opt_state_bytes_max_;
-      if (P > 1) {
-        std::vector<int64_t> in_flight, bytes, per_micro;
-        for (int st = 0; st < P; st++) {
-          in_flight.push_back(stage_memory[3 * st]);
-          bytes.push_back(stage_memory[3 * st + 1]);
-          per_micro.push_back(stage_memory[3 * st + 2]);
-        }
-        m["pipeline"] = {{"stages", P},
-                         {"micro_batches", micro_per_step_},
-                         {"peak_micro_batches_in_flight", in_flight},
-                         {"peak_activation_bytes", bytes},
-                         {"activation_bytes_per_micro_batch", per_micro}};
-      }
-      if (!last_moe_.empty()) m["moe"] = last_moe_;
-      metrics << m.dump() << '\n';
-      metrics.flush();
-      if (tb_) {
-        for (const char* k :
-             {"loss", "ce_loss", "aux_loss", "z_loss", "lr", "grad_norm", "param_norm", "tokens_per_s", "mfu"})
-          tb_->scalar(k, step, m[k].get<double>());
-        for (const auto& layer : last_moe_)
-          for (const char* k : {"max_share", "min_share", "cv", "dropped_fraction"})
-            tb_->scalar(fmt::format("moe/layer_{}/{}", layer["layer"].get<int>(), k), step, layer[k].get<double>());
-        tb_->flush();
-      }
+      const nlohmann::json m =
+          step_line(step, r, lr, grad_norm, dt, finite, param_norm, all_bytes, step_bytes, stage_memory);
+      metrics_->step(m);
       const double elapsed = std::chrono::duration<double>(Clock::now() - run_t0).count();
       const double eta = elapsed / (double)(step - start_step_) * (double)(total_steps_ - step);
+      const double tps = m["tokens_per_s"].get<double>();
       log_.progress(
           fmt::format("step {}/{}  loss {:.4f}  ce {:.4f}  aux {:.4f}  lr {:.3g}  grad norm {:.3f}  "
                       "{:.0f} tok/s  {:.1f} GFLOP/s  ETA {}",
@@ -1004,14 +682,7 @@ TrainSummary Training::run() {
     }
     if (valid_data_ && cfg_.eval.every_steps > 0 && (step % cfg_.eval.every_steps == 0 || step == total_steps_)) {
       const double val = evaluate();
-      if (root_) {
-        metrics << nlohmann::json{{"step", step}, {"val_loss", val}, {"val_ppl", std::exp(val)}}.dump() << '\n';
-        metrics.flush();
-      }
-      if (tb_) {
-        tb_->scalar("val_loss", step, val);
-        tb_->flush();
-      }
+      if (root_) metrics_->eval(step, val);
       log_.line(fmt::format("step {}: val_loss {:.4f}  perplexity {:.2f}", step, val, std::exp(val)));
     }
     const bool exit_now = cfg_.train.exit_interval > 0 && step % cfg_.train.exit_interval == 0 && step < total_steps_;

@@ -1,0 +1,107 @@
+// CudaBackend: the Backend interface (backend/backend.h) on one NVIDIA GPU -- bf16 storage of the
+// act store (GEMM operands and outputs, the GEMM weights' copy), fp32 everywhere else, fp32
+// accumulation; the kernels of cuda/ops.h on one stream.  Attention saves its log-sum-exp
+// (flash-attention style, T x T never stored).  Host code only: it compiles in every build, and
+// without CUDA (or without a usable GPU) the constructor fails with cuda_unavailable_reason().
+// It is also the MemorySpace through which a host transport stages device buffers
+// (dist/staged_comm.h).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "cuda/ops.h"
+#include "cuda/runtime.h"
+#include "dist/staged_comm.h"
+
+namespace moetron::gpu {
+
+// "" when the CUDA kernels can run a model of this head dimension and expert count (0: dense),
+// else the limit it exceeds (head_dim even and <= 128; at most 64 experts).
+std::string cuda_model_limits(int head_dim, int experts);
+
+class CudaBackend final : public Backend, public dist::MemorySpace {
+ public:
+  CudaBackend();
+  ~CudaBackend() override;
+  Context& context() { return *ctx_; }
+
+  const char* name() const override { return "cuda"; }
+  bool host_memory() const override { return false; }
+  Store act_store() const override { return Store::bf16; }
+  uint8_t element_bytes(Store s) const override { return s == Store::u8 ? 1 : s == Store::bf16 ? 2 : 4; }
+  dist::MemorySpace* memory_space() override { return this; }
+  void check_model(int head_dim, int experts) const override;
+  void to_host(void* host, const void* device, size_t bytes) override;
+  void to_device(void* device, const void* host, size_t bytes) override;
+
+  std::unique_ptr<Allocation> allocate(size_t bytes, const std::string& what) override;
+  void upload(Tensor dst, const void* host) override;
+  void download(void* host, Tensor src) override;
+  void copy(Tensor dst, Tensor src) override;
+  void fill_zero(Tensor t) override;
+  void convert(Tensor dst, Tensor src) override;
+  void add(Tensor y, Tensor x) override;
+  void synchronize(const char* what) override;
+
+  void embedding_forward(Tensor out, Tensor tokens, Tensor wte, long N, int C, int64_t V0, int64_t Vr,
+                         bool whole) override;
+  void embedding_backward(Tensor dwte, Tensor dout, Tensor tokens, long N, int C, int64_t V0, int64_t Vr,
+                          bool whole) override;
+  void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, long N, int C, float eps) override;
+  void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, Tensor rstd, long N,
+                        int C, bool accumulate) override;
+  void matmul_forward(Tensor out, Tensor inp, Tensor weight, int N, int IC, int OC, bool accumulate) override;
+  void matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, int N, int IC, int OC,
+                       bool accumulate) override;
+  void rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta) override;
+  void rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, float theta) override;
+  size_t attention_saved_numel(int B, int T, int NH) const override;
+  void attention_forward(Tensor out, Tensor saved, Tensor q, Tensor k, Tensor v, const AttnMask& mask, int B, int T,
+                         int NH, int NKV, int HD) override;
+  void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor out, Tensor saved, Tensor q, Tensor k,
+                          Tensor v, const AttnMask& mask, int B, int T, int NH, int NKV, int HD) override;
+  void add_bias_rows(Tensor x, Tensor bias, long N, int E) override;
+  void router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K) override;
+  void router_layer_stats(ops::RouterLayerStats& st, Tensor logits, Tensor probs, Tensor topk_idx, Tensor token_mask,
+                          long N, int E, int K) override;
+  void router_backward(Tensor dlogits, Tensor dtopk_w, const double* dprobs_per_expert, Tensor token_mask,
+                       Tensor probs, Tensor topk_idx, Tensor topk_w, long N, int E, int K) override;
+  void router_z_loss_backward(Tensor dlogits, Tensor logits, Tensor probs, Tensor token_mask, long N, int E,
+                              float scale, long real_tokens) override;
+  PlanView upload_plan(const ops::MoePlan& plan, Tensor row_token, Tensor row_of) override;
+  void moe_permute_forward(Tensor xperm, Tensor x, const PlanView& plan, int C) override;
+  void moe_permute_backward(Tensor dx, Tensor dxperm, const PlanView& plan, int C) override;
+  void moe_combine_forward(Tensor out, Tensor yperm, Tensor w, const PlanView& plan, int C) override;
+  void moe_combine_backward(Tensor dyperm, Tensor dw, Tensor dout, Tensor yperm, Tensor w, const PlanView& plan,
+                            int C) override;
+  void moe_experts_forward(Tensor y, Tensor h13, Tensor act, Tensor xperm, Tensor w13, Tensor w2,
+                           const PlanView& plan, int C, int I) override;
+  void moe_experts_backward(Tensor dxperm, Tensor dw13, Tensor dw2, Tensor dy, Tensor h13, Tensor act, Tensor xperm,
+                            Tensor w13, Tensor w2, const PlanView& plan, int C, int I) override;
+  void gather_rows(Tensor out, Tensor in, Tensor index, long rows, int C) override;
+  double cross_entropy_forward(Tensor lse, Tensor logits, Tensor targets, long N, int64_t Vr, int64_t V0, float scale,
+                               dist::Comm* tp) override;
+  void head_backward(Tensor dln, Tensor dhead, Tensor logits, Tensor lse, Tensor targets, Tensor lnf, Tensor head,
+                     long N, int C, int64_t Vr, int64_t V0, float scale, bool whole) override;
+  void init_normal(Tensor p, uint64_t seed, uint64_t key, double std, float fill) override;
+  void adamw_update(Tensor param, Tensor m, Tensor v, Tensor grad, float grad_scale, double lr, double beta1,
+                    double beta2, double eps, double weight_decay, long step) override;
+  double sum_squares(Tensor values, const std::vector<std::pair<size_t, size_t>>& counted) override;
+
+ private:
+  // Device scratch that grows to the largest request (freeing synchronises the device).
+  class Scratch {
+   public:
+    void* get(CudaBackend& be, size_t bytes, const char* what);
+
+   private:
+    std::unique_ptr<Allocation> alloc_;
+  };
+  MoePlanDevice device_plan(const PlanView& pv) const;
+  std::unique_ptr<Context> ctx_;
+  Scratch attn_, ffn_, stats_, ce_, norm_;
+};
+
+}  // namespace moetron::gpu

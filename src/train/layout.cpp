@@ -1,0 +1,117 @@
+// The parallel layout, resolved once; see layout.h.
+#include "train/layout.h"
+
+#include "core/error.h"
+#include "cuda/backend.h"
+
+namespace moetron {
+
+std::vector<int> stage_layer_starts(const TrainConfig& cfg, const ModelConfig& mc) {
+  const int pp = cfg.parallel.pp, L = mc.num_hidden_layers;
+  const std::vector<int>& per = cfg.parallel.layers_per_stage;
+  std::vector<int> starts = {0};
+  if (per.empty()) {
+    if (pp < 1 || L % pp != 0)
+      fail(
+          "parallel.pp: pp {} does not divide num_hidden_layers {} (stages hold equal contiguous layer ranges; "
+          "parallel.layers_per_stage sets uneven ones)",
+          pp, L);
+    for (int s = 0; s < pp; s++) starts.push_back(starts.back() + L / pp);
+    return starts;
+  }
+  if ((int)per.size() != pp)
+    fail("parallel layout: parallel.layers_per_stage has {} entries, pp is {} (one per stage)", per.size(), pp);
+  for (size_t s = 0; s < per.size(); s++) {
+    if (per[s] < 1) fail("parallel layout: parallel.layers_per_stage[{}] is {}: every stage needs a layer", s, per[s]);
+    starts.push_back(starts.back() + per[s]);
+  }
+  if (starts.back() != L)
+    fail("parallel layout: parallel.layers_per_stage sums to {} layers, the model has {} (num_hidden_layers)",
+         starts.back(), L);
+  return starts;
+}
+
+namespace {
+
+void validate_layout(const TrainConfig& cfg, const ModelConfig& mc, int world) {
+  const int tp = cfg.parallel.tp, pp = cfg.parallel.pp, ep = cfg.parallel.ep;
+  if (world < 1) fail("parallel layout: the world size must be >= 1, got {}", world);
+  if (tp < 1 || pp < 1 || ep < 1) fail("parallel layout: tp {}, pp {}, ep {} must all be >= 1", tp, pp, ep);
+  if (world % (tp * pp) != 0)
+    fail("parallel layout: world size {} is not divisible by tp {} x pp {} = {}", world, tp, pp, tp * pp);
+  const int dp = world / (tp * pp);
+  if (dp % ep != 0)
+    fail("parallel.ep: ep {} does not divide the data-parallel size {} (= world {} / (tp {} x pp {}))", ep, dp,
+         world, tp, pp);
+  if (mc.num_attention_heads % tp != 0)
+    fail("parallel.tp: tp {} does not divide num_attention_heads {}", tp, mc.num_attention_heads);
+  const int nkv = mc.num_key_value_heads;
+  if (nkv % tp != 0 && tp % nkv != 0)
+    fail("parallel.tp: num_key_value_heads {} and tp {}: neither divides the other (kv heads are split over "
+         "tp, or replicated when tp is a multiple of them)",
+         nkv, tp);
+  stage_layer_starts(cfg, mc);
+  if (!mc.is_moe() && ep != 1)
+    fail("parallel.ep: ep {} needs an MoE model; {} is dense (num_local_experts 0)", ep, mc.architecture);
+  if (mc.is_moe() && mc.num_local_experts % ep != 0)
+    fail("parallel.ep: ep {} does not divide num_local_experts {}", ep, mc.num_local_experts);
+  if (mc.intermediate_size % tp != 0)
+    fail("parallel.tp: tp {} does not divide intermediate_size {} (the FFN width is split over tp)", tp,
+         mc.intermediate_size);
+  if (mc.vocab_size % tp != 0)
+    fail("parallel.tp: tp {} does not divide vocab_size {} (the embedding and the head are split over tp)", tp,
+         mc.vocab_size);
+  const int gbs = cfg.train.global_batch_size, mbs = cfg.train.micro_batch_size;
+  if (gbs < 1 || mbs < 1)
+    fail("batch: train.global_batch_size {} and train.micro_batch_size {} must be >= 1", gbs, mbs);
+  if (gbs % (mbs * dp) != 0)
+    fail("batch: train.global_batch_size {} is not divisible by micro_batch_size {} x data-parallel size {} = {}",
+         gbs, mbs, dp, mbs * dp);
+  if (cfg.data.seq_length < 1) fail("data.seq_length must be >= 1, got {}", cfg.data.seq_length);
+  if (cfg.data.seq_length > mc.max_position_embeddings)
+    fail("data.seq_length {} exceeds the model's max_position_embeddings {}", cfg.data.seq_length,
+         mc.max_position_embeddings);
+}
+
+}  // namespace
+
+void check_device_rules(const TrainConfig& cfg, const ModelConfig& mc) {
+  if (cfg.device == "cpu") {
+    if (cfg.model.dtype != "fp32")
+      fail("model.dtype: '{}' is not supported on device cpu (it trains fp32 parameters); use fp32", cfg.model.dtype);
+    return;
+  }
+  if (cfg.device == "cuda") {
+    if (cfg.model.dtype != "bf16")
+      fail(
+          "model.dtype: '{}' on device cuda: the CUDA backend trains with bf16 GEMM weights copied from fp32 master "
+          "weights (mixed precision); set model.dtype: bf16",
+          cfg.model.dtype);
+    const std::string limit = gpu::cuda_model_limits(mc.head_dim, mc.is_moe() ? mc.num_local_experts : 0);
+    if (!limit.empty()) fail("device: cuda: {}", limit);
+    return;
+  }
+  fail("device: '{}' is not a device moetron trains on (cpu, cuda)", cfg.device);
+}
+
+Layout resolve_layout(const TrainConfig& cfg, const ModelConfig& model, int world) {
+  validate_layout(cfg, model, world);
+  check_device_rules(cfg, model);
+  Layout l;
+  l.world = world;
+  l.tp = cfg.parallel.tp;
+  l.pp = cfg.parallel.pp;
+  l.ep = cfg.parallel.ep;
+  l.dp = world / (l.tp * l.pp);
+  l.zero1 = cfg.parallel.zero1;
+  l.stage_starts = stage_layer_starts(cfg, model);
+  l.micro_batches = cfg.train.global_batch_size / (cfg.train.micro_batch_size * l.dp);
+  return l;
+}
+
+ParamShard layout_shard(const Layout& layout, const ModelConfig& model, int stage, int tp_rank, int ep_rank) {
+  const LayerRange r = layout.stage_layers(stage);
+  return make_param_shard(model, r.begin, r.end, tp_rank, layout.tp, ep_rank, layout.ep);
+}
+
+}  // namespace moetron
