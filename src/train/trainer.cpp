@@ -179,10 +179,6 @@ class Training {
 };
 
 void Training::setup() {
-  // The device first: without a usable GPU, device: cuda stops here, before any work.
-  const std::string why = device_unavailable_reason(cfg_.device);
-  if (!why.empty()) fail("device: {}: {}", cfg_.device, why);
-
   // Model config: from the init directory or from model.config.
   if (cfg_.model.init == "random") {
     mcfg_ = model_config_from_json(cfg_.model.config, "model.config");
@@ -197,6 +193,9 @@ void Training::setup() {
   }
   // The layout against the world and the model: the rules `moetron plan` applies.
   layout_ = resolve_layout(cfg_, mcfg_, world_->size());
+  // The device: without a usable GPU, device: cuda stops here, before any work.
+  const std::string why = device_unavailable_reason(cfg_.device);
+  if (!why.empty()) fail("device: {}: {}", cfg_.device, why);
   grid_.emplace(*world_, layout_.tp, layout_.pp, layout_.ep);
   const dist::GridShape& gs = grid_->shape();
   // Data: checked before any allocation-heavy work.
