@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The CUDA backend's GPU check (issue 6), one prepared run on one H100/H200, within 8 minutes:
-#   build (Release, CUDA on) -> device probe -> CPU-vs-CUDA op tests -> golden parity in bf16 ->
-#   20-step training beside the CPU -> `moetron forward --device cuda` -> `moetron bench train
-#   --device cuda` on the Mixtral-shaped model -> transformers' eager training step on the same
-#   shape -> a profile of our step -> a summary of every figure and pass/fail.
+# The GPU check, one prepared run on one H100/H200, within 8 minutes: the one model (src/model) on
+# the CUDA backend (src/cuda/backend) beside the CPU backends.
+#   build (Release, CUDA on) -> device probe -> the op-case table and the CUDA kernel tests ->
+#   golden parity in bf16 -> 20 training steps beside the CPU (library and `moetron train` with
+#   device: cuda) -> 2 ranks sharing the GPU (MPI staging) at dp 2, tp 2, ep 2, pp 2 beside one
+#   process -> a checkpoint resumed CPU -> GPU -> CPU -> `moetron forward --device cuda` ->
+#   `moetron bench train --device cuda` on the Mixtral-shaped model -> transformers' eager training
+#   step on the same shape -> a profile of our step -> a summary of every figure and pass/fail.
 # Every stage has its own time limit (and the whole run a deadline); a failed stage is reported and
 # the later stages still run.  Logs and summary.txt go to $OUT when set (the device runner's output
 # folder), else to $BUILD_DIR/gpu-check.  Exit status: 0 when every check passed (the MFU and
@@ -92,14 +95,17 @@ generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 stage configure 90 1 cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DMOETRON_CUDA=ON \
   -DMOETRON_BUILD_TESTS=ON
-stage build 300 1 cmake --build "$BUILD_DIR" -j "$JOBS" --target moetron test_cuda_ops test_cuda_model
+stage build 300 1 cmake --build "$BUILD_DIR" -j "$JOBS" --target moetron test_cuda_ops test_cuda_model test_backend_ops
 BIN=$BUILD_DIR/moetron
 
 stage probe 60 1 "$BIN" bench train --device cuda --layers 1 --hidden 128 --heads 4 --kv-heads 2 --experts 4 \
   --top-k 2 --intermediate 256 --vocab 512 --seq 256 --micro-batch 2 --steps 2
 stage ops 120 1 "$BUILD_DIR/test_cuda_ops"
+stage optable 60 1 "$BUILD_DIR/test_backend_ops" --gtest_filter='*Cuda*:BackendOpsExact.*'
 stage golden 90 1 "$BUILD_DIR/test_cuda_model" --gtest_filter='Transformers/CudaGolden.*'
-stage train20 90 1 "$BUILD_DIR/test_cuda_model" --gtest_filter='CudaTraining.*'
+stage train20 90 1 "$BUILD_DIR/test_cuda_model" --gtest_filter='CudaTraining.*:CudaTrain.TwentyStepsBesideTheCpu'
+stage dist2 150 1 "$BUILD_DIR/test_cuda_model" --gtest_filter='CudaTrain.TwoRanksSharingTheGpuMatchOneProcess'
+stage resume 90 1 "$BUILD_DIR/test_cuda_model" --gtest_filter='CudaTrain.CheckpointsResumeAcrossDevices'
 stage cli 60 1 "$BUILD_DIR/test_cuda_model" --gtest_filter='CudaCli.*'
 
 BENCH_LAYERS=$LAYERS

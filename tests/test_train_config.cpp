@@ -151,7 +151,7 @@ TEST(TrainConfig, WrongTypesNameFileLineAndValue) {
   }
   // Sections and model.config must be mappings; booleans are true/false.
   EXPECT_HAS(error_of(std::string(kBase) + "parallel: 8\n"),
-             "cfg.yaml:17:11: parallel: expected a mapping (a section with keys tp, pp, ep, layers_per_stage, zero1), got '8'");
+             "cfg.yaml:17:11: parallel: expected a mapping (a section with keys tp, pp, ep, layers_per_stage, zero1, device_comm), got '8'");
   EXPECT_HAS(error_of(kBase, {"model.config=[1]"}), "model.config: expected a mapping of HF config.json fields");
   EXPECT_HAS(error_of(std::string(kBase) + "log: {tensorboard: yes}\n"),
              "cfg.yaml:17:20: log.tensorboard: expected true or false, got 'yes'");
@@ -348,7 +348,7 @@ TEST(TrainConfig, JsonHasEveryKeyInItsSection) {
   EXPECT_EQ(j["moe"]["capacity_factor"], 2.0);
   EXPECT_TRUE(j["moe"]["aux_loss_coef"].is_null());
   EXPECT_EQ(j["model"]["config"]["hidden_size"], 64);
-  EXPECT_EQ(train_config_keys().size(), 41u);  // update with the key table
+  EXPECT_EQ(train_config_keys().size(), 42u);  // update with the key table
 }
 
 TEST(TrainConfig, TinyMixtralExampleLoads) {

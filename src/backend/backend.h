@@ -129,6 +129,9 @@ class Backend {
   // For collectives on this backend's memory over a host transport (dist/staged_comm.h); null for
   // backends whose memory the host reads.
   virtual dist::MemorySpace* memory_space() { return nullptr; }
+  // The device stream the ops run in (a cudaStream_t), for device transports to enqueue on; null
+  // for host backends.
+  virtual void* device_stream() { return nullptr; }
 
   // Error (naming the limit) when the backend's kernels cannot run a model of this head dimension
   // and expert count (0: dense).

@@ -33,6 +33,7 @@ class CudaBackend final : public Backend, public dist::MemorySpace {
   uint8_t element_bytes(Store s) const override { return s == Store::u8 ? 1 : s == Store::bf16 ? 2 : 4; }
   dist::MemorySpace* memory_space() override { return this; }
   void check_model(int head_dim, int experts) const override;
+  void* device_stream() override { return stream_handle(*ctx_); }
   void to_host(void* host, const void* device, size_t bytes) override;
   void to_device(void* device, const void* host, size_t bytes) override;
 

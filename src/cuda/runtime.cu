@@ -1,4 +1,5 @@
 // Device discovery, the Context, arenas, copies and dtype conversions.
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -52,17 +53,37 @@ std::string cuda_unavailable_reason() {
   return "";
 }
 
+int default_device() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n <= 0) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  // One GPU per local rank: the launcher's local rank (Open MPI, Slurm, torchrun-style) modulo the
+  // devices this process sees; ranks beyond the count share GPUs (as the tests do).
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"}) {
+    const char* v = std::getenv(var);
+    if (v != nullptr && *v != '\0') {
+      char* end = nullptr;
+      const long r = std::strtol(v, &end, 10);
+      if (end != v && *end == '\0' && r >= 0) return (int)(r % n);
+    }
+  }
+  return 0;
+}
+
 DeviceInfo device_info() {
   const std::string why = cuda_unavailable_reason();
   if (!why.empty()) fail("[device_info] {}", why);
   cudaDeviceProp prop{};
-  CUDA_CALL("device_info", cudaGetDeviceProperties(&prop, 0));
+  const int dev = default_device();
+  CUDA_CALL("device_info", cudaGetDeviceProperties(&prop, dev));
   DeviceInfo info;
   info.name = prop.name;
   info.major = prop.major;
   info.minor = prop.minor;
   info.sm_count = prop.multiProcessorCount;
-  CUDA_CALL("device_info", cudaSetDevice(0));
+  CUDA_CALL("device_info", cudaSetDevice(dev));
   CUDA_CALL("device_info", cudaMemGetInfo(&info.free_bytes, &info.total_bytes));
   return info;
 }
@@ -80,15 +101,16 @@ void Context::Impl::clear_gemm_plans() {
 Context::Context() : impl_(std::make_unique<Impl>()) {
   const std::string why = cuda_unavailable_reason();
   if (!why.empty()) fail("[cuda] {}", why);
+  Impl& m = *impl_;
+  m.device = default_device();
   cudaDeviceProp prop{};
-  CUDA_CALL("cuda context", cudaGetDeviceProperties(&prop, 0));
+  CUDA_CALL("cuda context", cudaGetDeviceProperties(&prop, m.device));
   // The attention kernels need bf16 tensor cores (sm_80+).  The default build carries sm_90 code and
   // compute_90 PTX; an sm_80 GPU needs a rebuild with -DCMAKE_CUDA_ARCHITECTURES=80 (a kernel
   // launch without a matching image fails with "no kernel image is available").
   if (prop.major < 8)
     fail("[cuda] {} has compute capability {}.{}; the CUDA backend needs 8.0 or newer (bf16 tensor cores)",
          prop.name, prop.major, prop.minor);
-  Impl& m = *impl_;
   CUDA_CALL("cuda context", cudaSetDevice(m.device));
   CUDA_CALL("cuda context", cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   CUBLAS_CALL("cuda context", cublasLtCreate(&m.lt));
@@ -140,6 +162,8 @@ void* DeviceArena::take(size_t bytes) {
   used_ += r;
   return p;
 }
+
+void* stream_handle(Context& ctx) { return stream_of(ctx); }
 
 void copy_to_device(Context& ctx, void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;

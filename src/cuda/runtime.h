@@ -35,13 +35,16 @@ struct DeviceInfo {
   int sm_count = 0;
   size_t total_bytes = 0, free_bytes = 0;
 };
-DeviceInfo device_info();  // device 0
+// The device this process uses: its launcher's local rank (OMPI_COMM_WORLD_LOCAL_RANK,
+// SLURM_LOCALID or LOCAL_RANK) modulo the visible devices, else 0.
+int default_device();
+DeviceInfo device_info();  // of default_device()
 
 // One per model (or test): the CUDA stream the ops run on, the cuBLASLt handle, the workspace and
 // the cache of GEMM algorithms by shape.  Not thread-safe; ops on one Context run in stream order.
 class Context {
  public:
-  Context();  // device 0; fails when no device can be used
+  Context();  // default_device(); fails when no device can be used
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
@@ -95,6 +98,9 @@ class DeviceArena {
   size_t capacity_ = 0, used_ = 0;
   std::string what_;
 };
+
+// The Context's cudaStream_t, for NCCL (null when built without CUDA).
+void* stream_handle(Context& ctx);
 
 // Copies in stream order; the *_host variants return when the data is on the host.
 void copy_to_device(Context& ctx, void* dst, const void* src, size_t bytes);

@@ -17,6 +17,7 @@ struct Context::Impl {};
 
 bool cuda_compiled() { return false; }
 std::string cuda_unavailable_reason() { return "built without CUDA"; }
+int default_device() { return 0; }
 DeviceInfo device_info() { no_cuda("device_info"); }
 Context::Context() { no_cuda("cuda context"); }
 Context::~Context() = default;
@@ -25,6 +26,7 @@ bool Context::try_synchronize() noexcept { return false; }
 DeviceArena::DeviceArena(size_t, const std::string& what) : what_(what) { no_cuda("device arena"); }
 DeviceArena::~DeviceArena() = default;
 void* DeviceArena::take(size_t) { no_cuda("device arena"); }
+void* stream_handle(Context&) { return nullptr; }
 void copy_to_device(Context&, void*, const void*, size_t) { no_cuda("copy_to_device"); }
 void copy_to_host(Context&, void*, const void*, size_t) { no_cuda("copy_to_host"); }
 void copy_device(Context&, void*, const void*, size_t) { no_cuda("copy_device"); }

@@ -97,6 +97,7 @@ class NcclComm final : public Comm {
     if (comm_) ncclCommDestroy(comm_);
   }
   const char* transport() const override { return "nccl"; }
+  Comm& host() override { return boot_; }
 
   void all_reduce(void* data, size_t count, CommDType dtype, ReduceOp op) override {
     if (count == 0) return;

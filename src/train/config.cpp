@@ -71,6 +71,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"parallel.ep", &c.parallel.ep},
       {"parallel.layers_per_stage", &c.parallel.layers_per_stage},
       {"parallel.zero1", &c.parallel.zero1},
+      {"parallel.device_comm", &c.parallel.device_comm},
       {"checkpoint.every_steps", &c.checkpoint.every_steps},
       {"checkpoint.keep_last", &c.checkpoint.keep_last},
       {"checkpoint.resume", &c.checkpoint.resume},
@@ -537,6 +538,7 @@ void validate(const TrainConfig& c, const std::string& source, const std::map<st
 
   non_empty("run_dir", c.run_dir, "the directory for metrics, checkpoints and config.yaml");
   one_of("device", c.device, {"cpu", "cuda"});
+  one_of("parallel.device_comm", c.parallel.device_comm, {"auto", "staged", "nccl"});
 
   non_empty("model.init", c.model.init, "'random' or the path of an HF model directory");
   one_of("model.dtype", c.model.dtype, {"fp32", "bf16"});

@@ -82,6 +82,9 @@ struct TrainConfig {
     // entries summing to num_hidden_layers, checked with the model by plan's layout rules).
     std::vector<int> layers_per_stage;
     bool zero1 = true;
+    // How ranks on a GPU exchange device buffers: nccl (one GPU per rank), staged (MPI through host
+    // memory; ranks may share a GPU), auto (nccl when built with it and every rank has its own GPU).
+    std::string device_comm = "auto";
     bool operator==(const Parallel&) const = default;
   } parallel;
 

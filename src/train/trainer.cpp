@@ -15,12 +15,16 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
+#include <unistd.h>
 
 #include "backend/select.h"
+#include "cuda/runtime.h"
 #include "core/error.h"
 #include "data/loader.h"
 #include "dist/comm.h"
 #include "dist/grid.h"
+#include "dist/nccl_comm.h"
 #include "dist/staged_comm.h"
 #include "io/hf_config.h"
 #include "io/model_files.h"
@@ -81,31 +85,63 @@ using Clock = std::chrono::steady_clock;
 constexpr double kCudaPeakGflops = 989e3;
 
 // The groups of the process grid over the backend's memory: the grid's own (host) groups on a
-// host-memory backend, else the same ranks staged through the host (dist/staged_comm.h).
+// host-memory backend; on a device, NCCL communicators (parallel.device_comm nccl, or auto when
+// built with NCCL and every rank has a GPU of its own), else the host groups staged through host
+// memory (dist/staged_comm.h), which also lets ranks share a GPU.
 class DeviceGroups {
  public:
-  DeviceGroups(const dist::ProcessGrid& grid, Backend& be) {
+  DeviceGroups(const dist::ProcessGrid& grid, Backend& be, const std::string& mode) {
     dist::MemorySpace* mem = be.memory_space();
-    auto wrap = [&](dist::Comm& host, std::unique_ptr<dist::Comm>& own) -> dist::Comm& {
-      if (mem == nullptr) return host;
-      own = dist::make_staged_comm(host, *mem);
-      return *own;
-    };
-    tp_ = &wrap(grid.tp(), own_[0]);
-    dp_ = &wrap(grid.dp(), own_[1]);
-    pp_ = &wrap(grid.pp(), own_[2]);
-    ep_ = &wrap(grid.ep(), own_[3]);
-    edp_ = &wrap(grid.edp(), own_[4]);
+    dist::Comm* host[5] = {&grid.tp(), &grid.dp(), &grid.pp(), &grid.ep(), &grid.edp()};
+    if (mem == nullptr) {
+      for (int i = 0; i < 5; i++) g_[i] = host[i];
+      return;
+    }
+    nccl_ = use_nccl(grid.world(), mode);
+    for (int i = 0; i < 5; i++) {
+      own_[i] = nccl_ ? dist::make_nccl_comm(*host[i], be.device_stream()) : dist::make_staged_comm(*host[i], *mem);
+      g_[i] = own_[i].get();
+    }
   }
-  dist::Comm& tp() const { return *tp_; }
-  dist::Comm& dp() const { return *dp_; }
-  dist::Comm& pp() const { return *pp_; }
-  dist::Comm& ep() const { return *ep_; }
-  dist::Comm& edp() const { return *edp_; }
+  dist::Comm& tp() const { return *g_[0]; }
+  dist::Comm& dp() const { return *g_[1]; }
+  dist::Comm& pp() const { return *g_[2]; }
+  dist::Comm& ep() const { return *g_[3]; }
+  dist::Comm& edp() const { return *g_[4]; }
+  const char* transport() const { return nccl_ ? "nccl" : own_[0] ? "staged through host memory" : "host"; }
+  // Bytes sent by device transports of their own (staged groups count in their host groups).
+  uint64_t own_bytes() const {
+    uint64_t b = 0;
+    if (nccl_)
+      for (const auto& c : own_) b += c->stats().bytes_sent;
+    return b;
+  }
 
  private:
+  // Whether every rank has a GPU of its own (host name, device): NCCL cannot put two ranks of a
+  // communicator on one GPU.
+  static bool use_nccl(dist::Comm& world, const std::string& mode) {
+    if (mode == "staged") return false;
+    char name[256] = {0};
+    gethostname(name, sizeof name - 1);
+    const int64_t mine[2] = {(int64_t)std::hash<std::string>{}(name), (int64_t)gpu::default_device()};
+    std::vector<int64_t> all(2 * (size_t)world.size());
+    world.all_gather(all.data(), mine, std::vector<size_t>(world.size(), 2), dist::CommDType::i64);
+    std::set<std::pair<int64_t, int64_t>> seen;
+    for (int r = 0; r < world.size(); r++) seen.insert({all[2 * r], all[2 * r + 1]});
+    const bool distinct = (int)seen.size() == world.size();
+    if (mode == "nccl") {
+      if (!dist::have_nccl()) fail("parallel.device_comm: nccl, but this build has no NCCL");
+      if (!distinct)
+        fail("parallel.device_comm: nccl needs one GPU per rank, and {} ranks share {} GPUs; use staged (or auto)",
+             world.size(), seen.size());
+      return true;
+    }
+    return dist::have_nccl() && distinct && world.size() > 1;
+  }
   std::unique_ptr<dist::Comm> own_[5];
-  dist::Comm *tp_, *dp_, *pp_, *ep_, *edp_;
+  dist::Comm* g_[5] = {};
+  bool nccl_ = false;
 };
 
 struct StepResult {
@@ -256,15 +292,15 @@ void Training::setup() {
   if (world_->size() > 1)
     log_.line(fmt::format(
         "distributed: {} ranks over {} ({}): pp {} x dp {} x tp {} (ep {}); ZeRO-1 {}; optimizer state {} per rank "
-        "(largest)",
+        "(largest); device buffers: {}",
         world_->size(), world_->transport(), grid_->describe(), gs.pp, gs.dp, gs.tp, gs.ep,
-        cfg_.parallel.zero1 ? "on" : "off", format_bytes((double)opt_state_bytes_max_)));
+        cfg_.parallel.zero1 ? "on" : "off", format_bytes((double)opt_state_bytes_max_), groups_->transport()));
 }
 
 // The backend, this rank's stage of the model, its pipeline link and optimizers.
 void Training::build_model() {
   backend_ = make_backend(cfg_.device);
-  groups_.emplace(*grid_, *backend_);
+  groups_.emplace(*grid_, *backend_, cfg_.parallel.device_comm);
   if (root_) peak_gflops_ = backend_->host_memory() ? ops::measure_sgemm_gflops(1024, 3) : kCudaPeakGflops;
   const dist::GridShape& gs = grid_->shape();
   model_.emplace(*backend_, mcfg_, &groups_->tp(), &groups_->ep(), layout_.stage_layers(grid_->coord().pp));
@@ -366,7 +402,7 @@ void Training::load_resume(const std::string& dir) {
 
 uint64_t Training::comm_bytes() const {
   // The host groups count what their staged device views send too.
-  uint64_t b = world_->stats().bytes_sent + model_->comm_bytes();
+  uint64_t b = world_->stats().bytes_sent + model_->comm_bytes() + groups_->own_bytes();
   for (dist::Comm* c : {&grid_->tp(), &grid_->dp(), &grid_->pp(), &grid_->ep(), &grid_->edp()})
     b += c->stats().bytes_sent;
   return b;
