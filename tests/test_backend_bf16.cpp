@@ -25,6 +25,7 @@
 #include "io/safetensors.h"
 #include "model/batch_io.h"
 #include "model/mixtral.h"
+#include "training_case.h"
 #include "model/weights.h"
 #include "optim/adamw.h"
 
@@ -129,26 +130,10 @@ INSTANTIATE_TEST_SUITE_P(Transformers, Bf16Golden,
 
 // 20 optimizer steps in bf16 and in fp32 from the same weights on the same batches.
 TEST(Bf16Training, TwentyStepLossCurveWithinTwoPercentOfFp32) {
-  const nlohmann::json j = {{"architectures", {"MixtralForCausalLM"}}, {"model_type", "mixtral"},
-                            {"vocab_size", 512},   {"hidden_size", 128},
-                            {"intermediate_size", 256}, {"num_hidden_layers", 2},
-                            {"num_attention_heads", 4}, {"num_key_value_heads", 2},
-                            {"num_local_experts", 4}, {"num_experts_per_tok", 2},
-                            {"rms_norm_eps", 1e-5}, {"rope_theta", 1e6},
-                            {"router_aux_loss_coef", 0.02}, {"tie_word_embeddings", false}};
-  const ModelConfig cfg = model_config_from_json(j, "bf16 training test");
-  const int B = 2, T = 64, steps = 20, nbatches = 4;
-  std::vector<Batch> batches(nbatches);
-  for (int i = 0; i < nbatches; i++) {
-    Batch& b = batches[i];
-    b.B = B;
-    b.T = T;
-    b.input_ids.resize((size_t)B * T);
-    // Token streams with structure (a repeating pattern per row plus noise) so the loss falls.
-    for (size_t t = 0; t < b.input_ids.size(); t++)
-      b.input_ids[t] = (int32_t)((t % 17) * 29 + (mix64(t + 1000 * i) % 3)) % cfg.vocab_size;
-    b.labels = b.input_ids;
-  }
+  const ModelConfig cfg = testing::training_case_model();
+  const int steps = 20;
+  const std::vector<Batch> batches = testing::training_case_batches(cfg.vocab_size, 2, 64, 4);
+  const int nbatches = (int)batches.size();
   MixtralModel fp32(cfg);
   init_parameters(fp32.table(), cfg, 7, fp32.params().data());
   Bf16CpuBackend be;

@@ -254,7 +254,8 @@ class Backend {
                             double beta2, double eps, double weight_decay, long step) = 0;
   // sum of values[i]^2 over the sorted, disjoint flat ranges `counted` of an array of `total`
   // elements, summed per fixed 16384-element chunk of the flat index and the chunks in order
-  // (deterministic; one process gives bitwise global_grad_norm's square); synchronises.
+  // (deterministic; on the CPU backend bitwise global_grad_norm's square for one process, on
+  // CUDA each chunk's segments by a fixed block tree); synchronises.
   virtual double sum_squares(Tensor values, const std::vector<std::pair<size_t, size_t>>& counted) = 0;
 };
 

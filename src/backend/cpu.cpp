@@ -50,14 +50,6 @@ class HostAllocation final : public Allocation {
 const uint8_t* mask_or_null(Tensor t) { return t.empty() ? nullptr : t.u8(); }
 const int32_t* i32_or_null(Tensor t) { return t.empty() ? nullptr : t.i32(); }
 
-ops::AttentionMask host_mask(const AttnMask& m) {
-  ops::AttentionMask a;
-  a.attention_mask = i32_or_null(m.attention_mask);
-  a.segment_ids = i32_or_null(m.segment_ids);
-  a.sliding_window = m.sliding_window;
-  return a;
-}
-
 // y[n] += x[n]
 void add_inplace(float* y, const float* x, long n) {
 #pragma omp parallel for schedule(static)
@@ -65,6 +57,23 @@ void add_inplace(float* y, const float* x, long n) {
 }
 
 }  // namespace
+
+ops::AttentionMask CpuBackend::host_mask(const AttnMask& m) {
+  ops::AttentionMask a;
+  a.attention_mask = i32_or_null(m.attention_mask);
+  a.segment_ids = i32_or_null(m.segment_ids);
+  a.sliding_window = m.sliding_window;
+  return a;
+}
+
+void CpuBackend::logits_to_gradient(Tensor logits, Tensor lse, Tensor targets, long N, int64_t Vr, int64_t V0,
+                                    float scale, bool whole) {
+  float* l = logits.f32();
+  if (whole)
+    ops::cross_entropy_backward(l, l, lse.f32(), targets.i32(), N, (int)Vr, scale);
+  else
+    dist::cross_entropy_backward_vocab_parallel(l, l, lse.f32(), targets.i32(), N, Vr, V0, scale);
+}
 
 std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
 
@@ -254,12 +263,8 @@ double CpuBackend::cross_entropy_forward(Tensor lse, Tensor logits, Tensor targe
 
 void CpuBackend::head_backward(Tensor dln, Tensor dhead, Tensor logits, Tensor lse, Tensor targets, Tensor lnf,
                                Tensor head, long N, int C, int64_t Vr, int64_t V0, float scale, bool whole) {
-  float* l = logits.f32();
-  if (whole)
-    ops::cross_entropy_backward(l, l, lse.f32(), targets.i32(), N, (int)Vr, scale);
-  else
-    dist::cross_entropy_backward_vocab_parallel(l, l, lse.f32(), targets.i32(), N, Vr, V0, scale);
-  ops::matmul_backward(dln.f32(), dhead.f32(), l, lnf.f32(), head.f32(), (int)N, C, (int)Vr);
+  logits_to_gradient(logits, lse, targets, N, Vr, V0, scale, whole);
+  ops::matmul_backward(dln.f32(), dhead.f32(), logits.f32(), lnf.f32(), head.f32(), (int)N, C, (int)Vr);
 }
 
 void CpuBackend::init_normal(Tensor p, uint64_t seed, uint64_t key, double std, float fill) {

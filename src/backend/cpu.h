@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "ops/attention.h"
 
 namespace moetron {
 
@@ -70,6 +71,11 @@ class CpuBackend : public Backend {
   double sum_squares(Tensor values, const std::vector<std::pair<size_t, size_t>>& counted) override;
 
  protected:
+  // logits[N,Vr] become scale * (softmax - onehot) in place (whole: ops/cross_entropy; else the
+  // vocabulary-parallel form of dist/tp_ops).
+  static void logits_to_gradient(Tensor logits, Tensor lse, Tensor targets, long N, int64_t Vr, int64_t V0, float scale,
+                                 bool whole);
+  static ops::AttentionMask host_mask(const AttnMask& m);
   // Scratch floats owned by the backend (the accumulating variants, the expert backward).
   float* scratch(std::vector<float>& buf, size_t n) {
     if (buf.size() < n) buf.resize(n);

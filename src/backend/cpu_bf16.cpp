@@ -57,16 +57,6 @@ void Bf16CpuBackend::rope_backward(Tensor dx, Tensor pos, long N, int H, int HD,
 
 size_t Bf16CpuBackend::attention_saved_numel(int B, int T, int NH) const { return 2 * (size_t)B * NH * T * T; }
 
-namespace {
-ops::AttentionMask host_mask(const AttnMask& m) {
-  ops::AttentionMask a;
-  a.attention_mask = m.attention_mask.empty() ? nullptr : m.attention_mask.i32();
-  a.segment_ids = m.segment_ids.empty() ? nullptr : m.segment_ids.i32();
-  a.sliding_window = m.sliding_window;
-  return a;
-}
-}  // namespace
-
 void Bf16CpuBackend::attention_forward(Tensor out, Tensor saved, Tensor q, Tensor k, Tensor v, const AttnMask& mask,
                                        int B, int T, int NH, int NKV, int HD) {
   const size_t P = (size_t)B * NH * T * T;
@@ -134,11 +124,8 @@ void Bf16CpuBackend::moe_experts_backward(Tensor dxperm, Tensor dw13, Tensor dw2
 
 void Bf16CpuBackend::head_backward(Tensor dln, Tensor dhead, Tensor logits, Tensor lse, Tensor targets, Tensor lnf,
                                    Tensor head, long N, int C, int64_t Vr, int64_t V0, float scale, bool whole) {
+  logits_to_gradient(logits, lse, targets, N, Vr, V0, scale, whole);
   float* l = logits.f32();
-  if (whole)
-    ops::cross_entropy_backward(l, l, lse.f32(), targets.i32(), N, (int)Vr, scale);
-  else
-    dist::cross_entropy_backward_vocab_parallel(l, l, lse.f32(), targets.i32(), N, Vr, V0, scale);
   round_all(l, (size_t)N * Vr);  // the logit gradient is a bf16 GEMM operand
   ops::matmul_backward(dln.f32(), dhead.f32(), l, lnf.f32(), head.f32(), (int)N, C, (int)Vr);
 }

@@ -13,10 +13,12 @@ namespace {
 
 class DeviceAllocation final : public Allocation {
  public:
-  DeviceAllocation(Context& ctx, size_t bytes, const std::string& what) : arena_(std::max<size_t>(bytes, 1), what) {
+  // One cudaMalloc of the 256-byte rounded size (DeviceArena hands out rounded pieces), zeroed.
+  DeviceAllocation(Context& ctx, size_t bytes, const std::string& what)
+      : arena_(DeviceArena::rounded(std::max<size_t>(bytes, 1)), what) {
     data_ = arena_.take(std::max<size_t>(bytes, 1));
     bytes_ = bytes;
-    fill_zero(ctx, data_, std::max<size_t>(bytes, 1));
+    fill_zero(ctx, data_, arena_.capacity());
   }
 
  private:
@@ -103,6 +105,7 @@ void CudaBackend::convert(Tensor dst, Tensor src) {
 void CudaBackend::add(Tensor y, Tensor x) {
   expect(y, Store::f32, "add", "y");
   expect(x, Store::f32, "add", "x");
+  MOETRON_ASSERT(y.numel == x.numel);
   add_f32(*ctx_, f32p(y), f32p(x), y.numel);
 }
 void CudaBackend::synchronize(const char* what) { ctx_->synchronize(what); }

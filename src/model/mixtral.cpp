@@ -172,6 +172,11 @@ Tensor MixtralModel::G(ParamKind kind, int layer) const {
   return grads_t_.part(s.offset, s.numel);
 }
 
+void MixtralModel::zero_dropped_rows(Tensor rows, const ops::MoePlan& plan, int C) {
+  const size_t kept = (size_t)plan.expert_offsets[plan.E - plan.overflow], all = (size_t)plan.N * plan.K;
+  if (kept < all) be_.fill_zero(rows.part(kept * C, (all - kept) * C));
+}
+
 Tensor MixtralModel::as_act(Tensor src, Tensor scratch) {
   if (be_.act_store() == src.store) return src;
   be_.convert(scratch, src);
@@ -419,13 +424,9 @@ Losses MixtralModel::run_forward(Activations& s, const Batch& batch, const LossW
   allocate(s, batch.B, batch.T);
   allocate_scratch(batch.B, batch.T);
   const long N = (long)batch.B * batch.T;
-  const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
-  (void)I;
-  (void)NH;
-  (void)NKV;
-  (void)HD;
-  (void)Q;
-  (void)KVd;
+  const Dims d = dims();
+  const int C = d.C, V = d.V, E = d.E, K = d.K;
+  const bool moe = d.moe;
 
   s.weights = weights;
   s.prep = prepare_batch(batch);
@@ -573,9 +574,7 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
       be_.moe_permute_forward(a.xperm, a.ln2, a.pv, C);
     }
     dispatch_->forward(a.dispatch, a.yperm, a.xperm, a.pv, w13, w2);
-    // Dropped rows (capacity) computed nothing: their outputs are zeros.
-    const long kept = a.plan.expert_offsets[E];
-    if (kept < N * K) be_.fill_zero(a.yperm.part((size_t)kept * C, (size_t)(N * K - kept) * C));
+    zero_dropped_rows(a.yperm, a.plan, C);  // dropped rows (capacity) computed nothing: zeros
     {
       Section t(be_, profile_, "fwd.moe_permute");
       be_.moe_combine_forward(x_next, a.yperm, a.plan.overflow ? a.combine_w : a.topk_w, a.pv, C);
@@ -606,14 +605,8 @@ void MixtralModel::backward(const StageGrad& grad) {
   pending_.pop_front();
   allocate_scratch(s.B, s.T);
   const long N = (long)s.B * s.T;
-  const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
-  (void)I;
-  (void)NH;
-  (void)NKV;
-  (void)HD;
-  (void)Q;
-  (void)KVd;
-  (void)K;
+  const Dims d = dims();
+  const int C = d.C, V = d.V, E = d.E;
   if (pooled_aux && !last_stage()) {
     // The pooled aux loss's gradient per expert, from the last stage (the same for every layer).
     s.router.aux_grad.assign(grad.aux_grad, grad.aux_grad + E);
@@ -660,10 +653,7 @@ void MixtralModel::layer_backward(Activations& s, int l) {
     // yperm is this rank's partial expert output, so the routing-weight gradient is partial too.
     if (tp_on()) tp_all_reduce(dtopk_);
     dispatch_->backward(dxperm_, dw13, dw2, dyperm_, a.dispatch, a.xperm, a.pv, w13, w2);
-    {
-      const long kept = a.plan.expert_offsets[E];  // dropped rows pass no gradient to the input
-      if (kept < N * K) be_.fill_zero(dxperm_.part((size_t)kept * C, (size_t)(N * K - kept) * C));
-    }
+    zero_dropped_rows(dxperm_, a.plan, C);  // dropped rows pass no gradient to the input
     {
       Section t(be_, profile_, "bwd.moe_permute");
       be_.moe_permute_backward(dln_, dxperm_, a.pv, C);

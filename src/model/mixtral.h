@@ -246,6 +246,8 @@ class MixtralModel {
   Tensor G(ParamKind kind, int layer = -1) const;
   // src (f32) in the act store: src itself when that is f32, else converted into `scratch`.
   Tensor as_act(Tensor src, Tensor scratch);
+  // Zeros the rows [M] of plan order past the computed ones (the overflow expert's: capacity drops).
+  void zero_dropped_rows(Tensor rows, const ops::MoePlan& plan, int C);
   void refresh_gemm_weights();
 
   std::unique_ptr<Backend> own_backend_;  // the CPU backend of the first constructor

@@ -194,22 +194,22 @@ ModelConfig plan_model_config(const TrainConfig& cfg, std::string* source) {
 }
 
 Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size, const std::string& model_source) {
-  resolve_layout(cfg, model, world_size);
+  const Layout layout = resolve_layout(cfg, model, world_size);
   Plan p;
   p.model_source = model_source;
   p.model = model;
   p.device = cfg.device;
   p.dtype = cfg.model.dtype;
-  p.world = world_size;
-  p.tp = cfg.parallel.tp;
-  p.pp = cfg.parallel.pp;
-  p.ep = cfg.parallel.ep;
-  p.dp = world_size / (p.tp * p.pp);
-  p.zero1 = cfg.parallel.zero1;
+  p.world = layout.world;
+  p.tp = layout.tp;
+  p.pp = layout.pp;
+  p.ep = layout.ep;
+  p.dp = layout.dp;
+  p.zero1 = layout.zero1;
   p.seq_length = cfg.data.seq_length;
   p.micro_batch_size = cfg.train.micro_batch_size;
   p.global_batch_size = cfg.train.global_batch_size;
-  p.micro_batches = p.global_batch_size / (p.micro_batch_size * p.dp);
+  p.micro_batches = layout.micro_batches;
   p.tokens_per_step = (int64_t)p.global_batch_size * p.seq_length;
   const bool bf16 = cfg.model.dtype == "bf16";
   p.param_dtype_bytes = bf16 ? 2 : 4;
