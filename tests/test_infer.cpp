@@ -7,6 +7,8 @@
 // kernels and per-row attention here, BLAS GEMMs and blocked attention there), which moves logits
 // by ~1e-7 relative on these 2-layer models.  A wrong position, cache slot, window or mask moves them
 // by far more (the golden models scale q/k so attention is sharp).
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -19,6 +21,7 @@
 #include <omp.h>
 #include <nlohmann/json.hpp>
 
+#include "core/error.h"
 #include "core/rng.h"
 #include "infer/decoder.h"
 #include "infer/generate.h"
@@ -495,4 +498,31 @@ TEST(TextStream, IncompleteUtf8Tail) {
   EXPECT_EQ(incomplete_utf8_tail("\xF0\x9F\x99"), 3u);
   EXPECT_EQ(incomplete_utf8_tail("\xF0\x9F\x99\x82"), 0u);
   EXPECT_EQ(incomplete_utf8_tail("\xE4\xBD"), 2u);
+}
+
+// --eval-chat holds conversations to the model's positions as --prompt does (the hostile-input
+// review: a 13 MB conversation ran past the context with exit 0): an Error naming the line.
+TEST(EvalChat, AConversationBeyondTheModelsPositionsIsAnErrorNamingTheLine) {
+  const std::string dir = (kGenerate / "mixtral_gqa").string();
+  const auto model = load_inference_model(dir);
+  const auto tok = load_model_tokenizer(dir, "", model->cfg, true);
+  Decoder decoder(*model);
+  const fs::path path = fs::temp_directory_path() / ("moetron_evalchat_" + std::to_string(::getpid()) + ".jsonl");
+  std::string long_text;
+  for (int i = 0; i < 600; i++) long_text += "word" + std::to_string(i) + " ";
+  {
+    std::ofstream out(path);
+    out << R"({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]})" << "\n";
+    out << nlohmann::json{{"messages", {{{"role", "user"}, {"content", long_text}}, {{"role", "assistant"}, {"content", "x"}}}}}.dump()
+        << "\n";
+  }
+  const std::vector<int32_t> eos = {tok->eos_id()};
+  try {
+    chat_answer_accuracy(decoder, *tok, ChatTemplate::mistral, eos, path.string(), 8, 0);
+    ADD_FAILURE() << "accepted a conversation longer than " << model->cfg.max_position_embeddings << " positions";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(path.string() + ":2: the conversation is"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("more than the model's 512 positions"), std::string::npos) << e.what();
+  }
+  fs::remove(path);
 }

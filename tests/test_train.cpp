@@ -366,6 +366,40 @@ TEST_F(TrainTest, SigtermSavesExitsZeroAndResumesExactly) {
   for (size_t i = 0; i < a.size(); i++) EXPECT_EQ(std::memcmp(&a[i], &b[i], sizeof(double)), 0) << "step " << i + 1;
 }
 
+// SIGTERM during an evaluation (eval.batches has no upper bound) stops it at the next batch: the
+// run saves the step's checkpoint and exits 0 at once, with no val_loss for that step.
+TEST_F(TrainTest, SigtermDuringEvaluationStopsItAndCheckpoints) {
+  const fs::path cfg = root_ / "sigeval.yaml";
+  std::ofstream(cfg) << yaml("sigeval");
+  const std::vector<std::string> args = {"train.max_steps=5", "checkpoint.every_steps=0", "eval.every_steps=1",
+                                         "eval.batches=100000000"};
+  const pid_t pid = spawn_train(cfg, root_ / "sigeval.out", args);
+  ASSERT_GT(pid, 0);
+  const fs::path m = root_ / "sigeval" / "metrics.jsonl";
+  bool logged = false;
+  for (int i = 0; i < 1500 && !logged; i++) {  // step 1's line is written just before its evaluation
+    std::ifstream f(m);
+    std::string l;
+    logged = static_cast<bool>(std::getline(f, l));
+    if (!logged) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(logged);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  EXPECT_EQ(wait_exit_code(pid), 0);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(waited, 30.0) << "the evaluation of 10^8 batches was not cut short";
+  EXPECT_TRUE(metrics("sigeval", "val_loss").empty()) << "an interrupted evaluation logs no val_loss";
+  std::ifstream latest(root_ / "sigeval" / "checkpoints" / "latest");
+  std::string name;
+  latest >> name;
+  EXPECT_EQ(name, "step-000001");
+  std::ifstream log(root_ / "sigeval" / "log.txt");
+  const std::string text((std::istreambuf_iterator<char>(log)), {});
+  EXPECT_NE(text.find("step 1: evaluation stopped by a signal"), std::string::npos) << text;
+}
+
 // An injected NaN gradient skips that update and is logged; nan_skip_limit in a row abort with a
 // non-zero exit and no checkpoint of the bad state.
 TEST_F(TrainTest, InjectedNanIsSkippedThenRepeatedNansAbort) {

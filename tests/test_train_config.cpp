@@ -415,3 +415,23 @@ TEST(TrainConfig, MissingFileIsNamed) {
     EXPECT_HAS(e.what(), "/nonexistent/x.yaml: cannot open the training config");
   }
 }
+
+
+// The hostile-input review's alias bomb: under 1 KB of YAML whose aliases name 10^10 leaves in
+// model.config.  The copy into JSON stops at 100000 nodes with an error naming the value, before
+// the expansion (10^10 values) could take its memory.
+TEST(TrainConfig, YamlAliasBombIsRefusedBeforeExpanding) {
+  std::string yaml = "run_dir: runs/t\nmodel:\n  init: random\n  config:\n    architectures: [MixtralForCausalLM]\n";
+  yaml += "    l0: &l0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n";
+  for (int i = 1; i <= 9; i++) {
+    yaml += "    l" + std::to_string(i) + ": &l" + std::to_string(i) + " [";
+    for (int j = 0; j < 10; j++) yaml += (j ? ", *l" : "*l") + std::to_string(i - 1);
+    yaml += "]\n";
+  }
+  yaml += "data: {path: d, seq_length: 8}\ntrain: {global_batch_size: 1, micro_batch_size: 1, max_steps: 1}\n";
+  ASSERT_LT(yaml.size(), 1200u);
+  const std::string e = error_of(yaml);
+  EXPECT_NE(e.find("expands to more than 100000 YAML nodes"), std::string::npos) << e;
+  EXPECT_NE(e.find("model.config"), std::string::npos) << e;
+}
+

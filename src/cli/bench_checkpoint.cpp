@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -94,6 +95,31 @@ size_t sequential_pass(const std::vector<fs::path>& files, const std::string& ou
   return total;
 }
 
+// A directory this run creates (mkdtemp under `parent`) and removes with everything in it -- and
+// nothing else -- when it goes out of scope, errors included.
+class ScratchDir {
+ public:
+  explicit ScratchDir(const std::string& parent) {
+    std::error_code ec;
+    fs::create_directories(parent, ec);
+    if (!fs::is_directory(parent)) fail("--output: '{}' is not a directory and cannot be created", parent);
+    std::string tmpl = (fs::path(parent) / "moetron-bench-XXXXXX").string();
+    if (mkdtemp(tmpl.data()) == nullptr)
+      fail("--output: cannot create a scratch directory in '{}': {}", parent, std::strerror(errno));
+    path_ = tmpl;
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
 int make_model(const std::string& dir, int hidden, int layers, int experts, int intermediate, int vocab) {
   const ModelConfig cfg = model_config_from_json(
       {{"architectures", {"MixtralForCausalLM"}}, {"model_type", "mixtral"}, {"vocab_size", vocab},
@@ -101,6 +127,10 @@ int make_model(const std::string& dir, int hidden, int layers, int experts, int 
        {"num_attention_heads", 16}, {"num_key_value_heads", 8}, {"num_local_experts", experts},
        {"num_experts_per_tok", 2}, {"torch_dtype", "bfloat16"}},
       "bench checkpoint --make-model");
+  // The directory is the command's output: it must be new or empty (nothing of the user's is
+  // overwritten).
+  if (fs::exists(dir) && (!fs::is_directory(dir) || !fs::is_empty(dir)))
+    fail("--make-model: '{}' already exists and is not an empty directory; give a new directory", dir);
   const ParamTable table(cfg);
   std::vector<float> params(table.total());
   init_parameters(table, cfg, 1, params.data());
@@ -124,7 +154,9 @@ int run_bench_checkpoint(int argc, char** argv) {
   std::string model_dir, make_dir, out_dir;
   int repeats = 3, hidden = 1024, layers = 8, experts = 8, intermediate = 2048, vocab = 32000;
   app.add_option("--model", model_dir, "HF model directory to load (safetensors, any float dtype)");
-  app.add_option("--output", out_dir, "scratch directory for the saves and copies (default: MODEL.bench-out)");
+  app.add_option("--output", out_dir,
+                 "where to make the scratch directory for the saves and copies: a fresh DIR/moetron-bench-XXXXXX, "
+                 "removed at the end (nothing else there is touched; default: the system temporary directory)");
   app.add_option("--repeats", repeats, "timed runs of each step; medians are reported")->check(CLI::PositiveNumber);
   app.add_option("--make-model", make_dir, "write a random bf16 Mixtral to this directory and exit");
   app.add_option("--hidden", hidden, "--make-model: hidden_size")->check(CLI::PositiveNumber);
@@ -142,7 +174,7 @@ int run_bench_checkpoint(int argc, char** argv) {
     std::fprintf(stderr, "moetron bench checkpoint: give --model DIR (or --make-model DIR to create one)\n");
     return 2;
   }
-  if (out_dir.empty()) out_dir = model_dir + ".bench-out";
+  if (out_dir.empty()) out_dir = fs::temp_directory_path().string();
 
   const ModelConfig cfg = load_model_config((fs::path(model_dir) / "config.json").string());
   const ParamTable table(cfg);
@@ -167,7 +199,8 @@ int run_bench_checkpoint(int argc, char** argv) {
   std::vector<ModelTensorToWrite> to_write;
   for (const HfTensorRef& ref : table.hf_tensors())
     to_write.push_back({ref.name, DType::BF16, ref.shape, params.data() + ref.offset});
-  const std::string save_dir = (fs::path(out_dir) / "save").string(), copy_dir = (fs::path(out_dir) / "copy").string();
+  const ScratchDir scratch(out_dir);
+  const std::string save_dir = (scratch.path() / "save").string(), copy_dir = (scratch.path() / "copy").string();
   fs::create_directories(save_dir);
   fs::create_directories(copy_dir);
   std::vector<char> buf(size_t{16} << 20);
@@ -185,8 +218,6 @@ int run_bench_checkpoint(int argc, char** argv) {
     copy_s.push_back(seconds_since(t0));
   }
   for (const fs::path& f : safetensors_files(save_dir)) saved_bytes += fs::file_size(f);
-  std::error_code ec;
-  fs::remove_all(out_dir, ec);
 
   const double gb = static_cast<double>(file_bytes) / 1e9, fp32_gib = table.total() * 4.0 / (1 << 30);
   std::printf("bench checkpoint: %s, %zu file(s), %.3f GB on disk; fp32 parameters %.3f GiB; medians of %d runs\n",

@@ -34,6 +34,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "core/json_limits.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "io/model_files.h"
@@ -211,11 +212,7 @@ int run_convert(int argc, char** argv) {
       std::ifstream f(in / "config.json", std::ios::binary);
       std::stringstream ss;
       ss << f.rdbuf();
-      try {
-        cfg = json::parse(ss.str());
-      } catch (const json::exception& e) {
-        fail("{}: not valid JSON: {}", (in / "config.json").string(), e.what());
-      }
+      cfg = parse_json(ss.str(), (in / "config.json").string());
       if (!cfg.is_object()) fail("{}: expected a JSON object", (in / "config.json").string());
     }
     if (target) {

@@ -1,4 +1,5 @@
 #include "data/jsonl.h"
+#include "core/json_limits.h"
 
 #include <sys/stat.h>
 
@@ -82,8 +83,10 @@ bool parse_record(std::string_view line, RecordFormat format, Record& out, Recor
   out.messages.clear();
   out.text.clear();
   if (!is_valid_utf8(line)) return set_error(err, SkipReason::invalid_utf8, "the line is not valid UTF-8");
-  nlohmann::json j = nlohmann::json::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return set_error(err, SkipReason::invalid_json, "the line is not valid JSON");
+  nlohmann::json j = parse_json_or_discarded(line);
+  if (j.is_discarded())
+    return set_error(err, SkipReason::invalid_json,
+                     fmt::format("the line is not valid JSON (or nested deeper than {} levels)", kMaxJsonDepth));
   if (!j.is_object()) return set_error(err, SkipReason::invalid_json, "the line is JSON but not an object");
   if (format == RecordFormat::auto_detect) {
     format = format_of_object(j);
@@ -143,7 +146,7 @@ RecordFormat detect_file_format(const std::string& path, size_t max_lines) {
   std::string line;
   while (r.line_number() < max_lines && r.next(line)) {
     if (!is_valid_utf8(line)) continue;
-    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    nlohmann::json j = parse_json_or_discarded(line);
     if (j.is_discarded()) continue;
     const RecordFormat f = format_of_object(j);
     if (f != RecordFormat::auto_detect) return f;

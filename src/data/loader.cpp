@@ -1,4 +1,5 @@
 #include "data/loader.h"
+#include "core/json_limits.h"
 
 #include <algorithm>
 #include <numeric>
@@ -42,7 +43,7 @@ void to_json(nlohmann::json& j, const LoaderState& s) {
 }
 
 void from_json(const nlohmann::json& j, LoaderState& s) {
-  if (!j.is_object()) fail("loader state: expected a JSON object, got {}", j.dump());
+  if (!j.is_object()) fail("loader state: expected a JSON object, got {}", json_preview(j));
   s.epoch = get_u64(j, "epoch");
   s.next_block = get_u64(j, "next_block");
   s.seed = get_u64(j, "seed");

@@ -1,4 +1,5 @@
 #include "infer/generate.h"
+#include "core/json_limits.h"
 
 #include <algorithm>
 #include <chrono>
@@ -142,7 +143,7 @@ AnswerAccuracy chat_answer_accuracy(Decoder& decoder, const Tokenizer& tok, Chat
   for (std::string line; std::getline(in, line) && (limit <= 0 || acc.total < limit);) {
     line_no++;
     if (trim(line).empty()) continue;
-    const auto j = nlohmann::json::parse(line, nullptr, false);
+    const auto j = parse_json_or_discarded(line);
     if (!j.is_object() || !j.contains("messages") || !j["messages"].is_array() || j["messages"].empty())
       fail("{}:{}: expected an object with a non-empty 'messages' array", jsonl_path, line_no);
     std::vector<ChatMessage> msgs;
@@ -157,7 +158,16 @@ AnswerAccuracy chat_answer_accuracy(Decoder& decoder, const Tokenizer& tok, Chat
     const std::string expected = trim(msgs.back().content);
     msgs.pop_back();
     const std::vector<int32_t> prompt = chat_prompt_tokens(tmpl, tok, msgs);
-    const std::vector<int32_t> reply = generate_greedy(decoder, cache, prompt, max_new_tokens, eos_ids);
+    // The model's positions bound prompt + reply, as for --prompt.
+    const int positions = decoder.config().max_position_embeddings;
+    if (positions > 0 && (long)prompt.size() > positions)
+      fail("{}:{}: the conversation is {} tokens, more than the model's {} positions (max_position_embeddings)",
+           jsonl_path, line_no, prompt.size(), positions);
+    GenerateOptions o;
+    o.max_new_tokens = max_new_tokens;
+    o.eos_ids.assign(eos_ids.begin(), eos_ids.end());
+    o.max_positions = positions;
+    const std::vector<int32_t> reply = generate(decoder, cache, prompt, o, nullptr).tokens;
     const std::string text = trim(tok.decode(reply));
     acc.total++;
     acc.correct += text == expected;

@@ -1,4 +1,5 @@
 #include "infer/model.h"
+#include "core/json_limits.h"
 
 #include <algorithm>
 #include <cstring>
@@ -25,7 +26,7 @@ std::optional<nlohmann::json> read_json_if_exists(const fs::path& p) {
   std::ifstream in(p);
   std::stringstream ss;
   ss << in.rdbuf();
-  auto j = nlohmann::json::parse(ss.str(), nullptr, false);
+  auto j = parse_json_or_discarded(ss.str());
   if (j.is_discarded()) return std::nullopt;
   return j;
 }

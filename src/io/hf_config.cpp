@@ -1,4 +1,5 @@
 #include "io/hf_config.h"
+#include "core/json_limits.h"
 
 #include <climits>
 #include <cmath>
@@ -61,10 +62,10 @@ class Fields {
 
   int to_int(const char* key, const json& v) const {
     if (!v.is_number_integer())
-      fail("{}: field '{}' must be an integer, got {} {}", source_, key, v.type_name(), v.dump());
+      fail("{}: field '{}' must be an integer, got {} {}", source_, key, v.type_name(), json_preview(v));
     if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(INT_MAX)
                                : (v.get<int64_t>() > INT_MAX || v.get<int64_t>() < INT_MIN))
-      fail("{}: field '{}' value {} is out of range", source_, key, v.dump());
+      fail("{}: field '{}' value {} is out of range", source_, key, json_preview(v));
     return v.get<int>();
   }
   int required_int(const char* key) {
@@ -213,10 +214,10 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
       if (k == "rope_type" || k == "type") {
         if (!v.is_string() || v.get<std::string>() != "default")
           fail("{}: field 'rope_parameters.{}' = {} is not supported; only \"default\" is", source,
-               k, v.dump());
+               k, json_preview(v));
       } else if (k == "rope_theta") {
         if (!v.is_number())
-          fail("{}: field 'rope_parameters.rope_theta' must be a number, got {}", source, v.dump());
+          fail("{}: field 'rope_parameters.rope_theta' must be a number, got {}", source, json_preview(v));
         c.rope_theta = v.get<double>();
         has_theta = true;
       } else {
@@ -277,13 +278,7 @@ ModelConfig load_model_config(const std::string& path) {
   if (!in) fail("{}: cannot open model config", path);
   std::stringstream ss;
   ss << in.rdbuf();
-  json j;
-  try {
-    j = json::parse(ss.str());
-  } catch (const json::exception& e) {
-    fail("{}: not valid JSON: {}", path, e.what());
-  }
-  return model_config_from_json(j, path);
+  return model_config_from_json(parse_json(ss.str(), path), path);
 }
 
 json model_config_to_json(const ModelConfig& c) {

@@ -1,4 +1,5 @@
 #include "io/model_files.h"
+#include "core/json_limits.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -34,11 +35,7 @@ nlohmann::json read_json_file(const std::string& path) {
   if (!in) fail("{}: cannot open", path);
   std::stringstream ss;
   ss << in.rdbuf();
-  try {
-    return nlohmann::json::parse(ss.str());
-  } catch (const nlohmann::json::exception& e) {
-    fail("{}: not valid JSON: {}", path, e.what());
-  }
+  return parse_json(ss.str(), path);
 }
 
 // "model-DDDDD-of-DDDDD.safetensors"

@@ -1,4 +1,5 @@
 #include "io/safetensors.h"
+#include "core/json_limits.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -43,7 +44,10 @@ bool checked_numel(const std::vector<int64_t>& shape, int64_t* numel) {
 // silently; the reference library rejects them).
 json parse_header(const std::string& path, std::string_view text) {
   std::vector<std::set<std::string>> keys;  // one set per open object
-  auto callback = [&](int /*depth*/, json::parse_event_t event, json& parsed) -> bool {
+  auto callback = [&](int depth, json::parse_event_t event, json& parsed) -> bool {
+    if ((event == json::parse_event_t::object_start || event == json::parse_event_t::array_start) &&
+        depth >= kMaxJsonDepth)
+      fail("{}: header: JSON nested deeper than {} levels", path, kMaxJsonDepth);
     switch (event) {
       case json::parse_event_t::object_start: keys.emplace_back(); break;
       case json::parse_event_t::object_end:
@@ -108,7 +112,7 @@ TensorView parse_entry(const std::string& path, const std::string& name, const j
   for (const json& d : *sh) {
     if (!d.is_number_integer())
       fail("{}: tensor '{}': 'shape' must be an array of integers, found {}", path, name,
-           d.dump());
+           json_preview(d));
     if (d.is_number_unsigned()) {
       const uint64_t u = d.get<uint64_t>();
       if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))

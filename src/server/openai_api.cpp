@@ -1,4 +1,5 @@
 #include "server/openai_api.h"
+#include "core/json_limits.h"
 
 #include <cmath>
 #include <limits>
@@ -107,9 +108,13 @@ std::string error_json(const ApiError& e) {
 }
 
 CompletionRequest parse_request(Endpoint endpoint, const std::string& body_text) {
-  const json body = json::parse(body_text, nullptr, /*allow_exceptions=*/false);
+  const json body = parse_json_or_discarded(body_text);
   if (body.is_discarded())
-    bad("", "We could not parse the JSON body of your request: it is not valid JSON (UTF-8 text).", "invalid_json");
+    bad("",
+        fmt::format("We could not parse the JSON body of your request: it is not valid JSON (UTF-8 text) or it is "
+                    "nested deeper than {} levels.",
+                    kMaxJsonDepth),
+        "invalid_json");
   if (!body.is_object()) bad("", fmt::format("The request body must be a JSON object, got {}", body.type_name()),
                              "invalid_type");
   CompletionRequest r;

@@ -1,4 +1,5 @@
 #include "train/checkpoint.h"
+#include "core/json_limits.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -175,11 +176,7 @@ std::string read_text_file(const std::string& path) {
 
 json read_json_file(const std::string& path) {
   const std::string text = read_text_file(path);
-  try {
-    return json::parse(text);
-  } catch (const json::exception& e) {
-    fail("{}: not valid JSON (corrupt or truncated?): {}", path, e.what());
-  }
+  return parse_json(text, path + " (corrupt or truncated?)");
 }
 
 bool is_file(const fs::path& p) {
@@ -364,7 +361,7 @@ ShardedSafetensors ShardedSafetensors::open(const std::string& dir, const std::s
   std::map<std::string, SafetensorsFile*> by_file;
   for (const auto& [name, fj] : j["weight_map"].items()) {
     if (!fj.is_string() || !is_safe_relative(fj.get<std::string>()))
-      fail("{}: weight_map entry for '{}' must name a file inside {}, got {}", ipath, name, dir, fj.dump());
+      fail("{}: weight_map entry for '{}' must name a file inside {}, got {}", ipath, name, dir, json_preview(fj));
     const std::string file = fj.get<std::string>();
     auto it = by_file.find(file);
     if (it == by_file.end()) {
@@ -403,7 +400,7 @@ json read_trainer_state(const std::string& dir) {
   if (!j.contains("format_version") || !j["format_version"].is_number_integer() ||
       j["format_version"].get<int64_t>() != kFormatVersion)
     fail("{}: field 'format_version' must be {}, got {}", path, kFormatVersion,
-         j.contains("format_version") ? j["format_version"].dump() : "nothing");
+         j.contains("format_version") ? json_preview(j["format_version"]) : "nothing");
   auto h = j.find("trainer_state_xxh64");
   if (h == j.end() || !h->is_string()) fail("{}: missing its checksum 'trainer_state_xxh64'", path);
   const std::string want = h->get<std::string>();
@@ -432,7 +429,7 @@ std::vector<ListedFile> listed_files(const std::string& dir, const json& state) 
     if (!is_safe_relative(rel)) fail("{}: 'files' lists '{}', which is not a path inside {}", spath, rel, dir);
     if (!info.is_object() || !info.contains("size") || !info["size"].is_number_unsigned() ||
         !info.contains("xxh64") || !info["xxh64"].is_string())
-      fail("{}: 'files' entry '{}' must be {{\"size\": BYTES, \"xxh64\": HEX}}, got {}", spath, rel, info.dump());
+      fail("{}: 'files' entry '{}' must be {{\"size\": BYTES, \"xxh64\": HEX}}, got {}", spath, rel, json_preview(info));
     out.push_back({rel, info["size"].get<uint64_t>(), info["xxh64"].get<std::string>()});
   }
   return out;
@@ -784,7 +781,7 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, const ModelConfig& expe
   LoadedCheckpoint out;
   const json& steps = state["optimizer_steps"];
   if (!steps.is_number_integer())
-    fail("{}/{}: field 'optimizer_steps' must be an integer, got {}", dir, kStateFile, steps.dump());
+    fail("{}/{}: field 'optimizer_steps' must be an integer, got {}", dir, kStateFile, json_preview(steps));
   out.optimizer_steps = steps.get<long>();
   for (const char* k : kReservedKeys) state.erase(k);
   out.trainer_state = std::move(state);

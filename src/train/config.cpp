@@ -1,4 +1,5 @@
 #include "train/config.h"
+#include "core/json_limits.h"
 
 #include <algorithm>
 #include <charconv>
@@ -257,13 +258,27 @@ struct Origin {
   }
 };
 
-json yaml_to_json(const YAML::Node& n, const std::string& key, const Origin& o) {
+// Bounds on what one config value may expand to: YAML aliases let a 1 KB file name 10^9 leaves (an
+// "alias bomb"), and the copy into JSON would expand every one of them.  No training config is
+// anywhere near these.
+constexpr long kMaxYamlNodes = 100000;
+constexpr int kMaxYamlDepth = 64;
+
+struct YamlBudget {
+  long nodes = 0;
+};
+
+json yaml_to_json(const YAML::Node& n, const std::string& key, const Origin& o, YamlBudget& budget, int depth) {
+  if (++budget.nodes > kMaxYamlNodes)
+    fail("{}: {}: the value expands to more than {} YAML nodes (aliases?); a training config needs far fewer",
+         o.at(n.Mark()), key, kMaxYamlNodes);
+  if (depth > kMaxYamlDepth) fail("{}: {}: nested deeper than {} levels", o.at(n.Mark()), key, kMaxYamlDepth);
   switch (n.Type()) {
     case YAML::NodeType::Null: return nullptr;
     case YAML::NodeType::Scalar: return is_quoted(n) ? json(n.Scalar()) : plain_scalar_to_json(n.Scalar());
     case YAML::NodeType::Sequence: {
       json a = json::array();
-      for (const YAML::Node& item : n) a.push_back(yaml_to_json(item, key, o));
+      for (const YAML::Node& item : n) a.push_back(yaml_to_json(item, key, o, budget, depth + 1));
       return a;
     }
     case YAML::NodeType::Map: {
@@ -272,12 +287,17 @@ json yaml_to_json(const YAML::Node& n, const std::string& key, const Origin& o) 
         if (!kv.first.IsScalar()) fail("{}: {}: keys must be names, got {}", o.at(kv.first.Mark()), key, describe(kv.first));
         const std::string name = kv.first.Scalar();
         if (obj.contains(name)) fail("{}: duplicate key '{}'", o.at(kv.first.Mark()), join_key(key, name));
-        obj[name] = yaml_to_json(kv.second, join_key(key, name), o);
+        obj[name] = yaml_to_json(kv.second, join_key(key, name), o, budget, depth + 1);
       }
       return obj;
     }
     default: return nullptr;
   }
+}
+
+json yaml_to_json(const YAML::Node& n, const std::string& key, const Origin& o) {
+  YamlBudget budget;
+  return yaml_to_json(n, key, o, budget, 0);
 }
 
 class Reader {
@@ -424,7 +444,7 @@ class Reader {
       path += "." + parts[i];
       json& child = (*node)[parts[i]];
       if (child.is_null()) child = json::object();
-      if (!child.is_object()) fail("{}: {}: cannot set {}: {} is {}, not a mapping", at, key, key, path, child.dump());
+      if (!child.is_object()) fail("{}: {}: cannot set {}: {} is {}, not a mapping", at, key, key, path, json_preview(child));
       node = &child;
     }
     (*node)[parts.back()] = yaml_to_json(value, key, o);
@@ -543,7 +563,7 @@ void validate(const TrainConfig& c, const std::string& source, const std::map<st
   non_empty("model.init", c.model.init, "'random' or the path of an HF model directory");
   one_of("model.dtype", c.model.dtype, {"fp32", "bf16"});
   if (!c.model.config.is_object())
-    fail("{}: model.config: expected a mapping of HF config.json fields, got {}", at("model.config"), c.model.config.dump());
+    fail("{}: model.config: expected a mapping of HF config.json fields, got {}", at("model.config"), json_preview(c.model.config));
   if (c.model.init == "random" && c.model.config.empty())
     fail("{}: model.config: is empty, but model.init is 'random': give the HF config.json fields of the model "
          "(architectures, vocab_size, hidden_size, num_hidden_layers, ...)",

@@ -1,9 +1,11 @@
 #include "train/evaluate.h"
+#include "core/json_limits.h"
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <sstream>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -83,7 +85,9 @@ EvalResult evaluate_model(const TrainConfig& cfg, const std::string& model_dir, 
   }
   const fs::path meta = data / "dataset.json";
   if (fs::exists(meta)) {
-    const nlohmann::json d = nlohmann::json::parse(std::ifstream(meta), nullptr, false);
+    std::stringstream meta_text;
+    meta_text << std::ifstream(meta).rdbuf();
+    const nlohmann::json d = parse_json_or_discarded(meta_text.str());
     const long vocab = d.is_object() ? d.value("/tokenizer/vocab_size"_json_pointer, -1L) : -1L;
     if (vocab > mcfg.vocab_size)
       throw SetupError(fmt::format(

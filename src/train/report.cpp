@@ -1,5 +1,6 @@
 // `moetron report` (see report.h): metrics.jsonl -> one self-contained HTML page of inline SVG charts.
 #include "train/report.h"
+#include "core/json_limits.h"
 
 #include <unistd.h>
 
@@ -82,7 +83,7 @@ void read_moe(RunMetrics& m, const json& moe, long step, const std::string& wher
     std::vector<double> shares;
     for (const json& x : *sh) {
       if (!x.is_number() || x.get<double>() < 0)
-        fail("{}: \"shares\" must hold non-negative numbers, got {}", at, x.dump());
+        fail("{}: \"shares\" must hold non-negative numbers, got {}", at, json_preview(x));
       shares.push_back(x.get<double>());
     }
     if (t.experts != 0 && (int)shares.size() != t.experts)
@@ -107,12 +108,7 @@ RunMetrics read_metrics(const fs::path& path) {
     line_no++;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     const std::string where = fmt::format("{}:{}", path.string(), line_no);
-    json j;
-    try {
-      j = json::parse(line);
-    } catch (const json::parse_error& e) {
-      fail("{}: not valid JSON ({})", where, e.what());
-    }
+    const json j = parse_json(line, where);
     if (!j.is_object()) fail("{}: expected a JSON object, got {}", where, j.type_name());
     const auto step_it = j.find("step");
     if (step_it == j.end() || !step_it->is_number_integer())

@@ -1,4 +1,5 @@
 #include "train/run_log.h"
+#include "core/json_limits.h"
 
 #include <fmt/format.h>
 #include <unistd.h>
@@ -51,7 +52,7 @@ void truncate_metrics(const fs::path& path, long step) {
   std::vector<std::string> keep;
   for (std::string line; std::getline(in, line);) {
     if (line.empty()) continue;
-    const auto j = nlohmann::json::parse(line, nullptr, false);
+    const auto j = parse_json_or_discarded(line);
     if (j.is_object() && j.contains("step") && j["step"].is_number() && j["step"].get<long>() <= step)
       keep.push_back(line);
   }

@@ -164,7 +164,9 @@ class Training {
   void initialise();
   void load_resume(const std::string& dir);
   StepResult train_step();
-  double evaluate();
+  // The validation loss, or nullopt when a stop signal arrived on any rank during it (every rank
+  // leaves at the same batch; the step's checkpoint follows).
+  std::optional<double> evaluate(const StopSignals& signals);
   std::string save(long step, bool final_save);
   nlohmann::json trainer_state(long step) const;
   nlohmann::json step_line(long step, const StepResult& r, double lr, double grad_norm, double dt, bool finite,
@@ -487,7 +489,7 @@ StepResult Training::train_step() {
   return r;
 }
 
-double Training::evaluate() {
+std::optional<double> Training::evaluate(const StopSignals& signals) {
   // The same batches every time: the validation loader restarts from its first row.
   valid_data_->restore(*valid_start_);
   double ce_sum = 0;
@@ -503,6 +505,9 @@ double Training::evaluate() {
   const int dp = grid_->shape().dp, d = grid_->coord().dp;
   const int rounds = (cfg_.eval.batches + dp - 1) / dp;
   for (int k = 0; k < rounds; k++) {
+    // eval.batches has no upper bound: a SIGTERM (Slurm's warning before SIGKILL) must not wait for
+    // the end of the evaluation.
+    if (world_->all_reduce_value((int32_t)signals.received(), dist::ReduceOp::max) != 0) return std::nullopt;
     if (k * dp + d < cfg_.eval.batches) {
       valid_data_->next(b);
       const Losses l = stage_forward(*model_, *link_, b, w);
@@ -716,9 +721,13 @@ TrainSummary Training::run() {
                       tps * flops_.train_per_token() / 1e9, format_duration(eta)));
     }
     if (valid_data_ && cfg_.eval.every_steps > 0 && (step % cfg_.eval.every_steps == 0 || step == total_steps_)) {
-      const double val = evaluate();
-      if (root_) metrics_->eval(step, val);
-      log_.line(fmt::format("step {}: val_loss {:.4f}  perplexity {:.2f}", step, val, std::exp(val)));
+      const std::optional<double> val = evaluate(signals);
+      if (!val) {
+        log_.line(fmt::format("step {}: evaluation stopped by a signal (no val_loss)", step));
+      } else {
+        if (root_) metrics_->eval(step, *val);
+        log_.line(fmt::format("step {}: val_loss {:.4f}  perplexity {:.2f}", step, *val, std::exp(*val)));
+      }
     }
     const bool exit_now = cfg_.train.exit_interval > 0 && step % cfg_.train.exit_interval == 0 && step < total_steps_;
     // Every rank stops at the same step: a signal seen by any rank stops them all.
