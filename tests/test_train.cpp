@@ -400,6 +400,65 @@ TEST_F(TrainTest, SigtermDuringEvaluationStopsItAndCheckpoints) {
   EXPECT_NE(text.find("step 1: evaluation stopped by a signal"), std::string::npos) << text;
 }
 
+std::string file_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+// A fresh start (nothing to resume) never writes over another run: a finished run trained again
+// with checkpoint.resume=none, or a run_dir holding only a metrics.jsonl, is refused with exit 2 and
+// every file left as it was (the review found metrics truncated, config.yaml rewritten and `latest`
+// moved back).
+TEST_F(TrainTest, AFreshStartNeverWritesOverAnotherRun) {
+  const fs::path cfg = root_ / "fresh.yaml";
+  std::ofstream(cfg) << yaml("fresh");
+  const std::vector<std::string> args = {"train.max_steps=2", "eval.every_steps=0"};
+  ASSERT_EQ(wait_exit_code(spawn_train(cfg, root_ / "fresh1.out", args)), 0);
+  const fs::path run = root_ / "fresh";
+  const std::string metrics = file_text(run / "metrics.jsonl"), config = file_text(run / "config.yaml"),
+                    latest = file_text(run / "checkpoints" / "latest");
+  std::vector<std::string> again = args;
+  again.push_back("checkpoint.resume=none");
+  again.push_back("train.lr=1e-2");  // a different run: config.yaml would change
+  EXPECT_EQ(wait_exit_code(spawn_train(cfg, root_ / "fresh2.out", again)), 2);
+  EXPECT_NE(file_text(root_ / "fresh2.out").find("already holds a run"), std::string::npos)
+      << file_text(root_ / "fresh2.out");
+  EXPECT_EQ(file_text(run / "metrics.jsonl"), metrics);
+  EXPECT_EQ(file_text(run / "config.yaml"), config);
+  EXPECT_EQ(file_text(run / "checkpoints" / "latest"), latest);
+  // Only a metrics.jsonl (a run that left no checkpoint): refused too.
+  const fs::path other = root_ / "other";
+  fs::create_directories(other);
+  std::ofstream(other / "metrics.jsonl") << "{\"step\": 1, \"loss\": 1.0}\n";
+  EXPECT_EQ(wait_exit_code(spawn_train(cfg, root_ / "fresh3.out", {"train.max_steps=1", "run_dir=" + other.string()})),
+            2);
+  EXPECT_EQ(file_text(other / "metrics.jsonl"), "{\"step\": 1, \"loss\": 1.0}\n");
+  EXPECT_FALSE(fs::exists(other / "config.yaml"));
+}
+
+// A checkpoints/step-N directory that is not a complete moetron checkpoint (a user's own) is never
+// replaced: the save of step N fails naming it, and its files stay.
+TEST_F(TrainTest, AForeignStepDirectoryIsNeverReplaced) {
+  const fs::path cfg = root_ / "foreign.yaml";
+  std::ofstream(cfg) << yaml("foreign");
+  ASSERT_EQ(wait_exit_code(spawn_train(cfg, root_ / "foreign1.out",
+                                       {"train.max_steps=4", "checkpoint.every_steps=4", "eval.every_steps=0"})),
+            0);
+  const fs::path mine = root_ / "foreign" / "checkpoints" / "step-000008";
+  fs::create_directories(mine);
+  std::ofstream(mine / "notes.txt") << "my own files";
+  EXPECT_EQ(wait_exit_code(spawn_train(cfg, root_ / "foreign2.out",
+                                       {"train.max_steps=8", "checkpoint.every_steps=4", "eval.every_steps=0"})),
+            1);
+  EXPECT_NE(file_text(root_ / "foreign2.out").find("step-000008: exists and is not a complete moetron checkpoint"),
+            std::string::npos)
+      << file_text(root_ / "foreign2.out");
+  EXPECT_EQ(file_text(mine / "notes.txt"), "my own files");
+  for (const auto& e : fs::directory_iterator(root_ / "foreign" / "checkpoints"))
+    EXPECT_NE(e.path().filename().string().rfind(".tmp-", 0), 0u) << "a temporary directory was left: " << e.path();
+  EXPECT_EQ(file_text(root_ / "foreign" / "checkpoints" / "latest"), "step-000004\n");
+}
+
 // An injected NaN gradient skips that update and is logged; nan_skip_limit in a row abort with a
 // non-zero exit and no checkpoint of the bad state.
 TEST_F(TrainTest, InjectedNanIsSkippedThenRepeatedNansAbort) {

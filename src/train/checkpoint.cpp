@@ -627,6 +627,15 @@ std::string save_checkpoint(const std::string& run_dir, long step, const Checkpo
     if (o.on_progress) o.on_progress(what);
   };
 
+  // A step directory that is not a complete checkpoint is not ours to replace (a user's files, or a
+  // foreign tool's): refuse before writing anything.
+  {
+    std::string why;
+    if (fs::exists(final_path, ec) && !is_complete_checkpoint(final_path.string(), &why))
+      fail("{}: exists and is not a complete moetron checkpoint ({}); it is left as it is -- move it away, or "
+           "train into another run_dir",
+           final_path.string(), why);
+  }
   fs::remove_all(tmp, ec);
   fs::create_directory(tmp, ec);
   if (ec) fail("{}: cannot create directory: {}", tmp.string(), ec.message());
@@ -683,12 +692,12 @@ std::string save_checkpoint(const std::string& run_dir, long step, const Checkpo
     write_trainer_state(tmp.string(), std::move(state));
     fsync_directory(tmp.string());
     progress("trainer_state.json");
+    publish_directory(tmp, final_path);
   } catch (...) {
     fs::remove_all(tmp, ec);
     throw;
   }
 
-  publish_directory(tmp, final_path);
   fsync_directory(ckpts.string());
   progress("renamed");
   write_file_atomic((ckpts / "latest").string(), name + "\n");

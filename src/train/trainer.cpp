@@ -162,6 +162,8 @@ class Training {
   void setup();
   void build_model();
   void initialise();
+  // Error unless run_dir_ is free for a fresh start (no metrics.jsonl lines, no checkpoints/).
+  void refuse_existing_run() const;
   void load_resume(const std::string& dir);
   StepResult train_step();
   // The validation loss, or nullopt when a stop signal arrived on any rank during it (every rank
@@ -205,6 +207,7 @@ class Training {
   LossWeights weights_;
   double aux_coef_ = 0;   // the load-balancing coefficient (config, or the model's router_aux_loss_coef)
   std::string init_dir_;  // source of tokenizer files, when initialised from an HF directory
+  std::string resume_dir_;  // the root's choice: the checkpoint to resume, or "" (a fresh start)
   long total_steps_ = 0;
   long start_step_ = 0;  // last step done before this invocation
   long consumed_samples_ = 0, consumed_tokens_ = 0;
@@ -268,9 +271,15 @@ void Training::setup() {
   flops_ = count_flops(mcfg_, cfg_.data.seq_length);
 
   // The run directory and the resolved config (the root rank's; the directory must be shared by
-  // every node of a multi-node run).
+  // every node of a multi-node run).  The root decides what to resume first: a fresh start never
+  // writes over another run's metrics or checkpoints.
   run_dir_ = cfg_.run_dir;
   if (root_) {
+    if (cfg_.checkpoint.resume == "auto")
+      resume_dir_ = find_latest_checkpoint(run_dir_.string());
+    else if (cfg_.checkpoint.resume != "none")
+      resume_dir_ = cfg_.checkpoint.resume;
+    if (resume_dir_.empty()) refuse_existing_run();
     fs::create_directories(run_dir_);
     {
       const fs::path tmp = run_dir_ / "config.yaml.tmp";
@@ -332,14 +341,28 @@ void Training::fill_params(const std::function<void(float*)>& fill) {
 }
 
 // Resume, or initialise.  The root decides which checkpoint (the others follow).
+void Training::refuse_existing_run() const {
+  std::error_code ec;
+  const fs::path metrics = run_dir_ / "metrics.jsonl", ckpts = run_dir_ / "checkpoints";
+  const bool has_metrics = fs::is_regular_file(metrics, ec) && fs::file_size(metrics, ec) > 0;
+  bool has_ckpts = false;
+  if (fs::is_directory(ckpts, ec))
+    for (const auto& e : fs::directory_iterator(ckpts, ec)) {
+      const std::string name = e.path().filename().string();  // a crashed save's leftovers are ours
+      if (name.rfind(".tmp-", 0) == 0 || name.rfind(".trash-", 0) == 0) continue;
+      has_ckpts = true;
+      break;
+    }
+  if (!has_metrics && !has_ckpts) return;
+  fail(
+      "run_dir: '{}' already holds a run ({}) and this one would start afresh (checkpoint.resume={}{}); nothing was "
+      "changed -- resume it with checkpoint.resume=auto, or train into another run_dir",
+      run_dir_.string(), has_ckpts ? "checkpoints/" : "metrics.jsonl", cfg_.checkpoint.resume,
+      cfg_.checkpoint.resume == "auto" ? ", and no complete checkpoint was found" : "");
+}
+
 void Training::initialise() {
-  std::string resume_dir;
-  if (root_) {
-    if (cfg_.checkpoint.resume == "auto")
-      resume_dir = find_latest_checkpoint(run_dir_.string());
-    else if (cfg_.checkpoint.resume != "none")
-      resume_dir = cfg_.checkpoint.resume;
-  }
+  std::string resume_dir = resume_dir_;
   world_->broadcast_string(resume_dir, 0);
   const ParamTable& table = model_->table();
   if (!resume_dir.empty()) {
