@@ -1,5 +1,6 @@
 // Bad input through the CLI: each case must exit with status 1 (not a signal, not 0), print an
 // error naming the file or field and what was expected, and leave no output file behind.
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -150,6 +151,20 @@ TEST_F(CliErrors, PickleCheckpointIsRefusedWithAHint) {
   fs::remove(model_ / "model.safetensors");
   write_bytes(model_ / "pytorch_model.bin", "not really a pickle");
   expect_clean_failure(forward(), "pytorch_model.bin");
+}
+
+// config.json asking for far more parameters than its 300 KB of weights hold (vocab_size 2^22):
+// refused from the tensor headers, before the gigabytes the config implies are allocated (the
+// review saw 15 s and 6.3 GB before the shape error).
+TEST_F(CliErrors, ConfigFarLargerThanTheWeightsIsRefusedBeforeAllocating) {
+  edit_config([](nlohmann::json& j) { j["vocab_size"] = 1 << 22; });
+  rusage before{}, after{};
+  getrusage(RUSAGE_CHILDREN, &before);
+  const CliResult r = forward();
+  getrusage(RUSAGE_CHILDREN, &after);
+  expect_clean_failure(r, "model.embed_tokens.weight' has shape");
+  // 2^22 x 64 x 4 bytes x (parameters + gradients) would be 2 GiB; the check needs none of it.
+  EXPECT_LT(after.ru_maxrss, 1024L * 1024) << "peak RSS of the children, KiB";
 }
 
 }  // namespace

@@ -485,3 +485,36 @@ TEST(HfConfig, GoldenConfigsFromTransformers) {
     EXPECT_EQ(c.pad_token_id, -1);
   }
 }
+
+// Sizes no model has, refused from config.json alone (before anything is allocated from them),
+// naming the field: the hostile-input review's 10^6 experts, 2^31 - 1 layers, hidden 10^9, and
+// products that would wrap (heads = head_dim = 2^24).
+TEST(HfConfigErrors, AbsurdSizesAreRefusedNamingTheField) {
+  const std::pair<const char*, json> cases[] = {
+      {"num_hidden_layers", 2147483647}, {"hidden_size", 1000000000}, {"vocab_size", 1 << 25},
+      {"num_attention_heads", 1 << 24},  {"intermediate_size", 1 << 30},
+  };
+  for (const auto& [field, value] : cases) {
+    json j = tiny_mistral();
+    j["head_dim"] = 16;  // explicit: else a derived head_dim fails first
+    j[field] = value;
+    expect_config_error(j, {std::string("'") + field + "'", "beyond what moetron supports"});
+  }
+  json wrap = tiny_mistral();
+  wrap["num_attention_heads"] = 4096;
+  wrap["num_key_value_heads"] = 4096;
+  wrap["head_dim"] = 16384;
+  expect_config_error(wrap, {"'num_attention_heads' x 'head_dim'"});
+  json many = tiny_mistral();
+  many["architectures"] = {"MixtralForCausalLM"};
+  many["model_type"] = "mixtral";
+  many["num_local_experts"] = 1000000;
+  many["num_experts_per_tok"] = 2;
+  expect_config_error(many, {"'num_local_experts'", "beyond what moetron supports"});
+  json big = tiny_mistral();  // each field within bounds, the product not
+  big["hidden_size"] = 1 << 20;
+  big["intermediate_size"] = 1 << 22;
+  big["num_hidden_layers"] = 4096;
+  big["head_dim"] = 64;
+  expect_config_error(big, {"parameters", "beyond the 1.76e13"});
+}

@@ -183,6 +183,7 @@ int run_bench_checkpoint(int argc, char** argv) {
   for (const fs::path& f : files) file_bytes += fs::file_size(f);
   const double rss_before = peak_rss_gib();
 
+  check_weights_size(ModelTensors::open(model_dir), table, model_dir);  // before allocating from config.json
   // 1. Load into fp32 (first, so the peak RSS is the load's).
   std::vector<float> params(table.total());
   std::vector<double> load_s;

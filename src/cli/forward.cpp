@@ -56,6 +56,7 @@ int run_forward(int argc, char** argv) {
   const ModelTensors files = ModelTensors::open(model_dir);
 
   // The same model on either backend; the parameters are read on the host and uploaded.
+  check_weights_size(files, ParamTable(cfg), model_dir);  // before allocating from config.json
   const std::unique_ptr<Backend> backend = make_backend(device);
   MixtralModel model(*backend, cfg);
   {

@@ -55,8 +55,10 @@ std::optional<ChatTemplate> template_from_jinja(const std::string& jinja) {
 
 std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir) {
   const ModelConfig cfg = load_model_config((fs::path(dir) / "config.json").string());
+  const ModelTensors files = ModelTensors::open(dir);
+  check_weights_size(files, ParamTable(cfg), dir);  // before allocating what config.json asks for
   auto m = std::make_unique<InferenceModel>(cfg);
-  load_hf_weights(ModelTensors::open(dir), m->table, m->params.data(), dir);
+  load_hf_weights(files, m->table, m->params.data(), dir);
   m->keep_bf16_copy();
   return m;
 }

@@ -2,6 +2,7 @@
 #include "core/json_limits.h"
 
 #include <climits>
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <set>
@@ -118,6 +119,38 @@ class Fields {
 
 void check_positive(const std::string& source, const char* field, int value) {
   if (value <= 0) fail("{}: field '{}' must be positive, got {}", source, field, value);
+}
+
+// Bounds on the sizes a config.json may ask for, checked before anything is allocated from them:
+// far above any released model (the largest have ~256 experts, ~128 layers, ~256K vocabulary), far
+// below what would overflow the products the model computes in 64 bits (a tensor's element count,
+// the parameter total) or in 32 (a row width such as heads x head_dim).
+void check_sizes(const ModelConfig& c, const std::string& source) {
+  struct Bound {
+    const char* field;
+    int64_t value, max;
+  };
+  const Bound bounds[] = {
+      {"vocab_size", c.vocab_size, 1 << 24},          {"hidden_size", c.hidden_size, 1 << 20},
+      {"intermediate_size", c.intermediate_size, 1 << 22}, {"num_hidden_layers", c.num_hidden_layers, 4096},
+      {"num_attention_heads", c.num_attention_heads, 1 << 12}, {"num_key_value_heads", c.num_key_value_heads, 1 << 12},
+      {"head_dim", c.head_dim, 1 << 14},              {"num_local_experts", c.num_local_experts, 1 << 12},
+  };
+  for (const Bound& b : bounds)
+    if (b.value > b.max)
+      fail("{}: field '{}' = {} is beyond what moetron supports ({} at most)", source, b.field, b.value, b.max);
+  if ((int64_t)c.num_attention_heads * c.head_dim > (1 << 20))
+    fail("{}: fields 'num_attention_heads' x 'head_dim' = {} x {} exceed {} (the attention width)", source,
+         c.num_attention_heads, c.head_dim, 1 << 20);
+  // The parameter total, in double (no overflow): at most 2^44 (17.6 trillion).
+  const double C = c.hidden_size, Q = (double)c.num_attention_heads * c.head_dim,
+               KV = (double)c.num_key_value_heads * c.head_dim, E = std::max(c.num_local_experts, 1);
+  const double per_layer = C * Q * 2 + C * KV * 2 + E * 3.0 * c.intermediate_size * C + E * C + 2 * C;
+  const double total = per_layer * c.num_hidden_layers + 2.0 * c.vocab_size * C + C;
+  if (total > 17592186044416.0)
+    fail("{}: the sizes imply {:.3g} parameters (hidden_size {}, num_hidden_layers {}, num_local_experts {}, "
+         "intermediate_size {}, vocab_size {}), beyond the 1.76e13 moetron supports",
+         source, total, c.hidden_size, c.num_hidden_layers, c.num_local_experts, c.intermediate_size, c.vocab_size);
 }
 
 void check_positive_finite(const std::string& source, const char* field, double value) {
@@ -351,6 +384,7 @@ void validate_model_config(const ModelConfig& c, const std::string& source) {
          "and {})",
          source, c.architecture, c.num_local_experts, c.num_experts_per_tok);
   }
+  check_sizes(c, source);
   check_positive_finite(source, "rms_norm_eps", c.rms_norm_eps);
   check_positive_finite(source, "rope_theta", c.rope_theta);
   if (c.sliding_window < 0)

@@ -142,13 +142,15 @@ std::vector<HfTensorSlice> shard_slices(const ModelConfig& cfg, const ParamTable
   return out;
 }
 
-std::string read_hf_slice(const ModelTensors& files, const ParamTable& table, const HfTensorSlice& slice,
-                          float* out, const std::string& source) {
-  const HfTensorRef& ref = *slice.ref;
+namespace {
+
+// The file tensor holding `ref` -- its Hub-named tensor, or for MoE tensors the transformers-5
+// packed tensor that holds it -- with its shape checked against config.json (headers only).
+const TensorView& locate(const ModelTensors& files, const ParamTable& table, const HfTensorRef& ref,
+                         const std::string& source) {
   if (const TensorView* t = files.find(ref.name)) {
     check_shape(*t, ref.shape, source);
-    read_view_slice(*t, slice, 0, out);
-    return t->name;
+    return *t;
   }
   // The transformers-5 packing: the router under mlp.gate, experts stacked whole.
   const ParamSpec& spec = table.spec_of(ref);
@@ -156,23 +158,30 @@ std::string read_hf_slice(const ModelTensors& files, const ParamTable& table, co
   const TensorView* whole = packed.empty() ? nullptr : files.find(packed);
   if (!whole) fail("{}: tensor '{}' (shape {}) is missing", source, ref.name, shape_str(ref.shape));
   check_shape(*whole, spec.shape, source);
-  if (spec.kind == ParamKind::router) {
-    read_view_slice(*whole, slice, 0, out);
+  return *whole;
+}
+
+}  // namespace
+
+std::string read_hf_slice(const ModelTensors& files, const ParamTable& table, const HfTensorSlice& slice,
+                          float* out, const std::string& source) {
+  const HfTensorRef& ref = *slice.ref;
+  const TensorView& t = locate(files, table, ref, source);
+  if (t.name == ref.name) {
+    read_view_slice(t, slice, 0, out);
+  } else if (table.spec_of(ref).kind == ParamKind::router) {
+    read_view_slice(t, slice, 0, out);
   } else {
     // gate_up_proj [E, 2I, C] holds w1 (gate) rows then w3 (up) rows; down_proj [E, C, I] is w2.
     const int64_t row_offset = ends_with(ref.name, ".w3.weight") ? ref.shape[0] : 0;
-    read_view_slice(select_index(*whole, ref.stacked_index), slice, row_offset, out);
+    read_view_slice(select_index(t, ref.stacked_index), slice, row_offset, out);
   }
-  return whole->name;
+  return t.name;
 }
 
-void load_hf_weights(const ModelTensors& files, const ParamTable& table, float* params, const std::string& source) {
+void check_weights_size(const ModelTensors& files, const ParamTable& table, const std::string& source) {
   std::set<std::string> used;
-  for (const HfTensorRef& ref : table.hf_tensors()) {
-    HfTensorSlice whole;
-    whole.ref = &ref;
-    used.insert(read_hf_slice(files, table, whole, params + ref.offset, source));
-  }
+  for (const HfTensorRef& ref : table.hf_tensors()) used.insert(locate(files, table, ref, source).name);
   for (const std::string& name : files.names()) {
     if (used.count(name)) continue;
     if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;  // a buffer, not a parameter
@@ -180,6 +189,15 @@ void load_hf_weights(const ModelTensors& files, const ParamTable& table, float* 
         "{}: tensor '{}' is not a parameter of the model config.json describes (architecture, layer count "
         "or expert count mismatch?)",
         source, name);
+  }
+}
+
+void load_hf_weights(const ModelTensors& files, const ParamTable& table, float* params, const std::string& source) {
+  check_weights_size(files, table, source);
+  for (const HfTensorRef& ref : table.hf_tensors()) {
+    HfTensorSlice whole;
+    whole.ref = &ref;
+    read_hf_slice(files, table, whole, params + ref.offset, source);
   }
 }
 

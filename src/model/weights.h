@@ -22,6 +22,12 @@ class ModelTensors;
 // Error too (it means the config and the weights disagree).  `source` names the directory.
 void load_hf_weights(const ModelTensors& files, const ParamTable& table, float* params, const std::string& source);
 
+// Everything load_hf_weights checks, from the tensor headers alone: every parameter present with
+// the shape config.json implies, no tensor the model lacks.  Call it before allocating what
+// config.json asks for (a config of vocab_size 2^22 beside a 300 KB file is refused at once, not
+// after gigabytes are allocated).
+void check_weights_size(const ModelTensors& files, const ParamTable& table, const std::string& source);
+
 // Which part of the model one process of a parallel layout holds (DESIGN §6). The default is the
 // whole model.
 struct WeightShard {

@@ -101,6 +101,7 @@ EvalResult evaluate_model(const TrainConfig& cfg, const std::string& model_dir, 
 
   std::unique_ptr<Backend> backend;
   try {
+    check_weights_size(*files, ParamTable(mcfg), model_dir);  // before allocating from config.json
     check_device_rules(cfg, mcfg);
     backend = make_backend(cfg.device);
   } catch (const Error& e) {

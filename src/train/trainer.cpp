@@ -232,6 +232,8 @@ void Training::setup() {
           "defines the model",
           init_dir_);
   }
+  // An HF directory's weights must be the size its config.json says, before that size is allocated.
+  if (!init_dir_.empty()) check_weights_size(ModelTensors::open(init_dir_), ParamTable(mcfg_), init_dir_);
   // The layout against the world and the model: the rules `moetron plan` applies.
   layout_ = resolve_layout(cfg_, mcfg_, world_->size());
   // The device: without a usable GPU, device: cuda stops here, before any work.
