@@ -56,9 +56,14 @@ TEST(JsonLimits, PreviewsAreBoundedAndMatchDumpForSmallValues) {
   const nlohmann::json small = nlohmann::json::parse("{\"a\":[1,2,{\"b\":\"x\"}],\"c\":null}");
   EXPECT_EQ(json_preview(small), small.dump());
   EXPECT_EQ(json_preview(nlohmann::json("text")), "\"text\"");
-  // A value built 10^4 deep in memory (not through the parser): the preview stays short.
+  // A value built deeper than any parsed one, in memory (moved, never copied: copying recurses):
+  // the preview stays short.
   nlohmann::json deep = 1;
-  for (int i = 0; i < 10000; i++) deep = nlohmann::json::array({deep});
+  for (int i = 0; i < 1000; i++) {
+    nlohmann::json next = nlohmann::json::array();
+    next.push_back(std::move(deep));
+    deep = std::move(next);
+  }
   EXPECT_LE(json_preview(deep).size(), 83u);
   EXPECT_LE(json_preview(nlohmann::json(std::string(1 << 20, 'x'))).size(), 83u);
 }
