@@ -10,6 +10,7 @@ packages=(
   libsentencepiece-dev sentencepiece
   libopenmpi-dev openmpi-bin
   libgtest-dev libgmock-dev libbenchmark-dev
+  clang libclang-rt-14-dev libomp-14-dev
 )
 
 missing=()

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -81,6 +82,30 @@ TEST(Tokenizer, NotAModelNamesIt) {
   std::ofstream(d / "empty.model");
   EXPECT_THROW(Tokenizer::load((d / "empty.model").string()), Error);
   fs::remove_all(d);
+}
+
+// Found by tests/fuzz/fuzz_tokenizer: SentencePiece builds its trie from pieces as C strings, and an
+// empty piece (or one starting with NUL) made it throw through a noexcept frame: std::terminate, no
+// error message.  The model is checked before SentencePiece sees it.
+TEST(Tokenizer, PiecesSentencePieceCannotHoldAreRefusedBeforeLoading) {
+  std::ifstream in(std::string(MOETRON_SOURCE_DIR) + "/tests/golden/generate/mixtral_gqa/tokenizer.model", std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string model = ss.str();
+  ASSERT_GT(model.size(), 100u);
+  EXPECT_NO_THROW(Tokenizer::from_bytes(model, "tiny.model"));
+  // Appending a ModelProto field 1 (a repeated SentencePiece) adds one more piece: {1: piece}.
+  const std::string empty_piece = model + std::string("\x0a\x02\x0a\x00", 4);
+  const std::string nul_piece = model + std::string("\x0a\x04\x0a\x02\x00\x41", 6);
+  for (const auto& [bytes, want] : {std::pair{empty_piece, "is an empty string"}, std::pair{nul_piece, "NUL byte"}}) {
+    try {
+      Tokenizer::from_bytes(bytes, "hostile.model");
+      FAIL() << "expected an Error for " << want;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("hostile.model"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Tokenizer, MixtralSpecialIdsAndChecksum) {

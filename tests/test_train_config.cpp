@@ -435,3 +435,21 @@ TEST(TrainConfig, YamlAliasBombIsRefusedBeforeExpanding) {
   EXPECT_NE(e.find("model.config"), std::string::npos) << e;
 }
 
+
+// Found by tests/fuzz/fuzz_train_config: a scalar with a byte that is not UTF-8 came back altered from
+// the run directory's config.yaml (the resumed run read a different value).  Configs are UTF-8.
+TEST(TrainConfig, BytesThatAreNotUtf8AreRefusedNamingTheLine) {
+  const std::string yaml = "run_dir: runs/x\nseed: 1\nmodel:\n  config:\n    rope_theta: 10000\xf9.0\n";
+  try {
+    train_config_from_yaml_text(yaml, "cfg.yaml", {});
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cfg.yaml:5: not valid UTF-8"), std::string::npos) << e.what();
+  }
+  try {
+    train_config_from_yaml_text("run_dir: runs/x\n", "cfg.yaml", {"run_dir=a\xffb"});
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is not valid UTF-8"), std::string::npos) << e.what();
+  }
+}

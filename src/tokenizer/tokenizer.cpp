@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/sha256.h"
+#include "tokenizer/sp_model.h"
 
 namespace moetron {
 
@@ -54,6 +55,7 @@ Tokenizer Tokenizer::load(const std::string& path) {
 
 Tokenizer Tokenizer::from_bytes(const std::string& bytes, const std::string& name) {
   if (bytes.empty()) fail("tokenizer '{}': empty file, expected a SentencePiece model", name);
+  spm::check_sentencepiece_model(bytes, name);
   Tokenizer t;
   t.sp_ = load_proto(bytes, name);
   t.literal_ = load_proto(without_dummy_prefix(bytes), name);

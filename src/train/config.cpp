@@ -16,6 +16,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "core/error.h"
+#include "tokenizer/utf8.h"
 
 namespace moetron {
 
@@ -714,6 +715,17 @@ json field_to_json(const FieldRef& ref) {
 
 TrainConfig train_config_from_yaml_text(const std::string& yaml, const std::string& source,
                                         const std::vector<std::string>& overrides) {
+  // YAML is UTF-8 text; other bytes would come back altered when config.yaml is written and read again.
+  size_t line = 1;
+  for (size_t at = 0; at <= yaml.size();) {
+    const size_t nl = std::min(yaml.find('\n', at), yaml.size());
+    if (!is_valid_utf8(std::string_view(yaml).substr(at, nl - at)))
+      fail("{}:{}: not valid UTF-8 (a training config is UTF-8 text)", source, line);
+    at = nl + 1;
+    line++;
+  }
+  for (const std::string& o : overrides)
+    if (!is_valid_utf8(o)) fail("{}: override '{}' is not valid UTF-8", source, o);
   YAML::Node root;
   try {
     root = YAML::Load(yaml);

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora of the fuzz targets (tests/fuzz/seeds/<target>/): small valid files of each
+input kind and near-valid variants (truncated, a field of the wrong type, sizes that do not add up).
+Run from the repository root; the output is committed, so this runs only when the seeds change."""
+import json
+import os
+import struct
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OUT = os.path.join(ROOT, "tests", "fuzz", "seeds")
+
+
+def put(target, name, data):
+    d = os.path.join(OUT, target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+
+
+def safetensors(tensors, metadata=None):
+    header, blob = {}, b""
+    if metadata:
+        header["__metadata__"] = metadata
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(blob), len(blob) + len(data)]}
+        blob += data
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    return struct.pack("<Q", len(h)) + h + blob
+
+
+def seeds_safetensors():
+    f32 = struct.pack("<4f", 1, 2, 3, 4)
+    put("fuzz_safetensors", "valid_f32", safetensors({"w": ("F32", [2, 2], f32)}, {"format": "pt"}))
+    put("fuzz_safetensors", "valid_mixed", safetensors({
+        "a": ("BF16", [2, 1, 2], f32), "b": ("F16", [4], f32[:8]), "c": ("I64", [1], struct.pack("<q", 7)),
+        "d": ("U8", [0, 3], b""), "e": ("BOOL", [], b"\x01")}))
+    good = safetensors({"w": ("F32", [4], f32)})
+    put("fuzz_safetensors", "truncated", good[:-3])
+    put("fuzz_safetensors", "bad_offsets", safetensors({"w": ("F32", [4], f32)}).replace(b"[0, 16]", b"[8, 16]"))
+    put("fuzz_safetensors", "shape_overflow", safetensors({"w": ("F32", [2**62, 4], f32)}))
+    put("fuzz_safetensors", "header_too_long", struct.pack("<Q", 2**40) + b"{}")
+
+
+def seeds_index():
+    wm = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+          "model.norm.weight": "model-00001-of-00002.safetensors",
+          "lm_head.weight": "model-00002-of-00002.safetensors"}
+    put("fuzz_model_index", "valid", json.dumps({"metadata": {"total_size": 40}, "weight_map": wm}))
+    put("fuzz_model_index", "symlinked", json.dumps({"weight_map": {"linked.weight": "linked.safetensors"}}))
+    put("fuzz_model_index", "escape", json.dumps({"weight_map": {"secret": "../outside.safetensors"}}))
+    put("fuzz_model_index", "absolute", json.dumps({"weight_map": {"secret": "/etc/passwd"}}))
+    put("fuzz_model_index", "wrong_file", json.dumps({"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}))
+    put("fuzz_model_index", "not_object", json.dumps({"weight_map": ["a"]}))
+
+
+def seeds_hf_config():
+    for d in sorted(os.listdir(os.path.join(ROOT, "tests", "golden"))):
+        p = os.path.join(ROOT, "tests", "golden", d, "config.json")
+        if os.path.exists(p):
+            put("fuzz_hf_config", d, open(p, "rb").read())
+    for m in sorted(os.listdir(os.path.join(ROOT, "configs", "models"))):
+        p = os.path.join(ROOT, "configs", "models", m, "config.json")
+        if os.path.exists(p):
+            put("fuzz_hf_config", "models_" + m, open(p, "rb").read())
+    base = json.load(open(os.path.join(ROOT, "tests", "golden", "mixtral_gqa", "config.json")))
+    for field, value in [("hidden_size", 10**9), ("num_local_experts", 10**6), ("num_attention_heads", 2**24),
+                         ("vocab_size", "32000"), ("rope_theta", -1), ("num_experts_per_tok", 99)]:
+        c = dict(base)
+        c[field] = value
+        put("fuzz_hf_config", "bad_" + field, json.dumps(c))
+
+
+def seeds_train_config():
+    for name in sorted(os.listdir(os.path.join(ROOT, "configs"))):
+        p = os.path.join(ROOT, "configs", name)
+        if name.endswith(".yaml"):
+            text = open(p).read()
+            put("fuzz_train_config", name, text)
+            put("fuzz_train_config", name + ".overrides",
+                text + "\n#overrides\ntrain.max_steps=3\nparallel.tp=2\noptim.lr=1e-4\n")
+    put("fuzz_train_config", "alias", "model:\n  config: &a {x: [1, 2]}\ndata: {path: *a}\n")
+    put("fuzz_train_config", "bad_types", "train:\n  max_steps: ten\n  epochs: 1e300\n")
+
+
+def seeds_jsonl():
+    lines = open(os.path.join(ROOT, "tests", "data", "chat_cases.jsonl"), "rb").read().splitlines()
+    for i, line in enumerate(lines[:12]):
+        put("fuzz_jsonl_record", f"chat_{i:02d}", bytes([1]) + line)
+    for i, line in enumerate(open(os.path.join(ROOT, "tests", "data", "chat_error_cases.jsonl"), "rb").read().splitlines()):
+        put("fuzz_jsonl_record", f"chat_error_{i:02d}", bytes([0]) + line)
+    put("fuzz_jsonl_record", "prompt_completion", bytes([2]) + json.dumps({"prompt": "2+2?", "completion": " 4"}).encode())
+    put("fuzz_jsonl_record", "text", bytes([3]) + json.dumps({"text": "Hello world \u00e9\u4e2d"}).encode())
+    put("fuzz_jsonl_record", "system", bytes([0]) + json.dumps({"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"}]}).encode())
+    put("fuzz_jsonl_record", "bad_utf8", bytes([3]) + b'{"text": "\xff\xfe"}')
+
+
+def mmidx(sizes, docs, dtype=4):
+    itemsize = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}[dtype]
+    ptrs, p = [], 0
+    for s in sizes:
+        ptrs.append(p)
+        p += s * itemsize
+    idx = b"MMIDIDX\x00\x00" + struct.pack("<QB", 1, dtype) + struct.pack("<QQ", len(sizes), len(docs))
+    idx += struct.pack(f"<{len(sizes)}i", *sizes) + struct.pack(f"<{len(ptrs)}q", *ptrs)
+    idx += struct.pack(f"<{len(docs)}q", *docs)
+    return idx, b"\x01" * p
+
+
+def seeds_indexed():
+    for name, (sizes, docs, dtype) in {"valid_i32": ([3, 1, 4], [0, 2, 3], 4), "valid_u16": ([2, 5], [0, 2], 8),
+                                       "empty": ([], [0], 4), "valid_i64": ([1, 2], [0, 1, 2], 5)}.items():
+        idx, b = mmidx(sizes, docs, dtype)
+        put("fuzz_indexed_dataset", name, struct.pack("<I", len(idx)) + idx + b)
+    idx, b = mmidx([3, 1], [0, 2], 4)
+    put("fuzz_indexed_dataset", "short_bin", struct.pack("<I", len(idx)) + idx + b[:-2])
+    put("fuzz_indexed_dataset", "bad_pointer", struct.pack("<I", len(idx)) + idx[:-16 - 8] + struct.pack("<q", 99) + idx[-16:] + b)
+
+
+def seeds_checkpoint():
+    st = safetensors({"model.norm.weight": ("F32", [4], struct.pack("<4f", 1, 2, 3, 4))})
+    state = {"format": "moetron-checkpoint", "format_version": 1, "step": 2, "consumed_samples": 16,
+             "optimizer_steps": 2, "loader_state": {"epoch": 0, "position": 16},
+             "files": {"model.safetensors": {"size": len(st), "xxh64": "0000000000000000"},
+                       "config.json": {"size": 3, "xxh64": "0000000000000000"}},
+             "trainer_state_xxh64": "0000000000000000"}
+    put("fuzz_checkpoint", "valid_unsealed", "step-000002\n" + json.dumps(state))
+    for k, v in [("step", -5), ("optimizer_steps", "many"), ("files", {}), ("loader_state", None)]:
+        s = dict(state)
+        s[k] = v
+        put("fuzz_checkpoint", "field_" + k, "step-000002\n" + json.dumps(s))
+    s = dict(state)
+    s["files"] = {"../outside.txt": {"size": 22, "xxh64": "0"}}
+    put("fuzz_checkpoint", "escape", "step-000002\n" + json.dumps(s))
+    put("fuzz_checkpoint", "latest_escape", "../../etc\n" + json.dumps(state))
+
+
+def seeds_openai():
+    chat = {"model": "m", "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "Hi"}],
+            "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "seed": 3, "stop": ["\n", "END"],
+            "stream": True, "stream_options": {"include_usage": True}}
+    put("fuzz_openai_request", "chat", b"\x00" + json.dumps(chat).encode())
+    put("fuzz_openai_request", "chat_parts", b"\x00" + json.dumps(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}).encode())
+    put("fuzz_openai_request", "completion", b"\x01" + json.dumps({"prompt": "Once", "max_tokens": 4, "stop": "x"}).encode())
+    put("fuzz_openai_request", "bad_max_tokens", b"\x00" + json.dumps({"messages": [], "max_tokens": -1}).encode())
+    put("fuzz_openai_request", "bad_temperature", b"\x01" + json.dumps({"prompt": "a", "temperature": 1e-45}).encode())
+
+
+def seeds_tokenizer():
+    model = open(os.path.join(ROOT, "tests", "golden", "generate", "mixtral_gqa", "tokenizer.model"), "rb").read()
+    for i, text in enumerate(["Hello world", " [INST] What? [/INST] \u00e9\u4e2d\U0001F600", "", "a\x00b\ttab"]):
+        t = text.encode()
+        put("fuzz_tokenizer", f"tiny_{i}", struct.pack("<H", len(t)) + t + model)
+    put("fuzz_tokenizer", "truncated", struct.pack("<H", 5) + b"Hello" + model[: len(model) // 2])
+
+
+if __name__ == "__main__":
+    for f in [seeds_safetensors, seeds_index, seeds_hf_config, seeds_train_config, seeds_jsonl, seeds_indexed,
+              seeds_checkpoint, seeds_openai, seeds_tokenizer]:
+        f()
+    print("seeds written under", OUT, file=sys.stderr)
