@@ -514,8 +514,10 @@ TEST(Checkpoint, FindLatest) {
   };
   std::ofstream(ck / "latest") << "step-000009\n";
   expect_error("does not exist");
-  std::ofstream(ck / "latest") << "../../etc\n";
-  expect_error("not a checkpoint directory name");
+  for (const char* escape : {"../../etc\n", "/etc\n", "step-000002/../../..\n", "../step-000002\n"}) {
+    std::ofstream(ck / "latest") << escape;
+    expect_error("not a checkpoint directory name");
+  }
   std::ofstream(ck / "latest") << "step-000002\n";
   EXPECT_EQ(find_latest_checkpoint(t.path.string()), (ck / "step-000002").string());
   fs::resize_file(ck / "step-000002" / "model.safetensors", 100);

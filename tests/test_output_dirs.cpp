@@ -105,3 +105,33 @@ TEST_F(OutputDirs, MakeModelRefusesADirectoryThatIsNotNewOrEmpty) {
 }
 
 }  // namespace
+
+// `data synthetic` and `data prepare` write into --output: files that were there and that the command
+// did not write are never replaced (exit non-zero, everything as it was); a previous `data prepare`
+// output is the command's own and is replaced.
+TEST_F(OutputDirs, DataCommandsLeavePreexistingFilesUntouched) {
+  const fs::path raw = root_ / "raw";
+  std::string out;
+  ASSERT_EQ(run("data synthetic --train-examples 40 --test-examples 5 --output " + raw.string(), &out), 0) << out;
+  const auto raw_before = snapshot(raw);
+  EXPECT_NE(run("data synthetic --train-examples 10 --test-examples 2 --seed 9 --output " + raw.string(), &out), 0);
+  EXPECT_NE(out.find("already exists"), std::string::npos) << out;
+  EXPECT_EQ(snapshot(raw), raw_before);
+
+  const std::string tok = std::string(MOETRON_SOURCE_DIR) + "/tests/golden/generate/mixtral_gqa/tokenizer.model";
+  const std::string prepare = "data prepare --quiet --input " + (raw / "train.jsonl").string() + " --tokenizer " + tok +
+                              " --output ";
+  const fs::path mine = root_ / "mine";
+  fs::create_directories(mine);
+  std::ofstream(mine / "notes.txt") << "my notes\n";
+  std::ofstream(mine / "train.bin") << "my own train.bin\n";
+  const auto mine_before = snapshot(mine);
+  EXPECT_NE(run(prepare + mine.string(), &out), 0) << out;
+  EXPECT_NE(out.find("notes.txt"), std::string::npos) << out;
+  EXPECT_EQ(snapshot(mine), mine_before);
+
+  const fs::path data = root_ / "data";
+  ASSERT_EQ(run(prepare + data.string(), &out), 0) << out;
+  ASSERT_TRUE(fs::exists(data / "dataset.json"));
+  EXPECT_EQ(run(prepare + data.string(), &out), 0) << out;  // its own previous output: replaced
+}

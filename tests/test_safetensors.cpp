@@ -19,6 +19,7 @@
 #include "core/mmap.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"
+#include "train/checkpoint.h"
 
 using namespace moetron;
 namespace fs = std::filesystem;
@@ -679,6 +680,51 @@ TEST(ModelFiles, MalformedIndex) {
   expect_error([&] { ModelTensors::open(dir.path().string()); }, {"'a'", "file name"});
   write_bytes(dir.file("model.safetensors.index.json"), R"({"weight_map":{"a":"../x"}})");
   expect_error([&] { ModelTensors::open(dir.path().string()); }, {"'a'", "../x"});
+}
+
+// A weight map names files inside the model directory only: not absolute paths, not paths through
+// "..", not empty names (each would read a file the directory's owner did not put there).
+TEST(ModelFiles, WeightMapNamesOutsideTheDirectoryAreRefused) {
+  TempDir dir;
+  const Model m = small_model();
+  write_model_safetensors((dir.path() / "model").string(), m.tensors, 64);
+  const std::string model = (dir.path() / "model").string();
+  for (const std::string bad : {"/etc/passwd", "../model/model-00001-of-00003.safetensors",
+                                "sub/../../x.safetensors", ""}) {
+    const nlohmann::json index = {{"weight_map", {{"model.norm.weight", bad}}}};
+    write_bytes(model + "/model.safetensors.index.json", index.dump());
+    expect_error([&] { ModelTensors::open(model); }, {"'model.norm.weight'", "not a file inside the model directory"});
+    expect_error([&] { ShardedSafetensors::open(model, "model"); }, {"'model.norm.weight'", "must name a file inside"});
+  }
+}
+
+// The Hugging Face hub cache keeps every file of a snapshot as a symlink into ../../blobs/ (named by
+// content hash): following symlinks is what makes a downloaded model load, so it must keep working.
+TEST(ModelFiles, HubCacheSnapshotOfSymlinksLoads) {
+  TempDir dir;
+  const Model m = small_model();
+  const fs::path staging = dir.path() / "staging";
+  write_model_safetensors(staging.string(), m.tensors, 64);
+  const fs::path repo = dir.path() / "hub" / "models--org--tiny";
+  const fs::path snap = repo / "snapshots" / "0123456789abcdef";
+  fs::create_directories(repo / "blobs");
+  fs::create_directories(snap);
+  int k = 0;
+  for (const auto& e : fs::directory_iterator(staging)) {
+    const std::string blob = "blob" + std::to_string(k++);
+    fs::rename(e.path(), repo / "blobs" / blob);
+    fs::create_symlink(fs::path("../..") / "blobs" / blob, snap / e.path().filename());
+  }
+  ASSERT_TRUE(fs::is_symlink(snap / "model.safetensors.index.json"));
+  const ModelTensors mt = ModelTensors::open(snap.string());
+  EXPECT_EQ(mt.names().size(), m.tensors.size());
+  for (const auto& t : m.tensors) {  // values exact in every storage type (small_model's contract)
+    const std::vector<float> got = to_f32(mt.get(t.name));
+    EXPECT_EQ(mt.get(t.name).shape, t.shape) << t.name;
+    EXPECT_EQ(got, std::vector<float>(t.data, t.data + got.size())) << t.name;
+  }
+  const ShardedSafetensors sh = ShardedSafetensors::open(snap.string(), "model");
+  EXPECT_EQ(sh.names().size(), m.tensors.size());
 }
 
 TEST(ModelFiles, MissingDirectory) {

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,6 +24,10 @@
 #include "io/indexed_dataset.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"
+#include "infer/model.h"
+#include "io/hf_config.h"
+#include "tokenizer/sha256.h"
+#include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/evaluate.h"
 #include "train/report.h"
@@ -503,4 +508,47 @@ TEST_F(TrainTest, ConfigErrorsComeBeforeAnyWork) {
   EXPECT_FALSE(fs::exists(root_ / "bad"));
   EXPECT_THROW(run_training(config("bad", {"parallel.tp=2"})), Error);
   EXPECT_FALSE(fs::exists(root_ / "bad"));
+}
+
+namespace {
+
+std::string file_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+// A model trained from random init on prepared data gets the data's tokenizer as its checkpoints'
+// tokenizer.model, so generate/serve find it in the model directory.  Loading never follows the
+// path recorded in the data's dataset.json (a file of the model directory could name anything).
+TEST_F(TrainTest, CheckpointsCarryThePreparedDataTokenizer) {
+  const std::string tok = std::string(MOETRON_SOURCE_DIR) + "/tests/golden/generate/mixtral_gqa/tokenizer.model";
+  std::ofstream(root_ / "data" / "dataset.json")
+      << nlohmann::json{{"tokenizer", {{"path", tok}, {"sha256", sha256_file(tok)}}}}.dump();
+  run_training(config("run", {"train.max_steps=1", "eval.every_steps=0"}));
+  const fs::path ckpt = root_ / "run" / "checkpoints" / "step-000001";
+  ASSERT_TRUE(fs::exists(ckpt / "tokenizer.model"));
+  EXPECT_EQ(file_bytes(ckpt / "tokenizer.model"), file_bytes(tok));
+  std::string why;
+  EXPECT_TRUE(is_complete_checkpoint(ckpt.string(), &why)) << why;  // the copy is in the manifest
+
+  // Without its own tokenizer.model, the checkpoint needs --tokenizer: the data's path is not followed.
+  fs::remove(ckpt / "tokenizer.model");
+  const ModelConfig cfg = load_model_config((ckpt / "config.json").string());
+  try {
+    load_model_tokenizer(ckpt.string(), "", cfg, true);
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("pass --tokenizer"), std::string::npos) << e.what();
+  }
+
+  // A tokenizer changed since `data prepare` is not copied (the data was not made with it); the log says so.
+  std::ofstream(root_ / "data" / "dataset.json")
+      << nlohmann::json{{"tokenizer", {{"path", tok}, {"sha256", std::string(64, '0')}}}}.dump();
+  run_training(config("run2", {"train.max_steps=1", "eval.every_steps=0"}));
+  EXPECT_FALSE(fs::exists(root_ / "run2" / "checkpoints" / "step-000001" / "tokenizer.model"));
+  EXPECT_NE(file_bytes(root_ / "run2" / "log.txt").find("has changed since `data prepare`"), std::string::npos);
 }

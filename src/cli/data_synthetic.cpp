@@ -26,8 +26,14 @@ int run_data_synthetic(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  std::filesystem::create_directories(output);
   const std::filesystem::path dir(output);
+  for (const char* f : {"train.jsonl", "test.jsonl"})
+    if (std::filesystem::exists(dir / f)) {
+      std::fprintf(stderr, "moetron data synthetic: %s already exists; it is never overwritten (choose another --output)\n",
+                   (dir / f).string().c_str());
+      return 2;
+    }
+  std::filesystem::create_directories(output);
   write_synthetic_chat((dir / "train.jsonl").string(), (dir / "test.jsonl").string(), o);
   std::printf("wrote %s/train.jsonl (%ld conversations) and %s/test.jsonl (%ld held out)\n", output.c_str(),
               o.train_examples, output.c_str(), o.test_examples);

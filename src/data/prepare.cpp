@@ -8,6 +8,7 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <set>
 
 #include <omp.h>
 
@@ -188,6 +189,18 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
   const fs::path dir = o.output_dir;
   if (!dry) {
     if (fs::exists(dir) && !fs::is_directory(dir)) fail("data prepare: --output '{}' exists and is not a directory", o.output_dir);
+    // The output directory is new, empty, or a previous `data prepare` output (replaced): never a
+    // directory holding anything else, which this command did not create.
+    if (fs::is_directory(dir)) {
+      static const std::set<std::string> kOwn = {"train.bin", "train.idx", "train_mask.bin", "train_mask.idx",
+                                                 "valid.bin", "valid.idx", "valid_mask.bin", "valid_mask.idx",
+                                                 "dataset.json"};
+      for (const auto& e : fs::directory_iterator(dir))
+        if (!kOwn.count(e.path().filename().string()))
+          fail("data prepare: --output '{}' holds '{}', which is not a dataset file this command writes; choose a new "
+               "or empty directory (or one a previous `data prepare` wrote)",
+               o.output_dir, e.path().filename().string());
+    }
     if (!fs::exists(dir)) {
       std::error_code ec;
       fs::create_directories(dir, ec);

@@ -121,32 +121,19 @@ std::vector<int32_t> model_eos_ids(const std::string& model_dir, const ModelConf
 
 std::unique_ptr<Tokenizer> load_model_tokenizer(const std::string& model_dir, const std::string& explicit_path,
                                                 const ModelConfig& cfg, bool required) {
+  // Only MODEL/tokenizer.model or --tokenizer: a path read from a file in the model directory could
+  // name anything on this machine (moetron checkpoints carry their tokenizer.model).
   std::string path = explicit_path;
-  std::string expected_sha;
   if (path.empty()) {
     const fs::path own = fs::path(model_dir) / "tokenizer.model";
     std::error_code ec;
-    if (fs::is_regular_file(own, ec)) {
-      path = own.string();
-    } else if (const auto ds = training_dataset(model_dir); ds && ds->contains("tokenizer") &&
-                                                           (*ds)["tokenizer"].is_object()) {
-      // A moetron checkpoint trained on prepared data: the tokenizer the data was prepared with, if it
-      // is still where it was and still the same file.
-      const auto& t = (*ds)["tokenizer"];
-      if (t.contains("path") && t["path"].is_string() && fs::is_regular_file(t["path"].get<std::string>(), ec)) {
-        path = t["path"].get<std::string>();
-        if (t.contains("sha256") && t["sha256"].is_string()) expected_sha = t["sha256"].get<std::string>();
-      }
-    }
+    if (fs::is_regular_file(own, ec)) path = own.string();
   }
   if (path.empty()) {
     if (!required) return nullptr;
-    fail("{}: no tokenizer.model (and no training dataset naming one); pass --tokenizer PATH", model_dir);
+    fail("{}: no tokenizer.model; pass --tokenizer PATH", model_dir);
   }
   auto tok = std::make_unique<Tokenizer>(Tokenizer::load(path));
-  if (!expected_sha.empty() && tok->sha256() != expected_sha)
-    fail("{}: the tokenizer named by the training dataset has changed (sha256 {} != {}); pass --tokenizer PATH",
-         path, tok->sha256(), expected_sha);
   if (tok->vocab_size() > cfg.vocab_size)
     fail("{}: the tokenizer has {} pieces but the model's vocab_size is {}", path, tok->vocab_size(), cfg.vocab_size);
   return tok;

@@ -671,6 +671,10 @@ std::string save_checkpoint(const std::string& run_dir, long step, const Checkpo
         progress(f);
       }
     }
+    if (!o.tokenizer_model_file.empty() && !is_file(tmp / "tokenizer.model")) {
+      copy_file_synced(o.tokenizer_model_file, (tmp / "tokenizer.model").string());
+      progress("tokenizer.model");
+    }
 
     if (c.exp_avg != nullptr) {
       const fs::path opt = tmp / "optimizer";

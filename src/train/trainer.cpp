@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
+#include <sstream>
 #include <unistd.h>
 
 #include "backend/select.h"
@@ -36,6 +37,8 @@
 #include "optim/adamw.h"
 #include "optim/lr_schedule.h"
 #include "optim/zero.h"
+#include "core/json_limits.h"
+#include "tokenizer/sha256.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_gather.h"
 #include "train/evaluate.h"
@@ -50,6 +53,31 @@ namespace fs = std::filesystem;
 namespace moetron {
 
 namespace {
+
+// The tokenizer `data prepare` used (dataset.json's tokenizer.path) when it is still there and
+// unchanged (sha256); "" otherwise, with `why` saying so.  Checkpoints carry a copy as
+// tokenizer.model, so a model trained from random init needs no --tokenizer afterwards.
+std::string prepared_data_tokenizer(const std::string& data_dir, std::string& why) {
+  std::ifstream in(fs::path(data_dir) / "dataset.json");
+  if (!in) return "";
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const nlohmann::json d = parse_json_or_discarded(ss.str());
+  const auto t = d.is_object() ? d.find("tokenizer") : d.end();
+  if (!d.is_object() || t == d.end() || !t->is_object() || !t->contains("path") || !(*t)["path"].is_string())
+    return "";
+  const std::string path = (*t)["path"].get<std::string>();
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) {
+    why = fmt::format("the data's tokenizer {} is gone", path);
+    return "";
+  }
+  if (t->contains("sha256") && (*t)["sha256"].is_string() && sha256_file(path) != (*t)["sha256"].get<std::string>()) {
+    why = fmt::format("the data's tokenizer {} has changed since `data prepare`", path);
+    return "";
+  }
+  return path;
+}
 
 // The one piece of process-wide state: a signal handler can only talk to the loop through a
 // volatile sig_atomic_t.  Set by SIGTERM/SIGINT while run_training is active, read once per step.
@@ -207,6 +235,7 @@ class Training {
   LossWeights weights_;
   double aux_coef_ = 0;   // the load-balancing coefficient (config, or the model's router_aux_loss_coef)
   std::string init_dir_;  // source of tokenizer files, when initialised from an HF directory
+  std::string data_tokenizer_;  // the prepared data's tokenizer.model (copied into checkpoints), or ""
   std::string resume_dir_;  // the root's choice: the checkpoint to resume, or "" (a fresh start)
   long total_steps_ = 0;
   long start_step_ = 0;  // last step done before this invocation
@@ -289,6 +318,9 @@ void Training::setup() {
       fs::rename(tmp, run_dir_ / "config.yaml");
     }
     log_ = RunLog(run_dir_ / "log.txt");
+    std::string why;
+    data_tokenizer_ = prepared_data_tokenizer(cfg_.data.path, why);
+    if (!why.empty()) log_.line(fmt::format("note: {}; checkpoints hold no copy of it", why));
   }
   build_model();
   initialise();
@@ -621,6 +653,7 @@ std::string Training::save(long step, bool final_save) {
     SaveOptions o;
     o.keep_last = cfg_.checkpoint.keep_last;
     o.tokenizer_source_dir = init_dir_;
+    o.tokenizer_model_file = data_tokenizer_;
     dir = save_checkpoint(run_dir_.string(), step, c, o);
     log_.line(fmt::format("{} checkpoint {} ({:.2f} s)", final_save ? "saved final" : "saved", dir,
                           std::chrono::duration<double>(Clock::now() - t0).count()));
