@@ -144,7 +144,7 @@ struct Server::Impl {
     if (logger) logger(remote, method, path, status);
   }
 
-  // A complete response with a body (an error reply when `close` is set).
+  // A complete response with a body; `connection`: the Connection header's value, or nullptr for none.
   static std::string response_bytes(int status, const std::string& content_type,
                                     const std::vector<std::pair<std::string, std::string>>& headers,
                                     const std::string& body, const char* connection) {
@@ -172,9 +172,10 @@ struct Server::Impl {
   }
 
   void close_conn(Conn& c) {
-    ::close(c.fd);  // also removes it from the epoll set
+    const int fd = c.fd;  // a copy: erase() destroys c
+    ::close(fd);          // also removes it from the epoll set
     if (--per_client[c.peer] == 0) per_client.erase(c.peer);
-    conns.erase(c.fd);  // destroys c
+    conns.erase(fd);
   }
 
   void accept_all(Clock::time_point now) {
@@ -211,8 +212,8 @@ struct Server::Impl {
     }
   }
 
-  // Over a connection limit: a 503 (best effort: one non-blocking send) and the close, before
-  // anything is read, so a refused connection costs nothing after this call.
+  // Over a connection limit: a 503 (best effort: one non-blocking send) and the close, without
+  // reading a request, so a refused connection costs nothing after this call.
   void refuse(int fd, const std::string& peer, bool per_peer) {
     const std::string msg =
         per_peer ? fmt::format("Too many connections from {}: this server allows {} per client.", peer,
