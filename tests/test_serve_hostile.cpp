@@ -575,8 +575,8 @@ TEST(ServeHostile, ChunkedBodyWithinTheLimitIsServed) {
   stop_server(srv);
 }
 
-// Slowloris: clients that send one header line at a time, each well inside the read timeout, never
-// finishing.  Under the old transport 16 of them held every HTTP thread and /health stopped answering.
+// Slowloris: clients that send one header line (or body byte) at a time, each well inside the read
+// timeout, never finishing.  Under the old transport 16 of them held every HTTP thread and /health stopped answering.
 // Now heads are read by the event thread (two worker threads here, fewer than the slow clients), so
 // /health answers at once throughout, and each slow client gets 408 and is closed when the request
 // deadline (2 s from its first byte) passes.
@@ -597,7 +597,10 @@ TEST(ServeHostile, SlowlorisHoldsNoThreadAndMeetsTheRequestDeadline) {
     threads.emplace_back([&, i] {
       const int fd = connect_to(srv.port);
       if (fd < 0) return;
-      const std::string first = "POST /v1/completions HTTP/1.1\r\nHost: x\r\n";
+      // Every fourth trickles its body instead (the deadline covers head and body).
+      const bool body = i % 4 == 3;
+      const std::string first = body ? "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+                                     : "POST /v1/completions HTTP/1.1\r\nHost: x\r\n";
       const auto t0 = std::chrono::steady_clock::now();
       send(fd, first.data(), first.size(), MSG_NOSIGNAL);
       for (int k = 0; k < 8; k++) {
@@ -609,7 +612,7 @@ TEST(ServeHostile, SlowlorisHoldsNoThreadAndMeetsTheRequestDeadline) {
           slow[i].closed = recv(fd, &c, 1, 0) == 0;
           break;
         }
-        const std::string line = "X-Slow-" + std::to_string(k) + ": y\r\n";
+        const std::string line = body ? std::string(" ") : "X-Slow-" + std::to_string(k) + ": y\r\n";
         if (send(fd, line.data(), line.size(), MSG_NOSIGNAL) > 0) slow[i].lines++;
       }
       close(fd);
@@ -627,7 +630,7 @@ TEST(ServeHostile, SlowlorisHoldsNoThreadAndMeetsTheRequestDeadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   for (auto& th : threads) th.join();
-  std::printf("slowloris: %d clients sending a header line every 1 s; /health answered %d of %d times, slowest "
+  std::printf("slowloris: %d clients sending a header line (or body byte) every 1 s; /health answered %d of %d times, slowest "
               "%.1f ms; the slow clients got:", n_slow, answered, tries, worst * 1000);
   double first = 1e9, last = 0;
   for (const Slow& s : slow) {
