@@ -41,8 +41,13 @@ int run_serve(int argc, char** argv) {
   app.add_option("--max-prompt-tokens", o.max_prompt_tokens, "longest prompt in tokens (0: the model's positions - 1)");
   app.add_option("--max-tokens-limit", o.max_tokens_limit, "largest max_tokens a request may ask for");
   app.add_option("--queue-size", o.queue_size, "requests that may wait behind the running one");
-  app.add_option("--http-threads", o.http_threads, "connection threads (0: queue size + 8)");
+  app.add_option("--http-threads", o.http_threads, "threads running requests (0: queue size + 8); slow clients hold none");
   app.add_option("--read-timeout-ms", o.read_timeout_ms, "close a connection that sends nothing for this long");
+  app.add_option("--request-timeout-ms", o.request_timeout_ms,
+                 "a request (head and body) must arrive within this long of its first byte, else 408");
+  app.add_option("--max-connections-per-client", o.max_connections_per_client,
+                 "open connections one IP address may hold; more get 503");
+  app.add_option("--max-connections", o.max_connections, "open connections in all; more get 503");
   app.add_option("--write-timeout-ms", o.write_timeout_ms, "give up on a client that takes nothing for this long");
   app.add_option("--keep-alive-s", o.keep_alive_timeout_s, "idle keep-alive connections close after this long");
   app.add_option("--threads", threads, "compute threads for OpenMP and BLAS (default: all)");

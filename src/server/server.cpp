@@ -7,11 +7,11 @@
 #include <random>
 
 #include <fmt/format.h>
-#include <httplib.h>
 
 #include "core/error.h"
 #include "infer/generate.h"
 #include "server/engine.h"
+#include "server/http.h"
 #include "server/openai_api.h"
 
 namespace moetron::server {
@@ -30,35 +30,17 @@ long unix_now() {
       .count();
 }
 
-void send_error(httplib::Response& res, const ApiError& e) {
+void send_error(http::Response& res, const ApiError& e) {
+  res = http::Response{};
   res.status = e.status;
-  res.set_content(error_json(e), "application/json");
+  res.body = error_json(e);
 }
 
-const char* status_message(int status) {
-  switch (status) {
-    case 400:
-      return "Bad request: the HTTP request could not be parsed.";
-    case 404:
-      return "Not found.";
-    case 405:
-      return "Method not allowed.";
-    case 408:
-      return "Request timeout.";
-    case 413:
-      return "Request body too large.";
-    case 414:
-      return "Request URI too long.";
-    case 416:
-      return "Range not satisfiable.";
-    case 431:
-      return "Request header fields too large.";
-    default:
-      return status < 500 ? "Bad request." : "Internal server error.";
-  }
-}
+void send_json(http::Response& res, const json& j) { res.body = dump(j); }
 
-// A streamed reply's state, shared by the content provider's calls.
+// A streamed reply's state, owned by the response's stream function.  Whatever ends the response (the
+// stream finished, was cut, or never started because the head could not be sent) destroys it, and
+// that cancels the job: a generation nobody will read stops at its next token.
 struct StreamState {
   std::shared_ptr<Job> job;
   Endpoint endpoint;
@@ -66,12 +48,48 @@ struct StreamState {
   long created = 0;
   int prompt_tokens = 0;
   bool include_usage = false;
-  bool started = false;
+  ~StreamState() {
+    if (job) job->cancel();  // a no-op once the job has finished
+  }
 };
 
-bool send_event(httplib::DataSink& sink, const std::string& data) {
-  const std::string s = "data: " + data + "\n\n";
-  return sink.write(s.data(), s.size());
+bool send_event(http::StreamSink& sink, const std::string& data) { return sink.write("data: " + data + "\n\n"); }
+
+// The Server-Sent Events of one streamed completion; true when the stream ended with [DONE].
+bool stream_events(StreamState& st, http::StreamSink& sink) {
+  const Endpoint ep = st.endpoint;
+  // An empty first chunk (the assistant role) right away.
+  if (ep == Endpoint::chat && !send_event(sink, dump(stream_chunk(ep, st.id, st.created, st.model, "", true, ""))))
+    return false;
+  for (;;) {
+    std::vector<std::string> pieces;
+    const bool done = st.job->wait(pieces, 100);
+    for (const std::string& p : pieces)
+      if (!send_event(sink, dump(stream_chunk(ep, st.id, st.created, st.model, p, false, "")))) return false;
+    if (done) break;
+    if (!sink.connected()) return false;  // reset by the client while its job waits or prefills
+  }
+  const GenerateResult& g = st.job->result();
+  if (!st.job->error().empty()) {
+    if (!send_event(sink, error_json(ApiError(500, "generation failed: " + st.job->error(), "server_error", "",
+                                              "generation_failed"))))
+      return false;
+  } else {
+    if (g.finish == FinishReason::cancelled) return false;  // shutting down
+    if (!send_event(sink, dump(stream_chunk(ep, st.id, st.created, st.model, "", false, finish_reason_name(g.finish)))))
+      return false;
+    if (st.include_usage &&
+        !send_event(sink, dump(usage_chunk(ep, st.id, st.created, st.model, {st.prompt_tokens, (int)g.tokens.size()}))))
+      return false;
+  }
+  return send_event(sink, "[DONE]");
+}
+
+// The error body of a reply the HTTP layer makes itself (framing, limits, routes): the same OpenAI
+// error object as every other error.
+std::string http_error_body(int status, const std::string& message) {
+  return error_json(ApiError(status, message, status < 500 ? "invalid_request_error" : "server_error", "",
+                             status == 405 ? "method_not_allowed" : ""));
 }
 
 }  // namespace
@@ -81,32 +99,35 @@ Server::Server(const InferenceModel& model, const Tokenizer& tok, ChatTemplate t
     : model_(model), tok_(tok), tmpl_(tmpl), eos_ids_(std::move(eos_ids)), opts_(std::move(opts)) {
   if (opts_.queue_size < 1) fail("serve: the queue size must be at least 1");
   if (opts_.max_tokens_limit < 1) fail("serve: the max_tokens limit must be at least 1");
-  if (opts_.read_timeout_ms < 1 || opts_.write_timeout_ms < 1) fail("serve: timeouts must be positive");
+  if (opts_.read_timeout_ms < 1 || opts_.write_timeout_ms < 1 || opts_.request_timeout_ms < 1)
+    fail("serve: timeouts must be positive");
+  if (opts_.keep_alive_timeout_s < 0) fail("serve: the keep-alive timeout must not be negative");
+  if (opts_.max_connections < 1 || opts_.max_connections_per_client < 1)
+    fail("serve: connection limits must be at least 1");
   created_ = unix_now();
   engine_ = std::make_unique<Engine>(model_, tok_, opts_.queue_size);
-  http_ = std::make_unique<httplib::Server>();
-  const size_t threads = opts_.http_threads > 0 ? (size_t)opts_.http_threads : opts_.queue_size + 8;
-  http_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  http_->set_payload_max_length(opts_.max_body_bytes);
-  http_->set_read_timeout(std::chrono::milliseconds(opts_.read_timeout_ms));
-  http_->set_write_timeout(std::chrono::milliseconds(opts_.write_timeout_ms));
-  http_->set_keep_alive_timeout(opts_.keep_alive_timeout_s);
-  http_->set_keep_alive_max_count(100);
-  http_->set_tcp_nodelay(true);  // headers and body go out in separate writes: no Nagle delay
+  http::Options h;
+  h.threads = opts_.http_threads > 0 ? opts_.http_threads : (int)opts_.queue_size + 8;
+  h.max_body_bytes = opts_.max_body_bytes;
+  h.read_timeout_ms = opts_.read_timeout_ms;
+  h.request_timeout_ms = opts_.request_timeout_ms;
+  h.write_timeout_ms = opts_.write_timeout_ms;
+  h.keep_alive_timeout_ms = opts_.keep_alive_timeout_s * 1000;
+  h.keep_alive_max_requests = 100;
+  h.max_connections = opts_.max_connections;
+  h.max_connections_per_client = opts_.max_connections_per_client;
+  http_ = std::make_unique<http::Server>(h, http_error_body);
   routes();
 }
 
 Server::~Server() { stop(); }
 
 int Server::bind() {
-  if (opts_.port == 0) {
-    port_ = http_->bind_to_any_port(opts_.host);
-    if (port_ < 0) fail("serve: cannot bind to {} (any port)", opts_.host);
-  } else {
-    if (opts_.port < 0 || opts_.port > 65535) fail("serve: port {} is outside [0, 65535]", opts_.port);
-    if (!http_->bind_to_port(opts_.host, opts_.port))
-      fail("serve: cannot bind to {}:{} (in use, or not an address of this machine)", opts_.host, opts_.port);
-    port_ = opts_.port;
+  if (opts_.port < 0 || opts_.port > 65535) fail("serve: port {} is outside [0, 65535]", opts_.port);
+  try {
+    port_ = http_->bind(opts_.host, opts_.port);
+  } catch (const Error& e) {
+    fail("serve: {} (in use, or not an address of this machine?)", e.what());
   }
   return port_;
 }
@@ -114,7 +135,7 @@ int Server::bind() {
 void Server::run() {
   if (port_ < 0) fail("serve: bind() before run()");
   std::signal(SIGPIPE, SIG_IGN);
-  http_->listen_after_bind();
+  http_->run();
 }
 
 void Server::stop() {
@@ -125,25 +146,24 @@ void Server::stop() {
 void Server::routes() {
   const int positions = model_.cfg.max_position_embeddings > 0 ? model_.cfg.max_position_embeddings : INT_MAX;
 
-  http_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(dump(json{{"status", "ok"}, {"model", opts_.model_name}, {"waiting", engine_->waiting()}}),
-                    "application/json");
+  http_->route("GET", "/health", [this](const http::Request&, http::Response& res) {
+    send_json(res, json{{"status", "ok"}, {"model", opts_.model_name}, {"waiting", engine_->waiting()}});
   });
   auto model_object = [this] {
     return json{{"id", opts_.model_name}, {"object", "model"}, {"created", created_}, {"owned_by", "moetron"}};
   };
-  http_->Get("/v1/models", [model_object](const httplib::Request&, httplib::Response& res) {
-    res.set_content(dump(json{{"object", "list"}, {"data", json::array({model_object()})}}), "application/json");
+  http_->route("GET", "/v1/models", [model_object](const http::Request&, http::Response& res) {
+    send_json(res, json{{"object", "list"}, {"data", json::array({model_object()})}});
   });
-  http_->Get(R"(/v1/models/(.+))", [this, model_object](const httplib::Request& req, httplib::Response& res) {
-    if (req.matches[1] == opts_.model_name)
-      res.set_content(dump(model_object()), "application/json");
+  http_->route_prefix("GET", "/v1/models/", [this, model_object](const http::Request& req, http::Response& res) {
+    if (req.tail == opts_.model_name)
+      send_json(res, model_object());
     else
-      send_error(res, ApiError(404, fmt::format("The model '{}' does not exist", req.matches[1].str()),
-                               "invalid_request_error", "model", "model_not_found"));
+      send_error(res, ApiError(404, fmt::format("The model '{}' does not exist", req.tail), "invalid_request_error",
+                               "model", "model_not_found"));
   });
 
-  auto handle = [this, positions](Endpoint ep, const httplib::Request& req, httplib::Response& res) {
+  auto handle = [this, positions](Endpoint ep, const http::Request& req, http::Response& res) {
     try {
       CompletionRequest r = parse_request(ep, req.body);
       std::vector<int32_t> prompt;
@@ -210,10 +230,8 @@ void Server::routes() {
         const GenerateResult& g = job->result();
         if (g.finish == FinishReason::cancelled)
           throw ApiError(503, "the server is shutting down", "server_error", "", "shutting_down");
-        res.set_content(dump(completion_response(ep, id, created, opts_.model_name, g.text,
-                                                 finish_reason_name(g.finish),
-                                                 {prompt_tokens, (int)g.tokens.size()})),
-                        "application/json");
+        send_json(res, completion_response(ep, id, created, opts_.model_name, g.text, finish_reason_name(g.finish),
+                                           {prompt_tokens, (int)g.tokens.size()}));
         return;
       }
       auto st = std::make_shared<StreamState>();
@@ -224,92 +242,25 @@ void Server::routes() {
       st->created = created;
       st->prompt_tokens = prompt_tokens;
       st->include_usage = r.include_usage;
-      res.set_header("Cache-Control", "no-cache");
-      res.set_header("X-Accel-Buffering", "no");
-      res.set_chunked_content_provider(
-          "text/event-stream",
-          [st](size_t, httplib::DataSink& sink) -> bool {
-            const Endpoint ep = st->endpoint;
-            if (!st->started) {  // an empty first chunk (the assistant role) right away
-              st->started = true;
-              if (ep == Endpoint::chat &&
-                  !send_event(sink, dump(stream_chunk(ep, st->id, st->created, st->model, "", true, "")))) {
-                st->job->cancel();
-                return false;
-              }
-            }
-            std::vector<std::string> pieces;
-            const bool done = st->job->wait(pieces, 100);
-            for (const std::string& p : pieces)
-              if (!send_event(sink, dump(stream_chunk(ep, st->id, st->created, st->model, p, false, "")))) {
-                st->job->cancel();
-                return false;
-              }
-            if (!done) return true;
-            const GenerateResult& g = st->job->result();
-            if (!st->job->error().empty()) {
-              send_event(sink, error_json(ApiError(500, "generation failed: " + st->job->error(), "server_error", "",
-                                                   "generation_failed")));
-            } else {
-              if (g.finish == FinishReason::cancelled) return false;  // shutting down
-              if (!send_event(sink, dump(stream_chunk(ep, st->id, st->created, st->model, "", false,
-                                                      finish_reason_name(g.finish)))))
-                return false;
-              if (st->include_usage &&
-                  !send_event(sink, dump(usage_chunk(ep, st->id, st->created, st->model,
-                                                     {st->prompt_tokens, (int)g.tokens.size()}))))
-                return false;
-            }
-            if (!send_event(sink, "[DONE]")) return false;
-            sink.done();
-            return true;
-          },
-          [job](bool success) {
-            if (!success) job->cancel();
-          });
+      res.content_type = "text/event-stream";
+      res.headers = {{"Cache-Control", "no-cache"}, {"X-Accel-Buffering", "no"}};
+      res.stream = [st](http::StreamSink& sink) { return stream_events(*st, sink); };
     } catch (const ApiError& e) {
       send_error(res, e);
     } catch (const std::exception& e) {
       send_error(res, ApiError(500, std::string("internal error: ") + e.what(), "server_error"));
     }
   };
-  http_->Post("/v1/chat/completions", [handle](const httplib::Request& req, httplib::Response& res) {
-    handle(Endpoint::chat, req, res);
-  });
-  http_->Post("/v1/completions", [handle](const httplib::Request& req, httplib::Response& res) {
-    handle(Endpoint::completion, req, res);
-  });
-  for (const char* path : {"/v1/chat/completions", "/v1/completions"})
-    http_->Get(path, [](const httplib::Request& req, httplib::Response& res) {
-      send_error(res, ApiError(405, fmt::format("{} {} is not supported; use POST", req.method, req.path),
-                               "invalid_request_error", "", "method_not_allowed"));
-    });
-
-  // Everything else that ends in an error status without a body of ours: the same JSON error shape.
-  http_->set_error_handler(httplib::Server::HandlerWithResponse([this](const httplib::Request& req,
-                                                                      httplib::Response& res) {
-    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    std::string msg = status_message(res.status);
-    if (res.status == 404) msg = fmt::format("Unknown request URL: {} {}", req.method, req.path);
-    if (res.status == 413) msg = fmt::format("The request body exceeds this server's limit of {} bytes.",
-                                             opts_.max_body_bytes);
-    send_error(res, ApiError(res.status, msg, res.status < 500 ? "invalid_request_error" : "server_error"));
-    return httplib::Server::HandlerResponse::Handled;
-  }));
-  http_->set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-    std::string what = "unknown exception";
-    try {
-      if (ep) std::rethrow_exception(ep);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    send_error(res, ApiError(500, "internal error: " + what, "server_error"));
-  });
+  http_->route("POST", "/v1/chat/completions",
+               [handle](const http::Request& req, http::Response& res) { handle(Endpoint::chat, req, res); });
+  http_->route("POST", "/v1/completions",
+               [handle](const http::Request& req, http::Response& res) { handle(Endpoint::completion, req, res); });
+  // Other methods on these paths (405) and unknown paths (404) get the same JSON error objects from
+  // the HTTP layer (http_error_body); so do handler exceptions (500).
   if (opts_.log_requests)
-    http_->set_logger([](const httplib::Request& req, const httplib::Response& res) {
-      std::fprintf(stderr, "%s %s %s -> %d\n", req.remote_addr.c_str(), req.method.c_str(), req.path.c_str(),
-                   res.status);
+    http_->set_logger([](const std::string& remote, const std::string& method, const std::string& path, int status) {
+      std::fprintf(stderr, "%s %s %s -> %d\n", remote.c_str(), method.empty() ? "-" : method.c_str(),
+                   path.empty() ? "-" : path.c_str(), status);
     });
 }
 

@@ -1,16 +1,22 @@
-// moetron serve: an OpenAI-compatible HTTP server (cpp-httplib) over the generation engine.
+// moetron serve: an OpenAI-compatible HTTP server over the generation engine, on moetron's own
+// HTTP/1.1 layer (http.h).
 //
 // Endpoints: POST /v1/chat/completions, POST /v1/completions (plain JSON, or Server-Sent Events with
-// "stream": true, ending with "data: [DONE]"), GET /v1/models, GET /health.  Requests and errors are
-// described in openai_api.h; the queue in engine.h.
+// "stream": true, ending with "data: [DONE]"), GET /v1/models, GET /v1/models/<id>, GET /health.
+// Requests and errors are described in openai_api.h; the queue in engine.h.
 //
-// Limits (ServerOptions): request bodies over max_body_bytes get 413; prompts over
-// max_prompt_tokens, or prompt + max_tokens beyond the model's positions, get 400
-// (code "context_length_exceeded"); max_tokens above max_tokens_limit gets 400; a full queue gets
-// 429.  Every error is a JSON error object with a 4xx (5xx only for a failure inside generation) and
-// the server keeps serving.  Slow or stalled clients are bounded by the read / write timeouts: a
-// connection that sends nothing for read_timeout_ms is closed.  A streaming client that disconnects
-// cancels its generation at the next token.
+// Limits (ServerOptions): request bodies over max_body_bytes get 413 -- with Content-Length before
+// the body is read, chunked the moment the decoded bytes pass the limit, so a body never takes more
+// memory than the limit; prompts over max_prompt_tokens, or prompt + max_tokens beyond the model's
+// positions, get 400 (code "context_length_exceeded"); max_tokens above max_tokens_limit gets 400; a
+// full queue gets 429.  Every error is a JSON error object with a 4xx (5xx only for a failure inside
+// generation, and 503 for a connection over the limits below) and the server keeps serving.
+// Slow or stalled clients: request heads and bodies are read by one event thread for all connections,
+// so a slow client holds no HTTP thread; a request must be complete request_timeout_ms after its
+// first byte, with no silence over read_timeout_ms (else 408 and the connection is closed); one IP
+// address may hold max_connections_per_client connections, everyone together max_connections (the
+// next one gets 503 and is closed).  A streaming client that disconnects cancels its generation at
+// the next token (or within 100 ms while it waits, when the connection was reset).
 #pragma once
 
 #include <cstdint>
@@ -22,11 +28,11 @@
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
-namespace httplib {
+namespace moetron::server {
+
+namespace http {
 class Server;
 }
-
-namespace moetron::server {
 
 class Engine;
 
@@ -38,10 +44,13 @@ struct ServerOptions {
   int max_prompt_tokens = 0;        // 0: the model's positions - 1
   int max_tokens_limit = 4096;      // the largest max_tokens a request may ask for (also the default cap)
   size_t queue_size = 8;            // requests waiting behind the running one
-  int http_threads = 0;             // connection threads; 0: queue_size + 8
-  int read_timeout_ms = 10000;
+  int http_threads = 0;             // threads running handlers; 0: queue_size + 8
+  int read_timeout_ms = 10000;      // silence allowed inside a request (and before a connection's first)
+  int request_timeout_ms = 30000;   // a whole request (head and body) from its first byte
   int write_timeout_ms = 10000;
   int keep_alive_timeout_s = 5;
+  int max_connections_per_client = 16;  // open connections from one IP address
+  int max_connections = 1024;           // open connections in all
   bool log_requests = false;        // one line per request on stderr
 };
 
@@ -72,7 +81,7 @@ class Server {
   std::vector<int32_t> eos_ids_;
   ServerOptions opts_;
   std::unique_ptr<Engine> engine_;
-  std::unique_ptr<httplib::Server> http_;
+  std::unique_ptr<http::Server> http_;
   int port_ = -1;
   long created_ = 0;
 };
