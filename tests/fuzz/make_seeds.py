@@ -158,8 +158,29 @@ def seeds_tokenizer():
     put("fuzz_tokenizer", "truncated", struct.pack("<H", 5) + b"Hello" + model[: len(model) // 2])
 
 
+def seeds_http():
+    body = b'{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4}'
+    h = "Host: x\r\n".encode()
+    seeds = {  # the first byte: the size of the pieces the target feeds (minus one)
+        "get_health": b"\x07GET /health HTTP/1.1\r\n" + h + b"\r\n",
+        "post_cl": b"\x10POST /v1/chat/completions HTTP/1.1\r\n" + h + b"Content-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % len(body) + body,
+        "post_chunked": b"\x03POST /v1/completions HTTP/1.1\r\n" + h + b"Transfer-Encoding: chunked\r\n\r\n"
+                        b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-T: 1\r\n\r\n",
+        "pipelined": b"\x20GET /v1/models HTTP/1.1\r\n" + h + b"\r\nGET /v1/models/moetron%20x?q=1 HTTP/1.1\r\n" + h +
+                     b"Connection: close\r\n\r\n",
+        "http10": b"\x01GET / HTTP/1.0\r\n\r\n",
+        "expect": b"\x05POST /v1/completions HTTP/1.1\r\n" + h + b"Expect: 100-continue\r\nContent-Length: 2\r\n\r\n{}",
+        "cl_te": b"\x09POST / HTTP/1.1\r\n" + h + b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        "huge_chunk": b"\x02POST / HTTP/1.1\r\n" + h + b"Transfer-Encoding: chunked\r\n\r\nffffffffffffffffff\r\n",
+        "leading_crlf": b"\x01\r\n\r\nGET /health HTTP/1.1\r\n" + h + b"\r\n",
+    }
+    for name, data in seeds.items():
+        put("fuzz_http_request", name, data)
+
+
 if __name__ == "__main__":
     for f in [seeds_safetensors, seeds_index, seeds_hf_config, seeds_train_config, seeds_jsonl, seeds_indexed,
-              seeds_checkpoint, seeds_openai, seeds_tokenizer]:
+              seeds_checkpoint, seeds_openai, seeds_tokenizer, seeds_http]:
         f()
     print("seeds written under", OUT, file=sys.stderr)
