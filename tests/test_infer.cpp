@@ -340,6 +340,33 @@ TEST(Generate, PositionLimitAndZeroTokens) {
   EXPECT_TRUE(r.tokens.empty());
 }
 
+// Logits that come out NaN or infinite (weights that passed the load-time check but overflow, or were
+// changed in memory) stop generation with an Error instead of streaming token after garbage token.
+TEST(Generate, NonFiniteLogitsStopWithAnError) {
+  auto model = load_inference_model((kGenerate / "llama_dense").string());
+  model->params_bf16.clear();  // decode from the fp32 values edited below
+  const ParamSpec& norm = model->table.at(ParamKind::final_norm);
+  Decoder dec(*model);
+  const std::vector<int32_t> prompt = {1, 4, 5, 6};
+  GenerateOptions o;
+  o.max_new_tokens = 8;
+  for (float poison : {std::nanf(""), 3.0e38f /* finite: the logits overflow to infinity */}) {
+    SCOPED_TRACE(poison);
+    std::fill(model->params.begin() + norm.offset, model->params.begin() + norm.offset + norm.numel, poison);
+    KvCache cache = dec.new_cache();
+    int tokens = 0;
+    GenerateCallbacks cb;
+    cb.on_token = [&](int32_t) { return ++tokens, true; };
+    try {
+      generate(dec, cache, prompt, o, nullptr, cb);
+      FAIL() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("not finite"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(tokens, 0) << "no token may be sampled from non-finite logits";
+  }
+}
+
 // ---- sampling ------------------------------------------------------------------------------------
 
 TEST(Sampler, GreedyIsFirstArgmaxAndTopK1IsGreedy) {

@@ -751,6 +751,11 @@ void read_optimizer_tensor(const ShardedSafetensors& f, const std::string& opt_d
     fail("{}: tensor '{}' has shape {}, but the model config implies {}", t->file, name, shape_str(t->shape),
          shape_str(ref.shape));
   read_f32(*t, dst + ref.offset, ref.numel);
+  const size_t bad = first_non_finite(dst + ref.offset, ref.numel);
+  if (bad != ref.numel)
+    fail("{}: tensor '{}' holds a non-finite value ({}) at element {}: the optimizer state is corrupt (NaN or Inf), "
+         "and training resumed from it would diverge",
+         t->file, name, dst[ref.offset + bad], bad);
 }
 
 }  // namespace
