@@ -380,6 +380,25 @@ TEST(Sampler, GreedyIsFirstArgmaxAndTopK1IsGreedy) {
   for (int i = 0; i < 20; i++) EXPECT_EQ(s.next(std::vector<float>(l).data(), {}, {}), 1);
 }
 
+// Below kGreedyTemperature the sampler is greedy: dividing by a denormal temperature (1e-45) made
+// every logit infinite and the draw garbage.
+TEST(Sampler, TinyTemperaturesAreGreedy) {
+  const std::vector<float> l = {0.5f, -3.0f, 2.0f, 1.9f, 2.0f};
+  for (float t : {1e-45f, 1e-38f, 1e-20f, 9.9e-6f}) {
+    SCOPED_TRACE(t);
+    SamplingParams p;
+    p.temperature = t;
+    p.top_p = 0.9f;
+    p.seed = 7;
+    EXPECT_TRUE(p.greedy());
+    Sampler s(p, 5);
+    for (int i = 0; i < 50; i++) EXPECT_EQ(s.next(std::vector<float>(l).data(), {}, {}), 2);
+  }
+  SamplingParams p;
+  p.temperature = kGreedyTemperature;
+  EXPECT_FALSE(p.greedy());
+}
+
 TEST(Sampler, SeededDrawsAreReproducibleAndFollowTheSoftmax) {
   const std::vector<float> l = {1.0f, 0.0f, -1.0f, 2.0f, 0.5f};
   SamplingParams p;

@@ -9,7 +9,7 @@
 namespace moetron::cli {
 
 void add_generation_options(CLI::App& app, GenerationOptions& g) {
-  app.add_option("--temperature", g.sampling.temperature, "0: greedy (default); > 0: sample");
+  app.add_option("--temperature", g.sampling.temperature, "0: greedy (default; so is anything below 1e-5); > 0: sample at this temperature");
   app.add_option("--top-k", g.sampling.top_k, "sample from the k most likely tokens (0: off)");
   app.add_option("--top-p", g.sampling.top_p, "nucleus sampling threshold (1: off)");
   app.add_option("--repetition-penalty", g.sampling.repetition_penalty, "HF repetition penalty (1: off)");
