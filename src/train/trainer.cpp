@@ -388,6 +388,10 @@ void Training::initialise() {
 }
 
 void Training::load_resume(const std::string& dir) {
+  // The trainer's keys first (a resealed trainer_state.json verifies its own checksum): a negative
+  // step, a missing loader_state, ... are refused naming the field before anything is read.
+  validate_trainer_state(read_trainer_state(dir), (fs::path(dir) / "trainer_state.json").string(),
+                         TrainerStateUse::resume);
   const ParamTable& table = model_->table();
   const size_t total = table.total();
   std::vector<float> lm(total, 0.0f), lv(total, 0.0f);
