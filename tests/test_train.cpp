@@ -245,6 +245,28 @@ TEST_F(TrainTest, EvalErrorsExitTwoWithTheReason) {
   EXPECT_FALSE(fs::exists(root_ / "never-trained"));
 }
 
+// data.seq_length beyond the model's max_position_embeddings: train and plan refused it, eval
+// evaluated 128-token sequences on a model with 1 position.
+TEST_F(TrainTest, EvalRefusesSequencesLongerThanTheModelsPositions) {
+  const fs::path model = root_ / "model";
+  fs::copy(fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "mixtral_gqa", model);
+  nlohmann::json c = nlohmann::json::parse(std::ifstream(model / "config.json"));
+  c["max_position_embeddings"] = 1;
+  std::ofstream(model / "config.json") << c.dump(2);
+  try {
+    evaluate_model(config("eval"), model.string(), 1);
+    FAIL() << "evaluated";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("data.seq_length 128"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("max_position_embeddings 1"), std::string::npos) << msg;
+    EXPECT_NE(msg.find((model / "config.json").string()), std::string::npos) << msg;
+  }
+  // The same rule as train's.
+  EXPECT_THROW(run_training(config("t", {"model.config.max_position_embeddings=64"})), Error);
+  EXPECT_FALSE(fs::exists(root_ / "t"));
+}
+
 TEST_F(TrainTest, SameSeedSameLossesBitwise) {
   run_training(config("a"));
   run_training(config("b"));
