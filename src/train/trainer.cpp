@@ -257,8 +257,16 @@ void Training::setup() {
     valid_start_ = valid_data_->state();
   }
   const DataLoader& td = *train_data_;
-  total_steps_ = cfg_.train.max_steps > 0 ? cfg_.train.max_steps
-                                          : (long)std::ceil(cfg_.train.epochs * (double)td.steps_per_epoch(0));
+  if (cfg_.train.max_steps > 0) {
+    total_steps_ = cfg_.train.max_steps;
+  } else {
+    // In double, checked before the cast (the review's epochs: 1e300 wrapped to "no steps").
+    const double steps = std::ceil(cfg_.train.epochs * (double)td.steps_per_epoch(0));
+    if (!(steps <= (double)kMaxStateCount))
+      fail("train.epochs: {} epochs of {} steps are {:.3g} steps, more than the {} a run may have", cfg_.train.epochs,
+           td.steps_per_epoch(0), steps, kMaxStateCount);
+    total_steps_ = (long)steps;
+  }
   if (total_steps_ <= 0)
     fail("train: the run has no steps (max_steps={}, epochs={})", cfg_.train.max_steps, cfg_.train.epochs);
 
