@@ -64,6 +64,10 @@ class JsonlSentences : public sentencepiece::SentenceIterator {
         reader_.reset();
         continue;
       }
+      if (reader_->too_long()) {  // longer than kDefaultMaxLineBytes: passed over unread, counted
+        skipped_++;
+        continue;
+      }
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
       if (!parse_record(line, file_format_, rec, err)) {
         skipped_++;

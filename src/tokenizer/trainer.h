@@ -5,7 +5,8 @@
 // break; "\n" itself is encoded through byte fallback, as in the Mistral tokenizer).  Settings follow
 // the Llama/Mistral tokenizers: BPE, byte fallback, digits split, identity normalisation, whitespace
 // kept as is, a dummy prefix, <unk>=0 <s>=1 </s>=2, no pad; the vocabulary has exactly vocab_size
-// pieces (Error when the data cannot fill it).  Bad JSONL lines are skipped and counted.
+// pieces (Error when the data cannot fill it).  Bad JSONL lines, and lines longer than
+// kDefaultMaxLineBytes (16 MiB, data/jsonl.h), are skipped and counted.
 // Writes PREFIX.model (atomically: PREFIX.model.tmp, then rename) and PREFIX.vocab (piece TAB score).
 #pragma once
 
