@@ -61,7 +61,7 @@ class CliErrors : public ::testing::Test {
   // `moetron ARGS` with stdout to stdout.txt and stderr captured.
   CliResult run_cli(const std::string& args) {
     const fs::path err = tmp_ / "stderr.txt";
-    const std::string cmd = "OMP_NUM_THREADS=2 " + std::string(MOETRON_BINARY) + " " + args + " > " +
+    const std::string cmd = "OMP_NUM_THREADS=2 " + std::string(MOETRON_BINARY) + " " + args + " < /dev/null > " +
                             (tmp_ / "stdout.txt").string() + " 2> " + err.string();
     const int status = std::system(cmd.c_str());
     CliResult r;
@@ -219,6 +219,32 @@ TEST_F(CliErrors, NonFiniteWeightsAreRefusedNamingTheTensor) {
   r = forward();
   expect_clean_failure(r, "model.norm.weight");
   EXPECT_NE(r.err.find("-inf"), std::string::npos) << r.err;
+}
+
+// Every --threads is bounded (4 x the hardware threads): `bench generate --threads 1000` on 2 cores
+// never finished.  Refused at once, before any work, naming the option.
+TEST_F(CliErrors, ThreadCountsAreBounded) {
+  const std::string m = model_.string(), in = (tmp_ / "in.jsonl").string();
+  write_bytes(in, "{\"text\": \"a b\"}\n");
+  const std::vector<std::string> commands = {
+      "bench generate --new-tokens 2 --prompt-tokens 1",
+      "bench train",
+      "bench data --input " + in + " --tokenizer " + (tmp_ / "no.model").string(),
+      "data prepare --input " + in + " --tokenizer " + (tmp_ / "no.model").string() + " --output " +
+          (tmp_ / "out_data").string(),
+      "tokenizer train --input " + in + " --vocab-size 300 --output " + (tmp_ / "tok").string(),
+      "generate --model " + m + " --prompt-ids 1,2",
+      "chat --model " + m,
+      "serve --model " + m + " --port 0",
+  };
+  for (const std::string& c : commands) {
+    SCOPED_TRACE(c);
+    expect_error(run_cli(c + " --threads 1000000"), 1, {"--threads 1000000: at most", "hardware threads"});
+    expect_error(run_cli(c + " --threads -2"), 1, {"--threads -2"});
+  }
+  expect_error(run_cli("serve --model " + m + " --port 0 --http-threads 100000"), 1, {"--http-threads 100000"});
+  EXPECT_FALSE(fs::exists(tmp_ / "out_data"));
+  EXPECT_FALSE(fs::exists(tmp_ / "tok.model"));
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/commands.h"
+#include "cli/threads.h"
 #include "core/error.h"
 #include "data/prepare.h"
 
@@ -49,6 +50,7 @@ int run_data_prepare(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  check_thread_count("--threads", o.threads);
   o.chat_template = parse_chat_template(tmpl);
   o.format = parse_record_format(format);
   o.progress = ::isatty(STDERR_FILENO);

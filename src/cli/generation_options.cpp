@@ -4,6 +4,7 @@
 
 #include <omp.h>
 
+#include "cli/threads.h"
 #include "ops/blas.h"
 
 namespace moetron::cli {
@@ -21,6 +22,7 @@ void add_generation_options(CLI::App& app, GenerationOptions& g) {
 void apply_generation_options(GenerationOptions& g) {
   g.sampling.seed = g.seed >= 0 ? (uint64_t)g.seed : std::random_device{}();
   validate_sampling(g.sampling);
+  check_thread_count("--threads", g.threads);
   if (g.threads > 0) {
     omp_set_num_threads(g.threads);
     ops::blas_set_num_threads(g.threads);

@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/commands.h"
+#include "cli/threads.h"
 #include "core/error.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/trainer.h"
@@ -41,6 +42,7 @@ int run_tokenizer_train(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  check_thread_count("--threads", o.threads);
   o.format = parse_record_format(format);
   o.byte_fallback = !no_byte_fallback;
   const TokenizerTrainResult r = train_tokenizer(o);
