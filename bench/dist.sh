@@ -19,7 +19,7 @@ rounds=${ROUNDS:-2}
 D=runs/demo
 if [ ! -f "$D/data/dataset.json" ]; then
   $M data synthetic --task addition --train-examples 30000 --test-examples 200 --output "$D/raw"
-  $M tokenizer train --input "$D/raw/train.jsonl" --vocab-size 320 --output "$D/tokenizer" \
+  $M tokenizer train --input "$D/raw/train.jsonl" --vocab-size 320 --output "$D/tokenizer" --force \
     --user-defined-symbols 0 1 2 3 4 5 6 7 8 9
   $M data prepare --input "$D/raw/train.jsonl" --tokenizer "$D/tokenizer.model" --output "$D/data" \
     --valid-fraction 0.02 --quiet

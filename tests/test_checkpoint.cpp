@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <random>
 #include <set>
@@ -265,13 +266,14 @@ TEST(Checkpoint, SaveLoadRoundTripIsBitwise) {
   for (DType dtype : {DType::F32, DType::BF16}) {
     TempDir t;
     Snapshot s = snapshot(table, 7);
-    // Values a lossy path would change: -0, a subnormal, infinities, a NaN with a payload, fp32 noise
-    // below bf16 precision (every random value has it).
+    // Values a lossy path would change: -0, subnormals, the largest finite magnitudes (a bf16 rounding
+    // would make them infinite), fp32 noise below bf16 precision (every random value has it).  NaN and
+    // infinities are refused on load (NonFiniteOptimizerStateIsRefused; training never saves them).
     s.p[0] = -0.0f;
     s.p[1] = 1e-42f;
-    s.p[2] = std::numeric_limits<float>::infinity();
-    s.m[3] = -std::numeric_limits<float>::infinity();
-    s.v[4] = f32_from_bits(0x7fc12345u);
+    s.p[2] = std::numeric_limits<float>::max();
+    s.m[3] = -std::numeric_limits<float>::max();
+    s.v[4] = f32_from_bits(0x00000001u);
     SaveOptions o;
     o.model_dtype = dtype;
     const std::string dir = save_checkpoint(t.path.string(), 7, contents(cfg, table, s), o);
@@ -717,4 +719,150 @@ TEST(Checkpoint, FailedSaveLeavesNothingBehind) {
   c.trainer_state = json::array({1, 2});
   EXPECT_THROW(save_checkpoint(t.path.string(), 2, c, SaveOptions{}), Error);
   EXPECT_EQ(entries_of(t.path / "checkpoints"), (std::vector<std::string>{"latest", "step-000001"}));
+}
+
+// ---- trainer_state.json validation ------------------------------------------------------------------
+
+namespace {
+
+// Rewrites DIR/trainer_state.json through `edit` and recomputes its own checksum, as an attacker (or
+// a careless script) would: the file then verifies, and only validate_trainer_state can refuse it.
+void reseal_trainer_state(const fs::path& dir, const std::function<void(json&)>& edit) {
+  json j = read_json(dir / "trainer_state.json");
+  edit(j);
+  j.erase("trainer_state_xxh64");
+  const std::string body = j.dump();
+  j["trainer_state_xxh64"] = xxh64_hex(xxh64(body.data(), body.size()));
+  std::ofstream(dir / "trainer_state.json", std::ios::binary | std::ios::trunc) << j.dump(2) << "\n";
+}
+
+}  // namespace
+
+// Every field resume relies on, mutated one at a time: each is refused naming the source and the
+// field (the review's cases: step -5, negative optimizer_steps, "files": {} -- which switched file
+// verification off --, and no loader_state, which surfaced as "unexpected error: [json.exception...]").
+TEST(Checkpoint, TrainerStateValidationNamesTheField) {
+  const ModelConfig cfg = golden_config();
+  const ParamTable table(cfg);
+  TempDir t;
+  const fs::path dir = save_checkpoint(t.path.string(), 3, contents(cfg, table, snapshot(table, 3)), SaveOptions{});
+  json good = read_trainer_state(dir.string());
+  good["loader_state"] = {{"epoch", 0}, {"next_block", 8}, {"seed", 7}, {"documents", 40},
+                          {"seq_length", 128}, {"packing", true}};
+  const std::string src = "SRC/trainer_state.json";
+  validate_trainer_state(good, src, TrainerStateUse::resume);  // the unmodified state passes
+
+  struct Case {
+    const char* what;
+    std::function<void(json&)> edit;
+    TrainerStateUse use;
+    std::vector<std::string> needles;
+  };
+  using U = TrainerStateUse;
+  const std::vector<Case> cases = {
+      {"negative step", [](json& j) { j["step"] = -5; }, U::resume, {"'step'", "[0, 2^53]"}},
+      {"huge step", [](json& j) { j["step"] = uint64_t{1} << 60; }, U::resume, {"'step'"}},
+      {"float step", [](json& j) { j["step"] = 2.5; }, U::resume, {"'step'"}},
+      {"no step", [](json& j) { j.erase("step"); }, U::resume, {"'step' is missing"}},
+      {"negative optimizer_steps", [](json& j) { j["optimizer_steps"] = -1; }, U::any, {"'optimizer_steps'"}},
+      {"string optimizer_steps", [](json& j) { j["optimizer_steps"] = "3"; }, U::any, {"'optimizer_steps'"}},
+      {"negative consumed_samples", [](json& j) { j["consumed_samples"] = -8; }, U::resume, {"'consumed_samples'"}},
+      {"string consumed_tokens", [](json& j) { j["consumed_tokens"] = "x"; }, U::resume, {"'consumed_tokens'"}},
+      {"no loader_state", [](json& j) { j.erase("loader_state"); }, U::resume, {"'loader_state' is missing"}},
+      {"loader_state without epoch", [](json& j) { j["loader_state"].erase("epoch"); }, U::resume,
+       {"'loader_state'", "'epoch'"}},
+      {"loader_state not an object", [](json& j) { j["loader_state"] = 3; }, U::resume, {"'loader_state'"}},
+      {"empty files", [](json& j) { j["files"] = json::object(); }, U::any, {"'files' is empty"}},
+      {"no files", [](json& j) { j.erase("files"); }, U::any, {"'files'"}},
+      {"files an array", [](json& j) { j["files"] = json::array(); }, U::any, {"'files'"}},
+      {"files without config.json", [](json& j) { j["files"].erase("config.json"); }, U::any, {"config.json"}},
+      {"files without the weights",
+       [](json& j) {
+         j["files"].erase("model.safetensors");
+         j["files"].erase("model.safetensors.index.json");
+       },
+       U::any, {"model.safetensors"}},
+      {"bad hash", [](json& j) { j["files"]["config.json"]["xxh64"] = "xyz"; }, U::any, {"'config.json'", "hex"}},
+      {"negative size", [](json& j) { j["files"]["config.json"]["size"] = -1; }, U::any, {"'config.json'"}},
+      {"wrong format", [](json& j) { j["format"] = "other"; }, U::any, {"'format'"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    json j = good;
+    c.edit(j);
+    try {
+      validate_trainer_state(j, src, c.use);
+      ADD_FAILURE() << "accepted";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_EQ(msg.rfind(src + ": ", 0), 0u) << msg;
+      for (const std::string& n : c.needles) EXPECT_NE(msg.find(n), std::string::npos) << msg;
+    }
+  }
+  // The manifest's names: plain file names of the directory, or optimizer/NAME.
+  for (const std::string& name : std::vector<std::string>{"../x", "/etc/passwd", "a/b", "optimizer/../config.json", "optimizer/a/b", "./x",
+                                 "x/", "", std::string("config.json\0.bak", 16), "tab\there"}) {
+    SCOPED_TRACE(name);
+    json j = good;
+    j["files"][name] = j["files"]["config.json"];
+    EXPECT_THROW(validate_trainer_state(j, src), Error);
+  }
+  json ok = good;
+  ok["files"]["optimizer/x.safetensors"] = ok["files"]["config.json"];
+  ok["files"]["tokenizer.model"] = ok["files"]["config.json"];
+  validate_trainer_state(ok, src);
+}
+
+// On disk: a resealed trainer_state.json that would switch verification off, or one whose manifest
+// leaves a file out, is refused by load_checkpoint naming the file; nothing is changed.
+TEST(Checkpoint, ResealedManifestIsRefused) {
+  const ModelConfig cfg = golden_config();
+  const ParamTable table(cfg);
+  TempDir t;
+  SaveOptions o;
+  o.max_shard_bytes = 100000;
+  const fs::path good = save_checkpoint(t.path.string(), 1, contents(cfg, table, snapshot(table, 1)), o);
+  int n = 0;
+  auto fresh_copy = [&]() {
+    const fs::path d = t.path / ("copy" + std::to_string(n++));
+    fs::copy(good, d, fs::copy_options::recursive);
+    return d;
+  };
+  {
+    const fs::path d = fresh_copy();
+    reseal_trainer_state(d, [](json& j) { j["files"] = json::object(); });
+    flip_byte(d / "model-00002-of-00003.safetensors", 5);  // would have gone unnoticed
+    expect_load_error(d.string(), cfg, {(d / "trainer_state.json").string(), "'files' is empty"});
+    std::string why;
+    EXPECT_FALSE(is_complete_checkpoint(d.string(), &why));
+  }
+  {  // A shard left out of the manifest, then altered.
+    const fs::path d = fresh_copy();
+    reseal_trainer_state(d, [](json& j) { j["files"].erase("model-00002-of-00003.safetensors"); });
+    flip_byte(d / "model-00002-of-00003.safetensors", 5);
+    expect_load_error(d.string(), cfg, {(d / "model-00002-of-00003.safetensors").string(), "not listed"});
+  }
+  {  // A file added after the save.
+    const fs::path d = fresh_copy();
+    std::ofstream(d / "model.safetensors") << "x";
+    expect_load_error(d.string(), cfg, {(d / "model.safetensors").string(), "not listed"});
+  }
+  {
+    const fs::path d = fresh_copy();
+    reseal_trainer_state(d, [](json& j) { j["optimizer_steps"] = -4; });
+    expect_load_error(d.string(), cfg, {(d / "trainer_state.json").string(), "'optimizer_steps'"});
+  }
+  expect_holds_step(good.string(), cfg, table, 1);
+}
+
+// NaN or Inf in the optimizer state (master weights or moments) is refused on load, naming the tensor.
+TEST(Checkpoint, NonFiniteOptimizerStateIsRefused) {
+  const ModelConfig cfg = golden_config();
+  const ParamTable table(cfg);
+  TempDir t;
+  Snapshot s = snapshot(table, 1);
+  const HfTensorRef& ref = table.hf_tensors()[3];
+  s.m[ref.offset + 2] = std::nanf("");
+  const fs::path dir = save_checkpoint(t.path.string(), 1, contents(cfg, table, s), SaveOptions{});
+  expect_load_error(dir.string(), cfg, {ref.name + ".exp_avg", "non-finite", "optimizer.safetensors"});
 }

@@ -4,12 +4,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <functional>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -55,6 +57,39 @@ class CliErrors : public ::testing::Test {
     return r;
   }
   fs::path out() const { return tmp_ / "out.safetensors"; }
+
+  // `moetron ARGS` with stdout to stdout.txt and stderr captured.
+  CliResult run_cli(const std::string& args) {
+    const fs::path err = tmp_ / "stderr.txt";
+    const std::string cmd = "OMP_NUM_THREADS=2 " + std::string(MOETRON_BINARY) + " " + args + " < /dev/null > " +
+                            (tmp_ / "stdout.txt").string() + " 2> " + err.string();
+    const int status = std::system(cmd.c_str());
+    CliResult r;
+    r.signalled = WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) > 128);
+    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    r.err = read_bytes(err);
+    return r;
+  }
+  void expect_error(const CliResult& r, int code, const std::vector<std::string>& needles) {
+    EXPECT_FALSE(r.signalled) << "crashed: " << r.err;
+    EXPECT_EQ(r.exit_code, code) << r.err;
+    for (const std::string& n : needles)
+      EXPECT_NE(r.err.find(n), std::string::npos) << "message lacks '" << n << "': " << r.err;
+  }
+
+  // Overwrites element `index` of tensor `name` (F32) in a safetensors file.
+  void poke_f32(const fs::path& file, const std::string& name, size_t index, float value) {
+    std::string bytes = read_bytes(file);
+    uint64_t header_len = 0;
+    std::memcpy(&header_len, bytes.data(), 8);
+    const nlohmann::json header = nlohmann::json::parse(bytes.substr(8, header_len));
+    const auto& t = header.at(name);
+    ASSERT_EQ(t["dtype"], "F32");
+    const size_t at = 8 + header_len + (size_t)t["data_offsets"][0] + 4 * index;
+    ASSERT_LT(at + 4, 8 + header_len + (size_t)t["data_offsets"][1] + 1);
+    std::memcpy(bytes.data() + at, &value, 4);
+    write_bytes(file, bytes);
+  }
 
   void expect_clean_failure(const CliResult& r, const std::string& needle) {
     EXPECT_FALSE(r.signalled) << "crashed: " << r.err;
@@ -165,6 +200,51 @@ TEST_F(CliErrors, ConfigFarLargerThanTheWeightsIsRefusedBeforeAllocating) {
   expect_clean_failure(r, "model.embed_tokens.weight' has shape");
   // 2^22 x 64 x 4 bytes x (parameters + gradients) would be 2 GiB; the check needs none of it.
   EXPECT_LT(after.ru_maxrss, 1024L * 1024) << "peak RSS of the children, KiB";
+}
+
+// NaN or Inf weights: forward gave all-NaN logits with exit 0 and generate streamed garbage; both
+// refuse the model now, naming the tensor and the file.
+TEST_F(CliErrors, NonFiniteWeightsAreRefusedNamingTheTensor) {
+  const fs::path w = model_ / "model.safetensors";
+  poke_f32(w, "model.layers.1.self_attn.o_proj.weight", 5, std::nanf(""));
+  CliResult r = forward();
+  expect_clean_failure(r, "model.layers.1.self_attn.o_proj.weight");
+  EXPECT_NE(r.err.find("non-finite"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(w.string()), std::string::npos) << r.err;
+  r = run_cli("generate --model " + model_.string() + " --prompt-ids 1,2,3 --max-new-tokens 4");
+  expect_error(r, 1, {"model.layers.1.self_attn.o_proj.weight", "non-finite", w.string()});
+
+  fs::copy_file(kGolden / "model.safetensors", w, fs::copy_options::overwrite_existing);
+  poke_f32(w, "model.norm.weight", 0, -INFINITY);
+  r = forward();
+  expect_clean_failure(r, "model.norm.weight");
+  EXPECT_NE(r.err.find("-inf"), std::string::npos) << r.err;
+}
+
+// Every --threads is bounded (4 x the hardware threads): `bench generate --threads 1000` on 2 cores
+// never finished.  Refused at once, before any work, naming the option.
+TEST_F(CliErrors, ThreadCountsAreBounded) {
+  const std::string m = model_.string(), in = (tmp_ / "in.jsonl").string();
+  write_bytes(in, "{\"text\": \"a b\"}\n");
+  const std::vector<std::string> commands = {
+      "bench generate --new-tokens 2 --prompt-tokens 1",
+      "bench train",
+      "bench data --input " + in + " --tokenizer " + (tmp_ / "no.model").string(),
+      "data prepare --input " + in + " --tokenizer " + (tmp_ / "no.model").string() + " --output " +
+          (tmp_ / "out_data").string(),
+      "tokenizer train --input " + in + " --vocab-size 300 --output " + (tmp_ / "tok").string(),
+      "generate --model " + m + " --prompt-ids 1,2",
+      "chat --model " + m,
+      "serve --model " + m + " --port 0",
+  };
+  for (const std::string& c : commands) {
+    SCOPED_TRACE(c);
+    expect_error(run_cli(c + " --threads 1000000"), 1, {"--threads 1000000: at most", "hardware threads"});
+    expect_error(run_cli(c + " --threads -2"), 1, {"--threads -2"});
+  }
+  expect_error(run_cli("serve --model " + m + " --port 0 --http-threads 100000"), 1, {"--http-threads 100000"});
+  EXPECT_FALSE(fs::exists(tmp_ / "out_data"));
+  EXPECT_FALSE(fs::exists(tmp_ / "tok.model"));
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // whatever the thread count.  A small tokenizer is trained once for these tests, so they do not need
 // ../shared; one test additionally checks the mistral template through the pipeline against
 // mistral-common's tokens when ../shared/data/mixtral-tokenizer.model is present.
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -269,6 +270,83 @@ TEST_F(DataPrepare, StrictStopsAtTheFirstBadLineAndLeavesNothing) {
   // Without --strict the same input succeeds.
   EXPECT_EQ(cli("--input " + in.string() + " --tokenizer " + tok_path_ + " --output " + out.string()).exit_code, 0);
   EXPECT_TRUE(fs::exists(out / "dataset.json"));
+}
+
+// A line longer than --max-line-bytes is skipped without being held (reason line_too_long, listed
+// with file:line like any unusable line; --strict: an error).  A 200 MB line used to take 4 GB: its
+// JSON DOM, copies of its strings and the tokenizer's arrays.
+TEST_F(DataPrepare, LinesLongerThanTheLimitAreSkippedUnread) {
+  const std::string long_text = nlohmann::json{{"text", std::string(100000, 'x')}}.dump();
+  const fs::path in = write("long.jsonl", {good_chats()[0], chat_line({{"user", "q"}, {"assistant", long_text}}),
+                                           good_chats()[1]});
+  PrepareOptions o = options({in}, dir_ / "out");
+  o.max_line_bytes = 4096;
+  const PrepareReport r = prepare_dataset(o);
+  EXPECT_EQ(r.train.documents, 2u);
+  EXPECT_EQ(r.skipped, 1u);
+  EXPECT_EQ(r.skipped_by_reason[(int)SkipReason::line_too_long], 1u);
+  const auto j = dataset_json(dir_ / "out");
+  ASSERT_EQ(j["skipped"]["lines"].size(), 1u);
+  EXPECT_EQ(j["skipped"]["lines"][0]["line"], 2);
+  EXPECT_EQ(j["skipped"]["lines"][0]["reason"], "line_too_long");
+  EXPECT_NE(j["skipped"]["lines"][0]["message"].get<std::string>().find("more than --max-line-bytes 4096"),
+            std::string::npos);
+  EXPECT_EQ(j["skipped"]["by_reason"]["line_too_long"], 1);
+  // The CLI: the option, the report on stderr, --strict.
+  const std::string args = "--input " + in.string() + " --tokenizer " + tok_path_ + " --max-line-bytes 4096 --output ";
+  Cli c = cli(args + (dir_ / "cli").string());
+  EXPECT_EQ(c.exit_code, 0) << c.err;
+  EXPECT_NE(c.err.find(in.string() + ":2: line_too_long"), std::string::npos) << c.err;
+  c = cli(args + (dir_ / "strict").string() + " --strict");
+  EXPECT_EQ(c.exit_code, 1) << c.err;
+  EXPECT_NE(c.err.find(in.string() + ":2: line_too_long"), std::string::npos) << c.err;
+  EXPECT_FALSE(fs::exists(dir_ / "strict"));
+  c = cli(args + (dir_ / "zero").string() + " --max-line-bytes 0");
+  EXPECT_NE(c.exit_code, 0);
+  EXPECT_NE(c.err.find("--max-line-bytes"), std::string::npos) << c.err;
+  // Under the default 16 MiB the line is a document.
+  EXPECT_EQ(prepare_dataset(options({in}, dir_ / "default")).train.documents, 3u);
+}
+
+// The default limit through the command: a 24 MB line is passed over in a few MB of memory.
+TEST_F(DataPrepare, AnOverlongLineIsNeverHeldInMemory) {
+  const fs::path in = dir_ / "huge.jsonl";
+  {
+    std::ofstream f(in, std::ios::binary);
+    f << good_chats()[0] << "\n{\"text\": \"" << std::string(24u << 20, 'a') << "\"}\n" << good_chats()[1] << "\n";
+  }
+  const Cli c = cli("--input " + in.string() + " --tokenizer " + tok_path_ + " --output " + (dir_ / "out").string());
+  rusage after{};
+  getrusage(RUSAGE_CHILDREN, &after);  // the largest child so far: this suite's others are small
+  EXPECT_EQ(c.exit_code, 0) << c.err;
+  EXPECT_NE(c.err.find(in.string() + ":2: line_too_long: the line is 25165836 bytes"), std::string::npos) << c.err;
+  EXPECT_EQ(dataset_json(dir_ / "out")["train"]["documents"], 2);
+  EXPECT_LT(after.ru_maxrss, 48L * 1024) << "peak RSS of the child, KiB: the line (24 MiB) must not be held";
+}
+
+// LineReader: lines across its 1 MiB read buffer, the limit exactly, a final line without '\n'.
+TEST(LineReader, LinesAcrossBufferBoundsAndTheLimit) {
+  const fs::path p = fs::temp_directory_path() / ("moetron_linereader_" + std::to_string(::getpid()));
+  const size_t M = size_t{1} << 20;
+  const std::vector<size_t> lens = {0, 5, M - 7, M, M + 1, 3 * M, 0, 10, 3};
+  {
+    std::ofstream f(p, std::ios::binary);
+    for (size_t i = 0; i < lens.size(); i++) f << std::string(lens[i], (char)('a' + i)) << (i + 1 < lens.size() ? "\n" : "");
+  }
+  LineReader r(p.string(), M);
+  std::string line;
+  for (size_t i = 0; i < lens.size(); i++) {
+    SCOPED_TRACE(i);
+    ASSERT_TRUE(r.next(line));
+    EXPECT_EQ(r.line_number(), i + 1);
+    EXPECT_EQ(r.line_bytes(), lens[i]);
+    EXPECT_EQ(r.too_long(), lens[i] > M);
+    EXPECT_EQ(line, lens[i] > M ? std::string() : std::string(lens[i], (char)('a' + i)));
+  }
+  EXPECT_FALSE(r.next(line));
+  EXPECT_EQ(r.bytes_read(), fs::file_size(p));
+  fs::remove(p);
+  EXPECT_THROW(LineReader(p.string()), Error);
 }
 
 TEST_F(DataPrepare, ZeroUsableDocumentsIsAnError) {

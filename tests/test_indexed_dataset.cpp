@@ -222,6 +222,36 @@ TEST(IndexedDataset, LargeSequenceBypassesBuffer) {
   }
 }
 
+// uint8 values (loss masks) are written as they are, without an int32 copy; a long uint8 sequence
+// crosses the 1 MiB buffer several times; a value that does not fit leaves the file unchanged.
+TEST(IndexedDataset, Uint8SequencesAndLongOnesInPieces) {
+  TempDir dir;
+  const std::string prefix = dir.file("mask");
+  std::vector<uint8_t> a(3u << 20), b = {0, 1, 1};
+  for (size_t k = 0; k < a.size(); k++) a[k] = (uint8_t)(k * 31 % 251);
+  {
+    IndexedDatasetWriter w(prefix, IndexedDType::u8);
+    w.add_sequence(b.data(), b.size());
+    w.end_document();
+    w.add_sequence(a.data(), a.size());
+    w.end_document();
+    IndexedDatasetWriter narrow(dir.file("i8"), IndexedDType::i8);
+    const std::vector<uint8_t> big = {1, 200};
+    EXPECT_THROW(narrow.add_sequence(big.data(), big.size()), Error);
+    EXPECT_EQ(narrow.elements(), 0u);
+    w.finalize();
+  }
+  const IndexedDataset ds = IndexedDataset::open(prefix);
+  ASSERT_EQ(ds.size(), 2u);
+  std::vector<int32_t> got(ds.length(1));
+  ds.read(1, got.data());
+  ASSERT_EQ(got.size(), a.size());
+  for (size_t k = 0; k < a.size(); k++) ASSERT_EQ(got[k], a[k]) << k;
+  got.resize(3);
+  ds.read(0, got.data());
+  EXPECT_EQ(got, (std::vector<int32_t>{0, 1, 1}));
+}
+
 TEST(IndexedDataset, EmptyDataset) {
   TempDir dir;
   const std::string prefix = dir.file("empty");

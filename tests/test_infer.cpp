@@ -340,6 +340,33 @@ TEST(Generate, PositionLimitAndZeroTokens) {
   EXPECT_TRUE(r.tokens.empty());
 }
 
+// Logits that come out NaN or infinite (weights that passed the load-time check but overflow, or were
+// changed in memory) stop generation with an Error instead of streaming token after garbage token.
+TEST(Generate, NonFiniteLogitsStopWithAnError) {
+  auto model = load_inference_model((kGenerate / "llama_dense").string());
+  model->params_bf16.clear();  // decode from the fp32 values edited below
+  const ParamSpec& norm = model->table.at(ParamKind::final_norm);
+  Decoder dec(*model);
+  const std::vector<int32_t> prompt = {1, 4, 5, 6};
+  GenerateOptions o;
+  o.max_new_tokens = 8;
+  for (float poison : {std::nanf(""), 3.0e38f /* finite: the logits overflow to infinity */}) {
+    SCOPED_TRACE(poison);
+    std::fill(model->params.begin() + norm.offset, model->params.begin() + norm.offset + norm.numel, poison);
+    KvCache cache = dec.new_cache();
+    int tokens = 0;
+    GenerateCallbacks cb;
+    cb.on_token = [&](int32_t) { return ++tokens, true; };
+    try {
+      generate(dec, cache, prompt, o, nullptr, cb);
+      FAIL() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("not finite"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(tokens, 0) << "no token may be sampled from non-finite logits";
+  }
+}
+
 // ---- sampling ------------------------------------------------------------------------------------
 
 TEST(Sampler, GreedyIsFirstArgmaxAndTopK1IsGreedy) {
@@ -351,6 +378,25 @@ TEST(Sampler, GreedyIsFirstArgmaxAndTopK1IsGreedy) {
   p.top_k = 1;
   Sampler s(p, 4);
   for (int i = 0; i < 20; i++) EXPECT_EQ(s.next(std::vector<float>(l).data(), {}, {}), 1);
+}
+
+// Below kGreedyTemperature the sampler is greedy: dividing by a denormal temperature (1e-45) made
+// every logit infinite and the draw garbage.
+TEST(Sampler, TinyTemperaturesAreGreedy) {
+  const std::vector<float> l = {0.5f, -3.0f, 2.0f, 1.9f, 2.0f};
+  for (float t : {1e-45f, 1e-38f, 1e-20f, 9.9e-6f}) {
+    SCOPED_TRACE(t);
+    SamplingParams p;
+    p.temperature = t;
+    p.top_p = 0.9f;
+    p.seed = 7;
+    EXPECT_TRUE(p.greedy());
+    Sampler s(p, 5);
+    for (int i = 0; i < 50; i++) EXPECT_EQ(s.next(std::vector<float>(l).data(), {}, {}), 2);
+  }
+  SamplingParams p;
+  p.temperature = kGreedyTemperature;
+  EXPECT_FALSE(p.greedy());
 }
 
 TEST(Sampler, SeededDrawsAreReproducibleAndFollowTheSoftmax) {

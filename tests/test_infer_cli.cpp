@@ -68,6 +68,18 @@ TEST(GenerateCli, TokenIdsEqualTransformers) {
   }
 }
 
+// --temperature below 1e-5 is greedy: the sampler divided by 1e-45, overflowing every logit.
+TEST(GenerateCli, DenormalTemperatureIsGreedy) {
+  const json c = expected()["cases"][0];
+  const std::string base = "generate --model " + (kGen / c["model"].get<std::string>()).string() + " --prompt-ids " +
+                           join_ids(c["prompt_ids"]) + " --max-new-tokens 32 --seed 3";
+  for (const char* t : {"1e-45", "1e-30", "0.000001"}) {
+    const CliRun r = run(base + " --temperature " + t);
+    ASSERT_EQ(r.code, 0) << t << "\n" << r.err;
+    EXPECT_EQ(r.out, join_ids(c["expected_ids"]) + "\n") << t;
+  }
+}
+
 TEST(GenerateCli, TextPlainAndChat) {
   const json t = expected()["cases"][0]["text"];
   const std::string model = (kGen / "mixtral_gqa").string();

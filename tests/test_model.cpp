@@ -444,3 +444,27 @@ TEST(PipelineStages, MissingStageInputsAreErrors) {
   EXPECT_FALSE(s0.table().has(ParamKind::lm_head));
   EXPECT_FALSE(s1.table().has(ParamKind::embedding));
 }
+
+// The parameter table's element counts are overflow-checked: a ModelConfig built in code (no
+// validate_model_config) with sizes whose products wrap 64 bits -- or exceed 2^44 -- is an Error
+// naming the tensor, not a small table that later code indexes past.
+TEST(ParamTableSizes, ProductsThatWouldWrapAreErrors) {
+  ModelConfig c = tiny_mixtral();
+  c.num_attention_heads = c.num_key_value_heads = 1 << 24;
+  c.head_dim = 1 << 24;  // q_proj [2^48, C]: > 2^44 elements
+  try {
+    ParamTable t(c);
+    FAIL() << "accepted, total " << t.total();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("q_proj"), std::string::npos) << e.what();
+  }
+  ModelConfig w = tiny_mixtral();
+  w.vocab_size = INT32_MAX;
+  w.hidden_size = INT32_MAX;  // embedding [2^31, 2^31]: 2^62, fits 64 bits, beyond 2^44
+  EXPECT_THROW(ParamTable{w}, Error);
+  ModelConfig many = tiny_mixtral();
+  many.num_hidden_layers = INT32_MAX;  // each tensor small, the total beyond 2^44
+  many.hidden_size = 1 << 12;
+  many.intermediate_size = 1 << 12;
+  EXPECT_THROW(ParamTable{many}, Error);
+}

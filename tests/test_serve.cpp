@@ -383,6 +383,22 @@ TEST_F(ServeTest, ConcurrentRequestsAreQueued) {
 
 // The engine's queue is bounded: with room for one waiting job, a burst of long jobs is mostly
 // refused, and every accepted job completes.
+// A denormal temperature is greedy, as on the command line: the sampler would divide the logits by
+// it and overflow them all to infinity (garbage instead of the greedy reply).
+TEST(OpenAiApi, TinyTemperaturesAreGreedy) {
+  using server::Endpoint;
+  using server::parse_request;
+  const std::string msgs = R"("messages":[{"role":"user","content":"hi"}])";
+  for (const char* t : {"0", "1e-45", "1e-30", "9e-6"}) {
+    SCOPED_TRACE(t);
+    const auto r = parse_request(Endpoint::chat, "{" + msgs + ",\"temperature\":" + t + "}");
+    EXPECT_TRUE(r.sampling.greedy());
+    EXPECT_EQ(r.sampling.temperature, 0.0f);
+  }
+  const auto r = parse_request(Endpoint::chat, "{" + msgs + R"(,"temperature":1e-5})");
+  EXPECT_FALSE(r.sampling.greedy());
+}
+
 TEST(Engine, BoundedQueueRefusesWhenFull) {
   const auto model = load_inference_model(kModel.string());
   const auto tok = load_model_tokenizer(kModel.string(), "", model->cfg, true);

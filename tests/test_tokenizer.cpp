@@ -33,6 +33,11 @@ using moetron::testing::mixtral;
 
 using Ids = std::vector<int32_t>;
 
+std::string read_file(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(f)), {});
+}
+
 fs::path temp_dir(const std::string& name) {
   fs::path d = fs::temp_directory_path() / ("moetron_tok_" + std::to_string(::getpid()) + "_" + name);
   fs::remove_all(d);
@@ -398,6 +403,63 @@ TEST(TokenizerTrain, VocabTooSmallForBytesIsAnError) {
   o.vocab_size = 100;  // < 256 byte pieces + 3 specials
   EXPECT_THROW(train_tokenizer(o), Error);
   EXPECT_FALSE(fs::exists(d / "tok.model"));
+  fs::remove_all(d);
+}
+
+// --output is a prefix.  "dir/" wrote the hidden dir/.model and dir/.vocab, an existing directory
+// "dir" wrote dir.model beside it, and existing files were replaced silently: each is refused now
+// before any training, naming the option, and nothing that existed is changed (--force replaces).
+TEST(TokenizerTrain, OutputMustBeANewPrefix) {
+  const fs::path d = temp_dir("train_out");
+  write_corpus(d / "corpus.jsonl");
+  TokenizerTrainOptions o;
+  o.inputs = {(d / "corpus.jsonl").string()};
+  o.vocab_size = 300;
+  fs::create_directories(d / "dir");
+  auto refused = [&](const std::string& prefix, const std::string& needle) {
+    SCOPED_TRACE(prefix);
+    o.output_prefix = prefix;
+    try {
+      train_tokenizer(o);
+      ADD_FAILURE() << "accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused((d / "dir").string() + "/", "names a directory");
+  refused((d / "dir").string(), "names a directory");
+  refused((d / "dir").string() + "/.", "names a directory");
+  refused((d / "missing" / "tok").string(), "does not exist");
+  EXPECT_TRUE(fs::is_empty(d / "dir"));
+  EXPECT_FALSE(fs::exists(d / "dir.model"));
+  // Existing outputs are kept, byte for byte.
+  std::ofstream(d / "mine.model") << "my own file";
+  refused((d / "mine").string(), "mine.model' exists already");
+  std::ofstream(d / "other.vocab") << "my vocab";
+  refused((d / "other").string(), "other.vocab' exists already");
+  EXPECT_EQ(read_file(d / "mine.model"), "my own file");
+  EXPECT_EQ(read_file(d / "other.vocab"), "my vocab");
+  EXPECT_FALSE(fs::exists(d / "mine.vocab"));
+  EXPECT_FALSE(fs::exists(d / "other.model"));
+  // --force replaces them; a new prefix works without it.
+  o.output_prefix = (d / "mine").string();
+  o.overwrite = true;
+  train_tokenizer(o);
+  EXPECT_EQ(Tokenizer::load((d / "mine.model").string()).vocab_size(), 300);
+  o.overwrite = false;
+  o.output_prefix = (d / "dir" / "tokenizer").string();
+  train_tokenizer(o);
+  EXPECT_TRUE(fs::exists(d / "dir" / "tokenizer.model"));
+  for (const auto& e : fs::directory_iterator(d / "dir"))
+    EXPECT_EQ(e.path().filename().string().rfind("tokenizer.", 0), 0u) << "left behind: " << e.path();
+  // The command: exit 1 and the message.
+  const std::string cmd = std::string(MOETRON_BINARY) + " tokenizer train --input " + (d / "corpus.jsonl").string() +
+                          " --vocab-size 300 --output " + (d / "dir").string() + "/ > " + (d / "out.txt").string() +
+                          " 2>&1";
+  const int status = std::system(cmd.c_str());
+  EXPECT_EQ(WEXITSTATUS(status), 1);
+  EXPECT_NE(read_file(d / "out.txt").find("--output"), std::string::npos) << read_file(d / "out.txt");
+  EXPECT_FALSE(fs::exists(d / "dir" / ".model"));
   fs::remove_all(d);
 }
 

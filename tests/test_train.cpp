@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 #include <string>
@@ -246,6 +247,28 @@ TEST_F(TrainTest, EvalErrorsExitTwoWithTheReason) {
   EXPECT_EQ(rc, 2);
   EXPECT_NE(text.find("has no validation split"), std::string::npos) << text;
   EXPECT_FALSE(fs::exists(root_ / "never-trained"));
+}
+
+// data.seq_length beyond the model's max_position_embeddings: train and plan refused it, eval
+// evaluated 128-token sequences on a model with 1 position.
+TEST_F(TrainTest, EvalRefusesSequencesLongerThanTheModelsPositions) {
+  const fs::path model = root_ / "model";
+  fs::copy(fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "mixtral_gqa", model);
+  nlohmann::json c = nlohmann::json::parse(std::ifstream(model / "config.json"));
+  c["max_position_embeddings"] = 1;
+  std::ofstream(model / "config.json") << c.dump(2);
+  try {
+    evaluate_model(config("eval"), model.string(), 1);
+    FAIL() << "evaluated";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("data.seq_length 128"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("max_position_embeddings 1"), std::string::npos) << msg;
+    EXPECT_NE(msg.find((model / "config.json").string()), std::string::npos) << msg;
+  }
+  // The same rule as train's.
+  EXPECT_THROW(run_training(config("t", {"model.config.max_position_embeddings=64"})), Error);
+  EXPECT_FALSE(fs::exists(root_ / "t"));
 }
 
 TEST_F(TrainTest, SameSeedSameLossesBitwise) {
@@ -487,6 +510,64 @@ TEST_F(TrainTest, InjectedNanIsSkippedThenRepeatedNansAbort) {
   latest >> name;
   EXPECT_EQ(name, "step-000005") << "steps 4 and 5 were skipped (unchanged weights, still good); 6 aborted";
   EXPECT_FALSE(fs::exists(root_ / "nan2" / "checkpoints" / "step-000006"));
+}
+
+// A trainer_state.json edited and resealed (its checksum recomputed, so it verifies) is refused on
+// resume naming the file and the field, and the run directory is left as it was: step -5 would have
+// run steps -4..10, a missing loader_state surfaced as "unexpected error: [json.exception...]".
+TEST_F(TrainTest, ResealedTrainerStateIsRefusedOnResume) {
+  run_training(config("run", {"train.max_steps=4", "eval.every_steps=0"}));
+  const fs::path ckpt = root_ / "run" / "checkpoints" / "step-000004";
+  const fs::path state = ckpt / "trainer_state.json";
+  ASSERT_TRUE(fs::exists(state));
+  const std::string original = [&] {
+    std::ifstream f(state);
+    return std::string((std::istreambuf_iterator<char>(f)), {});
+  }();
+  auto reseal = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json j = nlohmann::json::parse(original);
+    edit(j);
+    j.erase("trainer_state_xxh64");
+    const std::string body = j.dump();
+    j["trainer_state_xxh64"] = xxh64_hex(xxh64(body.data(), body.size()));
+    std::ofstream(state, std::ios::trunc) << j.dump(2) << "\n";
+  };
+  struct Case {
+    const char* field;
+    std::function<void(nlohmann::json&)> edit;
+  };
+  const std::vector<Case> cases = {
+      {"'step'", [](nlohmann::json& j) { j["step"] = -5; }},
+      {"'optimizer_steps'", [](nlohmann::json& j) { j["optimizer_steps"] = -2; }},
+      {"'files' is empty", [](nlohmann::json& j) { j["files"] = nlohmann::json::object(); }},
+      {"'loader_state' is missing", [](nlohmann::json& j) { j.erase("loader_state"); }},
+      {"'consumed_samples'", [](nlohmann::json& j) { j["consumed_samples"] = "many"; }},
+  };
+  const TrainConfig cfg = config("run", {"train.max_steps=10", "eval.every_steps=0"});
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.field);
+    reseal(c.edit);
+    try {
+      run_training(cfg);
+      ADD_FAILURE() << "resumed";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(state.string()), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(c.field), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(losses("run").size(), 4u) << "metrics.jsonl unchanged";
+  }
+  // Through the command: exit 2 and the message, not an "unexpected error".
+  reseal([](nlohmann::json& j) { j.erase("loader_state"); });
+  const fs::path yaml_path = root_ / "resume.yaml";
+  std::ofstream(yaml_path) << yaml("run");
+  EXPECT_EQ(wait_exit_code(spawn_train(yaml_path, root_ / "resume.out", {"train.max_steps=10", "eval.every_steps=0"})), 2);
+  std::ifstream f(root_ / "resume.out");
+  const std::string out((std::istreambuf_iterator<char>(f)), {});
+  EXPECT_NE(out.find("'loader_state' is missing"), std::string::npos) << out;
+  EXPECT_EQ(out.find("unexpected"), std::string::npos) << out;
+  // The untouched state resumes.
+  std::ofstream(state, std::ios::trunc) << original;
+  EXPECT_EQ(run_training(cfg).last_step, 10);
 }
 
 // Config errors: one message, exit code 2, nothing done.

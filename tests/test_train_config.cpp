@@ -233,7 +233,9 @@ TEST(TrainConfig, EveryValidationRuleHasItsMessage) {
       {{"train.max_steps=0"}, "train: set exactly one of max_steps > 0 or epochs > 0 (got max_steps 0, epochs 0)"},
       {{"train.epochs=3"}, "train: set exactly one of max_steps > 0 or epochs > 0 (got max_steps 10, epochs 3)"},
       {{"train.max_steps=-5"}, "train.max_steps: must be >= 0, got -5"},
-      {{"train.epochs=-1"}, "train.epochs: must be >= 0, got -1"},
+      {{"train.epochs=-1"}, "train.epochs: must be in [0, 1000000], got -1"},
+      // epochs become a step count (an integer): 1e300 wrapped to "the run has no steps".
+      {{"train.max_steps=0", "train.epochs=1e300"}, "train.epochs: must be in [0, 1000000], got 1e+300"},
       {{"train.lr=1e-5"}, "train.lr (1e-05) must be >= train.min_lr (0.0001)"},
       {{"train.min_lr=-1e-6", "train.lr=0"}, "train.min_lr: must be >= 0, got -1e-06"},
       {{"train.warmup_steps=-1"}, "train.warmup_steps: must be >= 0, got -1"},
@@ -248,7 +250,8 @@ TEST(TrainConfig, EveryValidationRuleHasItsMessage) {
       {{"moe.aux_loss_coef=-0.01"}, "moe.aux_loss_coef: must be >= 0 (or null: the model's), got -0.01"},
       {{"moe.aux_loss=switch"}, "moe.aux_loss: expected one of hf_pooled | per_layer, got 'switch'"},
       {{"moe.z_loss_coef=-1"}, "moe.z_loss_coef: must be >= 0, got -1"},
-      {{"moe.capacity_factor=0"}, "moe.capacity_factor: must be > 0 (or null: dropless), got 0"},
+      {{"moe.capacity_factor=0"}, "moe.capacity_factor: must be in (0, 4096] (or null: dropless), got 0"},
+      {{"moe.capacity_factor=1e300"}, "moe.capacity_factor: must be in (0, 4096] (or null: dropless), got 1e+300"},
       {{"parallel.tp=0"}, "parallel.tp: must be a positive integer, got 0"},
       {{"parallel.pp=0"}, "parallel.pp: must be a positive integer, got 0"},
       {{"parallel.ep=-2"}, "parallel.ep: must be a positive integer, got -2"},
@@ -269,6 +272,7 @@ TEST(TrainConfig, EveryValidationRuleHasItsMessage) {
   EXPECT_NO_THROW(load_text(kBase, {"train.adam_beta1=0", "train.grad_clip=0", "train.warmup_steps=0",
                                     "checkpoint.every_steps=0", "eval.every_steps=0", "moe.aux_loss_coef=0"}));
   EXPECT_NO_THROW(load_text(kBase, {"train.max_steps=0", "train.epochs=0.5"}));
+  EXPECT_NO_THROW(load_text(kBase, {"train.max_steps=0", "train.epochs=1e6", "moe.capacity_factor=4096"}));
   EXPECT_NO_THROW(load_text(kBase, {"model.init=/models/m", "model.config={}"}));
 }
 

@@ -134,3 +134,59 @@ TEST(Weights, Bf16CheckpointsConvertOnLoad) {
   }
   EXPECT_GT(changed, f32.size() / 2);
 }
+
+// A NaN or an infinity in the weights would make every logit NaN (forward "succeeded" with exit 0,
+// generate streamed garbage): loading refuses it, naming the tensor and the file that holds it, for
+// F32 and BF16 files alike.
+TEST(Weights, NonFiniteValuesAreRefusedNamingTensorAndFile) {
+  const ModelConfig cfg = load_model_config((kGolden / "config.json").string());
+  const ParamTable table(cfg);
+  const ModelTensors src = ModelTensors::open(kGolden.string());
+  struct Case {
+    std::string tensor;
+    float value;
+    DType dtype;
+  };
+  const std::vector<Case> cases = {
+      {"model.layers.1.self_attn.k_proj.weight", std::nanf(""), DType::F32},
+      {"model.layers.0.block_sparse_moe.experts.3.w2.weight", INFINITY, DType::BF16},
+      {"lm_head.weight", -INFINITY, DType::F32},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.tensor);
+    std::vector<std::vector<float>> keep;
+    std::vector<ModelTensorToWrite> out;
+    keep.reserve(src.names().size());
+    for (const std::string& name : src.names()) {
+      keep.push_back(to_f32(src.get(name)));
+      if (name == c.tensor) keep.back()[keep.back().size() / 2 + 1] = c.value;
+      out.push_back({name, c.dtype, src.get(name).shape, keep.back().data()});
+    }
+    TempDir dir("nonfinite");
+    write_model_safetensors(dir.path.string(), out, /*max_shard_bytes=*/20000);
+    try {
+      load(dir.path, table);
+      FAIL() << "expected an error";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("'" + c.tensor + "'"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("non-finite"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(dir.path.string() + "/model-000"), std::string::npos) << "names the shard file: " << msg;
+    }
+  }
+}
+
+TEST(Weights, FirstNonFiniteFindsTheFirstNanOrInf) {
+  for (size_t n : {size_t{0}, size_t{7}, size_t{1} << 17}) {
+    std::vector<float> v(n, 1.5f);
+    EXPECT_EQ(first_non_finite(v.data(), n), n);
+    if (n == 0) continue;
+    v[n - 1] = INFINITY;
+    EXPECT_EQ(first_non_finite(v.data(), n), n - 1);
+    v[n / 3] = -NAN;
+    EXPECT_EQ(first_non_finite(v.data(), n), n / 3);
+    v[n / 3] = 3.4e38f;  // the largest finite values and subnormals are finite
+    v[n - 1] = 1e-45f;
+    EXPECT_EQ(first_non_finite(v.data(), n), n);
+  }
+}

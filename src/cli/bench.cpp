@@ -16,6 +16,7 @@
 
 #include "cli/bench_model_shape.h"
 #include "cli/commands.h"
+#include "cli/threads.h"
 #include "core/error.h"
 #include "core/stats.h"
 #include "core/profile.h"
@@ -75,6 +76,7 @@ int run_bench_train(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  check_thread_count("--threads", threads);
   if (steps < 1) fail("--steps must be at least 1");
   if (grad_accum < 1) fail("--grad-accum must be at least 1");
   if (micro_batch < 1 || seq < 2) fail("--micro-batch must be >= 1 and --seq >= 2");

@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/commands.h"
+#include "cli/threads.h"
 #include "core/error.h"
 #include "data/prepare.h"
 
@@ -37,6 +38,7 @@ int run_bench_data(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  check_thread_count("--threads", o.threads);
   if (repeats < 1) fail("--repeats must be at least 1");
   o.chat_template = parse_chat_template(tmpl);
   o.output_dir = write_dir;

@@ -17,6 +17,7 @@
 
 #include "cli/bench_model_shape.h"
 #include "cli/commands.h"
+#include "cli/threads.h"
 #include "core/error.h"
 #include "core/stats.h"
 #include "core/rng.h"
@@ -54,6 +55,7 @@ int run_bench_generate(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  check_thread_count("--threads", threads);
   if (prompt_tokens < 1 || new_tokens < 2 || runs < 1)
     fail("need --prompt-tokens >= 1, --new-tokens >= 2 and --runs >= 1");
   if (threads > 0) {

@@ -1,7 +1,7 @@
 // moetron data prepare: chat / prompt-completion / text JSONL -> token and loss-mask datasets.
 //   moetron data prepare --input F.jsonl... --tokenizer T.model --output DIR [--template mistral]
 //                        [--format auto] [--valid-fraction 0.01 | --valid-input V.jsonl...]
-//                        [--train-on-prompt] [--threads N] [--strict] [--seed S]
+//                        [--train-on-prompt] [--threads N] [--strict] [--seed S] [--max-line-bytes N]
 #include <unistd.h>
 
 #include <cstdio>
@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/commands.h"
+#include "cli/threads.h"
 #include "core/error.h"
 #include "data/prepare.h"
 
@@ -40,12 +41,16 @@ int run_data_prepare(int argc, char** argv) {
   app.add_option("--threads", o.threads, "tokenizer threads (default: all)");
   app.add_flag("--strict", o.strict, "stop at the first unusable line (exit 1, nothing written)");
   app.add_option("--seed", o.seed, "seed of the train/valid split");
+  app.add_option("--max-line-bytes", o.max_line_bytes,
+                 "longer lines are skipped unread (reason line_too_long; --strict: an error); default 16 MiB")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--quiet", quiet, "do not list skipped lines on stderr");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  check_thread_count("--threads", o.threads);
   o.chat_template = parse_chat_template(tmpl);
   o.format = parse_record_format(format);
   o.progress = ::isatty(STDERR_FILENO);

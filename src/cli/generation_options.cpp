@@ -4,12 +4,13 @@
 
 #include <omp.h>
 
+#include "cli/threads.h"
 #include "ops/blas.h"
 
 namespace moetron::cli {
 
 void add_generation_options(CLI::App& app, GenerationOptions& g) {
-  app.add_option("--temperature", g.sampling.temperature, "0: greedy (default); > 0: sample");
+  app.add_option("--temperature", g.sampling.temperature, "0: greedy (default; so is anything below 1e-5); > 0: sample at this temperature");
   app.add_option("--top-k", g.sampling.top_k, "sample from the k most likely tokens (0: off)");
   app.add_option("--top-p", g.sampling.top_p, "nucleus sampling threshold (1: off)");
   app.add_option("--repetition-penalty", g.sampling.repetition_penalty, "HF repetition penalty (1: off)");
@@ -21,6 +22,7 @@ void add_generation_options(CLI::App& app, GenerationOptions& g) {
 void apply_generation_options(GenerationOptions& g) {
   g.sampling.seed = g.seed >= 0 ? (uint64_t)g.seed : std::random_device{}();
   validate_sampling(g.sampling);
+  check_thread_count("--threads", g.threads);
   if (g.threads > 0) {
     omp_set_num_threads(g.threads);
     ops::blas_set_num_threads(g.threads);

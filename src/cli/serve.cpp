@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include "cli/commands.h"
+#include "cli/threads.h"
 #include "core/error.h"
 #include "infer/model.h"
 #include "ops/blas.h"
@@ -41,7 +42,7 @@ int run_serve(int argc, char** argv) {
   app.add_option("--max-prompt-tokens", o.max_prompt_tokens, "longest prompt in tokens (0: the model's positions - 1)");
   app.add_option("--max-tokens-limit", o.max_tokens_limit, "largest max_tokens a request may ask for");
   app.add_option("--queue-size", o.queue_size, "requests that may wait behind the running one");
-  app.add_option("--http-threads", o.http_threads, "threads running requests (0: queue size + 8); slow clients hold none");
+  app.add_option("--http-threads", o.http_threads, "threads running requests (0: queue size + 8; at most 4096); slow clients hold none");
   app.add_option("--read-timeout-ms", o.read_timeout_ms, "close a connection that sends nothing for this long");
   app.add_option("--request-timeout-ms", o.request_timeout_ms,
                  "a request (head and body) must arrive within this long of its first byte, else 408");
@@ -57,6 +58,8 @@ int run_serve(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  check_thread_count("--threads", threads);
+  check_thread_count("--http-threads", o.http_threads, 4096);
   if (threads > 0) {
     omp_set_num_threads(threads);
     ops::blas_set_num_threads(threads);

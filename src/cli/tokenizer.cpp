@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/commands.h"
+#include "cli/threads.h"
 #include "core/error.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/trainer.h"
@@ -24,7 +25,10 @@ int run_tokenizer_train(int argc, char** argv) {
   bool no_byte_fallback = false;
   app.add_option("--input", o.inputs, "JSONL input files")->required();
   app.add_option("--vocab-size", o.vocab_size, "number of pieces in the vocabulary")->required();
-  app.add_option("--output", o.output_prefix, "output prefix: writes PREFIX.model and PREFIX.vocab")->required();
+  app.add_option("--output", o.output_prefix,
+                 "output prefix (not a directory): writes PREFIX.model and PREFIX.vocab, e.g. out/tokenizer")
+      ->required();
+  app.add_flag("--force", o.overwrite, "replace an existing PREFIX.model / PREFIX.vocab");
   app.add_option("--model-type", o.model_type, "bpe | unigram")->check(CLI::IsMember({"bpe", "unigram"}));
   app.add_option("--format", format, "auto | chat | prompt_completion | text")
       ->check(CLI::IsMember({"auto", "chat", "prompt_completion", "text"}));
@@ -41,6 +45,7 @@ int run_tokenizer_train(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  check_thread_count("--threads", o.threads);
   o.format = parse_record_format(format);
   o.byte_fallback = !no_byte_fallback;
   const TokenizerTrainResult r = train_tokenizer(o);

@@ -162,4 +162,20 @@ void convert_from_f32(void* out_void, DType dtype, const float* src, size_t n) {
   }
 }
 
+size_t first_non_finite(const float* p, size_t n) {
+  // Exponent bits all ones: NaN or infinity.  A bit test, so it vectorises and -ffast-math cannot
+  // fold it away.
+  auto bad = [](float v) { return (f32_bits(v) & 0x7f800000u) == 0x7f800000u; };
+  if (n <= (1u << 16)) {
+    for (size_t i = 0; i < n; ++i)
+      if (bad(p[i])) return i;
+    return n;
+  }
+  size_t first = n;
+#pragma omp parallel for schedule(static) reduction(min : first)
+  for (size_t i = 0; i < n; ++i)
+    if (bad(p[i]) && i < first) first = i;
+  return first;
+}
+
 }  // namespace moetron

@@ -57,4 +57,8 @@ void convert_to_f32(float* out, const void* src, DType dtype, size_t n);
 // `out` need not be aligned.
 void convert_from_f32(void* out, DType dtype, const float* src, size_t n);
 
+// The index of the first NaN or infinity among p[0, n), or n when every value is finite. One pass
+// (parallel for large n): cheap beside the conversion that produced the values.
+size_t first_non_finite(const float* p, size_t n);
+
 }  // namespace moetron

@@ -1,7 +1,9 @@
 #include "data/jsonl.h"
 #include "core/json_limits.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
@@ -41,6 +43,7 @@ const char* skip_reason_name(SkipReason r) {
     case SkipReason::bad_role_order: return "bad_role_order";
     case SkipReason::empty_assistant: return "empty_assistant";
     case SkipReason::no_loss_tokens: return "no_loss_tokens";
+    case SkipReason::line_too_long: return "line_too_long";
   }
   return "?";
 }
@@ -70,11 +73,12 @@ RecordFormat format_of_object(const nlohmann::json& j) {
   return RecordFormat::auto_detect;
 }
 
-// Points at a string member, or returns nullptr.
-const std::string* string_member(const nlohmann::json& j, const char* key) {
+// Points at a string member, or returns nullptr.  Non-const: parse_record moves the strings out of
+// its own DOM rather than copying them (a copy is one more line-sized buffer).
+std::string* string_member(nlohmann::json& j, const char* key) {
   const auto it = j.find(key);
   if (it == j.end() || !it->is_string()) return nullptr;
-  return it->get_ptr<const std::string*>();
+  return it->get_ptr<std::string*>();
 }
 
 }  // namespace
@@ -101,12 +105,12 @@ bool parse_record(std::string_view line, RecordFormat format, Record& out, Recor
       if (!it->is_array()) return set_error(err, SkipReason::missing_field, "'messages' is not an array");
       out.messages.reserve(it->size());
       for (size_t i = 0; i < it->size(); i++) {
-        const nlohmann::json& m = (*it)[i];
+        nlohmann::json& m = (*it)[i];
         if (!m.is_object())
           return set_error(err, SkipReason::missing_field, fmt::format("messages[{}] is not an object", i));
         const std::string* role = string_member(m, "role");
         if (!role) return set_error(err, SkipReason::missing_field, fmt::format("messages[{}] has no string 'role'", i));
-        const std::string* content = string_member(m, "content");
+        std::string* content = string_member(m, "content");
         if (!content)
           return set_error(err, SkipReason::missing_field, fmt::format("messages[{}] has no string 'content'", i));
         ChatMessage cm;
@@ -115,25 +119,25 @@ bool parse_record(std::string_view line, RecordFormat format, Record& out, Recor
         } catch (const ChatError& e) {
           return set_error(err, skip_reason_of(e.kind()), fmt::format("messages[{}]: {}", i, e.what()));
         }
-        cm.content = *content;
+        cm.content = std::move(*content);
         out.messages.push_back(std::move(cm));
       }
       return true;
     }
     case RecordFormat::prompt_completion: {
-      const std::string* prompt = string_member(j, "prompt");
-      const std::string* completion = string_member(j, "completion");
+      std::string* prompt = string_member(j, "prompt");
+      std::string* completion = string_member(j, "completion");
       if (!prompt || !completion)
         return set_error(err, SkipReason::missing_field,
                          "needs string 'prompt' and 'completion' (the file's format is prompt_completion)");
-      out.messages.push_back({Role::user, *prompt});
-      out.messages.push_back({Role::assistant, *completion});
+      out.messages.push_back({Role::user, std::move(*prompt)});
+      out.messages.push_back({Role::assistant, std::move(*completion)});
       return true;
     }
     case RecordFormat::text: {
-      const std::string* text = string_member(j, "text");
+      std::string* text = string_member(j, "text");
       if (!text) return set_error(err, SkipReason::missing_field, "no string 'text' (the file's format is text)");
-      out.text = *text;
+      out.text = std::move(*text);
       return true;
     }
     case RecordFormat::auto_detect: break;
@@ -141,11 +145,11 @@ bool parse_record(std::string_view line, RecordFormat format, Record& out, Recor
   return set_error(err, SkipReason::missing_field, "unknown format");
 }
 
-RecordFormat detect_file_format(const std::string& path, size_t max_lines) {
-  LineReader r(path);
+RecordFormat detect_file_format(const std::string& path, size_t max_lines, size_t max_line_bytes) {
+  LineReader r(path, max_line_bytes);
   std::string line;
   while (r.line_number() < max_lines && r.next(line)) {
-    if (!is_valid_utf8(line)) continue;
+    if (r.too_long() || !is_valid_utf8(line)) continue;
     nlohmann::json j = parse_json_or_discarded(line);
     if (j.is_discarded()) continue;
     const RecordFormat f = format_of_object(j);
@@ -154,38 +158,68 @@ RecordFormat detect_file_format(const std::string& path, size_t max_lines) {
   return RecordFormat::auto_detect;
 }
 
-LineReader::LineReader(const std::string& path) : path_(path) {
-  f_ = std::fopen(path.c_str(), "rb");
-  if (!f_) fail("{}: cannot open: {}", path, std::strerror(errno));
+LineReader::LineReader(const std::string& path, size_t max_line_bytes) : path_(path), max_line_(max_line_bytes) {
+  if (max_line_ == 0) fail("{}: the maximum line length must be at least 1 byte", path);
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) fail("{}: cannot open: {}", path, std::strerror(errno));
   struct stat st {};
-  if (::fstat(::fileno(f_), &st) == 0) {
+  if (::fstat(fd_, &st) == 0) {
     if (S_ISDIR(st.st_mode)) {
-      std::fclose(f_);
-      f_ = nullptr;
+      ::close(fd_);
+      fd_ = -1;
       fail("{}: is a directory, expected a JSONL file", path);
     }
     file_size_ = (uint64_t)st.st_size;
   }
-  std::setvbuf(f_, nullptr, _IOFBF, 1 << 20);
+  buf_.resize(size_t{1} << 20);
 }
 
 LineReader::~LineReader() {
-  if (f_) std::fclose(f_);
-  std::free(buf_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+bool LineReader::fill() {
+  pos_ = len_ = 0;
+  for (;;) {
+    const ssize_t n = ::read(fd_, buf_.data(), buf_.size());
+    if (n > 0) {
+      len_ = (size_t)n;
+      return true;
+    }
+    if (n == 0) return false;
+    if (errno != EINTR) fail("{}: read error after line {}: {}", path_, line_number_, std::strerror(errno));
+  }
 }
 
 bool LineReader::next(std::string& line) {
-  errno = 0;
-  const ssize_t n = ::getline(&buf_, &cap_, f_);
-  if (n < 0) {
-    if (std::ferror(f_)) fail("{}: read error after line {}: {}", path_, line_number_, std::strerror(errno));
-    return false;
+  line.clear();
+  too_long_ = false;
+  uint64_t n = 0;
+  bool any = false;
+  for (;;) {
+    if (pos_ == len_ && !fill()) break;
+    any = true;
+    const char* p = buf_.data() + pos_;
+    const size_t avail = len_ - pos_;
+    const char* nl = static_cast<const char*>(std::memchr(p, '\n', avail));
+    const size_t take = nl ? (size_t)(nl - p) : avail;
+    n += take;
+    if (!too_long_) {
+      if (n > max_line_) {
+        too_long_ = true;
+        std::string().swap(line);  // give back what the line held so far
+      } else {
+        line.append(p, take);
+      }
+    }
+    const size_t used = take + (nl ? 1 : 0);
+    pos_ += used;
+    bytes_read_ += used;
+    if (nl) break;
   }
-  bytes_read_ += (uint64_t)n;
+  if (!any) return false;
   line_number_++;
-  size_t len = (size_t)n;
-  if (len > 0 && buf_[len - 1] == '\n') len--;
-  line.assign(buf_, len);
+  line_bytes_ = n;
   return true;
 }
 

@@ -20,6 +20,11 @@
 
 namespace moetron {
 
+// The default longest line a LineReader holds: 16 MiB, far above any real chat record.  A longer line
+// is not read into memory (a JSON DOM, its strings and the tokenizer's work arrays take tens of times
+// a line's size: a 200 MB line took 4 GB).
+constexpr size_t kDefaultMaxLineBytes = size_t{16} << 20;
+
 enum class RecordFormat : uint8_t { auto_detect, chat, prompt_completion, text };
 // "auto" | "chat" | "prompt_completion" | "text"; Error otherwise.
 RecordFormat parse_record_format(std::string_view name);
@@ -35,8 +40,9 @@ enum class SkipReason : uint8_t {
   empty_assistant,  // an empty assistant message (mistral template, as mistral-common)
   no_loss_tokens,   // the document has no token in the loss (no assistant message) and
                     // --train-on-prompt is off
+  line_too_long,    // more bytes than the reader's maximum line length (never held in memory)
 };
-constexpr int kSkipReasonCount = 7;
+constexpr int kSkipReasonCount = 8;
 const char* skip_reason_name(SkipReason r);
 SkipReason skip_reason_of(ChatErrorKind k);
 
@@ -57,30 +63,43 @@ struct RecordError {
 bool parse_record(std::string_view line, RecordFormat format, Record& out, RecordError& err);
 
 // The format of a file from its first JSON object with a recognised key, reading at most
-// `max_lines` lines; auto_detect when there is none.  Error naming the file if it cannot be read.
-RecordFormat detect_file_format(const std::string& path, size_t max_lines = 10000);
+// `max_lines` lines (lines longer than max_line_bytes are passed over); auto_detect when there is
+// none.  Error naming the file if it cannot be read.
+RecordFormat detect_file_format(const std::string& path, size_t max_lines = 10000,
+                                size_t max_line_bytes = kDefaultMaxLineBytes);
 
 // Reads a text file line by line ('\n' separated; the '\n' is dropped, a final line without one is
-// still a line).  Memory: the current line only.
+// still a line).  Memory: the current line (at most max_line_bytes) and a 1 MiB read buffer.
 class LineReader {
  public:
-  explicit LineReader(const std::string& path);  // Error naming the file if it cannot be opened
+  // Error naming the file if it cannot be opened or is a directory.
+  explicit LineReader(const std::string& path, size_t max_line_bytes = kDefaultMaxLineBytes);
   ~LineReader();
   LineReader(const LineReader&) = delete;
   LineReader& operator=(const LineReader&) = delete;
 
-  // Reads the next line into `line`; false at the end of the file.  Error on a read error.
+  // Reads the next line into `line`; false at the end of the file.  Error on a read error.  A line of
+  // more than max_line_bytes bytes is consumed without being stored: `line` is then empty and
+  // too_long() true (line_bytes() says how long it was).
   bool next(std::string& line);
+  bool too_long() const { return too_long_; }          // of the last line read
+  uint64_t line_bytes() const { return line_bytes_; }  // length of the last line read, without its '\n'
+  size_t max_line_bytes() const { return max_line_; }
   size_t line_number() const { return line_number_; }  // 1-based number of the last line read
   uint64_t bytes_read() const { return bytes_read_; }
   uint64_t file_size() const { return file_size_; }
   const std::string& path() const { return path_; }
 
  private:
+  bool fill();  // refills buf_; false at the end of the file
+
   std::string path_;
-  FILE* f_ = nullptr;
-  char* buf_ = nullptr;
-  size_t cap_ = 0;
+  int fd_ = -1;
+  std::vector<char> buf_;
+  size_t pos_ = 0, len_ = 0;
+  size_t max_line_;
+  bool too_long_ = false;
+  uint64_t line_bytes_ = 0;
   size_t line_number_ = 0;
   uint64_t bytes_read_ = 0, file_size_ = 0;
 };

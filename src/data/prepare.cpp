@@ -28,6 +28,7 @@ using Clock = std::chrono::steady_clock;
 struct Line {
   std::string text;
   uint64_t number = 0;
+  uint64_t too_long_bytes = 0;  // > 0: the line had this many bytes, more than the limit (text empty)
 };
 
 enum class Outcome : uint8_t { document, blank, skipped, fatal };
@@ -44,9 +45,16 @@ bool is_blank(const std::string& s) { return s.find_first_not_of(" \t\r\n\f\v") 
 // One line -> a document or the reason it is unusable.  Never throws: an unexpected Error (not a
 // property of the line) becomes Outcome::fatal and stops the run after the chunk.
 void process_line(const Line& line, RecordFormat format, const Tokenizer& tok, ChatTemplate tmpl,
-                  const ChatOptions& copts, LineResult& r) {
+                  const ChatOptions& copts, size_t max_line_bytes, LineResult& r) {
   r.doc.clear();
   r.message.clear();
+  if (line.too_long_bytes > 0) {
+    r.outcome = Outcome::skipped;
+    r.reason = SkipReason::line_too_long;
+    r.message = fmt::format("the line is {} bytes, more than --max-line-bytes {}", line.too_long_bytes,
+                            max_line_bytes);
+    return;
+  }
   if (is_blank(line.text)) {
     r.outcome = Outcome::blank;
     return;
@@ -86,14 +94,12 @@ void process_line(const Line& line, RecordFormat format, const Tokenizer& tok, C
 // The token and mask writers of one split.
 struct SplitWriter {
   IndexedDatasetWriter tokens, mask;
-  std::vector<int32_t> mask_buf;
   SplitWriter(const fs::path& dir, const std::string& name, IndexedDType token_dtype)
       : tokens((dir / name).string(), token_dtype), mask((dir / (name + "_mask")).string(), IndexedDType::u8) {}
   void add(const TokenizedDocument& d) {
     tokens.add_sequence(d.tokens.data(), d.tokens.size());
     tokens.end_document();
-    mask_buf.assign(d.loss_mask.begin(), d.loss_mask.end());
-    mask.add_sequence(mask_buf.data(), mask_buf.size());
+    mask.add_sequence(d.loss_mask.data(), d.loss_mask.size());
     mask.end_document();
   }
   void finalize() {
@@ -167,6 +173,7 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
   if (o.valid_fraction < 0.0 || o.valid_fraction >= 1.0)
     fail("data prepare: --valid-fraction {} must be in [0, 1)", o.valid_fraction);
   if (o.chunk_lines == 0 || o.chunk_bytes == 0) fail("data prepare: chunk sizes must be positive");
+  if (o.max_line_bytes == 0) fail("data prepare: --max-line-bytes must be at least 1");
   const bool dry = o.output_dir.empty();
   const Tokenizer tok = Tokenizer::load(o.tokenizer_path);
   const IndexedDType token_dtype = tok.vocab_size() <= 65536 ? IndexedDType::u16 : IndexedDType::i32;
@@ -181,7 +188,7 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
   for (Source& s : sources) {
     LineReader check(s.path);  // Error naming a missing input before anything is written
     total_bytes += check.file_size();
-    s.format = o.format == RecordFormat::auto_detect ? detect_file_format(s.path) : o.format;
+    s.format = o.format == RecordFormat::auto_detect ? detect_file_format(s.path, 10000, o.max_line_bytes) : o.format;
   }
 
   DirGuard guard;
@@ -223,18 +230,20 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
 
   for (size_t fi = 0; fi < sources.size(); fi++) {
     Source& src = sources[fi];
-    LineReader reader(src.path);
+    LineReader reader(src.path, o.max_line_bytes);
     bool eof = false;
     while (!eof) {
       // Read a chunk.
       size_t n = 0, bytes = 0;
+      const uint64_t read_before = reader.bytes_read();
       while (n < o.chunk_lines && bytes < o.chunk_bytes) {
         if (!reader.next(lines[n].text)) {
           eof = true;
           break;
         }
         lines[n].number = reader.line_number();
-        bytes += lines[n].text.size() + 1;
+        lines[n].too_long_bytes = reader.too_long() ? reader.line_bytes() : 0;
+        bytes += lines[n].text.size() + 1;  // held in memory (a too-long line is not)
         n++;
       }
       if (n == 0) break;
@@ -242,7 +251,8 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
       const RecordFormat fmt = src.format;
       const auto tp = Clock::now();
 #pragma omp parallel for num_threads(rep.threads) schedule(dynamic, 8)
-      for (size_t i = 0; i < n; i++) process_line(lines[i], fmt, tok, o.chat_template, copts, results[i]);
+      for (size_t i = 0; i < n; i++)
+        process_line(lines[i], fmt, tok, o.chat_template, copts, o.max_line_bytes, results[i]);
       rep.parallel_seconds += std::chrono::duration<double>(Clock::now() - tp).count();
       // Write it in input order.
       for (size_t i = 0; i < n; i++) {
@@ -294,7 +304,7 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
         std::string().swap(lines[i].text);
         results[i] = LineResult{};
       }
-      bytes_done += bytes;
+      bytes_done += reader.bytes_read() - read_before;
       if (o.progress) {
         const double s = std::chrono::duration<double>(Clock::now() - t0).count();
         const double frac = total_bytes ? std::min(1.0, (double)bytes_done / (double)total_bytes) : 1.0;

@@ -50,6 +50,10 @@ struct PrepareOptions {
   size_t chunk_lines = 4096;      // lines per parallel chunk
   size_t chunk_bytes = 8u << 20;  // and at most this many bytes (a longer single line is one chunk)
   size_t max_listed_skips = 1000; // skipped lines listed in dataset.json and on `log` (all are counted)
+  // Longer lines are skipped (SkipReason::line_too_long, counted and listed like any unusable line;
+  // an Error with strict) without being held in memory: parsing and tokenizing a line takes tens of
+  // times its size.
+  size_t max_line_bytes = kDefaultMaxLineBytes;
 };
 
 struct SplitCounts {

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "infer/text_stream.h"
 
@@ -25,6 +26,16 @@ std::string trim(const std::string& s) {
   if (b == std::string::npos) return "";
   const auto e = s.find_last_not_of(" \t\r\n");
   return s.substr(b, e - b + 1);
+}
+
+// Logits with a NaN or an infinity (weights or activations that overflowed) cannot be sampled from:
+// argmax and softmax would pick garbage token after garbage token.  Stop with an Error instead.
+void check_logits(const float* logits, int V, int position) {
+  const size_t i = first_non_finite(logits, (size_t)V);
+  if (i != (size_t)V)
+    fail("[generate] the model's logits at position {} are not finite (token {}: {}): the weights or activations "
+         "overflowed; stopping instead of sampling from them",
+         position, i, logits[i]);
 }
 
 }  // namespace
@@ -57,6 +68,7 @@ GenerateResult generate(Decoder& decoder, KvCache& cache, std::span<const int32_
   std::vector<float> logits(V);
   const auto t0 = Clock::now();
   decoder.forward(cache, prompt.subspan(r.reused_tokens), logits.data());
+  check_logits(logits.data(), V, cache.len() - 1);
   r.prefill_seconds = seconds_since(t0);
   const auto t1 = Clock::now();
 
@@ -102,6 +114,7 @@ GenerateResult generate(Decoder& decoder, KvCache& cache, std::span<const int32_
     if ((int)r.tokens.size() >= opts.max_new_tokens) break;
     if (opts.max_positions > 0 && cache.len() + 1 >= opts.max_positions) break;  // no room for another token
     decoder.forward(cache, std::span<const int32_t>(&next, 1), logits.data());
+    check_logits(logits.data(), V, cache.len() - 1);
   }
   if (text) {
     if (r.finish != FinishReason::cancelled && !emit(text->finish())) r.finish = FinishReason::cancelled;

@@ -4,7 +4,9 @@
 //     reply so far, a positive logit is divided by the penalty, a negative one multiplied by it),
 //   presence / frequency penalties (OpenAI: logit -= presence * [count > 0] + frequency * count,
 //     counting the reply's tokens),
-//   then greedy (temperature 0: the first index of the largest logit, like torch.argmax), or
+//   then greedy (temperature below kGreedyTemperature, 0 included: the first index of the largest
+//     logit, like torch.argmax -- the limit of sampling as the temperature falls; dividing by a
+//     denormal temperature such as 1e-45 would overflow every logit to infinity), or
 //   sampling: logits / temperature, top-k (keep the k largest), top-p (keep the smallest set of
 //     most probable tokens whose probability reaches top_p; at least one), softmax, one draw.
 // Draws come from a counter-based generator keyed by (seed, step), so a seeded request is
@@ -17,15 +19,18 @@
 
 namespace moetron {
 
+// Temperatures below this are greedy decoding (see above).
+constexpr float kGreedyTemperature = 1e-5f;
+
 struct SamplingParams {
-  float temperature = 0.0f;  // 0: greedy
+  float temperature = 0.0f;  // < kGreedyTemperature (e.g. 0): greedy
   int top_k = 0;             // 0: off
   float top_p = 1.0f;        // 1: off
   float repetition_penalty = 1.0f;  // 1: off
   float presence_penalty = 0.0f;
   float frequency_penalty = 0.0f;
   uint64_t seed = 0;
-  bool greedy() const { return temperature <= 0.0f; }
+  bool greedy() const { return temperature < kGreedyTemperature; }
 };
 
 // Error naming the field for values outside their domain (temperature < 0, top_p outside (0, 1],

@@ -147,7 +147,7 @@ void check_sizes(const ModelConfig& c, const std::string& source) {
                KV = (double)c.num_key_value_heads * c.head_dim, E = std::max(c.num_local_experts, 1);
   const double per_layer = C * Q * 2 + C * KV * 2 + E * 3.0 * c.intermediate_size * C + E * C + 2 * C;
   const double total = per_layer * c.num_hidden_layers + 2.0 * c.vocab_size * C + C;
-  if (total > 17592186044416.0)
+  if (total > (double)kMaxModelParameters)
     fail("{}: the sizes imply {:.3g} parameters (hidden_size {}, num_hidden_layers {}, num_local_experts {}, "
          "intermediate_size {}, vocab_size {}), beyond the 1.76e13 moetron supports",
          source, total, c.hidden_size, c.num_hidden_layers, c.num_local_experts, c.intermediate_size, c.vocab_size);

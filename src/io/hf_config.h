@@ -53,6 +53,10 @@ ModelConfig load_model_config(const std::string& path);
 // HF field names: `extra` first, then the modelled fields (architectures: [architecture],
 // model_type, torch_dtype, rope_theta plus rope_parameters {rope_type: default, rope_theta}, ...).
 nlohmann::json model_config_to_json(const ModelConfig& cfg);
+// The most parameters a config may imply (2^44, 1.76e13): validate_model_config bounds its estimate,
+// ParamTable its exact total.
+constexpr uint64_t kMaxModelParameters = uint64_t{1} << 44;
+
 // Consistency checks (also run by model_config_from_json); errors name `source` and the field.
 void validate_model_config(const ModelConfig& cfg, const std::string& source);
 

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -116,8 +117,7 @@ IndexedDatasetWriter::IndexedDatasetWriter(IndexedDatasetWriter&& other) noexcep
       elements_(other.elements_),
       sizes_(std::move(other.sizes_)),
       doc_idx_(std::move(other.doc_idx_)),
-      buffer_(std::move(other.buffer_)),
-      convert_(std::move(other.convert_)) {}
+      buffer_(std::move(other.buffer_)) {}
 
 IndexedDatasetWriter& IndexedDatasetWriter::operator=(IndexedDatasetWriter&& other) noexcept {
   if (this != &other) {
@@ -130,7 +130,6 @@ IndexedDatasetWriter& IndexedDatasetWriter::operator=(IndexedDatasetWriter&& oth
     sizes_ = std::move(other.sizes_);
     doc_idx_ = std::move(other.doc_idx_);
     buffer_ = std::move(other.buffer_);
-    convert_ = std::move(other.convert_);
   }
   return *this;
 }
@@ -167,38 +166,45 @@ void IndexedDatasetWriter::flush_buffer() {
   buffer_.clear();
 }
 
-void IndexedDatasetWriter::add_sequence(const int32_t* values, size_t n) {
+// Checked first (an element that does not fit writes nothing), then converted straight into the
+// 1 MiB write buffer: memory does not grow with the sequence's length.
+template <typename T>
+void IndexedDatasetWriter::append(const T* values, size_t n) {
   if (finalized_) fail("{}.bin: add_sequence after finalize", prefix_);
   if (n > (size_t)std::numeric_limits<int32_t>::max())
     fail("{}.bin: sequence {} has {} elements; the format stores lengths as int32", prefix_, sizes_.size(), n);
-  const size_t item = indexed_dtype_size(dtype_);
-  convert_.resize(n * item);
-  uint8_t* out = convert_.data();
-  for (size_t j = 0; j < n; j++) {
-    const int32_t v = values[j];
-    if (!fits(dtype_, v))
-      fail("{}.bin: sequence {} element {} = {} does not fit dtype {}", prefix_, sizes_.size(), j, v,
+  for (size_t j = 0; j < n; j++)
+    if (!fits(dtype_, (int32_t)values[j]))
+      fail("{}.bin: sequence {} element {} = {} does not fit dtype {}", prefix_, sizes_.size(), j, (int32_t)values[j],
            indexed_dtype_name(dtype_));
-    switch (dtype_) {
-      case IndexedDType::u8: out[j] = (uint8_t)v; break;
-      case IndexedDType::i8: { const int8_t x = (int8_t)v; std::memcpy(out + j, &x, 1); break; }
-      case IndexedDType::i16: { const int16_t x = (int16_t)v; std::memcpy(out + 2 * j, &x, 2); break; }
-      case IndexedDType::u16: { const uint16_t x = (uint16_t)v; std::memcpy(out + 2 * j, &x, 2); break; }
-      case IndexedDType::i32: std::memcpy(out + 4 * j, &v, 4); break;
-      case IndexedDType::i64: { const int64_t x = v; std::memcpy(out + 8 * j, &x, 8); break; }
-      case IndexedDType::f32: { const float x = (float)v; std::memcpy(out + 4 * j, &x, 4); break; }
-      case IndexedDType::f64: { const double x = v; std::memcpy(out + 8 * j, &x, 8); break; }
+  const size_t item = indexed_dtype_size(dtype_);
+  for (size_t j = 0; j < n;) {
+    if (buffer_.size() + item > kBufferBytes) flush_buffer();
+    const size_t m = std::min((kBufferBytes - buffer_.size()) / item, n - j);
+    const size_t at = buffer_.size();
+    buffer_.resize(at + m * item);
+    uint8_t* out = buffer_.data() + at;
+    for (size_t k = 0; k < m; k++) {
+      const int32_t v = (int32_t)values[j + k];
+      switch (dtype_) {
+        case IndexedDType::u8: out[k] = (uint8_t)v; break;
+        case IndexedDType::i8: { const int8_t x = (int8_t)v; std::memcpy(out + k, &x, 1); break; }
+        case IndexedDType::i16: { const int16_t x = (int16_t)v; std::memcpy(out + 2 * k, &x, 2); break; }
+        case IndexedDType::u16: { const uint16_t x = (uint16_t)v; std::memcpy(out + 2 * k, &x, 2); break; }
+        case IndexedDType::i32: std::memcpy(out + 4 * k, &v, 4); break;
+        case IndexedDType::i64: { const int64_t x = v; std::memcpy(out + 8 * k, &x, 8); break; }
+        case IndexedDType::f32: { const float x = (float)v; std::memcpy(out + 4 * k, &x, 4); break; }
+        case IndexedDType::f64: { const double x = v; std::memcpy(out + 8 * k, &x, 8); break; }
+      }
     }
+    j += m;
   }
-  const size_t bytes = n * item;
-  if (buffer_.size() + bytes > kBufferBytes) flush_buffer();
-  if (bytes >= kBufferBytes)
-    write_all(bin_fd_, prefix_ + ".bin.tmp", convert_.data(), bytes);
-  else
-    buffer_.insert(buffer_.end(), convert_.begin(), convert_.begin() + bytes);
   sizes_.push_back((int32_t)n);
   elements_ += n;
 }
+
+void IndexedDatasetWriter::add_sequence(const int32_t* values, size_t n) { append(values, n); }
+void IndexedDatasetWriter::add_sequence(const uint8_t* values, size_t n) { append(values, n); }
 
 void IndexedDatasetWriter::end_document() {
   if (finalized_) fail("{}.bin: end_document after finalize", prefix_);
@@ -256,7 +262,6 @@ void IndexedDatasetWriter::finalize() {
     throw;
   }
   std::vector<uint8_t>().swap(buffer_);
-  std::vector<uint8_t>().swap(convert_);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ class IndexedDatasetWriter {
   // Appends one sequence, converted to the dataset's dtype.  Error (naming the file, the sequence
   // and the element) if a value does not fit the dtype exactly; nothing is written then.
   void add_sequence(const int32_t* values, size_t n);
+  void add_sequence(const uint8_t* values, size_t n);  // e.g. a loss mask
   // Ends the current document (appends the sequence count to doc_idx).  In moetron's use every
   // document is one sequence: add_sequence(); end_document().
   void end_document();
@@ -84,8 +85,9 @@ class IndexedDatasetWriter {
   size_t elements_ = 0;
   std::vector<int32_t> sizes_;
   std::vector<int64_t> doc_idx_{0};
-  std::vector<uint8_t> buffer_;  // pending .bin bytes
-  std::vector<uint8_t> convert_; // one sequence converted to dtype
+  std::vector<uint8_t> buffer_;  // pending .bin bytes (at most 1 MiB)
+  template <typename T>
+  void append(const T* values, size_t n);
 };
 
 // Read-only reader over mmap'd PREFIX.idx and PREFIX.bin.  open() validates the whole index (one

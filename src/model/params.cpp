@@ -198,14 +198,24 @@ ParamSpec& ParamTable::add(ParamKind kind, int layer, std::vector<int64_t> shape
   s.name = spec_name(kind, layer, moe_);
   s.kind = kind;
   s.layer = layer;
-  s.numel = 1;
-  for (int64_t d : shape) s.numel *= (size_t)d;
+  // Overflow-checked: a ModelConfig that skipped validate_model_config (built in code) must not wrap
+  // into a small table that later code indexes past.
+  uint64_t numel = 1;
+  for (int64_t d : shape)
+    if (d < 0 || __builtin_mul_overflow(numel, (uint64_t)d, &numel) || numel > kMaxModelParameters)
+      fail("parameter table: tensor '{}' of shape [{}] has more than {} elements (the config's sizes are too large)",
+           s.name, fmt::join(shape, ", "), kMaxModelParameters);
+  s.numel = (size_t)numel;
   s.shape = std::move(shape);
   s.offset = total_;
   s.weight_decay = decay;
   s.n_stacked = is_ffn(kind) ? (int)s.shape[0] : 0;
   // Keep every tensor 16-float aligned (64 bytes) for vector loads.
   total_ += (s.numel + 15) / 16 * 16;
+  if (total_ > kMaxModelParameters)
+    fail("parameter table: the model has more than {} parameters (2^44) once '{}' is added (the config's sizes are "
+         "too large)",
+         kMaxModelParameters, s.name);
   specs_.push_back(std::move(s));
   return specs_.back();
 }

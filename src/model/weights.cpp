@@ -52,6 +52,17 @@ void read_view_slice(const TensorView& t, const HfTensorSlice& slice, int64_t di
   }
 }
 
+// NaN or infinity in weights makes every logit NaN (a forward pass "succeeds", generation streams
+// garbage): refused when the values are read, naming the tensor and its file.
+void check_finite(const float* values, size_t n, const TensorView& t, const std::string& hf_name) {
+  const size_t i = first_non_finite(values, n);
+  if (i == n) return;
+  const std::string part = hf_name == t.name ? "" : fmt::format(" (the part holding '{}')", hf_name);
+  fail("{}: tensor '{}'{} holds a non-finite value ({}) at element {} of the values read: the weights are corrupt "
+       "(NaN or Inf), and a model computed from them would give NaN logits",
+       t.file, t.name, part, values[i], i);
+}
+
 }  // namespace
 
 std::pair<int64_t, int64_t> split_range(int64_t n, int parts, int part) {
@@ -176,6 +187,7 @@ std::string read_hf_slice(const ModelTensors& files, const ParamTable& table, co
     const int64_t row_offset = ends_with(ref.name, ".w3.weight") ? ref.shape[0] : 0;
     read_view_slice(select_index(t, ref.stacked_index), slice, row_offset, out);
   }
+  check_finite(out, slice.numel(), t, ref.name);
   return t.name;
 }
 

@@ -171,7 +171,10 @@ CompletionRequest parse_request(Endpoint endpoint, const std::string& body_text)
     bad("n", "only 'n' = 1 is supported", "unsupported_parameter");
   SamplingParams& s = r.sampling;
   s.temperature = 1.0f;  // OpenAI's default
-  if (const json* v = field(body, "temperature")) s.temperature = (float)get_number(*v, "temperature", 0.0, 2.0);
+  if (const json* v = field(body, "temperature")) {
+    s.temperature = (float)get_number(*v, "temperature", 0.0, 2.0);
+    if (s.temperature < kGreedyTemperature) s.temperature = 0.0f;  // greedy, as the CLI (sampler.h)
+  }
   if (const json* v = field(body, "top_p")) {
     const double p = get_number(*v, "top_p", 0.0, 1.0);
     if (p == 0.0)

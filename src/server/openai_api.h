@@ -6,7 +6,8 @@
 //   /v1/completions       prompt: a string (or an array of exactly one string), required
 // Common fields (all optional; unknown fields are ignored, as OpenAI-compatible servers do):
 //   model (string; any name is accepted -- one model is served), max_tokens (integer >= 1;
-//   chat also max_completion_tokens), temperature (0..2), top_p (0 < p <= 1), n (only 1), stream
+//   chat also max_completion_tokens), temperature (0..2; below 1e-5, kGreedyTemperature, greedy, as
+//   0 is), top_p (0 < p <= 1), n (only 1), stream
 //   (bool), stream_options {include_usage: bool}, stop (string or array of at most 4 strings), seed
 //   (integer), presence_penalty / frequency_penalty (-2..2), logprobs (false or absent only), echo
 //   (false only), user (string); moetron extensions: top_k (integer >= 0), repetition_penalty (> 0).

@@ -213,11 +213,30 @@ bool FastBpe::encode(std::string_view text, bool dummy_prefix, std::vector<int32
       norm.push_back(c);
   }
 
+  // 4. Ids of the merged pieces, emitted after each segment (so the piece list stays a word long, not
+  //    a text long); prev_unk carries over segment boundaries.
+  Scratch sc;
+  bool prev_unk = false;
+  auto emit = [&]() {
+    for (const Piece& p : sc.pieces) {
+      if (const Slot* e = find(norm.data() + p.start, p.len)) {
+        out.push_back(e->id);
+        prev_unk = false;
+        continue;
+      }
+      if (byte_fallback_) {
+        for (uint32_t k = 0; k < p.len; k++) out.push_back(byte_ids_[(unsigned char)norm[p.start + k]]);
+      } else if (!prev_unk) {
+        out.push_back(unk_id_);
+      }
+      prev_unk = true;
+    }
+    sc.pieces.clear();
+  };
+
   // 2-3. Characters, merged.  When no piece holds a "▁" after another character (checked in create()),
   //      no merge can cross the start of a "▁" run that follows another character, so the text is
   //      cut there into words merged independently: the same result, in small cache-resident arrays.
-  Scratch sc;
-  sc.pieces.reserve(norm.size() / 2 + 1);
   if (!word_split_) {
     merge_segment(norm, 0, norm.size(), sc);
   } else {
@@ -227,6 +246,7 @@ bool FastBpe::encode(std::string_view text, bool dummy_prefix, std::vector<int32
       const bool space = is_space_at(norm, i);
       if (space && !prev_space && i > a) {
         merge_segment(norm, a, i, sc);
+        emit();
         a = i;
       }
       prev_space = space;
@@ -234,22 +254,7 @@ bool FastBpe::encode(std::string_view text, bool dummy_prefix, std::vector<int32
     }
     merge_segment(norm, a, norm.size(), sc);
   }
-
-  // 4. Ids.
-  bool prev_unk = false;
-  for (const Piece& p : sc.pieces) {
-    if (const Slot* e = find(norm.data() + p.start, p.len)) {
-      out.push_back(e->id);
-      prev_unk = false;
-      continue;
-    }
-    if (byte_fallback_) {
-      for (uint32_t k = 0; k < p.len; k++) out.push_back(byte_ids_[(unsigned char)norm[p.start + k]]);
-    } else if (!prev_unk) {
-      out.push_back(unk_id_);
-    }
-    prev_unk = true;
-  }
+  emit();
   return true;
 }
 

@@ -1,7 +1,9 @@
 #include "tokenizer/trainer.h"
 
 #include <omp.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <deque>
 #include <filesystem>
@@ -64,6 +66,10 @@ class JsonlSentences : public sentencepiece::SentenceIterator {
         reader_.reset();
         continue;
       }
+      if (reader_->too_long()) {  // longer than kDefaultMaxLineBytes: passed over unread, counted
+        skipped_++;
+        continue;
+      }
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
       if (!parse_record(line, file_format_, rec, err)) {
         skipped_++;
@@ -104,6 +110,68 @@ class JsonlSentences : public sentencepiece::SentenceIterator {
   size_t texts_ = 0, skipped_ = 0;
 };
 
+namespace fs = std::filesystem;
+
+// --output is a prefix (SentencePiece's model_prefix): PREFIX.model and PREFIX.vocab.  A directory
+// ("dir/", or an existing "dir") would mean the hidden files dir/.model and dir/.vocab, or files
+// beside the directory; both are refused, as are outputs that exist already (unless overwrite).
+void check_output_prefix(const TokenizerTrainOptions& o) {
+  const std::string& prefix = o.output_prefix;
+  if (prefix.empty()) fail("tokenizer train: no --output prefix");
+  const fs::path p(prefix);
+  const std::string name = p.filename().string();
+  std::error_code ec;
+  if (prefix.back() == '/' || name.empty() || name == "." || name == ".." || fs::is_directory(p, ec))
+    fail("tokenizer train: --output '{}' names a directory, but it is a prefix: the command writes PREFIX.model and "
+         "PREFIX.vocab (e.g. --output {}/tokenizer)",
+         prefix, (prefix.back() == '/' ? prefix.substr(0, prefix.find_last_not_of('/') + 1) : prefix));
+  const fs::path parent = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (!fs::is_directory(parent, ec))
+    fail("tokenizer train: --output '{}': the directory '{}' does not exist", prefix, parent.string());
+  if (!o.overwrite)
+    for (const char* ext : {".model", ".vocab"})
+      if (fs::exists(fs::symlink_status(prefix + ext, ec)))
+        fail("tokenizer train: '{}{}' exists already (nothing was changed); pass --force to replace it, or choose "
+             "another --output",
+             prefix, ext);
+}
+
+// Writes `bytes` to a temporary file beside `path`, then moves it to `path`: replacing what is there
+// only with overwrite (otherwise by link(), which fails when `path` appeared in the meantime).
+void publish(const std::string& path, const std::string& bytes, bool overwrite) {
+  const std::string tmp = fmt::format("{}.tmp-{}", path, ::getpid());
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f.write(bytes.data(), (std::streamsize)bytes.size());
+    f.flush();
+    if (!f) {
+      std::error_code ec;
+      fs::remove(tmp, ec);
+      fail("tokenizer train: cannot write '{}'", tmp);
+    }
+  }
+  std::error_code ec;
+  if (overwrite) {
+    fs::rename(tmp, path, ec);
+  } else if (::link(tmp.c_str(), path.c_str()) == 0) {
+    fs::remove(tmp, ec);
+    return;
+  } else if (errno == EEXIST) {
+    fs::remove(tmp, ec);
+    fail("tokenizer train: '{}' appeared while training; it was left as it is (pass --force to replace it)", path);
+  } else if (fs::exists(fs::symlink_status(path, ec))) {  // no hard links on this filesystem
+    fs::remove(tmp, ec);
+    fail("tokenizer train: '{}' appeared while training; it was left as it is (pass --force to replace it)", path);
+  } else {
+    fs::rename(tmp, path, ec);
+  }
+  if (ec) {
+    std::error_code ignored;
+    fs::remove(tmp, ignored);
+    fail("tokenizer train: cannot rename '{}' to '{}': {}", tmp, path, ec.message());
+  }
+}
+
 std::string join(const std::vector<std::string>& v, char sep) {
   std::string s;
   for (size_t i = 0; i < v.size(); i++) {
@@ -117,7 +185,7 @@ std::string join(const std::vector<std::string>& v, char sep) {
 
 TokenizerTrainResult train_tokenizer(const TokenizerTrainOptions& o) {
   if (o.inputs.empty()) fail("tokenizer train: no --input files");
-  if (o.output_prefix.empty()) fail("tokenizer train: no --output prefix");
+  check_output_prefix(o);  // before the (long) training
   if (o.model_type != "bpe" && o.model_type != "unigram")
     fail("tokenizer train: unknown model type '{}' (expected bpe or unigram)", o.model_type);
   const int min_vocab = 3 + (o.byte_fallback ? 256 : 0) + (int)o.user_defined_symbols.size() + 1;
@@ -165,29 +233,18 @@ TokenizerTrainResult train_tokenizer(const TokenizerTrainOptions& o) {
   r.vocab_path = o.output_prefix + ".vocab";
   r.texts = sentences.texts();
   r.skipped_lines = sentences.skipped();
-  auto write_atomic = [](const std::string& path, const std::string& bytes) {
-    const std::string tmp = path + ".tmp";
-    {
-      std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-      f.write(bytes.data(), (std::streamsize)bytes.size());
-      f.flush();
-      if (!f) {
-        std::error_code ec;
-        std::filesystem::remove(tmp, ec);
-        fail("tokenizer train: cannot write '{}'", tmp);
-      }
-    }
-    std::error_code ec;
-    std::filesystem::rename(tmp, path, ec);
-    if (ec) {
-      std::filesystem::remove(tmp, ec);
-      fail("tokenizer train: cannot rename '{}' to '{}'", tmp, path);
-    }
-  };
   std::string vocab;
   for (int i = 0; i < sp.GetPieceSize(); i++) vocab += fmt::format("{}\t{}\n", sp.IdToPiece(i), sp.GetScore(i));
-  write_atomic(r.vocab_path, vocab);
-  write_atomic(r.model_path, model);
+  publish(r.vocab_path, vocab, o.overwrite);
+  try {
+    publish(r.model_path, model, o.overwrite);
+  } catch (...) {
+    if (!o.overwrite) {  // the .vocab just placed is this run's own: take it back
+      std::error_code ec;
+      fs::remove(r.vocab_path, ec);
+    }
+    throw;
+  }
   return r;
 }
 

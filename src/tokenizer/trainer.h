@@ -5,8 +5,13 @@
 // break; "\n" itself is encoded through byte fallback, as in the Mistral tokenizer).  Settings follow
 // the Llama/Mistral tokenizers: BPE, byte fallback, digits split, identity normalisation, whitespace
 // kept as is, a dummy prefix, <unk>=0 <s>=1 </s>=2, no pad; the vocabulary has exactly vocab_size
-// pieces (Error when the data cannot fill it).  Bad JSONL lines are skipped and counted.
-// Writes PREFIX.model (atomically: PREFIX.model.tmp, then rename) and PREFIX.vocab (piece TAB score).
+// pieces (Error when the data cannot fill it).  Bad JSONL lines, and lines longer than
+// kDefaultMaxLineBytes (16 MiB, data/jsonl.h), are skipped and counted.
+// Writes PREFIX.vocab (piece TAB score) and PREFIX.model, each through a temporary file beside it.
+// PREFIX is a prefix, not a directory: "dir/" or an existing directory is an Error (use
+// dir/tokenizer), as is a missing parent directory, and -- unless `overwrite` -- an existing
+// PREFIX.model or PREFIX.vocab (checked before training, and again when the files are placed).  On
+// any Error nothing is left behind and nothing that existed is changed.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +35,7 @@ struct TokenizerTrainOptions {
   int threads = 0;                                // 0: all cores
   uint32_t seed = 1234;                           // SentencePiece's sampling seed
   bool verbose = false;                           // SentencePiece's own progress log on stderr
+  bool overwrite = false;                         // replace an existing PREFIX.model / PREFIX.vocab
 };
 
 struct TokenizerTrainResult {

@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "data/loader.h"
 #include "model/weights.h"
 
 namespace moetron {
@@ -217,12 +218,29 @@ std::string shape_str(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-// A relative path that stays inside the directory.
+// A name the "files" manifest may hold: a plain file name of the checkpoint directory, or one inside
+// its optimizer/ subdirectory -- what write_trainer_state writes.  Nothing absolute, no "." or ".."
+// component, no empty component, no control character (a NUL would cut the name short when opened).
 bool is_safe_relative(const std::string& rel) {
-  const fs::path p(rel);
-  if (rel.empty() || p.is_absolute()) return false;
-  for (const auto& part : p)
-    if (part == ".." || part == ".") return false;
+  if (rel.empty() || rel.front() == '/' || rel.back() == '/') return false;
+  for (const char ch : rel)
+    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) return false;
+  std::vector<std::string> parts;
+  for (size_t at = 0;;) {
+    const size_t slash = rel.find('/', at);
+    parts.push_back(rel.substr(at, slash == std::string::npos ? std::string::npos : slash - at));
+    if (slash == std::string::npos) break;
+    at = slash + 1;
+  }
+  for (const std::string& part : parts)
+    if (part.empty() || part == "." || part == "..") return false;
+  return parts.size() == 1 || (parts.size() == 2 && parts[0] == "optimizer");
+}
+
+bool is_hex16(const std::string& s) {
+  if (s.size() != 16) return false;
+  for (const char ch : s)
+    if (!((ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f'))) return false;
   return true;
 }
 
@@ -390,17 +408,74 @@ std::vector<std::string> ShardedSafetensors::names() const {
 
 // ---- trainer_state.json --------------------------------------------------------------------------
 
+namespace {
+
+// A counter of the trainer state: an integer in [0, 2^53] (exact in every JSON reader).
+void check_count(const json& state, const char* field, const std::string& source) {
+  const auto it = state.find(field);
+  if (it == state.end()) fail("{}: field '{}' is missing (expected an integer >= 0)", source, field);
+  if (!it->is_number_integer() || (it->is_number_unsigned() ? it->get<uint64_t>() > kMaxStateCount
+                                                            : (it->get<int64_t>() < 0 ||
+                                                               it->get<int64_t>() > (int64_t)kMaxStateCount)))
+    fail("{}: field '{}' must be an integer in [0, 2^53], got {}", source, field, json_preview(*it));
+}
+
+}  // namespace
+
+void validate_trainer_state(const json& j, const std::string& source, TrainerStateUse use) {
+  if (!j.is_object()) fail("{}: expected a JSON object, got {}", source, j.type_name());
+  if (!j.contains("format") || j["format"] != kFormat)
+    fail("{}: field 'format' must be \"{}\" (not a moetron checkpoint)", source, kFormat);
+  if (!j.contains("format_version") || !j["format_version"].is_number_integer() ||
+      j["format_version"].get<int64_t>() != kFormatVersion)
+    fail("{}: field 'format_version' must be {}, got {}", source, kFormatVersion,
+         j.contains("format_version") ? json_preview(j["format_version"]) : "nothing");
+  check_count(j, "optimizer_steps", source);
+
+  // The manifest: every file of the checkpoint with its size and checksum.  Empty or partial, it
+  // would switch off the verification of whatever it leaves out.
+  const auto files = j.find("files");
+  if (files == j.end() || !files->is_object())
+    fail("{}: field 'files' must be an object listing the checkpoint's files, got {}", source,
+         files == j.end() ? "nothing" : json_preview(*files));
+  if (files->empty())
+    fail("{}: field 'files' is empty: it must list the checkpoint's files (config.json, the model weights, ...)",
+         source);
+  for (const auto& [rel, info] : files->items()) {
+    if (!is_safe_relative(rel))
+      fail("{}: field 'files' lists {}: expected a plain file name inside the checkpoint directory (or "
+           "optimizer/NAME), not an absolute path, '..', '.', an empty or a control character",
+           source, json_preview(json(rel)));
+    if (!info.is_object() || !info.contains("size") || !info["size"].is_number_unsigned() || !info.contains("xxh64") ||
+        !info["xxh64"].is_string() || !is_hex16(info["xxh64"].get<std::string>()))
+      fail("{}: field 'files' entry '{}' must be {{\"size\": BYTES, \"xxh64\": 16 lowercase hex digits}}, got {}",
+           source, rel, json_preview(info));
+  }
+  if (!files->contains("config.json"))
+    fail("{}: field 'files' does not list config.json (every checkpoint has one)", source);
+  if (!files->contains("model.safetensors") && !files->contains("model.safetensors.index.json"))
+    fail("{}: field 'files' lists neither model.safetensors nor model.safetensors.index.json (the model weights)",
+         source);
+  if (use == TrainerStateUse::any) return;
+
+  // What training resumes from (trainer.cpp's trainer_state()).
+  check_count(j, "step", source);
+  check_count(j, "consumed_samples", source);
+  check_count(j, "consumed_tokens", source);
+  const auto ls = j.find("loader_state");
+  if (ls == j.end()) fail("{}: field 'loader_state' is missing (the data loader's position to resume from)", source);
+  try {
+    (void)ls->get<LoaderState>();
+  } catch (const Error& e) {
+    fail("{}: field 'loader_state': {}", source, e.what());
+  }
+}
+
 json read_trainer_state(const std::string& dir) {
   const std::string path = (fs::path(dir) / kStateFile).string();
   if (!is_file(path)) fail("{}: not found ({} is not a complete moetron checkpoint)", path, dir);
   json j = read_json_file(path);
   if (!j.is_object()) fail("{}: expected a JSON object, got {}", path, j.type_name());
-  if (!j.contains("format") || j["format"] != kFormat)
-    fail("{}: field 'format' must be \"{}\" (not a moetron checkpoint)", path, kFormat);
-  if (!j.contains("format_version") || !j["format_version"].is_number_integer() ||
-      j["format_version"].get<int64_t>() != kFormatVersion)
-    fail("{}: field 'format_version' must be {}, got {}", path, kFormatVersion,
-         j.contains("format_version") ? json_preview(j["format_version"]) : "nothing");
   auto h = j.find("trainer_state_xxh64");
   if (h == j.end() || !h->is_string()) fail("{}: missing its checksum 'trainer_state_xxh64'", path);
   const std::string want = h->get<std::string>();
@@ -410,7 +485,7 @@ json read_trainer_state(const std::string& dir) {
   const std::string got = xxh64_hex(xxh64(text.data(), text.size()));
   if (got != want)
     fail("{}: checksum mismatch: its content hashes to {}, but it records {} (the file is corrupt)", path, got, want);
-  if (!j.contains("files") || !j["files"].is_object()) fail("{}: missing the 'files' object", path);
+  validate_trainer_state(j, path);
   return j;
 }
 
@@ -425,13 +500,9 @@ struct ListedFile {
 std::vector<ListedFile> listed_files(const std::string& dir, const json& state) {
   const std::string spath = (fs::path(dir) / kStateFile).string();
   std::vector<ListedFile> out;
-  for (const auto& [rel, info] : state.at("files").items()) {
-    if (!is_safe_relative(rel)) fail("{}: 'files' lists '{}', which is not a path inside {}", spath, rel, dir);
-    if (!info.is_object() || !info.contains("size") || !info["size"].is_number_unsigned() ||
-        !info.contains("xxh64") || !info["xxh64"].is_string())
-      fail("{}: 'files' entry '{}' must be {{\"size\": BYTES, \"xxh64\": HEX}}, got {}", spath, rel, json_preview(info));
+  validate_trainer_state(state, spath);
+  for (const auto& [rel, info] : state.at("files").items())
     out.push_back({rel, info["size"].get<uint64_t>(), info["xxh64"].get<std::string>()});
-  }
   return out;
 }
 
@@ -456,6 +527,22 @@ bool is_complete_checkpoint(const std::string& dir, std::string* why) {
 
 void verify_checkpoint_files(const std::string& dir, const json& state) {
   const std::vector<ListedFile> files = listed_files(dir, state);
+  // The manifest lists every file (write_trainer_state does): one it leaves out would be read unverified.
+  {
+    std::set<std::string> listed;
+    for (const ListedFile& f : files) listed.insert(f.rel);
+    std::error_code ec;
+    for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::recursive_directory_iterator();
+         it.increment(ec)) {
+      if (!it->is_regular_file()) continue;
+      const std::string rel = fs::relative(it->path(), dir).generic_string();
+      if (rel != kStateFile && !listed.count(rel))
+        fail("{}: not listed in {}'s 'files' (a checkpoint's manifest lists every file in it; was the file added "
+             "after the save, or the manifest edited?)",
+             it->path().string(), kStateFile);
+    }
+    if (ec) fail("{}: cannot list: {}", dir, ec.message());
+  }
   std::vector<std::string> errors(files.size());
 #pragma omp parallel for schedule(dynamic, 1)
   for (size_t i = 0; i < files.size(); i++) {
@@ -493,7 +580,11 @@ json write_trainer_state(const std::string& dir, json state) {
        it.increment(ec)) {
     if (!it->is_regular_file()) continue;
     const std::string rel = fs::relative(it->path(), dir).generic_string();
-    if (rel != kStateFile) rels.push_back(rel);
+    if (rel == kStateFile) continue;
+    if (!is_safe_relative(rel))  // never write a manifest that validate_trainer_state would refuse
+      fail("{}: '{}' cannot be listed in a checkpoint's manifest (only files of the directory and of optimizer/)",
+           dir, rel);
+    rels.push_back(rel);
   }
   if (ec) fail("{}: cannot list: {}", dir, ec.message());
   std::sort(rels.begin(), rels.end());
@@ -755,6 +846,11 @@ void read_optimizer_tensor(const ShardedSafetensors& f, const std::string& opt_d
     fail("{}: tensor '{}' has shape {}, but the model config implies {}", t->file, name, shape_str(t->shape),
          shape_str(ref.shape));
   read_f32(*t, dst + ref.offset, ref.numel);
+  const size_t bad = first_non_finite(dst + ref.offset, ref.numel);
+  if (bad != ref.numel)
+    fail("{}: tensor '{}' holds a non-finite value ({}) at element {}: the optimizer state is corrupt (NaN or Inf), "
+         "and training resumed from it would diverge",
+         t->file, name, dst[ref.offset + bad], bad);
 }
 
 }  // namespace
@@ -792,10 +888,7 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, const ModelConfig& expe
   }
 
   LoadedCheckpoint out;
-  const json& steps = state["optimizer_steps"];
-  if (!steps.is_number_integer())
-    fail("{}/{}: field 'optimizer_steps' must be an integer, got {}", dir, kStateFile, json_preview(steps));
-  out.optimizer_steps = steps.get<long>();
+  out.optimizer_steps = state["optimizer_steps"].get<long>();  // validated by read_trainer_state
   for (const char* k : kReservedKeys) state.erase(k);
   out.trainer_state = std::move(state);
   return out;

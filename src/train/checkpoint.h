@@ -122,12 +122,30 @@ void check_same_architecture(const ModelConfig& checkpoint, const ModelConfig& e
 
 // ---- pieces shared with `moetron convert` ----------------------------------------------------------
 
-// Reads DIR/trainer_state.json and checks its own checksum; Error naming the file.
+// What validate_trainer_state checks: the checkpoint format (any), or also what training resumes from.
+enum class TrainerStateUse { any, resume };
+// The largest counter a trainer state may hold (step, optimizer_steps, consumed_*): 2^53.
+constexpr uint64_t kMaxStateCount = uint64_t{1} << 53;
+
+// Checks a parsed trainer_state.json (its own checksum is read_trainer_state's job, so a resealed file
+// lands here too); `source` names it in errors: "SOURCE: field 'NAME' ...".  Always: "format",
+// "format_version", "optimizer_steps" (an integer in [0, 2^53]) and the "files" manifest -- a
+// non-empty object that lists config.json and model.safetensors or model.safetensors.index.json,
+// whose names are plain file names of the directory or optimizer/NAME (nothing absolute, no "..",
+// ".", empty component or control character) and whose entries are {"size": BYTES, "xxh64": 16
+// lowercase hex digits}.  With TrainerStateUse::resume also the trainer's keys: "step",
+// "consumed_samples", "consumed_tokens" (integers in [0, 2^53]) and "loader_state" (what
+// data/loader.h's LoaderState reads).  Pure: no file is touched (so it can be fuzzed).
+void validate_trainer_state(const nlohmann::json& state, const std::string& source,
+                            TrainerStateUse use = TrainerStateUse::any);
+
+// Reads DIR/trainer_state.json, checks its own checksum and validate_trainer_state(any); Error naming
+// the file.
 nlohmann::json read_trainer_state(const std::string& dir);
 // True when `dir` is a complete checkpoint (see above); *why (when given) says what is missing otherwise.
 bool is_complete_checkpoint(const std::string& dir, std::string* why = nullptr);
-// Checks the size and checksum of every file state["files"] lists (in parallel); Error naming the
-// first bad file.
+// Checks the size and checksum of every file state["files"] lists (in parallel), and that it lists
+// every file in `dir` but trainer_state.json; Error naming the first bad file.
 void verify_checkpoint_files(const std::string& dir, const nlohmann::json& state);
 // Writes DIR/trainer_state.json (fsynced) from `state` plus the format keys, "files" for every other
 // file under DIR and the self checksum. Returns the object written.

@@ -584,7 +584,10 @@ void validate(const TrainConfig& c, const std::string& source, const std::map<st
     fail("{}: train.global_batch_size ({}) must be divisible by train.micro_batch_size ({})",
          at("train.global_batch_size"), c.train.global_batch_size, c.train.micro_batch_size);
   if (c.train.max_steps < 0) fail("{}: train.max_steps: must be >= 0, got {}", at("train.max_steps"), c.train.max_steps);
-  if (!(c.train.epochs >= 0)) fail("{}: train.epochs: must be >= 0, got {}", at("train.epochs"), c.train.epochs);
+  // Bounded: the step count is epochs x steps per epoch, cast to an integer (1e300 epochs wrapped to
+  // "the run has no steps").
+  if (!(c.train.epochs >= 0 && c.train.epochs <= kMaxEpochs))
+    fail("{}: train.epochs: must be in [0, {}], got {}", at("train.epochs"), kMaxEpochs, c.train.epochs);
   if ((c.train.max_steps > 0) == (c.train.epochs > 0))
     fail("{}: train: set exactly one of max_steps > 0 or epochs > 0 (got max_steps {}, epochs {})",
          at(c.train.max_steps > 0 ? "train.epochs" : "train.max_steps"), c.train.max_steps, c.train.epochs);
@@ -606,9 +609,11 @@ void validate(const TrainConfig& c, const std::string& source, const std::map<st
   if (c.moe.aux_loss_coef) at_least("moe.aux_loss_coef", *c.moe.aux_loss_coef, 0.0, " (or null: the model's)");
   one_of("moe.aux_loss", c.moe.aux_loss, {"hf_pooled", "per_layer"});
   at_least("moe.z_loss_coef", c.moe.z_loss_coef, 0.0, "");
-  if (c.moe.capacity_factor && !(*c.moe.capacity_factor > 0))
-    fail("{}: moe.capacity_factor: must be > 0 (or null: dropless), got {}", at("moe.capacity_factor"),
-         *c.moe.capacity_factor);
+  // Bounded: the capacity ceil(f * tokens * K / E) is cast to an integer; at f >= E / K (E <= 4096) no
+  // token is ever dropped, so a larger factor means nothing more.
+  if (c.moe.capacity_factor && !(*c.moe.capacity_factor > 0 && *c.moe.capacity_factor <= kMaxCapacityFactor))
+    fail("{}: moe.capacity_factor: must be in (0, {}] (or null: dropless), got {}", at("moe.capacity_factor"),
+         kMaxCapacityFactor, *c.moe.capacity_factor);
 
   positive("parallel.tp", c.parallel.tp);
   positive("parallel.pp", c.parallel.pp);

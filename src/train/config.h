@@ -13,10 +13,10 @@
 //
 // Validation (after the overrides), beyond types: global_batch_size divisible by micro_batch_size
 // (division by the data-parallel size is the trainer's check); exactly one of max_steps > 0 or
-// epochs > 0; enums (device cpu|cuda, model.dtype fp32|bf16, data.over_long split|drop,
+// epochs > 0 (epochs at most kMaxEpochs); enums (device cpu|cuda, model.dtype fp32|bf16, data.over_long split|drop,
 // train.schedule cosine|linear|constant, moe.aux_loss hf_pooled|per_layer); lr >= min_lr >= 0;
 // warmup_steps >= 0; betas in [0, 1); adam_eps > 0; weight_decay, grad_clip (0: no clipping),
-// z_loss_coef and aux_loss_coef >= 0; capacity_factor > 0; positive sizes (seq_length, batch sizes,
+// z_loss_coef and aux_loss_coef >= 0; capacity_factor in (0, kMaxCapacityFactor]; positive sizes (seq_length, batch sizes,
 // tp/pp/ep, layers_per_stage entries, keep_last, nan_skip_limit, log.every_steps, eval.batches);
 // checkpoint.every_steps >= 0
 // (0: only at the end) and eval.every_steps >= 0 (0: no evaluation); data.path, run_dir,
@@ -32,6 +32,10 @@
 #include <nlohmann/json.hpp>
 
 namespace moetron {
+
+// Bounds on the doubles that become integers (the step count, an expert's capacity).
+constexpr double kMaxEpochs = 1e6;
+constexpr double kMaxCapacityFactor = 4096;
 
 struct TrainConfig {
   std::string run_dir = "runs/default";  // metrics.jsonl, tb/, checkpoints/, config.yaml go here

@@ -79,6 +79,7 @@ EvalResult evaluate_model(const TrainConfig& cfg, const std::string& model_dir, 
   std::optional<ModelTensors> files;
   try {
     mcfg = load_model_config((fs::path(model_dir) / "config.json").string());
+    check_seq_length(cfg, mcfg, (fs::path(model_dir) / "config.json").string());
     files.emplace(ModelTensors::open(model_dir));
   } catch (const Error& e) {
     throw SetupError(e.what());

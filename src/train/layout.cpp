@@ -67,13 +67,18 @@ void validate_layout(const TrainConfig& cfg, const ModelConfig& mc, int world) {
   if (gbs % (mbs * dp) != 0)
     fail("batch: train.global_batch_size {} is not divisible by micro_batch_size {} x data-parallel size {} = {}",
          gbs, mbs, dp, mbs * dp);
-  if (cfg.data.seq_length < 1) fail("data.seq_length must be >= 1, got {}", cfg.data.seq_length);
-  if (cfg.data.seq_length > mc.max_position_embeddings)
-    fail("data.seq_length {} exceeds the model's max_position_embeddings {}", cfg.data.seq_length,
-         mc.max_position_embeddings);
+  check_seq_length(cfg, mc, "");
 }
 
 }  // namespace
+
+void check_seq_length(const TrainConfig& cfg, const ModelConfig& mc, const std::string& model_source) {
+  if (cfg.data.seq_length < 1) fail("data.seq_length must be >= 1, got {}", cfg.data.seq_length);
+  if (cfg.data.seq_length > mc.max_position_embeddings)
+    fail("data.seq_length {} exceeds the model's max_position_embeddings {}{} (sequences may not be longer than the "
+         "positions the model has)",
+         cfg.data.seq_length, mc.max_position_embeddings, model_source.empty() ? "" : " in " + model_source);
+}
 
 void check_device_rules(const TrainConfig& cfg, const ModelConfig& mc) {
   if (cfg.device == "cpu") {

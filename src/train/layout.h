@@ -32,6 +32,10 @@ struct Layout {
 // The layout of `cfg` for `model` over `world` ranks, checked.
 Layout resolve_layout(const TrainConfig& cfg, const ModelConfig& model, int world);
 
+// 1 <= data.seq_length <= the model's max_position_embeddings (`model_source`, e.g. its config.json,
+// named in the message when not empty).  resolve_layout applies it (train, plan); eval on its own.
+void check_seq_length(const TrainConfig& cfg, const ModelConfig& model, const std::string& model_source);
+
 // The part of the parameter table the rank at (stage, tp rank, ep rank) holds.
 ParamShard layout_shard(const Layout& layout, const ModelConfig& model, int stage, int tp_rank, int ep_rank);
 

@@ -286,8 +286,16 @@ void Training::setup() {
     valid_start_ = valid_data_->state();
   }
   const DataLoader& td = *train_data_;
-  total_steps_ = cfg_.train.max_steps > 0 ? cfg_.train.max_steps
-                                          : (long)std::ceil(cfg_.train.epochs * (double)td.steps_per_epoch(0));
+  if (cfg_.train.max_steps > 0) {
+    total_steps_ = cfg_.train.max_steps;
+  } else {
+    // In double, checked before the cast (the review's epochs: 1e300 wrapped to "no steps").
+    const double steps = std::ceil(cfg_.train.epochs * (double)td.steps_per_epoch(0));
+    if (!(steps <= (double)kMaxStateCount))
+      fail("train.epochs: {} epochs of {} steps are {:.3g} steps, more than the {} a run may have", cfg_.train.epochs,
+           td.steps_per_epoch(0), steps, kMaxStateCount);
+    total_steps_ = (long)steps;
+  }
   if (total_steps_ <= 0)
     fail("train: the run has no steps (max_steps={}, epochs={})", cfg_.train.max_steps, cfg_.train.epochs);
 
@@ -420,6 +428,10 @@ void Training::initialise() {
 }
 
 void Training::load_resume(const std::string& dir) {
+  // The trainer's keys first (a resealed trainer_state.json verifies its own checksum): a negative
+  // step, a missing loader_state, ... are refused naming the field before anything is read.
+  validate_trainer_state(read_trainer_state(dir), (fs::path(dir) / "trainer_state.json").string(),
+                         TrainerStateUse::resume);
   const ParamTable& table = model_->table();
   const size_t total = table.total();
   std::vector<float> lm(total, 0.0f), lv(total, 0.0f);

@@ -2,6 +2,7 @@
 // `trainer_state.json` (format, checksum, the manifest of files with sizes and hashes) — as resume
 // finds and verifies it.  Each input is tried twice: as it is, and resealed (its checksum
 // recomputed, as someone who edits the file would), so the fields behind the checksum are reached.
+// validate_trainer_state (what resume checks) runs on the parsed JSON too.
 // Input: the first line is `latest`'s content, the rest is trainer_state.json.
 #include <filesystem>
 
@@ -55,6 +56,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } catch (const Error&) {
     return 0;
   }
+  // What resume checks before it loads anything (pure: the JSON only).
+  for (TrainerStateUse use : {TrainerStateUse::any, TrainerStateUse::resume})
+    fuzz::expect_ok_or_error([&] { validate_trainer_state(j, "trainer_state.json", use); });
   if (!j.is_object()) return 0;
   j.erase("trainer_state_xxh64");
   const std::string body = j.dump();
