@@ -451,7 +451,7 @@ TEST(TrainConfig, BytesThatAreNotUtf8AreRefusedNamingTheLine) {
     EXPECT_NE(std::string(e.what()).find("cfg.yaml:5: not valid UTF-8"), std::string::npos) << e.what();
   }
   try {
-    train_config_from_yaml_text("run_dir: runs/x\n", "cfg.yaml", {"run_dir=a\xffb"});
+    train_config_from_yaml_text("run_dir: runs/x\n", "cfg.yaml", {"run_dir=a\xff" "b"});
     FAIL() << "expected an Error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("is not valid UTF-8"), std::string::npos) << e.what();
