@@ -450,6 +450,20 @@ TEST(TrainConfig, BytesThatAreNotUtf8AreRefusedNamingTheLine) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("cfg.yaml:5: not valid UTF-8"), std::string::npos) << e.what();
   }
+  // Found by the same target: control characters (here from YAML escapes in a key) were written
+  // back to config.yaml as escapes yaml-cpp misreads ("\0" then "_type" reads as the "\_" escape, a
+  // lone byte), and writing the resolved config as JSON threw: "unexpected error" at the start.
+  for (const std::string& y : {std::string("model:\n  config: {\"model\\x01\\0_type\": mixtral}\n"),
+                               std::string("run_dir: \"runs/\\x7f\"\n"),
+                               std::string("run_dir: \"runs/\\x85\"\n")}) {
+    try {
+      train_config_from_yaml_text(y, "cfg.yaml", {});
+      FAIL() << "expected an Error for " << y;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("cfg.yaml:"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("control characters"), std::string::npos) << e.what();
+    }
+  }
   try {
     train_config_from_yaml_text("run_dir: runs/x\n", "cfg.yaml", {"run_dir=a\xff" "b"});
     FAIL() << "expected an Error";

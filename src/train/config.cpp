@@ -265,6 +265,27 @@ struct Origin {
 constexpr long kMaxYamlNodes = 100000;
 constexpr int kMaxYamlDepth = 64;
 
+// A scalar's text (a value or a key): UTF-8 without control characters but tab and newline.  The
+// file is checked before parsing, but YAML escapes ("\\x01", "\\0") can still make control
+// characters, which yaml-cpp writes back as escapes it then misreads ("\\0" before "_" reads as
+// the "\\_" escape, a lone byte): config.yaml would not read back as the config it records.
+bool is_config_text(const std::string& s) {
+  if (!is_valid_utf8(s)) return false;
+  for (size_t i = 0; i < s.size(); i++) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if ((c < 0x20 && c != '\t' && c != '\n') || c == 0x7f) return false;
+    if (c == 0xC2 && i + 1 < s.size() && static_cast<unsigned char>(s[i + 1]) < 0xA0) return false;  // U+0080..U+009F
+  }
+  return true;
+}
+
+const std::string& utf8_scalar(const YAML::Node& n, const std::string& key, const Origin& o) {
+  if (!is_config_text(n.Scalar()))
+    fail("{}: {}: the text is not valid UTF-8 or holds control characters (only tab and newline are allowed)",
+         o.at(n.Mark()), key);
+  return n.Scalar();
+}
+
 struct YamlBudget {
   long nodes = 0;
 };
@@ -276,7 +297,10 @@ json yaml_to_json(const YAML::Node& n, const std::string& key, const Origin& o, 
   if (depth > kMaxYamlDepth) fail("{}: {}: nested deeper than {} levels", o.at(n.Mark()), key, kMaxYamlDepth);
   switch (n.Type()) {
     case YAML::NodeType::Null: return nullptr;
-    case YAML::NodeType::Scalar: return is_quoted(n) ? json(n.Scalar()) : plain_scalar_to_json(n.Scalar());
+    case YAML::NodeType::Scalar: {
+      const std::string& text = utf8_scalar(n, key, o);
+      return is_quoted(n) ? json(text) : plain_scalar_to_json(text);
+    }
     case YAML::NodeType::Sequence: {
       json a = json::array();
       for (const YAML::Node& item : n) a.push_back(yaml_to_json(item, key, o, budget, depth + 1));
@@ -286,7 +310,7 @@ json yaml_to_json(const YAML::Node& n, const std::string& key, const Origin& o, 
       json obj = json::object();
       for (const auto& kv : n) {
         if (!kv.first.IsScalar()) fail("{}: {}: keys must be names, got {}", o.at(kv.first.Mark()), key, describe(kv.first));
-        const std::string name = kv.first.Scalar();
+        const std::string name = utf8_scalar(kv.first, key, o);
         if (obj.contains(name)) fail("{}: duplicate key '{}'", o.at(kv.first.Mark()), join_key(key, name));
         obj[name] = yaml_to_json(kv.second, join_key(key, name), o, budget, depth + 1);
       }
@@ -472,7 +496,7 @@ class Reader {
           using T = std::remove_pointer_t<decltype(p)>;
           if constexpr (std::is_same_v<T, std::string>) {
             if (!v.IsScalar()) bad("a string");
-            *p = v.Scalar();
+            *p = utf8_scalar(v, key, o);
           } else if constexpr (std::is_same_v<T, int>) {
             *p = static_cast<int>(integer(std::numeric_limits<int>::min(), std::numeric_limits<int>::max()));
           } else if constexpr (std::is_same_v<T, long>) {

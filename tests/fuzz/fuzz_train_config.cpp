@@ -23,9 +23,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const TrainConfig cfg = train_config_from_yaml_text(yaml, "fuzz.yaml", overrides);
     validate_train_config(cfg, "fuzz.yaml");
     const std::string written = train_config_to_yaml(cfg);
-    const TrainConfig again = train_config_from_yaml_text(written, "written config.yaml", {});
+    TrainConfig again;
+    try {  // what moetron wrote must read back (resume reads it): an Error here is a finding too
+      again = train_config_from_yaml_text(written, "written config.yaml", {});
+    } catch (const Error& e) {
+      std::fprintf(stderr, "config.yaml does not read back: %s\n%s\n", e.what(), written.c_str());
+      std::abort();
+    }
     if (!(again == cfg)) {
-      std::fprintf(stderr, "config.yaml does not round-trip:\n%s\n", written.c_str());
+      std::fprintf(stderr, "config.yaml does not round-trip:\n%s\nread: %s\nread again: %s\n", written.c_str(),
+                   train_config_to_json(cfg).dump().c_str(), train_config_to_json(again).dump().c_str());
       std::abort();
     }
   });
