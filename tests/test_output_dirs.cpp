@@ -135,3 +135,17 @@ TEST_F(OutputDirs, DataCommandsLeavePreexistingFilesUntouched) {
   ASSERT_TRUE(fs::exists(data / "dataset.json"));
   EXPECT_EQ(run(prepare + data.string(), &out), 0) << out;  // its own previous output: replaced
 }
+
+// `forward --output/--grads` never replaces an existing file unless --force.
+TEST_F(OutputDirs, ForwardKeepsAnExistingOutputUnlessForced) {
+  const std::string golden = std::string(MOETRON_SOURCE_DIR) + "/tests/golden/mixtral_gqa";
+  const fs::path out = root_ / "logits.safetensors";
+  std::ofstream(out) << "my results\n";
+  const std::string cmd = "forward --model " + golden + " --input " + golden + "/input.safetensors --output " + out.string();
+  std::string text;
+  EXPECT_NE(run(cmd, &text), 0);
+  EXPECT_NE(text.find("already exists"), std::string::npos) << text;
+  EXPECT_EQ(snapshot(root_)["logits.safetensors"], "my results\n");
+  EXPECT_EQ(run(cmd + " --force", &text), 0) << text;
+  EXPECT_NE(snapshot(root_)["logits.safetensors"], "my results\n");
+}

@@ -33,6 +33,8 @@ int run_forward(int argc, char** argv) {
   app.add_option("--aux-loss", aux_kind, "load-balancing formula: hf_pooled | per_layer")
       ->check(CLI::IsMember({"hf_pooled", "per_layer"}));
   app.add_option("--z-loss-coef", z_coef, "router z-loss coefficient (default 0)");
+  bool force = false;
+  app.add_flag("--force", force, "replace an existing --output / --grads file (never replaced otherwise)");
   std::string device = "cpu";
   app.add_option("--device", device, "cpu (fp32), or cuda (bf16 with fp32 master weights, one NVIDIA GPU)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
@@ -41,6 +43,11 @@ int run_forward(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  for (const std::string* f : {&output, &grads_path})
+    if (!force && !f->empty() && std::filesystem::is_regular_file(*f)) {
+      std::fprintf(stderr, "moetron forward: %s already exists; it is kept (pass --force to replace it)\n", f->c_str());
+      return 2;
+    }
 
   const ModelConfig cfg = load_model_config((std::filesystem::path(model_dir) / "config.json").string());
   const Batch batch = read_batch_safetensors(input);
