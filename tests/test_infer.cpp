@@ -570,5 +570,16 @@ TEST(EvalChat, AConversationBeyondTheModelsPositionsIsAnErrorNamingTheLine) {
     EXPECT_NE(std::string(e.what()).find(path.string() + ":2: the conversation is"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("more than the model's 512 positions"), std::string::npos) << e.what();
   }
+  // A line beyond 16 MiB is refused without being held (it was read whole with std::getline).
+  {
+    std::ofstream out(path);
+    out << R"({"messages": [{"role": "user", "content": ")" << std::string((16u << 20) + 8, 'a') << R"("}]})" << "\n";
+  }
+  try {
+    chat_answer_accuracy(decoder, *tok, ChatTemplate::mistral, eos, path.string(), 8, 0);
+    ADD_FAILURE() << "accepted a 16 MiB line";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(path.string() + ":1: the line is"), std::string::npos) << e.what();
+  }
   fs::remove(path);
 }

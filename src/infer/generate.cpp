@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
+#include "data/jsonl.h"
 #include "core/error.h"
 #include "infer/text_stream.h"
 
@@ -148,13 +149,14 @@ std::vector<int32_t> completion_prompt_tokens(const Tokenizer& tok, const std::s
 AnswerAccuracy chat_answer_accuracy(Decoder& decoder, const Tokenizer& tok, ChatTemplate tmpl,
                                     std::span<const int32_t> eos_ids, const std::string& jsonl_path,
                                     int max_new_tokens, long limit) {
-  std::ifstream in(jsonl_path);
-  if (!in) fail("{}: cannot open", jsonl_path);
+  LineReader in(jsonl_path);  // lines of up to kDefaultMaxLineBytes; longer ones are never held
   AnswerAccuracy acc;
   KvCache cache = decoder.new_cache();
-  long line_no = 0;
-  for (std::string line; std::getline(in, line) && (limit <= 0 || acc.total < limit);) {
-    line_no++;
+  for (std::string line; (limit <= 0 || acc.total < limit) && in.next(line);) {
+    const size_t line_no = in.line_number();
+    if (in.too_long())
+      fail("{}:{}: the line is {} bytes, more than the {} a conversation may take", jsonl_path, line_no,
+           in.line_bytes(), kDefaultMaxLineBytes);
     if (trim(line).empty()) continue;
     const auto j = parse_json_or_discarded(line);
     if (!j.is_object() || !j.contains("messages") || !j["messages"].is_array() || j["messages"].empty())
