@@ -333,6 +333,11 @@ long prepare_peak_rss_kib(const std::vector<std::string>& args) {
 // bound is relative to the same command on a small file, since the binary's own footprint differs
 // between builds (the CUDA runtime alone is ~200 MB of RSS).
 TEST_F(DataPrepare, AnOverlongLineIsNeverHeldInMemory) {
+#if defined(__SANITIZE_ADDRESS__)
+  // ASan keeps freed memory in quarantine (up to 256 MB), so peak RSS follows the bytes allocated
+  // over time rather than those live at once: the bound is checked in the Release run.
+  GTEST_SKIP() << "peak RSS is not a measure of live memory under AddressSanitizer";
+#endif
   const fs::path in = dir_ / "huge.jsonl", small = dir_ / "small.jsonl";
   {
     std::ofstream f(in, std::ios::binary);
