@@ -267,7 +267,8 @@ OpCase attention_case(const std::string& name, int B, int T, int NH, int NKV, in
 
 // The router: probabilities and renormalised top-K weights, with the aux-loss gradient per expert
 // on the probabilities of real tokens (the objective's probs cotangent is that gradient, masked).
-OpCase router_case() {
+// renormalize false: the top-K weights are the probabilities (Qwen3-MoE's norm_topk_prob false).
+OpCase router_case(bool renormalize) {
   const long N = 16;
   const int E = 8, K = 2;
   std::vector<uint8_t> mask(N, 1);
@@ -278,7 +279,7 @@ OpCase router_case() {
   for (long n = 0; n < N; n++)
     for (int e = 0; e < E; e++) cot_probs[n * E + e] = mask[n] ? (float)daux[e] : 0.0f;
   OpCase c;
-  c.name = "router";
+  c.name = renormalize ? "router" : "router_no_renormalize";
   // Logits spread apart so the top-K choice does not flip under a finite-difference step.
   std::vector<float> logits((size_t)N * E);
   for (long n = 0; n < N; n++)
@@ -289,11 +290,11 @@ OpCase router_case() {
   c.cot = {{"w", rnd(N * K, 2)}, {"probs", cot_probs}};
   c.forward = [=](Env& e) {
     e.be().router_forward(e.f32("probs", N * E), e.alloc("idx", Store::i32, N * K), e.f32("w", N * K), e["logits"], N,
-                          E, K);
+                          E, K, renormalize);
   };
   c.backward = [=](Env& e) {
     e.be().router_backward(e.f32("g:logits", N * E), e["d:w"], daux.data(), e.put_u8("mask", mask), e["probs"],
-                           e["idx"], e["w"], N, E, K);
+                           e["idx"], e["w"], N, E, K, renormalize);
   };
   return c;
 }
@@ -313,7 +314,7 @@ OpCase z_loss_case() {
   c.forward = [=](Env& e) {
     Backend& be = e.be();
     const Tensor probs = e.f32("probs", N * E), idx = e.alloc("idx", Store::i32, N * K), w = e.f32("w", N * K);
-    be.router_forward(probs, idx, w, e["logits"], N, E, K);
+    be.router_forward(probs, idx, w, e["logits"], N, E, K, true);
     ops::RouterLayerStats st;
     be.router_layer_stats(st, e["logits"], probs, idx, e.put_u8("mask", mask), N, E, K);
     e.set_scalar("z", ops::router_z_loss_layer(st));
@@ -450,7 +451,8 @@ std::vector<int32_t> routed(long N, int K, const std::function<int(long, int)>& 
 
 std::vector<OpCase> all_cases() {
   const long N = 12;
-  std::vector<OpCase> cases = {rmsnorm_case(), matmul_case(), rope_case(), router_case(), z_loss_case(),
+  std::vector<OpCase> cases = {rmsnorm_case(), matmul_case(), rope_case(), router_case(true),
+                               router_case(false), z_loss_case(),
                                head_case(), embedding_case()};
   cases.push_back(attention_case("attention_gqa", 2, 17, 4, 2, 8, 0, false, false));
   cases.push_back(attention_case("attention_window_padding", 2, 21, 4, 1, 16, 5, true, false));

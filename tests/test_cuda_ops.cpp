@@ -465,11 +465,13 @@ TEST_F(CudaOps, RouterForwardStatsAndBackward) {
     for (long n = 0; n < N; n += 5) mask[n] = 0;
     std::vector<float> probs((size_t)N * E), tw((size_t)N * K);
     std::vector<int32_t> ti((size_t)N * K);
-    ops::router_forward(probs.data(), ti.data(), tw.data(), logits.data(), N, E, K);
+   for (bool renorm : {true, false}) {
+    SCOPED_TRACE(renorm ? "renormalised" : "not renormalised");
+    ops::router_forward(probs.data(), ti.data(), tw.data(), logits.data(), N, E, K, renorm);
     float* dl = buf->copy(logits);
     float *gp = buf->zero<float>(probs.size()), *gw = buf->zero<float>(tw.size());
     int32_t* gi = buf->zero<int32_t>(ti.size());
-    gpu::router_forward(*ctx, gp, gi, gw, dl, N, E, K);
+    gpu::router_forward(*ctx, gp, gi, gw, dl, N, E, K, renorm);
     expect_close(buf->get(gp, probs.size()), probs, 1e-6, 0.0, "router probs");
     EXPECT_EQ(buf->get(gi, ti.size()), ti) << "top-k choices";
     expect_close(buf->get(gw, tw.size()), tw, 1e-6, 0.0, "top-k weights");
@@ -492,9 +494,9 @@ TEST_F(CudaOps, RouterForwardStatsAndBackward) {
     for (int e = 0; e < E; e++) daux[e] = 0.01 * (e + 1);
     std::vector<float> dref((size_t)N * E);
     ops::router_backward(dref.data(), dtw.data(), daux.data(), mask.data(), probs.data(), ti.data(), tw.data(), N, E,
-                         K);
+                         K, renorm);
     float* gd = buf->zero<float>(dref.size());
-    gpu::router_backward(*ctx, gd, buf->copy(dtw), daux.data(), gmask, gp, gi, gw, N, E, K);
+    gpu::router_backward(*ctx, gd, buf->copy(dtw), daux.data(), gmask, gp, gi, gw, N, E, K, renorm);
     expect_close(buf->get(gd, dref.size()), dref, 1e-5, 1e-9, "router dlogits");
     // z-loss accumulates on top
     ops::router_z_loss_backward(dref.data(), logits.data(), probs.data(), mask.data(), N, E, 0.3f);
@@ -502,6 +504,7 @@ TEST_F(CudaOps, RouterForwardStatsAndBackward) {
     for (uint8_t x : mask) real += x;
     gpu::router_z_loss_backward(*ctx, gd, dl, gp, gmask, N, E, 0.3f, real);
     expect_close(buf->get(gd, dref.size()), dref, 1e-5, 1e-9, "router dlogits + z-loss");
+   }
   }
 }
 

@@ -57,9 +57,12 @@ inline void write_dist_split(const fs::path& dir, const std::string& name, int d
 // hidden 32, FFN 48 -- every size divisible by tp 2 and 4; seq 64, global batch 8 of micro-batches 1
 // (8 micro-batches per step at dp 1, 2 at dp 4); 10 steps.
 // init_dir: start from that HF model directory instead (model.config empty).
-inline std::string dist_yaml(const fs::path& run_dir, const fs::path& data_dir, const fs::path& init_dir = {}) {
+// model_config: the `model.config` mapping of a random init (empty: the tiny Mixtral).
+inline std::string dist_yaml(const fs::path& run_dir, const fs::path& data_dir, const fs::path& init_dir = {},
+                             const std::string& model_config = "") {
   const std::string model =
-      init_dir.empty()
+      !model_config.empty() ? "model:\n  init: random\n  config: " + model_config + "\n"
+      : init_dir.empty()
           ? "model:\n"
             "  init: random\n"
             "  config: {architectures: [MixtralForCausalLM], model_type: mixtral, vocab_size: 256, hidden_size: 32,\n"

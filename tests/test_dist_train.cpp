@@ -54,10 +54,10 @@ class DistTrain : public ::testing::Test {
 
   // Trains run `name` on np ranks (0: one process, no launcher); returns the run directory.
   static fs::path train(const std::string& name, int np, const std::vector<std::string>& overrides,
-                        int expect_code = 0) {
+                        int expect_code = 0, const std::string& model_config = "") {
     const fs::path run = *root_ / name;
     const fs::path cfg = *root_ / (name + ".yaml");
-    std::ofstream(cfg) << dist_yaml(run, *root_ / "data");
+    std::ofstream(cfg) << dist_yaml(run, *root_ / "data", {}, model_config);
     const fs::path log = *root_ / (name + ".log");
     const int code = run_train(np, cfg, overrides, log);
     EXPECT_EQ(code, expect_code) << name << ":\n" << read_file(log);
@@ -387,4 +387,52 @@ TEST_F(DistTrain, HfInitReadsSlicesUnderTensorParallel) {
   ASSERT_EQ(runs[0].size(), 3u);
   expect_same_losses(runs[1], runs[0], 1, "tp 2 from an HF directory");
   expect_same_losses(runs[2], runs[0], 1, "ep 2 from an HF directory");
+}
+
+// ---- Qwen3-MoE ------------------------------------------------------------------------------------
+// A tiny Qwen3-MoE with every difference from Mixtral at once: per-head q/k norms (whole on every tp
+// rank, each rank's gradient covering its heads: summed over tp), head_dim 12 != 32 / 4, a dense layer
+// (mlp_only_layers [1], intermediate_size 48) between MoE layers of moe_intermediate_size 24 (its FFN
+// is a dense parameter: reduced over dp, not held by ep rank), top-K weights not renormalised.
+namespace {
+const std::string kQwen3Moe =
+    "{architectures: [Qwen3MoeForCausalLM], model_type: qwen3_moe, vocab_size: 256, hidden_size: 32, "
+    "intermediate_size: 48, moe_intermediate_size: 24, num_hidden_layers: 4, num_attention_heads: 4, "
+    "num_key_value_heads: 2, head_dim: 12, num_experts: 4, num_experts_per_tok: 2, mlp_only_layers: [1], "
+    "norm_topk_prob: false, router_aux_loss_coef: 0.02, rope_theta: 10000.0, rms_norm_eps: 1.0e-5, "
+    "tie_word_embeddings: false, max_position_embeddings: 256}";
+}  // namespace
+
+class DistTrainQwen3Moe : public DistTrain {
+ protected:
+  static const fs::path& qwen_reference() {
+    static const fs::path run = train("qwen3_ref", 0, {}, 0, kQwen3Moe);
+    return run;
+  }
+  static void expect_qwen_equivalent(const std::string& name, int np, const std::vector<std::string>& overrides) {
+    const fs::path& ref = qwen_reference();
+    const fs::path run = train(name, np, overrides, 0, kQwen3Moe);
+    expect_same_losses(losses(run), losses(ref), 1, name);
+    ASSERT_EQ(losses(ref).size(), 10u);
+    const auto want = read_tensors(ref / "checkpoints" / "step-000010", "model");
+    const auto got = read_tensors(run / "checkpoints" / "step-000010", "model");
+    ASSERT_EQ(got.size(), want.size()) << name;
+    ASSERT_TRUE(want.count("model.layers.0.self_attn.q_norm.weight"));
+    ASSERT_TRUE(want.count("model.layers.1.mlp.gate_proj.weight"));
+    ASSERT_TRUE(want.count("model.layers.3.mlp.experts.3.down_proj.weight"));
+    for (const auto& [n, w] : want) {
+      ASSERT_TRUE(got.count(n)) << name << ": " << n;
+      EXPECT_LE(rel_max_diff(got.at(n), w), 1e-4) << name << ": " << n;
+    }
+  }
+};
+
+TEST_F(DistTrainQwen3Moe, TensorParallel2MatchesOneProcess) {
+  expect_qwen_equivalent("qwen3_tp2", 2, {"parallel.tp=2"});
+}
+TEST_F(DistTrainQwen3Moe, ExpertParallel2OfDataParallel2MatchesOneProcess) {
+  expect_qwen_equivalent("qwen3_ep2dp2", 2, {"parallel.ep=2", "parallel.zero1=true"});
+}
+TEST_F(DistTrainQwen3Moe, PipelineParallel2MatchesOneProcess) {
+  expect_qwen_equivalent("qwen3_pp2", 2, {"parallel.pp=2"});
 }

@@ -518,3 +518,151 @@ TEST(HfConfigErrors, AbsurdSizesAreRefusedNamingTheField) {
   big["head_dim"] = 64;
   expect_config_error(big, {"parameters", "beyond the 1.76e13"});
 }
+
+// ---- Qwen3 / Qwen3-MoE ------------------------------------------------------------------------
+
+namespace {
+
+json tiny_qwen3_moe() {
+  return json::parse(R"({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+    "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [2], "decoder_sparse_step": 1})");
+}
+
+}  // namespace
+
+// The Hub config of Qwen3-30B-A3B (transformers 4 field names: num_experts, rope_theta).
+TEST(HfConfig, Qwen3Moe30bA3bFromTheHub) {
+  const ModelConfig c = load_model_config(std::string(MOETRON_SOURCE_DIR) + "/configs/models/qwen3-30b-a3b/config.json");
+  EXPECT_EQ(c.architecture, "Qwen3MoeForCausalLM");
+  EXPECT_EQ(c.model_type, "qwen3_moe");
+  EXPECT_EQ(c.num_local_experts, 128);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_EQ(c.moe_intermediate_size, 768);
+  EXPECT_EQ(c.intermediate_size, 6144);
+  EXPECT_EQ(c.head_dim, 128);  // != hidden 2048 / 32 heads
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_EQ(c.rope_theta, 1e6);
+  EXPECT_EQ(c.rms_norm_eps, 1e-6);
+  EXPECT_EQ(c.sliding_window, 0);
+  EXPECT_EQ(c.eos_token_id, 151645);
+  for (int l = 0; l < 48; l++) EXPECT_TRUE(c.is_moe_layer(l)) << l;
+  EXPECT_EQ(c.ffn_size(0), 768);
+  // The inert window fields stay as they were.
+  EXPECT_EQ(c.extra.at("max_window_layers"), 48);
+  EXPECT_TRUE(c.extra.at("sliding_window").is_null());
+}
+
+TEST(HfConfig, Qwen3MoeLayersAndDefaults) {
+  ModelConfig c = model_config_from_json(tiny_qwen3_moe(), "cfg.json");
+  EXPECT_FALSE(c.norm_topk_prob);  // Qwen3MoeConfig's default
+  EXPECT_EQ(c.rms_norm_eps, 1e-6);
+  EXPECT_EQ(c.router_aux_loss_coef, 0.001);
+  EXPECT_TRUE(c.is_moe_layer(0));
+  EXPECT_TRUE(c.is_moe_layer(1));
+  EXPECT_FALSE(c.is_moe_layer(2));  // mlp_only_layers
+  EXPECT_TRUE(c.is_moe_layer(3));
+  EXPECT_EQ(c.ffn_size(2), 96);
+  EXPECT_EQ(c.ffn_size(3), 32);
+  // decoder_sparse_step 2: layers 1 and 3 are sparse, 2 is listed dense anyway.
+  json j = tiny_qwen3_moe();
+  j["decoder_sparse_step"] = 2;
+  c = model_config_from_json(j, "cfg.json");
+  EXPECT_FALSE(c.is_moe_layer(0));
+  EXPECT_TRUE(c.is_moe_layer(1));
+  EXPECT_FALSE(c.is_moe_layer(2));
+  EXPECT_TRUE(c.is_moe_layer(3));
+  // transformers 5 writes num_local_experts; the two names must agree when both are given.
+  j = tiny_qwen3_moe();
+  j.erase("num_experts");
+  j["num_local_experts"] = 8;
+  EXPECT_EQ(model_config_from_json(j, "cfg.json").num_local_experts, 8);
+  j["num_experts"] = 6;
+  expect_config_error(j, {"'num_experts' (6)", "'num_local_experts' (8)", "disagree"});
+}
+
+TEST(HfConfig, Qwen3RoundTripAndDenseDefaults) {
+  const ModelConfig moe = model_config_from_json(tiny_qwen3_moe(), "cfg.json");
+  const json written = model_config_to_json(moe);
+  EXPECT_EQ(written.at("num_experts"), 8);
+  EXPECT_EQ(written.at("num_local_experts"), 8);
+  EXPECT_EQ(written.at("mlp_only_layers"), json::array({2}));
+  EXPECT_EQ(written.at("moe_intermediate_size"), 32);
+  EXPECT_EQ(written.at("norm_topk_prob"), false);
+  const ModelConfig back = model_config_from_json(written, "written");
+  expect_same(moe, back);
+  EXPECT_EQ(back.mlp_only_layers, moe.mlp_only_layers);
+  EXPECT_EQ(back.moe_intermediate_size, 32);
+  EXPECT_EQ(back.norm_topk_prob, false);
+  // Dense Qwen3: head_dim defaults to 128 (Qwen3Config), q/k norms on.
+  const ModelConfig dense = model_config_from_json(
+      json::parse(R"({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 256,
+        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})"),
+      "cfg.json");
+  EXPECT_EQ(dense.model_type, "qwen3");
+  EXPECT_EQ(dense.head_dim, 128);
+  EXPECT_TRUE(dense.qk_norm);
+  EXPECT_FALSE(dense.is_moe());
+  expect_same(dense, model_config_from_json(model_config_to_json(dense), "written"));
+}
+
+TEST(HfConfigErrors, Qwen3FieldsMoetronDoesNotSupportAreNamed) {
+  json j = tiny_qwen3_moe();
+  j["use_sliding_window"] = true;
+  expect_config_error(j, {"'use_sliding_window'", "not supported"});
+  j = tiny_qwen3_moe();
+  j["layer_types"] = {"full_attention", "sliding_attention", "full_attention", "full_attention"};
+  expect_config_error(j, {"'layer_types'", "sliding_attention"});
+  j = tiny_qwen3_moe();
+  j["mlp_only_layers"] = {4};
+  expect_config_error(j, {"'mlp_only_layers'", "holds 4", "[0, num_hidden_layers = 4)"});
+  j["mlp_only_layers"] = {1, 1};
+  expect_config_error(j, {"'mlp_only_layers'", "distinct"});
+  j["mlp_only_layers"] = "1";
+  expect_config_error(j, {"'mlp_only_layers'", "list"});
+  j = tiny_qwen3_moe();
+  j["decoder_sparse_step"] = 0;
+  expect_config_error(j, {"'decoder_sparse_step'", ">= 1"});
+  j = tiny_qwen3_moe();
+  j["num_experts_per_tok"] = 9;
+  expect_config_error(j, {"'num_experts_per_tok'", "num_experts = 8"});
+  j = tiny_qwen3_moe();
+  j["attention_bias"] = true;
+  expect_config_error(j, {"'attention_bias'"});
+  j = tiny_qwen3_moe();
+  j["moe_intermediate_size"] = 0;
+  expect_config_error(j, {"'moe_intermediate_size'", "positive"});
+  // Mixtral has no such fields.
+  json m = tiny_mixtral();
+  m["norm_topk_prob"] = false;
+  const ModelConfig kept = model_config_from_json(m, "cfg.json");  // not Mixtral's: kept verbatim
+  EXPECT_TRUE(kept.norm_topk_prob);
+  EXPECT_EQ(kept.extra.at("norm_topk_prob"), false);
+  ModelConfig bad = model_config_from_json(tiny_mixtral(), "x");
+  bad.mlp_only_layers = {0};
+  EXPECT_THROW(validate_model_config(bad, "x"), Error);
+  // An unknown architecture lists the supported ones.
+  expect_config_error(json::parse(R"({"architectures": ["OlmoForCausalLM"], "vocab_size": 8})"),
+                      {"Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM"});
+}
+
+// Each golden Qwen3 config, as transformers 5 wrote it.
+TEST(HfConfig, Qwen3GoldenConfigs) {
+  const std::string g = std::string(MOETRON_SOURCE_DIR) + "/tests/golden/";
+  const ModelConfig mixed = load_model_config(g + "qwen3_moe_mixed/config.json");
+  EXPECT_EQ(mixed.head_dim, 12);
+  EXPECT_EQ(mixed.num_local_experts, 4);
+  EXPECT_EQ(mixed.mlp_only_layers, std::vector<int>{1});
+  EXPECT_FALSE(mixed.norm_topk_prob);
+  EXPECT_FALSE(mixed.is_moe_layer(1));
+  const ModelConfig step = load_model_config(g + "qwen3_moe_norm_topk_padded/config.json");
+  EXPECT_TRUE(step.norm_topk_prob);
+  EXPECT_EQ(step.decoder_sparse_step, 2);
+  EXPECT_FALSE(step.is_moe_layer(0));
+  EXPECT_TRUE(step.is_moe_layer(3));
+  const ModelConfig dense = load_model_config(g + "qwen3_dense/config.json");
+  EXPECT_EQ(dense.architecture, "Qwen3ForCausalLM");
+  EXPECT_EQ(dense.head_dim, 16);
+}

@@ -79,9 +79,10 @@ constexpr double kTol = 1e-5;
 // Every model directory with weights: the forward goldens and the generation goldens.
 std::vector<std::string> model_dirs() {
   std::vector<std::string> dirs;
-  for (const char* c : {"mixtral_gqa", "mixtral_e3_k1", "mixtral_swa_padded", "mistral_dense", "llama_dense"})
+  for (const char* c : {"mixtral_gqa", "mixtral_e3_k1", "mixtral_swa_padded", "mistral_dense", "llama_dense",
+                        "qwen3_moe_mixed", "qwen3_moe_norm_topk_padded", "qwen3_dense"})
     dirs.push_back((kGolden / c).string());
-  for (const char* c : {"mixtral_gqa", "llama_dense"}) dirs.push_back((kGenerate / c).string());
+  for (const char* c : {"mixtral_gqa", "llama_dense", "qwen3_moe"}) dirs.push_back((kGenerate / c).string());
   return dirs;
 }
 
@@ -234,7 +235,7 @@ TEST(Decoder, RejectsBadTokensWithoutChangingTheCache) {
 // transformers' generate(do_sample=False), 32 new tokens (tools/make_generate_reference.py).
 TEST(Generate, GreedyEqualsTransformersGenerate) {
   const nlohmann::json exp = expected_json();
-  ASSERT_EQ(exp["cases"].size(), 2u);
+  ASSERT_EQ(exp["cases"].size(), 3u);  // Mixtral, Llama, Qwen3-MoE
   for (const auto& c : exp["cases"]) {
     const std::string dir = (kGenerate / c["model"].get<std::string>()).string();
     SCOPED_TRACE(dir);

@@ -68,6 +68,7 @@ std::vector<float> separated_logits(long N, int E, float gap, uint32_t seed) {
 struct Layers {
   long N;
   int E, K, L;
+  bool renormalize = true;
   std::vector<float> probs;     // [L,N,E]
   std::vector<int32_t> idx;     // [L,N,K]
   std::vector<float> weight;    // [L,N,K]
@@ -79,7 +80,7 @@ struct Layers {
     stats.resize(L);
     for (int l = 0; l < L; l++) {
       ops::router_forward(&probs[l * N * E], &idx[l * N * K], &weight[l * N * K], &logits[l * N * E],
-                          N, E, K);
+                          N, E, K, renormalize);
       ops::router_layer_stats(stats[l], &logits[l * N * E], &probs[l * N * E], &idx[l * N * K], mask,
                               N, E, K);
     }
@@ -136,7 +137,7 @@ TEST(RouterBackward, FiniteDifferences) {
     const auto r = random_vector(N * K, 200 + K);
     const std::vector<double> a = {0.3, -0.7, 1.1, 0.05, -0.4};
     const std::vector<uint8_t> mask = {1, 0, 1, 1, 0, 1, 1};
-    Layers f{N, E, K, 1, {}, {}, {}, {}};
+    Layers f{N, E, K, 1, true, {}, {}, {}, {}};
     f.forward(logits, mask.data());
     const auto idx0 = f.idx;
     std::vector<float> dlogits(N * E);
@@ -159,6 +160,41 @@ TEST(RouterBackward, FiniteDifferences) {
   }
 }
 
+// norm_topk_prob false (Qwen3-MoE): the top-K weights are the probabilities themselves, and the
+// gradient flows into them without the renormalisation chain.
+TEST(RouterBackward, WithoutRenormalisationFiniteDifferences) {
+  for (int K : {1, 2, 3}) {
+    const long N = 6;
+    const int E = 5;
+    auto logits = separated_logits(N, E, 0.2f, 300 + K);
+    const auto r = random_vector(N * K, 400 + K);
+    const std::vector<double> a = {-0.2, 0.6, 0.1, -0.9, 0.3};
+    const std::vector<uint8_t> mask = {1, 1, 0, 1, 1, 0};
+    Layers f{N, E, K, 1, false, {}, {}, {}, {}};
+    f.forward(logits, mask.data());
+    for (long n = 0; n < N; n++)
+      for (int k = 0; k < K; k++)
+        ASSERT_EQ(f.weight[n * K + k], f.probs[n * E + f.idx[n * K + k]]) << "the weight is the probability";
+    const auto idx0 = f.idx;
+    std::vector<float> dlogits(N * E);
+    ops::router_backward(dlogits.data(), r.data(), a.data(), mask.data(), f.probs.data(), f.idx.data(),
+                         f.weight.data(), N, E, K, false);
+    bool selection_changed = false;
+    auto loss = [&]() {
+      f.forward(logits, mask.data());
+      if (f.idx != idx0) selection_changed = true;
+      double s = testing::weighted_sum(f.weight, r);
+      for (long n = 0; n < N; n++)
+        if (mask[n])
+          for (int e = 0; e < E; e++) s += a[e] * f.probs[n * E + e];
+      return s;
+    };
+    auto res = finite_difference(logits, dlogits, loss, 1e-2f);
+    ASSERT_FALSE(selection_changed) << "K=" << K;
+    expect_gradient_close(res, ("router dlogits without renormalisation, K=" + std::to_string(K)).c_str());
+  }
+}
+
 // The tiny hand case: N=4, E=3, K=2, two layers, token 2 is padding (mask 0).
 //   layer 0 real tokens choose {0,1} {0,2} {1,0}; layer 1 choose {2,0} {0,1} {1,2}.
 const std::vector<float> kTinyLogits = {
@@ -169,7 +205,7 @@ const std::vector<uint8_t> kTinyMask = {1, 1, 0, 1};
 TEST(RouterAuxLoss, TinyCaseValues) {
   const long N = 4;
   const int E = 3, K = 2, L = 2;
-  Layers f{N, E, K, L, {}, {}, {}, {}};
+  Layers f{N, E, K, L, true, {}, {}, {}, {}};
   f.forward(kTinyLogits, kTinyMask.data());
   // Independent double computation straight from the formulas in router.h.
   std::vector<double> assigned(E, 0.0), psum(E, 0.0);
@@ -232,7 +268,7 @@ TEST(RouterAuxLoss, TinyCaseValues) {
 TEST(RouterAuxLoss, AllPaddingGivesZero) {
   const long N = 3;
   const int E = 4, K = 2;
-  Layers f{N, E, K, 1, {}, {}, {}, {}};
+  Layers f{N, E, K, 1, true, {}, {}, {}, {}};
   const std::vector<uint8_t> mask(N, 0);
   f.forward(random_vector(N * E, 5), mask.data());
   std::vector<double> g;
@@ -255,7 +291,7 @@ void check_aux_gradient(Aux kind, int K) {
   const float zscale = 0.7f;
   const std::vector<uint8_t> mask = {1, 1, 0, 1, 0, 1};
   auto logits = separated_logits((long)L * N, E, 0.25f, 300 + K);
-  Layers f{N, E, K, L, {}, {}, {}, {}};
+  Layers f{N, E, K, L, true, {}, {}, {}, {}};
   auto value = [&]() {
     switch (kind) {
       case Aux::kPooled: return ops::load_balancing_loss_pooled(f.stats, E, K, nullptr);

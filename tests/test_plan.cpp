@@ -399,3 +399,47 @@ TEST(PlanCli, UsageErrors) {
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.err.find("train.lr"), std::string::npos) << bad.err;
 }
+
+// Qwen3-30B-A3B from its Hub config.json: 30.5B parameters, 3.35B active (8 of 128 experts; Qwen
+// publishes 30.5B and 3.3B); exact integers from the HF shapes.
+TEST(PlanTotals, Qwen3Moe30bA3bParameterCounts) {
+  const ModelConfig m = load_model_config((kSrc / "configs" / "models" / "qwen3-30b-a3b" / "config.json").string());
+  const Plan p = make_plan(small_cfg(1, 1, 1, 8, 1, 128), m, 1);
+  const int64_t C = 2048, V = 151936, I = 768, L = 48, E = 128, K = 8, Q = 32 * 128, KV = 4 * 128, HD = 128;
+  const int64_t experts = L * E * 3 * I * C;
+  const int64_t per_layer = 2 * Q * C + 2 * KV * C + 2 * C + 2 * HD + E * C;  // + q/k norms, router
+  const int64_t total = 2 * V * C + C + L * per_layer + experts;
+  EXPECT_EQ(p.params_total, total);
+  EXPECT_EQ(p.params_experts, experts);
+  EXPECT_EQ(p.params_active, total - experts / E * (E - K));
+  EXPECT_EQ(p.params_total, 30532122624);
+  EXPECT_EQ(p.params_active, 3353032704);
+  EXPECT_EQ(format_count((double)p.params_total, 1), "30.5B");
+  // Qwen publishes "3.3B activated": 3.353e9 truncated (rounded it is 3.4B).
+  EXPECT_EQ(format_count((double)p.params_active, 2), "3.35B");
+}
+
+// A dense layer among MoE layers (mlp_only_layers) is not an expert tensor: it is not split over ep
+// and counts as active.
+TEST(PlanTotals, DenseLayersOfAnMoeModelAreNotExperts) {
+  nlohmann::json j = {{"architectures", {"Qwen3MoeForCausalLM"}}, {"vocab_size", 1024}, {"hidden_size", 256},
+                      {"head_dim", 32}, {"intermediate_size", 512}, {"moe_intermediate_size", 128},
+                      {"num_hidden_layers", 4}, {"num_attention_heads", 8}, {"num_key_value_heads", 4},
+                      {"num_experts", 8}, {"num_experts_per_tok", 2}, {"mlp_only_layers", {1}}};
+  const ModelConfig m = model_config_from_json(j, "test");
+  const Plan p = make_plan(small_cfg(1, 1, 2, 32), m, 2);
+  EXPECT_EQ(p.params_experts, 3 * 8 * 3 * 128 * 256);
+  const ParamTable t(m);
+  EXPECT_FALSE(t.at(ParamKind::ffn_w13, 1).expert);
+  EXPECT_FALSE(t.has(ParamKind::router, 1));
+  EXPECT_TRUE(t.at(ParamKind::ffn_w13, 2).expert);
+  // Per rank with ep 2: the dense FFN whole (a dense parameter for ZeRO-1), each MoE layer's experts halved.
+  EXPECT_EQ(p.stages[0].params.experts, 3 * 8 * 3 * 128 * 256 / 2);
+  EXPECT_EQ(p.stages[0].params.dense_ffn, 3 * 512 * 256);
+}
+
+// device cuda: Qwen3-MoE's 128 experts fit the CUDA router (up to 256); more are refused naming the limit.
+TEST(PlanRules, CudaExpertLimit) {
+  EXPECT_NO_THROW(small_plan(2, 1, 1, 2, {{"num_local_experts", 256}}));
+  expect_rule(error_of([] { small_plan(2, 1, 1, 2, {{"num_local_experts", 512}}); }), "at most 256 experts");
+}

@@ -25,7 +25,8 @@ import tempfile
 import sentencepiece as spm
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 NEW_TOKENS = 32
 MIN_GAP = 2e-3  # float64 top-1 minus top-2 logit at every greedy step
@@ -47,6 +48,11 @@ CASES = {
     # Dense Llama, MHA, rope_theta 1e4.
     "llama_dense": dict(arch="llama", seed=6, vocab=128, hidden=32, inter=48, layers=2, heads=4, kv_heads=4,
                         rope_theta=1e4, sliding_window=None, prompt_len=9, tokenizer=False),
+    # Qwen3-MoE: q/k norms, head_dim 12 != 32 / 4, layer 1 dense between two sparse layers, top-K
+    # weights not renormalised.
+    "qwen3_moe": dict(arch="qwen3_moe", seed=33, vocab=160, hidden=32, inter=40, moe_inter=24, layers=3, heads=4,
+                      kv_heads=2, head_dim=12, experts=4, top_k=2, mlp_only_layers=[1], rope_theta=1e6,
+                      sliding_window=None, prompt_len=10, tokenizer=False),
 }
 QK_SCALE = 4.0  # attention far from uniform, so position / cache / window errors change the logits
 GATE_SCALE = 10.0  # decisive routing
@@ -67,6 +73,12 @@ def build(c):
         cfg = MixtralConfig(**common, num_local_experts=c["experts"], num_experts_per_tok=c["top_k"],
                             router_aux_loss_coef=0.02, router_jitter_noise=0.0, sliding_window=c["sliding_window"])
         cls = MixtralForCausalLM
+    elif c["arch"] == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**common, head_dim=c["head_dim"], num_experts=c["experts"],
+                             num_experts_per_tok=c["top_k"], moe_intermediate_size=c["moe_inter"],
+                             norm_topk_prob=False, mlp_only_layers=c["mlp_only_layers"], router_aux_loss_coef=0.02,
+                             attention_bias=False, use_sliding_window=False)
+        cls = Qwen3MoeForCausalLM
     else:
         cfg = LlamaConfig(**common, attention_bias=False, mlp_bias=False)
         cls = LlamaForCausalLM
@@ -154,7 +166,7 @@ def make_case(name, c, out_root):
     model32 = cls.from_pretrained(d, dtype=torch.float32).eval()
     for (n1, p1), (n2, p2) in zip(model.named_parameters(), model32.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2), f"reload changed {n1}"
-    kw = {"experts_implementation": "eager"} if c["arch"] == "mixtral" else {}  # grouped_mm has no float64
+    kw = {"experts_implementation": "eager"} if c["arch"] in ("mixtral", "qwen3_moe") else {}  # grouped_mm: no float64
     model64 = cls.from_pretrained(d, dtype=torch.float32, attn_implementation="eager", **kw).double().eval()
 
     eos = 2

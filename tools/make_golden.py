@@ -30,10 +30,12 @@ import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM)
+                          MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.mixtral import modeling_mixtral
+from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 # Optimizer settings of the adamw_loss trajectory (written to the metadata).
 ADAMW = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0, steps=5)
@@ -56,12 +58,30 @@ CASES = {
                           T=12, rope_theta=1e6, sliding_window=None, pad_row1=0),
     "llama_dense": dict(arch="llama", seed=5, vocab=120, hidden=32, inter=56, layers=2, heads=4, kv_heads=4,
                         T=12, rope_theta=1e4, sliding_window=None, pad_row1=0),
+    # Qwen3-MoE: 3 layers, layer 1 dense (mlp_only_layers) with its own intermediate_size between two
+    # sparse ones; head_dim 12 != hidden / heads = 8; top-K weights NOT renormalised (the default).
+    "qwen3_moe_mixed": dict(arch="qwen3_moe", seed=28, vocab=128, hidden=32, inter=40, moe_inter=24, layers=3,
+                            heads=4, kv_heads=2, head_dim=12, experts=4, top_k=2, norm_topk_prob=False,
+                            mlp_only_layers=[1], sparse_step=1, T=16, rope_theta=1e6, sliding_window=None,
+                            pad_row1=0),
+    # Qwen3-MoE with norm_topk_prob, decoder_sparse_step 2 (layers 1 and 3 sparse), padding.
+    "qwen3_moe_norm_topk_padded": dict(arch="qwen3_moe", seed=30, vocab=112, hidden=32, inter=48, moe_inter=16,
+                                       layers=4, heads=4, kv_heads=1, head_dim=8, experts=6, top_k=2,
+                                       norm_topk_prob=True, mlp_only_layers=[], sparse_step=2, T=14,
+                                       rope_theta=1e6, sliding_window=None, pad_row1=4),
+    # Dense Qwen3: q/k norms, head_dim 16 != hidden / heads = 8.
+    "qwen3_dense": dict(arch="qwen3", seed=25, vocab=120, hidden=32, inter=56, layers=2, heads=4, kv_heads=2,
+                        head_dim=16, T=12, rope_theta=1e6, sliding_window=None, pad_row1=0),
 }
+MOE_ARCHS = ("mixtral", "qwen3_moe")
+MOE_CLASSES = (MixtralForCausalLM, Qwen3MoeForCausalLM)
 GATE_SCALE = 10.0
 QK_SCALE = 4.0
 NORM_JITTER = 0.1
 B = 2
-MODULES = (modeling_mixtral, modeling_mistral, modeling_llama)
+MODULES = (modeling_mixtral, modeling_mistral, modeling_llama, modeling_qwen3, modeling_qwen3_moe)
+PREFIX = {modeling_mixtral: "Mixtral", modeling_mistral: "Mistral", modeling_llama: "Llama", modeling_qwen3: "Qwen3",
+          modeling_qwen3_moe: "Qwen3Moe"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,7 +126,8 @@ def _router_forward(self, hidden_states):
     router_logits = F.linear(hidden_states, self.weight)
     router_probs = F.softmax(router_logits, dim=-1)
     top_value, top_index = torch.topk(router_probs, self.top_k, dim=-1)
-    top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+    if getattr(self, "norm_topk_prob", True):  # Mixtral always renormalises; Qwen3-MoE when configured
+        top_value = top_value / top_value.sum(dim=-1, keepdim=True)
     return router_logits, top_value, top_index
 
 
@@ -148,12 +169,13 @@ def float64_numerics():
         setattr(owner, name, value)
 
     for mod in MODULES:
-        prefix = {modeling_mixtral: "Mixtral", modeling_mistral: "Mistral", modeling_llama: "Llama"}[mod]
+        prefix = PREFIX[mod]
         patch(getattr(mod, prefix + "RMSNorm"), "forward", _rmsnorm_forward)
         patch(getattr(mod, prefix + "RotaryEmbedding"), "forward", _rotary_forward)
         patch(mod, "eager_attention_forward", _make_eager_attention(mod))
-    patch(modeling_mixtral.MixtralTopKRouter, "forward", _router_forward)
-    patch(modeling_mixtral, "load_balancing_loss_func", _load_balancing_loss)
+    for mod in (modeling_mixtral, modeling_qwen3_moe):
+        patch(getattr(mod, PREFIX[mod] + "TopKRouter"), "forward", _router_forward)
+        patch(mod, "load_balancing_loss_func", _load_balancing_loss)
     try:
         yield
     finally:
@@ -175,6 +197,16 @@ def build_config(c):
                             router_aux_loss_coef=ROUTER_AUX_LOSS_COEF, router_jitter_noise=0.0,
                             sliding_window=c["sliding_window"])
         cls = MixtralForCausalLM
+    elif c["arch"] == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**common, head_dim=c["head_dim"], num_experts=c["experts"],
+                             num_experts_per_tok=c["top_k"], moe_intermediate_size=c["moe_inter"],
+                             norm_topk_prob=c["norm_topk_prob"], mlp_only_layers=c["mlp_only_layers"],
+                             decoder_sparse_step=c["sparse_step"], router_aux_loss_coef=ROUTER_AUX_LOSS_COEF,
+                             attention_bias=False, use_sliding_window=False)
+        cls = Qwen3MoeForCausalLM
+    elif c["arch"] == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=c["head_dim"], attention_bias=False, use_sliding_window=False)
+        cls = Qwen3ForCausalLM
     elif c["arch"] == "mistral":
         cfg = MistralConfig(**common, sliding_window=c["sliding_window"])
         cls = MistralForCausalLM
@@ -182,7 +214,7 @@ def build_config(c):
         cfg = LlamaConfig(**common, attention_bias=False, mlp_bias=False)
         cls = LlamaForCausalLM
     cfg._attn_implementation = "eager"
-    if c["arch"] == "mixtral":
+    if c["arch"] in MOE_ARCHS:
         cfg._experts_implementation = "eager"  # the plain per-expert loop (grouped_mm has no float64)
     return cfg, cls
 
@@ -220,19 +252,23 @@ def build_inputs(c):
 
 
 def hub_named(model, tensors_by_param):
-    """{internal param name: tensor} -> {Hub name: tensor}; unpacks 5.x packed experts."""
+    """{internal param name: tensor} -> {Hub name: tensor}; unpacks 5.x packed experts (Mixtral:
+    block_sparse_moe.experts.e.w1/w3/w2; Qwen3-MoE: mlp.experts.e.gate_proj/up_proj/down_proj)."""
     out = {}
+    mixtral = isinstance(model, MixtralForCausalLM)
+    block = ".block_sparse_moe.experts." if mixtral else ".mlp.experts."
+    w1, w3, w2 = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     for name, t in tensors_by_param.items():
         if ".mlp.experts.gate_up_proj" in name:  # [E, 2I, C]: gate rows (w1) first, then up rows (w3)
-            pre = name.replace(".mlp.experts.gate_up_proj", ".block_sparse_moe.experts.")
+            pre = name.replace(".mlp.experts.gate_up_proj", block)
             inter = t.shape[1] // 2
             for e in range(t.shape[0]):
-                out[f"{pre}{e}.w1.weight"] = t[e, :inter]
-                out[f"{pre}{e}.w3.weight"] = t[e, inter:]
+                out[f"{pre}{e}.{w1}.weight"] = t[e, :inter]
+                out[f"{pre}{e}.{w3}.weight"] = t[e, inter:]
         elif ".mlp.experts.down_proj" in name:  # [E, C, I]
-            pre = name.replace(".mlp.experts.down_proj", ".block_sparse_moe.experts.")
+            pre = name.replace(".mlp.experts.down_proj", block)
             for e in range(t.shape[0]):
-                out[f"{pre}{e}.w2.weight"] = t[e]
+                out[f"{pre}{e}.{w2}.weight"] = t[e]
         elif ".mlp.gate.weight" in name and isinstance(model, MixtralForCausalLM):
             out[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = t
         else:
@@ -257,6 +293,16 @@ def check_hub_file(model_dir, model, c):
     if c["arch"] == "mixtral":
         assert "model.layers.1.block_sparse_moe.gate.weight" in keys
         assert f"model.layers.1.block_sparse_moe.experts.{c['experts'] - 1}.w2.weight" in keys
+    elif c["arch"] == "qwen3_moe":
+        sparse = [l for l in range(c["layers"]) if l not in c["mlp_only_layers"] and (l + 1) % c["sparse_step"] == 0]
+        for l in range(c["layers"]):
+            assert f"model.layers.{l}.self_attn.q_norm.weight" in keys and f"model.layers.{l}.self_attn.k_norm.weight" in keys
+            if l in sparse:
+                assert f"model.layers.{l}.mlp.gate.weight" in keys
+                assert f"model.layers.{l}.mlp.experts.{c['experts'] - 1}.down_proj.weight" in keys
+            else:
+                assert f"model.layers.{l}.mlp.gate_proj.weight" in keys and f"model.layers.{l}.mlp.gate.weight" not in keys
+        assert len(sparse) >= 2 and len(sparse) < c["layers"], sparse
     else:
         assert "model.layers.1.mlp.gate_proj.weight" in keys and "model.layers.1.mlp.down_proj.weight" in keys
 
@@ -268,7 +314,7 @@ def check_hub_file(model_dir, model, c):
 def forward_backward(model, inputs):
     model.zero_grad(set_to_none=True)
     kw = dict(inputs)
-    if isinstance(model, MixtralForCausalLM):
+    if isinstance(model, MOE_CLASSES):
         kw["output_router_logits"] = True
     out = model(**kw)
     out.loss.backward()
@@ -277,7 +323,7 @@ def forward_backward(model, inputs):
 
 def split_losses(model, out, inputs):
     ce = model.loss_function(out.logits, inputs["labels"], model.config.vocab_size)
-    if isinstance(model, MixtralForCausalLM):
+    if isinstance(model, MOE_CLASSES):
         aux = out.aux_loss
         coef = model.config.router_aux_loss_coef
     else:
@@ -287,7 +333,7 @@ def split_losses(model, out, inputs):
 
 
 def check_routing(model, out, c, where):
-    if not isinstance(model, MixtralForCausalLM):
+    if not isinstance(model, MOE_CLASSES):
         return []
     k, e = c["top_k"], c["experts"]
     gaps = []
@@ -311,7 +357,7 @@ def own_loss_formula(out, inputs, c):
     lse = torch.logsumexp(lg, dim=-1)
     picked = torch.gather(lg, -1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     ce = ((lse - picked) * valid).sum() / valid.sum()
-    if c["arch"] != "mixtral":
+    if c["arch"] not in MOE_ARCHS:
         return ce, torch.zeros((), dtype=torch.float64)
     mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"])).reshape(-1).double()
     e, k = c["experts"], c["top_k"]
@@ -392,7 +438,7 @@ def make_case(name, c, out_root):
     model32 = build_model(c)
     model32.save_pretrained(case_dir, safe_serialization=True)
     check_hub_file(case_dir, model32, c)
-    kw = {"experts_implementation": "eager"} if c["arch"] == "mixtral" else {}
+    kw = {"experts_implementation": "eager"} if c["arch"] in MOE_ARCHS else {}
     loaded = type(model32).from_pretrained(case_dir, dtype=torch.float32, attn_implementation="eager", **kw)
     for (n1, p1), (n2, p2) in zip(model32.named_parameters(), loaded.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2), f"reload changed {n1}"
@@ -449,7 +495,8 @@ def make_case(name, c, out_root):
     meta.update(router_aux_loss_coef=repr(float(coef)), torch_version=torch.__version__,
                 transformers_version=transformers.__version__, reference_dtype="float64",
                 no_weight_decay="RMSNorm weights (*input_layernorm.weight, *post_attention_layernorm.weight, "
-                                "model.norm.weight)",
+                                + ("*self_attn.q_norm.weight, *self_attn.k_norm.weight, " if c["arch"].startswith("qwen3") else "")
+                                + "model.norm.weight)",
                 lr_schedule="constant", seed=str(c["seed"]))
     save_safetensors(os.path.join(case_dir, "expected.safetensors"), expected, meta)
 

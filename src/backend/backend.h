@@ -197,13 +197,16 @@ class Backend {
   // ---- router (ops/router.h) --------------------------------------------------------------------
   // x[N,E] += bias[E] (f32; a test aid that skews routing).
   virtual void add_bias_rows(Tensor x, Tensor bias, long N, int E) = 0;
-  virtual void router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K) = 0;
+  // renormalize: the top-K weights sum to 1 (Mixtral), else they are the probs (norm_topk_prob false).
+  virtual void router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K,
+                              bool renormalize) = 0;
   // Host statistics of one layer over its real tokens (token_mask u8 [N] or empty); synchronises.
   virtual void router_layer_stats(ops::RouterLayerStats& st, Tensor logits, Tensor probs, Tensor topk_idx,
                                   Tensor token_mask, long N, int E, int K) = 0;
   // dlogits[N,E] (assign); dprobs_per_expert: HOST [E] (or null).
   virtual void router_backward(Tensor dlogits, Tensor dtopk_w, const double* dprobs_per_expert, Tensor token_mask,
-                               Tensor probs, Tensor topk_idx, Tensor topk_w, long N, int E, int K) = 0;
+                               Tensor probs, Tensor topk_idx, Tensor topk_w, long N, int E, int K,
+                               bool renormalize) = 0;
   // dlogits += scale * d z / d logits; real_tokens: tokens with token_mask != 0 (N without a mask).
   virtual void router_z_loss_backward(Tensor dlogits, Tensor logits, Tensor probs, Tensor token_mask, long N, int E,
                                       float scale, long real_tokens) = 0;

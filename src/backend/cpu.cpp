@@ -191,8 +191,9 @@ void CpuBackend::add_bias_rows(Tensor x, Tensor bias, long N, int E) {
     for (int e = 0; e < E; e++) p[n * E + e] += b[e];
 }
 
-void CpuBackend::router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K) {
-  ops::router_forward(probs.f32(), topk_idx.i32(), topk_w.f32(), logits.f32(), N, E, K);
+void CpuBackend::router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K,
+                                bool renormalize) {
+  ops::router_forward(probs.f32(), topk_idx.i32(), topk_w.f32(), logits.f32(), N, E, K, renormalize);
 }
 
 void CpuBackend::router_layer_stats(ops::RouterLayerStats& st, Tensor logits, Tensor probs, Tensor topk_idx,
@@ -201,9 +202,10 @@ void CpuBackend::router_layer_stats(ops::RouterLayerStats& st, Tensor logits, Te
 }
 
 void CpuBackend::router_backward(Tensor dlogits, Tensor dtopk_w, const double* dprobs_per_expert, Tensor token_mask,
-                                 Tensor probs, Tensor topk_idx, Tensor topk_w, long N, int E, int K) {
+                                 Tensor probs, Tensor topk_idx, Tensor topk_w, long N, int E, int K,
+                                 bool renormalize) {
   ops::router_backward(dlogits.f32(), dtopk_w.f32(), dprobs_per_expert, mask_or_null(token_mask), probs.f32(),
-                       topk_idx.i32(), topk_w.f32(), N, E, K);
+                       topk_idx.i32(), topk_w.f32(), N, E, K, renormalize);
 }
 
 void CpuBackend::router_z_loss_backward(Tensor dlogits, Tensor logits, Tensor probs, Tensor token_mask, long N, int E,

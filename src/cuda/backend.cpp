@@ -53,7 +53,7 @@ AttentionMask device_mask(const AttnMask& m) {
 std::string cuda_model_limits(int head_dim, int experts) {
   if (head_dim > 128 || head_dim % 2 != 0)
     return fmt::format("the CUDA attention supports even head dims up to 128, the model has head_dim {}", head_dim);
-  if (experts > 64) return fmt::format("the CUDA router supports at most 64 experts, the model has {}", experts);
+  if (experts > 256) return fmt::format("the CUDA router supports at most 256 experts, the model has {}", experts);
   return "";
 }
 
@@ -179,8 +179,9 @@ void CudaBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dou
 void CudaBackend::add_bias_rows(Tensor x, Tensor bias, long N, int E) {
   gpu::add_bias_rows(*ctx_, f32p(x), f32p(bias), N, E);
 }
-void CudaBackend::router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K) {
-  gpu::router_forward(*ctx_, f32p(probs), i32p(topk_idx), f32p(topk_w), f32p(logits), N, E, K);
+void CudaBackend::router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K,
+                                 bool renormalize) {
+  gpu::router_forward(*ctx_, f32p(probs), i32p(topk_idx), f32p(topk_w), f32p(logits), N, E, K, renormalize);
 }
 void CudaBackend::router_layer_stats(ops::RouterLayerStats& st, Tensor logits, Tensor probs, Tensor topk_idx,
                                      Tensor token_mask, long N, int E, int K) {
@@ -194,9 +195,10 @@ void CudaBackend::router_layer_stats(ops::RouterLayerStats& st, Tensor logits, T
   st.z_sum = h[2 * E + 1];
 }
 void CudaBackend::router_backward(Tensor dlogits, Tensor dtopk_w, const double* dprobs_per_expert, Tensor token_mask,
-                                  Tensor probs, Tensor topk_idx, Tensor topk_w, long N, int E, int K) {
+                                  Tensor probs, Tensor topk_idx, Tensor topk_w, long N, int E, int K,
+                                  bool renormalize) {
   gpu::router_backward(*ctx_, f32p(dlogits), f32p(dtopk_w), dprobs_per_expert, u8p(token_mask), f32p(probs),
-                       i32p(topk_idx), f32p(topk_w), N, E, K);
+                       i32p(topk_idx), f32p(topk_w), N, E, K, renormalize);
 }
 void CudaBackend::router_z_loss_backward(Tensor dlogits, Tensor logits, Tensor probs, Tensor token_mask, long N, int E,
                                          float scale, long real_tokens) {

@@ -18,7 +18,7 @@
 namespace moetron::gpu {
 
 // "" when the CUDA kernels can run a model of this head dimension and expert count (0: dense),
-// else the limit it exceeds (head_dim even and <= 128; at most 64 experts).
+// else the limit it exceeds (head_dim even and <= 128; at most 256 experts).
 std::string cuda_model_limits(int head_dim, int experts);
 
 class CudaBackend final : public Backend, public dist::MemorySpace {
@@ -64,11 +64,12 @@ class CudaBackend final : public Backend, public dist::MemorySpace {
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor out, Tensor saved, Tensor q, Tensor k,
                           Tensor v, const AttnMask& mask, int B, int T, int NH, int NKV, int HD) override;
   void add_bias_rows(Tensor x, Tensor bias, long N, int E) override;
-  void router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K) override;
+  void router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K,
+                      bool renormalize) override;
   void router_layer_stats(ops::RouterLayerStats& st, Tensor logits, Tensor probs, Tensor topk_idx, Tensor token_mask,
                           long N, int E, int K) override;
   void router_backward(Tensor dlogits, Tensor dtopk_w, const double* dprobs_per_expert, Tensor token_mask,
-                       Tensor probs, Tensor topk_idx, Tensor topk_w, long N, int E, int K) override;
+                       Tensor probs, Tensor topk_idx, Tensor topk_w, long N, int E, int K, bool renormalize) override;
   void router_z_loss_backward(Tensor dlogits, Tensor logits, Tensor probs, Tensor token_mask, long N, int E,
                               float scale, long real_tokens) override;
   PlanView upload_plan(const ops::MoePlan& plan, Tensor row_token, Tensor row_of) override;

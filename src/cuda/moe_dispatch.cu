@@ -14,7 +14,7 @@ namespace moetron::gpu {
 
 namespace {
 
-constexpr int kMaxE = 64;
+constexpr int kMaxE = 256;  // as the router's
 
 // offsets[E+1] (exclusive prefix sum of the row counts), one block of 1024 threads.
 __global__ void plan_count_kernel(int64_t* offsets, const int32_t* topk_idx, long M, int E) {

@@ -100,9 +100,9 @@ void swiglu_forward(Context& ctx, Bf16* out, const Bf16* gate_up, long N, int I)
 // dgate_up[N,2I] (bf16, assign)
 void swiglu_backward(Context& ctx, Bf16* dgate_up, const Bf16* dout, const Bf16* gate_up, long N, int I);
 
-// ---- router (softmax over all E in fp32, top-K, renormalised; E <= 64) ----------------------
+// ---- router (softmax over all E in fp32, top-K, renormalised unless !renormalize; E <= 64) ----
 void router_forward(Context& ctx, float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, long N,
-                    int E, int K);
+                    int E, int K, bool renormalize);
 // stats[2E+2] (fp64, assign): assigned[E], prob_sum[E], tokens, z_sum over real tokens, as
 // ops::router_layer_stats.  token_mask: device uint8 [N] or null.
 void router_layer_stats(Context& ctx, double* stats, const float* logits, const float* probs,
@@ -110,7 +110,7 @@ void router_layer_stats(Context& ctx, double* stats, const float* logits, const 
 // dlogits[N,E] (assign), as ops::router_backward.  dprobs_per_expert is a HOST array [E] (or null).
 void router_backward(Context& ctx, float* dlogits, const float* dtopk_weight, const double* dprobs_per_expert,
                      const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
-                     const float* topk_weight, long N, int E, int K);
+                     const float* topk_weight, long N, int E, int K, bool renormalize);
 // dlogits += scale * d z / d logits (accumulate), as ops::router_z_loss_backward; real_tokens is
 // the number of tokens with token_mask != 0 (all N without a mask).
 void router_z_loss_backward(Context& ctx, float* dlogits, const float* logits, const float* probs,

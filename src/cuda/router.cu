@@ -11,7 +11,7 @@ namespace moetron::gpu {
 
 namespace {
 
-constexpr int kMaxE = 64;
+constexpr int kMaxE = 256;  // Qwen3-MoE has 128 experts, DeepSeek-V3 256
 
 struct ExpertDoubles {
   double v[kMaxE];
@@ -28,7 +28,7 @@ __device__ double row_logsumexp(const float* row, int E) {
 }
 
 __global__ void router_forward_kernel(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits,
-                                      long N, int E, int K) {
+                                      long N, int E, int K, bool renormalize) {
   const long n = blockIdx.x * (long)blockDim.x + threadIdx.x;
   if (n >= N) return;
   const float* l = logits + n * E;
@@ -45,22 +45,23 @@ __global__ void router_forward_kernel(float* probs, int32_t* topk_idx, float* to
   for (int e = 0; e < E; e++) p[e] *= inv;
   // K passes of argmax over the unchosen experts; strict '>' keeps the lower index on ties, and a
   // NaN row still yields K distinct indices.
-  uint64_t chosen = 0;
   int32_t* idx = topk_idx + n * K;
   float* w = topk_weight + n * K;
   float sum = 0.0f;
   for (int k = 0; k < K; k++) {
     int best = -1;
     for (int e = 0; e < E; e++) {
-      if (chosen >> e & 1u) continue;
+      bool taken = false;  // among the k already chosen (K is small)
+      for (int j = 0; j < k; j++) taken |= idx[j] == e;
+      if (taken) continue;
       if (best < 0 || p[e] > p[best]) best = e;
     }
-    chosen |= (uint64_t)1 << best;
     idx[k] = best;
     w[k] = p[best];
     sum += p[best];
   }
-  for (int k = 0; k < K; k++) w[k] /= sum;
+  if (renormalize)
+    for (int k = 0; k < K; k++) w[k] /= sum;
 }
 
 // stats: assigned[E], prob_sum[E], tokens, z_sum (zeroed by the caller); block partials in shared
@@ -87,13 +88,16 @@ __global__ void router_stats_kernel(double* stats, const float* logits, const fl
 
 __global__ void router_backward_kernel(float* dlogits, const float* dtopk_weight, ExpertDoubles daux, bool has_aux,
                                        const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
-                                       const float* topk_weight, long N, int E, int K) {
+                                       const float* topk_weight, long N, int E, int K, bool renormalize) {
   const long n = blockIdx.x * (long)blockDim.x + threadIdx.x;
   if (n >= N) return;
   const float* p = probs + n * E;
   double dp[kMaxE];
   for (int e = 0; e < E; e++) dp[e] = 0.0;
-  if (dtopk_weight != nullptr) {
+  if (dtopk_weight != nullptr && !renormalize) {
+    // w_k = p_k
+    for (int k = 0; k < K; k++) dp[topk_idx[n * K + k]] += (double)dtopk_weight[n * K + k];
+  } else if (dtopk_weight != nullptr) {
     // w_k = p_k / S over the chosen: dp_k = (dw_k - sum_j dw_j w_j) / S
     const int32_t* idx = topk_idx + n * K;
     const float* w = topk_weight + n * K;
@@ -130,11 +134,11 @@ void check_dims(const char* op, long N, int E, int K) {
 }  // namespace
 
 void router_forward(Context& ctx, float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, long N,
-                    int E, int K) {
+                    int E, int K, bool renormalize) {
   check_dims("router_forward", N, E, K);
   if (N == 0) return;
   router_forward_kernel<<<blocks_for(N, 128), 128, 0, stream_of(ctx)>>>(probs, topk_idx, topk_weight, logits, N, E,
-                                                                        K);
+                                                                        K, renormalize);
   CUDA_LAUNCHED("router_forward");
 }
 
@@ -150,14 +154,14 @@ void router_layer_stats(Context& ctx, double* stats, const float* logits, const 
 
 void router_backward(Context& ctx, float* dlogits, const float* dtopk_weight, const double* dprobs_per_expert,
                      const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
-                     const float* topk_weight, long N, int E, int K) {
+                     const float* topk_weight, long N, int E, int K, bool renormalize) {
   check_dims("router_backward", N, E, K);
   if (N == 0) return;
   ExpertDoubles daux{};
   if (dprobs_per_expert)
     for (int e = 0; e < E; e++) daux.v[e] = dprobs_per_expert[e];
   router_backward_kernel<<<blocks_for(N, 128), 128, 0, stream_of(ctx)>>>(
-      dlogits, dtopk_weight, daux, dprobs_per_expert != nullptr, token_mask, probs, topk_idx, topk_weight, N, E, K);
+      dlogits, dtopk_weight, daux, dprobs_per_expert != nullptr, token_mask, probs, topk_idx, topk_weight, N, E, K, renormalize);
   CUDA_LAUNCHED("router_backward");
 }
 

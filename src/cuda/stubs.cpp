@@ -77,12 +77,12 @@ void attention_backward(Context&, Bf16*, Bf16*, Bf16*, float*, const Bf16*, cons
 }
 void swiglu_forward(Context&, Bf16*, const Bf16*, long, int) { no_cuda("swiglu_forward"); }
 void swiglu_backward(Context&, Bf16*, const Bf16*, const Bf16*, long, int) { no_cuda("swiglu_backward"); }
-void router_forward(Context&, float*, int32_t*, float*, const float*, long, int, int) { no_cuda("router_forward"); }
+void router_forward(Context&, float*, int32_t*, float*, const float*, long, int, int, bool) { no_cuda("router_forward"); }
 void router_layer_stats(Context&, double*, const float*, const float*, const int32_t*, const uint8_t*, long, int, int) {
   no_cuda("router_layer_stats");
 }
 void router_backward(Context&, float*, const float*, const double*, const uint8_t*, const float*, const int32_t*,
-                     const float*, long, int, int) {
+                     const float*, long, int, int, bool) {
   no_cuda("router_backward");
 }
 void router_z_loss_backward(Context&, float*, const float*, const float*, const uint8_t*, long, int, float, long) {

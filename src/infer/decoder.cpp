@@ -68,8 +68,9 @@ void softmax_inplace(float* s, int n) {
 }
 
 // ops::router_forward for one token, without its parallel region (same arithmetic): softmax in fp32
-// with a double sum, K argmax passes (strict '>': ties to the lower index), weights renormalised.
-void route_one(float* p, int32_t* idx, float* w, const float* l, int E, int K) {
+// with a double sum, K argmax passes (strict '>': ties to the lower index), weights renormalised
+// (unless !renormalize: Qwen3-MoE's norm_topk_prob false).
+void route_one(float* p, int32_t* idx, float* w, const float* l, int E, int K, bool renormalize) {
   float mx = l[0];
   for (int e = 1; e < E; e++) mx = std::fmax(mx, l[e]);
   double s = 0.0;
@@ -92,7 +93,8 @@ void route_one(float* p, int32_t* idx, float* w, const float* l, int E, int K) {
     w[k] = p[best];
     sum += p[best];
   }
-  for (int k = 0; k < K; k++) w[k] /= sum;
+  if (renormalize)
+    for (int k = 0; k < K; k++) w[k] /= sum;
 }
 
 }  // namespace
@@ -105,7 +107,8 @@ Decoder::Decoder(const InferenceModel& model, int prefill_chunk, long row_attent
   moe_ = c.is_moe();
   C_ = c.hidden_size;
   V_ = c.vocab_size;
-  I_ = c.intermediate_size;
+  I_ = 0;  // the widest FFN of any layer (scratch); each layer's own is cfg.ffn_size(l)
+  for (int l = 0; l < c.num_hidden_layers; l++) I_ = std::max(I_, c.ffn_size(l));
   NH_ = c.num_attention_heads;
   NKV_ = c.num_key_value_heads;
   HD_ = c.head_dim;
@@ -130,7 +133,7 @@ void Decoder::reserve_scratch(int n) {
   const size_t N = n, M = (size_t)n * K_;
   x_.resize(N * C_);
   ln_.resize(N * C_);
-  rstd_.resize(N);
+  rstd_.resize(N * std::max(1, NH_));  // also the per-head q/k norms' statistics
   q_.resize(N * Q_);
   att_.resize(N * Q_);
   tmp_.resize(N * C_);
@@ -208,6 +211,11 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
       ops::matmul_forward(q_.data(), ln, wq, n, C_, Q_);
       ops::matmul_forward(kdst, ln, wk, n, C_, KVd_);
       ops::matmul_forward(vdst, ln, wv, n, C_, KVd_);
+    }
+    if (m_.cfg.qk_norm) {  // RMSNorm over each head of q and k (in place), before RoPE
+      ThreadLimit lim(N * (Q_ + KVd_));
+      ops::rmsnorm_forward(q_.data(), rstd_.data(), q_.data(), m_.weight(ParamKind::q_norm, l), N * NH_, HD_, eps);
+      ops::rmsnorm_forward(kdst, rstd_.data(), kdst, m_.weight(ParamKind::k_norm, l), N * NKV_, HD_, eps);
     }
     {
       ThreadLimit lim(N * (Q_ + KVd_));
@@ -303,20 +311,21 @@ void Decoder::attention(float* out, const float* q, const float* keys, const flo
 void Decoder::ffn(float* x, const float* ln, int layer, int n) {
   const float* w13 = m_.weight(ParamKind::ffn_w13, layer);  // [E, 2I, C]
   const float* w2 = m_.weight(ParamKind::ffn_w2, layer);    // [E, C, I]
-  const size_t IC = (size_t)I_ * C_;
+  const int I = m_.cfg.ffn_size(layer);                     // this layer's width
+  const size_t IC = (size_t)I * C_;
   float* h13 = h13_.data();
   float* act = act_.data();
-  if (!moe_) {
+  if (!m_.cfg.is_moe_layer(layer)) {
     if (n == 1) {
-      const infer::GemvTask up = task(h13, ParamKind::ffn_w13, layer, 0, ln, 2 * I_);
+      const infer::GemvTask up = task(h13, ParamKind::ffn_w13, layer, 0, ln, 2 * I);
       infer::gemv_batch(&up, 1, C_, gemv_min_);
-      ops::swiglu_forward(act, h13, 1, I_);
+      ops::swiglu_forward(act, h13, 1, I);
       const infer::GemvTask down = task(x, ParamKind::ffn_w2, layer, 0, act, C_, true);
-      infer::gemv_batch(&down, 1, I_, gemv_min_);
+      infer::gemv_batch(&down, 1, I, gemv_min_);
     } else {
-      ops::matmul_forward(h13, ln, w13, n, C_, 2 * I_);
-      ops::swiglu_forward(act, h13, n, I_);
-      ops::matmul_forward_accumulate(x, act, w2, n, I_, C_);
+      ops::matmul_forward(h13, ln, w13, n, C_, 2 * I);
+      ops::swiglu_forward(act, h13, n, I);
+      ops::matmul_forward_accumulate(x, act, w2, n, I, C_);
     }
     return;
   }
@@ -327,28 +336,29 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
     // and their down products in another.
     const infer::GemvTask router = task(rlogits_.data(), ParamKind::router, layer, 0, ln, E_);
     infer::gemv_batch(&router, 1, C_, gemv_min_);
-    route_one(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), E_, K_);
+    route_one(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), E_, K_, m_.cfg.norm_topk_prob);
     MOETRON_ASSERT(K_ <= 16);
     infer::GemvTask up[16], down[16];
     float* y = yperm_.data();  // [K, C]
     for (int k = 0; k < K_; k++) {
       const int e = topk_idx_[k];
-      up[k] = task(h13 + (size_t)k * 2 * I_, ParamKind::ffn_w13, layer, (size_t)e * 2 * IC, ln, 2 * I_);
-      down[k] = task(y + (size_t)k * C_, ParamKind::ffn_w2, layer, (size_t)e * IC, act + (size_t)k * I_, C_);
+      up[k] = task(h13 + (size_t)k * 2 * I, ParamKind::ffn_w13, layer, (size_t)e * 2 * IC, ln, 2 * I);
+      down[k] = task(y + (size_t)k * C_, ParamKind::ffn_w2, layer, (size_t)e * IC, act + (size_t)k * I, C_);
     }
     infer::gemv_batch(up, K_, C_, gemv_min_);
-    ops::swiglu_forward(act, h13, K_, I_);
-    infer::gemv_batch(down, K_, I_, gemv_min_);
+    ops::swiglu_forward(act, h13, K_, I);
+    infer::gemv_batch(down, K_, I, gemv_min_);
     std::fill(tmp, tmp + C_, 0.0f);
     for (int k = 0; k < K_; k++) infer::axpy(tmp, topk_w_[k], y + (size_t)k * C_, C_);
     add_inplace(x, tmp, C_);
     return;
   }
   ops::matmul_forward(rlogits_.data(), ln, wr, n, C_, E_);
-  ops::router_forward(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), n, E_, K_);
+  ops::router_forward(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), n, E_, K_,
+                      m_.cfg.norm_topk_prob);
   ops::moe_plan_build(plan_, topk_idx_.data(), n, E_, K_);
   ops::moe_permute_forward(xperm_.data(), ln, plan_, C_);
-  ops::moe_experts_forward(yperm_.data(), h13, act, xperm_.data(), w13, w2, plan_, C_, I_);
+  ops::moe_experts_forward(yperm_.data(), h13, act, xperm_.data(), w13, w2, plan_, C_, I);
   ops::moe_combine_forward(tmp, yperm_.data(), topk_w_.data(), plan_, C_);
   add_inplace(x, tmp, (long)n * C_);
 }

@@ -27,13 +27,22 @@ struct ArchInfo {
   int sliding_window;  // 0: None
   double router_aux_loss_coef;
   bool has_sliding_window;  // LlamaForCausalLM has no sliding window attention
+  // Qwen3 / Qwen3-MoE: q/k norms, `use_sliding_window`, and (MoE) num_experts,
+  // moe_intermediate_size, decoder_sparse_step, mlp_only_layers, norm_topk_prob.
+  bool qwen3 = false;
+  int default_head_dim = 0;  // when head_dim is absent; 0: hidden_size / num_attention_heads
 };
 
 constexpr ArchInfo kArchs[] = {
     {"MixtralForCausalLM", "mixtral", true, 1e-5, 1e6, 4096 * 32, 0, 0.001, true},
     {"MistralForCausalLM", "mistral", false, 1e-6, 1e4, 4096 * 32, 4096, 0.0, true},
     {"LlamaForCausalLM", "llama", false, 1e-6, 1e4, 2048, 0, 0.0, false},
+    {"Qwen3MoeForCausalLM", "qwen3_moe", true, 1e-6, 1e4, 32768, 0, 0.001, false, true, 0},
+    {"Qwen3ForCausalLM", "qwen3", false, 1e-6, 1e4, 32768, 0, 0.0, false, true, 128},
 };
+constexpr const char* kArchList =
+    "MixtralForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, LlamaForCausalLM or Qwen3ForCausalLM";
+constexpr const char* kModelTypeList = "mixtral, qwen3_moe, mistral, llama or qwen3";
 
 const ArchInfo* arch_by_name(const std::string& architecture) {
   for (const ArchInfo& a : kArchs)
@@ -135,6 +144,7 @@ void check_sizes(const ModelConfig& c, const std::string& source) {
       {"intermediate_size", c.intermediate_size, 1 << 22}, {"num_hidden_layers", c.num_hidden_layers, 4096},
       {"num_attention_heads", c.num_attention_heads, 1 << 12}, {"num_key_value_heads", c.num_key_value_heads, 1 << 12},
       {"head_dim", c.head_dim, 1 << 14},              {"num_local_experts", c.num_local_experts, 1 << 12},
+      {"moe_intermediate_size", c.moe_intermediate_size, 1 << 22},
   };
   for (const Bound& b : bounds)
     if (b.value > b.max)
@@ -145,7 +155,8 @@ void check_sizes(const ModelConfig& c, const std::string& source) {
   // The parameter total, in double (no overflow): at most 2^44 (17.6 trillion).
   const double C = c.hidden_size, Q = (double)c.num_attention_heads * c.head_dim,
                KV = (double)c.num_key_value_heads * c.head_dim, E = std::max(c.num_local_experts, 1);
-  const double per_layer = C * Q * 2 + C * KV * 2 + E * 3.0 * c.intermediate_size * C + E * C + 2 * C;
+  const double I = std::max(c.intermediate_size, c.moe_intermediate_size);
+  const double per_layer = C * Q * 2 + C * KV * 2 + E * 3.0 * I * C + E * C + 2 * C + 2.0 * c.head_dim;
   const double total = per_layer * c.num_hidden_layers + 2.0 * c.vocab_size * C + C;
   if (total > (double)kMaxModelParameters)
     fail("{}: the sizes imply {:.3g} parameters (hidden_size {}, num_hidden_layers {}, num_local_experts {}, "
@@ -180,15 +191,13 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
   if (!c.architecture.empty()) {
     arch = arch_by_name(c.architecture);
     if (arch == nullptr)
-      fail("{}: field 'architectures': unsupported architecture '{}' (expected MixtralForCausalLM, "
-           "MistralForCausalLM or LlamaForCausalLM)",
-           source, c.architecture);
+      fail("{}: field 'architectures': unsupported architecture '{}' (expected {})", source, c.architecture,
+           kArchList);
   } else if (!c.model_type.empty()) {
     arch = arch_by_model_type(c.model_type);
     if (arch == nullptr)
-      fail("{}: field 'model_type': unsupported model type '{}' (expected mixtral, mistral or "
-           "llama)",
-           source, c.model_type);
+      fail("{}: field 'model_type': unsupported model type '{}' (expected {})", source, c.model_type,
+           kModelTypeList);
     c.architecture = arch->architecture;
   } else {
     fail("{}: missing required field 'architectures' (or 'model_type')", source);
@@ -209,6 +218,8 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
   c.num_key_value_heads = f.optional_int("num_key_value_heads", c.num_attention_heads);
   if (f.get("head_dim") != nullptr) {
     c.head_dim = f.optional_int("head_dim", 0);
+  } else if (arch->default_head_dim > 0) {
+    c.head_dim = arch->default_head_dim;
   } else {
     if (c.hidden_size % c.num_attention_heads != 0)
       fail("{}: field 'head_dim' is absent and hidden_size {} is not divisible by "
@@ -216,10 +227,43 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
            source, c.hidden_size, c.num_attention_heads);
     c.head_dim = c.hidden_size / c.num_attention_heads;
   }
-  if (arch->moe) {
+  if (arch->moe && !arch->qwen3) {
     c.num_local_experts = f.required_int("num_local_experts");
     c.num_experts_per_tok = f.required_int("num_experts_per_tok");
     c.router_aux_loss_coef = f.optional_double("router_aux_loss_coef", arch->router_aux_loss_coef);
+  } else if (arch->moe) {  // Qwen3MoeConfig's names and defaults
+    // Hub configs (transformers 4) say num_experts; transformers 5 writes num_local_experts (its
+    // attribute_map aliases the two).  Both are read, and must agree when both are present.
+    const int hub = f.optional_int("num_experts", -1), v5 = f.optional_int("num_local_experts", -1);
+    if (hub >= 0 && v5 >= 0 && hub != v5)
+      fail("{}: fields 'num_experts' ({}) and 'num_local_experts' ({}) disagree", source, hub, v5);
+    c.num_local_experts = v5 >= 0 ? v5 : hub >= 0 ? hub : 128;
+    c.num_experts_per_tok = f.optional_int("num_experts_per_tok", 8);
+    c.moe_intermediate_size = f.optional_int("moe_intermediate_size", 768);
+    check_positive(source, "moe_intermediate_size", c.moe_intermediate_size);
+    c.decoder_sparse_step = f.optional_int("decoder_sparse_step", 1);
+    c.norm_topk_prob = f.optional_bool("norm_topk_prob", false);
+    c.router_aux_loss_coef = f.optional_double("router_aux_loss_coef", arch->router_aux_loss_coef);
+    if (const json* m = f.get("mlp_only_layers")) {
+      if (!m->is_array()) fail("{}: field 'mlp_only_layers' must be a list of layer indices, got {}", source, json_preview(*m));
+      if (m->size() > 4096) fail("{}: field 'mlp_only_layers' lists {} layers, more than 4096", source, m->size());
+      for (const json& v : *m) c.mlp_only_layers.push_back(f.to_int("mlp_only_layers", v));
+    }
+  }
+  if (arch->qwen3) {
+    c.qk_norm = true;
+    // Sliding-window attention per layer (use_sliding_window with max_window_layers / layer_types)
+    // is not modelled; off (the default and every released Qwen3) the window fields are inert and
+    // stay in `extra`.
+    if (f.optional_bool("use_sliding_window", false))
+      fail("{}: field 'use_sliding_window' = true is not supported (per-layer sliding windows)", source);
+    if (auto it = j.find("layer_types"); it != j.end() && !it->is_null()) {
+      if (!it->is_array()) fail("{}: field 'layer_types' must be a list, got {}", source, json_preview(*it));
+      for (const json& t : *it)
+        if (!t.is_string() || t.get<std::string>() != "full_attention")
+          fail("{}: field 'layer_types' holds {}; only \"full_attention\" layers are supported", source,
+               json_preview(t));
+    }
   }
 
   // Numerics.
@@ -306,6 +350,12 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
   return c;
 }
 
+bool ModelConfig::is_moe_layer(int l) const {
+  if (!is_moe()) return false;
+  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), l) != mlp_only_layers.end()) return false;
+  return (l + 1) % std::max(decoder_sparse_step, 1) == 0;
+}
+
 ModelConfig load_model_config(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) fail("{}: cannot open model config", path);
@@ -326,11 +376,20 @@ json model_config_to_json(const ModelConfig& c) {
   j["num_attention_heads"] = c.num_attention_heads;
   j["num_key_value_heads"] = c.num_key_value_heads;
   j["head_dim"] = c.head_dim;
+  const bool qwen3 = arch != nullptr && arch->qwen3;
   if (c.is_moe() || (arch != nullptr && arch->moe)) {
     j["num_local_experts"] = c.num_local_experts;
+    if (qwen3) j["num_experts"] = c.num_local_experts;  // transformers 4's name (5 reads either)
     j["num_experts_per_tok"] = c.num_experts_per_tok;
     j["router_aux_loss_coef"] = c.router_aux_loss_coef;
+    if (qwen3) {
+      j["moe_intermediate_size"] = c.moe_intermediate_size;
+      j["decoder_sparse_step"] = c.decoder_sparse_step;
+      j["mlp_only_layers"] = c.mlp_only_layers;
+      j["norm_topk_prob"] = c.norm_topk_prob;
+    }
   }
+  if (qwen3) j["use_sliding_window"] = false;
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["rope_theta"] = c.rope_theta;
   j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", c.rope_theta}};
@@ -354,9 +413,7 @@ json model_config_to_json(const ModelConfig& c) {
 void validate_model_config(const ModelConfig& c, const std::string& source) {
   const ArchInfo* arch = arch_by_name(c.architecture);
   if (arch == nullptr)
-    fail("{}: field 'architectures': unsupported architecture '{}' (expected MixtralForCausalLM, "
-         "MistralForCausalLM or LlamaForCausalLM)",
-         source, c.architecture);
+    fail("{}: field 'architectures': unsupported architecture '{}' (expected {})", source, c.architecture, kArchList);
   if (c.model_type != arch->model_type)
     fail("{}: field 'model_type' is '{}' but architecture {} needs '{}'", source, c.model_type,
          c.architecture, arch->model_type);
@@ -371,15 +428,31 @@ void validate_model_config(const ModelConfig& c, const std::string& source) {
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     fail("{}: field 'num_key_value_heads' ({}) must divide num_attention_heads ({})", source,
          c.num_key_value_heads, c.num_attention_heads);
+  const char* experts_field = arch->qwen3 ? "num_experts" : "num_local_experts";
   if (arch->moe) {
-    check_positive(source, "num_local_experts", c.num_local_experts);
+    check_positive(source, experts_field, c.num_local_experts);
     if (c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_local_experts)
-      fail("{}: field 'num_experts_per_tok' must be in [1, num_local_experts = {}], got {}", source,
+      fail("{}: field 'num_experts_per_tok' must be in [1, {} = {}], got {}", source, experts_field,
            c.num_local_experts, c.num_experts_per_tok);
     if (!(c.router_aux_loss_coef >= 0.0) || !std::isfinite(c.router_aux_loss_coef))
       fail("{}: field 'router_aux_loss_coef' must be a finite number >= 0, got {}", source,
            c.router_aux_loss_coef);
-  } else if (c.num_local_experts != 0 || c.num_experts_per_tok != 0) {
+    if (c.moe_intermediate_size < 0 || (c.moe_intermediate_size > 0 && !arch->qwen3))
+      fail("{}: field 'moe_intermediate_size' = {} does not fit architecture {}", source, c.moe_intermediate_size,
+           c.architecture);
+    if (c.decoder_sparse_step < 1)
+      fail("{}: field 'decoder_sparse_step' must be >= 1, got {}", source, c.decoder_sparse_step);
+    if (!arch->qwen3 && (c.decoder_sparse_step != 1 || !c.mlp_only_layers.empty() || !c.norm_topk_prob))
+      fail("{}: fields 'decoder_sparse_step', 'mlp_only_layers' and 'norm_topk_prob' are Qwen3-MoE's; {} routes "
+           "every layer with renormalised weights",
+           source, c.architecture);
+    std::set<int> seen;
+    for (int l : c.mlp_only_layers)
+      if (l < 0 || l >= c.num_hidden_layers || !seen.insert(l).second)
+        fail("{}: field 'mlp_only_layers' holds {}: expected distinct layer indices in [0, num_hidden_layers = {})",
+             source, l, c.num_hidden_layers);
+  } else if (c.num_local_experts != 0 || c.num_experts_per_tok != 0 || c.moe_intermediate_size != 0 ||
+             !c.mlp_only_layers.empty()) {
     fail("{}: dense architecture {} must have num_local_experts = num_experts_per_tok = 0 (got {} "
          "and {})",
          source, c.architecture, c.num_local_experts, c.num_experts_per_tok);
@@ -396,6 +469,8 @@ void validate_model_config(const ModelConfig& c, const std::string& source) {
     fail("{}: field 'tie_word_embeddings' = true is not supported yet (moetron needs an untied "
          "lm_head)",
          source);
+  if (c.qk_norm != arch->qwen3)
+    fail("{}: q/k norms are {} for architecture {}", source, arch->qwen3 ? "required" : "not part", c.architecture);
   if (c.hidden_act != "silu")
     fail("{}: field 'hidden_act' = '{}' is not supported (expected \"silu\")", source,
          c.hidden_act);

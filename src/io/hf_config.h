@@ -1,12 +1,21 @@
-// Hugging Face config.json <-> ModelConfig for Mixtral (MoE) and dense Mistral / Llama models.
+// Hugging Face config.json <-> ModelConfig for the MoE models Mixtral and Qwen3-MoE, and the dense
+// Mistral / Llama / Qwen3 models.
 //
 // Reading follows transformers' semantics: absent optional fields take the defaults of the
-// architecture's config class (MixtralConfig, MistralConfig, LlamaConfig), with two deliberate
+// architecture's config class (MixtralConfig, Qwen3MoeConfig, MistralConfig, LlamaConfig,
+// Qwen3Config), with two deliberate
 // differences: num_key_value_heads defaults to num_attention_heads (transformers' Mistral/Mixtral
 // classes default to 8), and absent bos/eos/pad ids are -1 rather than 1/2/None. Fields this
 // struct does not model are kept verbatim in `extra` and written back unchanged. Features moetron
 // does not implement (rope scaling, tied embeddings, activations other than silu, biases) are
 // rejected with an Error instead of being silently ignored.
+//
+// Qwen3 / Qwen3-MoE differ from Mixtral in (modeling_qwen3*.py): an RMSNorm over each head's q and k
+// before RoPE (`self_attn.{q,k}_norm.weight` [head_dim]); `head_dim` independent of hidden / heads
+// (Qwen3's default 128); the experts' width `moe_intermediate_size` beside `intermediate_size` for
+// dense layers, which `decoder_sparse_step` and `mlp_only_layers` place among the MoE layers; the
+// top-K router weights renormalised only when `norm_topk_prob`; `num_experts` for the expert count;
+// HF names `mlp.gate.weight` and `mlp.experts.e.{gate,up,down}_proj.weight`.
 #pragma once
 
 #include <string>
@@ -17,17 +26,23 @@
 namespace moetron {
 
 struct ModelConfig {
-  std::string architecture;  // MixtralForCausalLM | MistralForCausalLM | LlamaForCausalLM
-  std::string model_type;    // mixtral | mistral | llama
+  // MixtralForCausalLM | Qwen3MoeForCausalLM | MistralForCausalLM | LlamaForCausalLM | Qwen3ForCausalLM
+  std::string architecture;
+  std::string model_type;  // mixtral | qwen3_moe | mistral | llama | qwen3
   int vocab_size = 0;
   int hidden_size = 0;
-  int intermediate_size = 0;  // FFN width (per expert for MoE)
+  int intermediate_size = 0;  // FFN width (per expert for Mixtral; of the dense layers for Qwen3-MoE)
   int num_hidden_layers = 0;
   int num_attention_heads = 0;
   int num_key_value_heads = 0;
   int head_dim = 0;
-  int num_local_experts = 0;    // 0 for dense models
+  int num_local_experts = 0;    // 0 for dense models (config.json: num_experts for Qwen3-MoE)
   int num_experts_per_tok = 0;  // 0 for dense models
+  int moe_intermediate_size = 0;  // the experts' FFN width (Qwen3-MoE); 0: intermediate_size (Mixtral)
+  int decoder_sparse_step = 1;    // Qwen3-MoE: layer l is MoE iff (l + 1) % step == 0 ...
+  std::vector<int> mlp_only_layers;  // ... and l is not listed here (then a dense FFN of intermediate_size)
+  bool norm_topk_prob = true;     // renormalise the top-K router weights to sum 1 (Mixtral: always)
+  bool qk_norm = false;           // RMSNorm over each head of q and k before RoPE (Qwen3, Qwen3-MoE)
   double rms_norm_eps = 1e-5;
   double rope_theta = 1e6;
   int sliding_window = 0;  // 0: none (config null)
@@ -44,6 +59,14 @@ struct ModelConfig {
   nlohmann::json extra = nlohmann::json::object();  // every other config.json field
 
   bool is_moe() const { return num_local_experts > 0; }
+  // Whether decoder layer l has a routed MoE block (otherwise a dense FFN).
+  bool is_moe_layer(int l) const;
+  int expert_intermediate_size() const { return moe_intermediate_size > 0 ? moe_intermediate_size : intermediate_size; }
+  // The FFN width of layer l: the experts' in a MoE layer, intermediate_size in a dense one.
+  int ffn_size(int l) const { return is_moe_layer(l) ? expert_intermediate_size() : intermediate_size; }
+  // Hugging Face tensor names of the MoE block: Mixtral's `block_sparse_moe.{gate, experts.e.w1/w3/w2}`
+  // or (Qwen3-MoE) `mlp.{gate, experts.e.gate_proj/up_proj/down_proj}`.
+  bool mixtral_names() const { return model_type == "mixtral"; }
 };
 
 // Parses and validates; errors name `source_name` and the field.

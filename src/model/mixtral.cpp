@@ -77,6 +77,8 @@ void MixtralModel::init(dist::Comm* tp, dist::Comm* ep, LayerRange layers) {
   const Dims d = dims();
   be_.check_model(cfg_.head_dim, cfg_.is_moe() ? cfg_.num_local_experts : 0);
   dispatch_ = ep_on() ? make_all_to_all_dispatch(be_, *ep_, d.C, d.I, d.E) : make_local_dispatch(be_, d.C, d.I);
+  for (int l = layer_begin_; l < layer_end_; l++)
+    if (layer_moe(l) && ffn_width(l) != d.I) fail("[MixtralModel] layer {}: expert width {} != {}", l, ffn_width(l), d.I);
   const size_t total = table_.total();
   if (be_.host_memory()) {
     params_.assign(total, 0.0f);
@@ -196,6 +198,12 @@ void MixtralModel::tp_all_reduce(Tensor x) {
 uint64_t MixtralModel::comm_bytes() const { return kv_comm_ ? kv_comm_->stats().bytes_sent : 0; }
 
 void MixtralModel::reduce_replicated_grads() {
+  if (tp_on() && cfg_.qk_norm)
+    for (int l = layer_begin_; l < layer_end_; l++)
+      for (ParamKind k : {ParamKind::q_norm, ParamKind::k_norm}) {
+        const Tensor g = G(k, l);
+        tp_->all_reduce(g.data, g.numel, dist::CommDType::f32, dist::ReduceOp::sum);
+      }
   if (!kv_comm_ || kv_comm_->size() == 1) return;
   for (int l = layer_begin_; l < layer_end_; l++)
     for (ParamKind k : {ParamKind::k_proj, ParamKind::v_proj}) {
@@ -221,9 +229,10 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
   s.T = T;
   const long N = (long)B * T;
   const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
-  const long M = N * K;
+  (void)I;
   const int L = layer_end_ - layer_begin_;
   const bool head = last_stage();
+  const bool qkn = cfg_.qk_norm;
   const Store act = be_.act_store(), f32 = Store::f32, i32 = Store::i32;
   const bool router_copy = act != f32;  // the router's input in f32 beside the act-store one
   const bool local_experts = !ep_on();  // the expert activations live in the arena
@@ -237,19 +246,26 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
     TensorCarver c(be_, base);
     for (int l = 0; l < L; l++) {
       LayerActs& a = s.layers[l];
+      const bool moe_l = layer_moe(layer_begin_ + l);
+      const long M = moe_l ? N * K : N, Il = ffn_width(layer_begin_ + l);
+      a.moe = moe_l;
       a.x = c.take(f32, N * C);
       a.ln1 = c.take(act, N * C);
       a.rstd1 = c.take(f32, N);
       a.q = c.take(act, N * Q);
       a.k = c.take(act, N * KVd);
       a.v = c.take(act, N * KVd);
+      a.qraw = qkn ? c.take(f32, N * Q) : Tensor{};
+      a.kraw = qkn ? c.take(f32, N * KVd) : Tensor{};
+      a.rstdq = qkn ? c.take(f32, N * NH) : Tensor{};
+      a.rstdk = qkn ? c.take(f32, N * NKV) : Tensor{};
       a.attn_saved = c.take(f32, be_.attention_saved_numel(B, T, NH));
       a.att = c.take(act, N * Q);
       a.h = c.take(f32, N * C);
       a.ln2 = c.take(act, N * C);
-      a.ln2f = moe && router_copy ? c.take(f32, N * C) : a.ln2;
+      a.ln2f = moe_l && router_copy ? c.take(f32, N * C) : a.ln2;
       a.rstd2 = c.take(f32, N);
-      if (moe) {
+      if (moe_l) {
         a.rlogits = c.take(f32, N * E);
         a.rprobs = c.take(f32, N * E);
         a.topk_w = c.take(f32, N * K);
@@ -260,8 +276,8 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
       }
       a.row_token = c.take(i32, M);
       a.row_of = c.take(i32, M);
-      a.dispatch.h13 = local_experts ? c.take(act, 2 * M * I) : Tensor{};
-      a.dispatch.act = local_experts ? c.take(act, M * I) : Tensor{};
+      a.dispatch.h13 = local_experts || !moe_l ? c.take(act, 2 * M * Il) : Tensor{};
+      a.dispatch.act = local_experts || !moe_l ? c.take(act, M * Il) : Tensor{};
     }
     s.x_final = c.take(f32, N * C);
     s.lnf = head ? c.take(act, N * C) : Tensor{};
@@ -279,13 +295,12 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
       base = s.arena->data();
     }
   }
-  if (!moe) {
-    // A dense FFN is one expert that every token visits with weight 1: the identity plan.
-    std::vector<int32_t> zeros(N, 0);
-    for (LayerActs& a : s.layers) {
-      ops::moe_plan_build(a.plan, zeros.data(), N, 1, 1);
-      a.pv = be_.upload_plan(a.plan, a.row_token, a.row_of);
-    }
+  // A dense FFN is one expert that every token visits with weight 1: the identity plan.
+  std::vector<int32_t> zeros(N, 0);
+  for (LayerActs& a : s.layers) {
+    if (a.moe) continue;
+    ops::moe_plan_build(a.plan, zeros.data(), N, 1, 1);
+    a.pv = be_.upload_plan(a.plan, a.row_token, a.row_of);
   }
 }
 
@@ -313,6 +328,11 @@ void MixtralModel::allocate_scratch(int B, int T) {
     dxperm_ = moe ? c.take(act, M * C) : Tensor{};
     dyperm_ = moe ? c.take(act, M * C) : Tensor{};
     dres_act_ = act != f32 ? c.take(act, N * C) : Tensor{};
+    const bool qkn = cfg_.qk_norm;
+    dq32_ = qkn && act != f32 ? c.take(f32, N * Q) : dq_;
+    dk32_ = qkn && act != f32 ? c.take(f32, N * KVd) : dk_;
+    dqraw_ = qkn ? c.take(f32, N * Q) : Tensor{};
+    dkraw_ = qkn ? c.take(f32, N * KVd) : Tensor{};
     if (pass == 0) {
       scratch_alloc_ = be_.allocate(c.used(), "scratch");
       base = scratch_alloc_->data();
@@ -383,7 +403,7 @@ MixtralModel::Dims MixtralModel::dims() const {
   const int NKV = cfg_.num_key_value_heads >= tp ? cfg_.num_key_value_heads / tp : 1;
   return Dims{cfg_.hidden_size,
               (int)(table_.vocab_end() - table_.vocab_begin()),
-              cfg_.intermediate_size / tp,
+              cfg_.expert_intermediate_size() / tp,
               NH,
               NKV,
               cfg_.head_dim,
@@ -446,7 +466,11 @@ Losses MixtralModel::run_forward(Activations& s, const Batch& batch, const LossW
   }
 
   const int lb = layer_begin_, le = layer_end_, L = le - lb;
-  router_stats_.assign(moe ? L : 0, ops::RouterLayerStats{});
+  // Dense layers of an MoE model keep zero statistics (they add nothing to the pooled loss).
+  ops::RouterLayerStats none;
+  none.assigned.assign(E, 0.0);
+  none.prob_sum.assign(E, 0.0);
+  router_stats_.assign(moe ? L : 0, none);
   dropped_.assign(moe ? L : 0, 0);
 
   if (!first_stage()) {
@@ -486,12 +510,14 @@ Losses MixtralModel::run_forward(Activations& s, const Batch& batch, const LossW
 // One decoder layer l: x_next = h + FFN(RMSNorm(h)), h = x + Attn(RMSNorm(x)).
 void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
   const long N = (long)s.B * s.T;
-  const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
+  const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe_model] = dims();
   (void)V;
-  (void)I;
+  (void)moe_model;
   const float eps = (float)cfg_.rms_norm_eps, theta = (float)cfg_.rope_theta;
   const int li = l - layer_begin_;
   LayerActs& a = s.layers[li];
+  const bool moe = a.moe;
+  const int Il = ffn_width(l);
   const Tensor tmask = s.prep.has_token_mask ? s.token_mask : Tensor{};
   // Attention block: h = x + o_proj(attn(rope(q), rope(k), v)).
   {
@@ -500,8 +526,15 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
   }
   {
     Section t(be_, profile_, "fwd.attn_proj");
-    be_.matmul_forward(a.q, a.ln1, Wg(ParamKind::q_proj, l), (int)N, C, Q, false);
-    be_.matmul_forward(a.k, a.ln1, Wg(ParamKind::k_proj, l), (int)N, C, KVd, false);
+    if (cfg_.qk_norm) {  // f32 projections, then RMSNorm over each head's HD values (before RoPE)
+      be_.matmul_forward(a.qraw, a.ln1, Wg(ParamKind::q_proj, l), (int)N, C, Q, false);
+      be_.matmul_forward(a.kraw, a.ln1, Wg(ParamKind::k_proj, l), (int)N, C, KVd, false);
+      be_.rmsnorm_forward(a.q, a.rstdq, a.qraw, W(ParamKind::q_norm, l), N * NH, HD, eps);
+      be_.rmsnorm_forward(a.k, a.rstdk, a.kraw, W(ParamKind::k_norm, l), N * NKV, HD, eps);
+    } else {
+      be_.matmul_forward(a.q, a.ln1, Wg(ParamKind::q_proj, l), (int)N, C, Q, false);
+      be_.matmul_forward(a.k, a.ln1, Wg(ParamKind::k_proj, l), (int)N, C, KVd, false);
+    }
     be_.matmul_forward(a.v, a.ln1, Wg(ParamKind::v_proj, l), (int)N, C, KVd, false);
   }
   {
@@ -542,7 +575,7 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
       Section t(be_, profile_, "fwd.router");
       be_.matmul_forward(a.rlogits, a.ln2f, W(ParamKind::router, l), (int)N, C, E, false);
       if (!router_bias_.empty()) be_.add_bias_rows(a.rlogits, router_bias_, N, E);
-      be_.router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, N, E, K);
+      be_.router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, N, E, K, cfg_.norm_topk_prob);
       be_.router_layer_stats(router_stats_[li], a.rlogits, a.rprobs, a.topk_idx, tmask, N, E, K);
       // The plan is built on the host from the router's choices (copies on a device backend).
       const int32_t* idx = nullptr;
@@ -581,7 +614,7 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
     }
   } else {
     Section t(be_, profile_, "fwd.experts");
-    be_.moe_experts_forward(x_next, a.dispatch.h13, a.dispatch.act, a.ln2, w13, w2, a.pv, C, I);
+    be_.moe_experts_forward(x_next, a.dispatch.h13, a.dispatch.act, a.ln2, w13, w2, a.pv, C, Il);
   }
   // Row-parallel w2: the FFN output is a partial sum on each tp rank.
   if (tp_on()) tp_all_reduce(x_next);
@@ -636,11 +669,15 @@ void MixtralModel::backward(const StageGrad& grad) {
 // Layer l in reverse; dres is d(x_next) on entry and d(x) of the layer on exit.
 void MixtralModel::layer_backward(Activations& s, int l) {
   const long N = (long)s.B * s.T;
-  const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe] = dims();
+  const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe_model] = dims();
   (void)V;
+  (void)I;
+  (void)moe_model;
   const float theta = (float)cfg_.rope_theta;
   const int li = l - layer_begin_;
   LayerActs& a = s.layers[li];
+  const bool moe = a.moe;
+  const int Il = ffn_width(l);
   const Tensor tmask = s.prep.has_token_mask ? s.token_mask : Tensor{};
   // FFN block: dres is d(x_next); it flows to h unchanged plus through the FFN.
   const Tensor w13 = Wg(ParamKind::ffn_w13, l), w2 = Wg(ParamKind::ffn_w2, l);
@@ -661,7 +698,7 @@ void MixtralModel::layer_backward(Activations& s, int l) {
     if (tp_on()) tp_all_reduce(dln_);  // column-parallel w1/w3: partial input gradient
     Section t(be_, profile_, "bwd.router");
     be_.router_backward(drlogits_, dtopk_, s.router.aux_dprobs[li].data(), tmask, a.rprobs, a.topk_idx, a.topk_w, N,
-                        E, K);
+                        E, K, cfg_.norm_topk_prob);
     if (s.weights.z_coef != 0.0)
       be_.router_z_loss_backward(drlogits_, a.rlogits, a.rprobs, tmask, N, E, (float)s.weights.z_coef,
                                  s.prep.real_tokens);
@@ -670,7 +707,7 @@ void MixtralModel::layer_backward(Activations& s, int l) {
   } else {
     Section t(be_, profile_, "bwd.experts");
     be_.moe_experts_backward(dln_, dw13, dw2, as_act(dres_, dres_act_), a.dispatch.h13, a.dispatch.act, a.ln2, w13,
-                             w2, a.pv, C, I);
+                             w2, a.pv, C, Il);
     if (tp_on()) tp_all_reduce(dln_);
   }
   {
@@ -693,10 +730,24 @@ void MixtralModel::layer_backward(Activations& s, int l) {
     be_.rope_backward(dq_, s.positions, N, NH, HD, theta);
     be_.rope_backward(dk_, s.positions, N, NKV, HD, theta);
   }
+  Tensor dq = dq_, dk = dk_;  // d(the projections' outputs), in the act store
+  if (cfg_.qk_norm) {
+    Section t(be_, profile_, "bwd.norms");
+    if (dq32_.data != dq_.data) {
+      be_.convert(dq32_, dq_);
+      be_.convert(dk32_, dk_);
+    }
+    be_.rmsnorm_backward(dqraw_, G(ParamKind::q_norm, l), dq32_, a.qraw, W(ParamKind::q_norm, l), a.rstdq, N * NH, HD,
+                         false);
+    be_.rmsnorm_backward(dkraw_, G(ParamKind::k_norm, l), dk32_, a.kraw, W(ParamKind::k_norm, l), a.rstdk, N * NKV,
+                         HD, false);
+    dq = as_act(dqraw_, dq_);
+    dk = as_act(dkraw_, dk_);
+  }
   {
     Section t(be_, profile_, "bwd.attn_proj");
-    be_.matmul_backward(dln_, G(ParamKind::q_proj, l), dq_, a.ln1, Wg(ParamKind::q_proj, l), (int)N, C, Q, false);
-    be_.matmul_backward(dln_, G(ParamKind::k_proj, l), dk_, a.ln1, Wg(ParamKind::k_proj, l), (int)N, C, KVd, true);
+    be_.matmul_backward(dln_, G(ParamKind::q_proj, l), dq, a.ln1, Wg(ParamKind::q_proj, l), (int)N, C, Q, false);
+    be_.matmul_backward(dln_, G(ParamKind::k_proj, l), dk, a.ln1, Wg(ParamKind::k_proj, l), (int)N, C, KVd, true);
     be_.matmul_backward(dln_, G(ParamKind::v_proj, l), dv_, a.ln1, Wg(ParamKind::v_proj, l), (int)N, C, KVd, true);
     if (tp_on()) tp_all_reduce(dln_);  // column-parallel q/k/v: partial input gradient
   }

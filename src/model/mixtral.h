@@ -168,7 +168,8 @@ class MixtralModel {
   size_t state_bytes() const;
   size_t activation_bytes() const;
 
-  // Sums the gradients of replicated kv heads (NKV < tp) over the tp ranks sharing each head; call
+  // Sums the gradients of replicated kv heads (NKV < tp) over the tp ranks sharing each head, and
+  // the per-head q/k norm weights' (each tp rank's covers its own heads) over the tp group; call
   // once per optimizer step, after the backward passes.  A no-op otherwise.
   void reduce_replicated_grads();
   // Bytes this model's own groups sent (the replicated-kv group; the tp group is the caller's).
@@ -183,8 +184,8 @@ class MixtralModel {
   // around each section).  The caller owns it.
   void set_profile(Profile* profile);
 
-  // Routing statistics per MoE layer of this stage (layer_begin() + index) of the last forward
-  // (empty for dense models).
+  // Routing statistics per layer of this stage (layer_begin() + index) of the last forward (empty
+  // for dense models; zeros for the dense layers of an MoE model).
   const std::vector<ops::RouterLayerStats>& router_stats() const { return router_stats_; }
 
   // Test hook: bias[E] added to the router logits of every MoE layer (skews the routing; the
@@ -197,24 +198,29 @@ class MixtralModel {
   // probability (ties: the later token).  A dropped assignment contributes nothing to the token's
   // output (the other weights are not renormalised).  0: dropless (the default).
   void set_capacity_factor(double f) { capacity_factor_ = f; }
-  // Per MoE layer of this stage of the last forward: assignments of real tokens dropped by the
-  // capacity limit.
+  // Per layer of this stage of the last forward (0 for dense layers): assignments of real tokens
+  // dropped by the capacity limit.
   const std::vector<long>& dropped() const { return dropped_; }
 
  private:
   struct LayerActs {
+    bool moe = false;  // a routed MoE block (else a dense FFN: one expert every token visits with weight 1)
     Tensor x, ln1, rstd1, q, k, v, attn_saved, att, h, ln2, ln2f, rstd2;  // ln2f: the router's f32 input
+    Tensor qraw, kraw, rstdq, rstdk;  // qk_norm: f32 q/k projections before their per-head norm
     Tensor rlogits, rprobs, topk_w, topk_idx, combine_w, xperm, yperm, row_token, row_of;
     ops::MoePlan plan;
     PlanView pv;
     DispatchSaved dispatch;
   };
   // The dimension letters of this model (E = K = 1 for a dense FFN), per tensor-parallel rank:
-  // V, I, NH, NKV, Q, KVd are this rank's parts (the whole model when tp = 1).
+  // V, I, NH, NKV, Q, KVd are this rank's parts (the whole model when tp = 1).  I is the experts'
+  // width; moe: the model has MoE layers.  Per layer: layer_moe(l), ffn_width(l) (this rank's part).
   struct Dims {
     int C, V, I, NH, NKV, HD, Q, KVd, E, K;
     bool moe;
   };
+  bool layer_moe(int l) const { return cfg_.is_moe_layer(l); }
+  int ffn_width(int l) const { return cfg_.ffn_size(l) / tp_size_; }
   // One micro-batch's activations and per-forward inputs, kept until its backward: one allocation
   // sized for its (B, T), re-laid when the shape changes.
   struct Activations {
@@ -281,6 +287,7 @@ class MixtralModel {
   int scratch_B_ = 0, scratch_T_ = 0;
   std::unique_ptr<Allocation> scratch_alloc_;
   Tensor dres_, dln_, tmp_, datt_, dq_, dk_, dv_, drlogits_, dtopk_, dxperm_, dyperm_, dres_act_;
+  Tensor dq32_, dk32_, dqraw_, dkraw_;  // qk_norm: f32 gradients around the q/k norms
   // Host copies of one layer's routing (device backends) and its capacity-limited weights.
   std::vector<int32_t> topk_idx_host_;
   std::vector<float> topk_w_host_, probs_host_, combine_host_;

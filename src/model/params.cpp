@@ -14,8 +14,12 @@ namespace {
 
 std::string layer_prefix(int layer) { return fmt::format("model.layers.{}.", layer); }
 
-std::string spec_name(ParamKind kind, int layer, bool moe) {
+// The moe block's prefix: Mixtral's block_sparse_moe, Qwen3-MoE's mlp.
+const char* moe_block(const ModelConfig& cfg) { return cfg.mixtral_names() ? "block_sparse_moe." : "mlp."; }
+
+std::string spec_name(const ModelConfig& cfg, ParamKind kind, int layer) {
   const std::string p = layer >= 0 ? layer_prefix(layer) : "";
+  const bool moe = layer >= 0 && cfg.is_moe_layer(layer);
   switch (kind) {
     case ParamKind::embedding:
       return "model.embed_tokens.weight";
@@ -29,14 +33,18 @@ std::string spec_name(ParamKind kind, int layer, bool moe) {
       return p + "self_attn.v_proj.weight";
     case ParamKind::o_proj:
       return p + "self_attn.o_proj.weight";
+    case ParamKind::q_norm:
+      return p + "self_attn.q_norm.weight";
+    case ParamKind::k_norm:
+      return p + "self_attn.k_norm.weight";
     case ParamKind::post_norm:
       return p + "post_attention_layernorm.weight";
     case ParamKind::router:
-      return p + "block_sparse_moe.gate.weight";
+      return p + moe_block(cfg) + "gate.weight";
     case ParamKind::ffn_w13:
-      return p + (moe ? "block_sparse_moe.experts.w13" : "mlp.gate_up_proj");
+      return p + (moe ? std::string(moe_block(cfg)) + "experts.w13" : "mlp.gate_up_proj");
     case ParamKind::ffn_w2:
-      return p + (moe ? "block_sparse_moe.experts.w2" : "mlp.down_proj.weight");
+      return p + (moe ? std::string(moe_block(cfg)) + "experts.w2" : "mlp.down_proj.weight");
     case ParamKind::final_norm:
       return "model.norm.weight";
     case ParamKind::lm_head:
@@ -71,7 +79,7 @@ std::pair<int64_t, int64_t> shard_range(int64_t n, int parts, int part) {
 
 ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
     : num_layers_(cfg.num_hidden_layers), moe_(cfg.is_moe()), shard_(shard) {
-  const int64_t C = cfg.hidden_size, V = cfg.vocab_size, I = cfg.intermediate_size;
+  const int64_t C = cfg.hidden_size, V = cfg.vocab_size;
   const int64_t NH = cfg.num_attention_heads, NKV = cfg.num_key_value_heads, HD = cfg.head_dim;
   const int64_t Q = NH * HD;
   const int64_t KV = NKV * HD;
@@ -89,14 +97,17 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
   if (NH % tp != 0) fail("parameter shard: num_attention_heads {} is not divisible by tp {}", NH, tp);
   if (NKV % tp != 0 && tp % NKV != 0)
     fail("parameter shard: num_key_value_heads {} and tp {}: neither divides the other", NKV, tp);
-  if (I % tp != 0) fail("parameter shard: intermediate_size {} is not divisible by tp {}", I, tp);
+  for (int l = lb; l < le; l++)
+    if (cfg.ffn_size(l) % tp != 0)
+      fail("parameter shard: {} {} (layer {}) is not divisible by tp {}",
+           cfg.is_moe_layer(l) && cfg.moe_intermediate_size > 0 ? "moe_intermediate_size" : "intermediate_size",
+           cfg.ffn_size(l), l, tp);
   whole_ = lb == 0 && le == L && eb == 0 && ee == E && tp == 1;
   const bool split = tp > 1;
   // This rank's heads, kv heads (one replicated head when NKV < tp), FFN rows and vocabulary rows.
   const int64_t h0 = NH / tp * r, nh = NH / tp;
   const bool kv_replicated = NKV < tp;
   const int64_t kv0 = kv_replicated ? r / (tp / NKV) : NKV / tp * r, nkv = kv_replicated ? 1 : NKV / tp;
-  const int64_t i0 = I / tp * r, Ir = I / tp;
   const auto [v0, v1] = shard_range(V, tp, r);
   vocab_begin_ = v0;
   vocab_end_ = v1;
@@ -110,24 +121,34 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
   };
   auto rows = [&](ParamSpec& s) { s.tp_split = split ? TpSplit::rows : TpSplit::none; };
   auto cols = [&](ParamSpec& s) { s.tp_split = split ? TpSplit::cols : TpSplit::none; };
-  if (first_stage) rows(add(ParamKind::embedding, -1, {Vr, C}, true));
+  if (first_stage) rows(add(cfg, ParamKind::embedding, -1, {Vr, C}, true));
   for (int l = lb; l < le; l++) {
-    replicated(add(ParamKind::input_norm, l, {C}, false));
-    rows(add(ParamKind::q_proj, l, {Qr, C}, true));
+    const bool moe_l = cfg.is_moe_layer(l);
+    const int64_t Ir = cfg.ffn_size(l) / tp, El_l = moe_l ? El : 1;
+    replicated(add(cfg, ParamKind::input_norm, l, {C}, false));
+    rows(add(cfg, ParamKind::q_proj, l, {Qr, C}, true));
     for (ParamKind k : {ParamKind::k_proj, ParamKind::v_proj}) {
-      ParamSpec& s = add(k, l, {KVr, C}, true);
+      ParamSpec& s = add(cfg, k, l, {KVr, C}, true);
       rows(s);
       if (kv_replicated) s.tp_primary = r % (tp / NKV) == 0;
     }
-    cols(add(ParamKind::o_proj, l, {C, Qr}, true));
-    replicated(add(ParamKind::post_norm, l, {C}, false));
-    if (moe_) replicated(add(ParamKind::router, l, {E, C}, true));
-    rows(add(ParamKind::ffn_w13, l, {El, 2 * Ir, C}, true));
-    cols(add(ParamKind::ffn_w2, l, {El, C, Ir}, true));
+    cols(add(cfg, ParamKind::o_proj, l, {C, Qr}, true));
+    if (cfg.qk_norm) {  // per head: whole on every rank, each rank's gradient covers its heads only
+      replicated(add(cfg, ParamKind::q_norm, l, {HD}, false));
+      replicated(add(cfg, ParamKind::k_norm, l, {HD}, false));
+    }
+    replicated(add(cfg, ParamKind::post_norm, l, {C}, false));
+    if (moe_l) replicated(add(cfg, ParamKind::router, l, {E, C}, true));
+    ParamSpec& w13 = add(cfg, ParamKind::ffn_w13, l, {El_l, 2 * Ir, C}, true);
+    rows(w13);
+    w13.expert = moe_l;
+    ParamSpec& w2 = add(cfg, ParamKind::ffn_w2, l, {El_l, C, Ir}, true);
+    cols(w2);
+    w2.expert = moe_l;
   }
   if (last_stage) {
-    replicated(add(ParamKind::final_norm, -1, {C}, false));
-    rows(add(ParamKind::lm_head, -1, {Vr, C}, true));
+    replicated(add(cfg, ParamKind::final_norm, -1, {C}, false));
+    rows(add(cfg, ParamKind::lm_head, -1, {Vr, C}, true));
   }
 
   // The HF tensors: experts (or the dense FFN) split out of the stacked storage; each with the
@@ -168,23 +189,27 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
       continue;
     }
     const std::string p = layer_prefix(s.layer);
+    const int64_t I = cfg.ffn_size(s.layer), Ir = I / tp, i0 = Ir * r;
     const size_t IC = (size_t)Ir * C;
+    const bool mixtral = cfg.mixtral_names();
     for (int el = 0; el < s.shape[0]; el++) {
-      const int e = eb + el;
-      auto name = [&](const char* expert_suffix, const char* dense_name) {
-        return moe_ ? fmt::format("{}block_sparse_moe.experts.{}.{}.weight", p, e, expert_suffix) : p + dense_name;
+      const int e = s.expert ? eb + el : 0;
+      auto name = [&](const char* mixtral_suffix, const char* qwen_suffix, const char* dense_name) {
+        if (!s.expert) return p + dense_name;
+        return fmt::format("{}{}experts.{}.{}.weight", p, moe_block(cfg), e, mixtral ? mixtral_suffix : qwen_suffix);
       };
       if (s.kind == ParamKind::ffn_w13) {
         const size_t base = s.offset + 2 * IC * el;
-        HfTensorRef w1 = make_ref(name("w1", "mlp.gate_proj.weight"), {Ir, C}, base, IC, si, e);
-        HfTensorRef w3 = make_ref(name("w3", "mlp.up_proj.weight"), {Ir, C}, base + IC, IC, si, e);
+        HfTensorRef w1 = make_ref(name("w1", "gate_proj", "mlp.gate_proj.weight"), {Ir, C}, base, IC, si, e);
+        HfTensorRef w3 = make_ref(name("w3", "up_proj", "mlp.up_proj.weight"), {Ir, C}, base + IC, IC, si, e);
         for (HfTensorRef* t : {&w1, &w3}) {
           t->full_shape = {I, C};
           slice_of(*t, s, i0, i0 + Ir);
           hf_tensors_.push_back(std::move(*t));
         }
       } else {
-        HfTensorRef w2 = make_ref(name("w2", "mlp.down_proj.weight"), {C, Ir}, s.offset + IC * el, IC, si, e);
+        HfTensorRef w2 =
+            make_ref(name("w2", "down_proj", "mlp.down_proj.weight"), {C, Ir}, s.offset + IC * el, IC, si, e);
         w2.full_shape = {C, I};
         slice_of(w2, s, i0, i0 + Ir);
         hf_tensors_.push_back(std::move(w2));
@@ -193,9 +218,9 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
   }
 }
 
-ParamSpec& ParamTable::add(ParamKind kind, int layer, std::vector<int64_t> shape, bool decay) {
+ParamSpec& ParamTable::add(const ModelConfig& cfg, ParamKind kind, int layer, std::vector<int64_t> shape, bool decay) {
   ParamSpec s;
-  s.name = spec_name(kind, layer, moe_);
+  s.name = spec_name(cfg, kind, layer);
   s.kind = kind;
   s.layer = layer;
   // Overflow-checked: a ModelConfig that skipped validate_model_config (built in code) must not wrap

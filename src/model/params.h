@@ -6,7 +6,10 @@
 // expert the gate rows (w1) then the up rows (w3) -- transformers-5's gate_up_proj layout, so one
 // GEMM computes gate and up -- and w2 [E, C, I].  On disk (Hugging Face names) they are separate
 // tensors `model.layers.N.block_sparse_moe.experts.e.{w1,w3,w2}.weight`.  A dense model's FFN
-// (`mlp.{gate,up,down}_proj`) is stored exactly like one expert: [1, 2I, C] / [1, C, I].
+// (`mlp.{gate,up,down}_proj`) is stored exactly like one expert: [1, 2I, C] / [1, C, I], in a dense
+// model and in the dense layers of an MoE model (Qwen3-MoE's mlp_only_layers / decoder_sparse_step),
+// whose I is then intermediate_size while the experts' is moe_intermediate_size.  Qwen3-MoE's Hub
+// names are `mlp.gate.weight` and `mlp.experts.e.{gate,up,down}_proj.weight`.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +28,8 @@ enum class ParamKind {
   k_proj,      // [NKV*HD, C]
   v_proj,      // [NKV*HD, C]
   o_proj,      // [C, NH*HD]
+  q_norm,      // [HD] RMSNorm weight over each query head (qk_norm models)
+  k_norm,      // [HD] ... and each key head
   post_norm,   // [C]
   router,      // [E, C]
   ffn_w13,     // [E, 2I, C] gate rows then up rows per expert (dense: E = 1)
@@ -67,7 +72,8 @@ struct ParamSpec {
   size_t offset = 0;           // in floats, into the flat allocation
   size_t numel = 0;
   bool weight_decay = true;    // false for RMSNorm weights
-  int n_stacked = 0;           // experts stacked along dim 0 (0: not an expert tensor)
+  int n_stacked = 0;           // FFN tensors: experts stacked along dim 0 (1 for a dense FFN); 0 otherwise
+  bool expert = false;         // a routed expert tensor of an MoE layer (lives on its ep rank)
   TpSplit tp_split = TpSplit::none;
   // False when another tp rank holds an identical copy that counts instead (replicated tensors on
   // tp ranks > 0; replicated kv heads on all but the first rank sharing the head): sums over the
@@ -98,7 +104,7 @@ class ParamTable {
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
   size_t total() const { return total_; }
-  bool is_moe() const { return moe_; }
+  bool is_moe() const { return moe_; }  // the model has MoE layers (not every layer need be one)
   const ParamShard& shard() const { return shard_; }
   // True for the whole model (every table built without a shard).
   bool is_whole() const { return whole_; }
@@ -113,7 +119,7 @@ class ParamTable {
   const ParamSpec& spec_of(const HfTensorRef& t) const { return specs_[t.spec_index]; }
 
  private:
-  ParamSpec& add(ParamKind kind, int layer, std::vector<int64_t> shape, bool decay);
+  ParamSpec& add(const ModelConfig& cfg, ParamKind kind, int layer, std::vector<int64_t> shape, bool decay);
   std::vector<ParamSpec> specs_;
   std::vector<HfTensorRef> hf_tensors_;
   size_t total_ = 0;

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 
 #include "core/error.h"
@@ -31,10 +32,6 @@ std::string packed_name(const ParamSpec& spec) {
     default:
       return "";
   }
-}
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 void check_shape(const TensorView& t, const std::vector<int64_t>& expected, const std::string& source) {
@@ -85,68 +82,38 @@ size_t HfTensorSlice::numel() const {
 }
 
 std::vector<HfTensorSlice> shard_slices(const ModelConfig& cfg, const ParamTable& table, const WeightShard& shard) {
+  if (!table.is_whole()) fail("weight shard: the table must be the whole model");
   const int L = cfg.num_hidden_layers, E = std::max(cfg.num_local_experts, 1);
   const int lb = shard.layer_begin, le = shard.layer_end < 0 ? L : shard.layer_end;
   const int eb = shard.expert_begin, ee = shard.expert_end < 0 ? E : shard.expert_end;
-  const int tp = shard.tp_size, r = shard.tp_rank;
   if (lb < 0 || lb > le || le > L)
     fail("weight shard: layer range [{}, {}) is outside the model's {} layers (num_hidden_layers)", lb, le, L);
   if (eb < 0 || eb >= ee || ee > E)
     fail("weight shard: expert range [{}, {}) is outside the model's {} experts (num_local_experts)", eb, ee, E);
-  if (tp < 1 || r < 0 || r >= tp) fail("weight shard: tp_rank {} is outside [0, tp_size {})", r, tp);
-  const int NH = cfg.num_attention_heads, NKV = cfg.num_key_value_heads, HD = cfg.head_dim;
-  const int I = cfg.intermediate_size;
-  if (NH % tp != 0) fail("weight shard: num_attention_heads {} is not divisible by tp {}", NH, tp);
-  if (NKV % tp != 0 && tp % NKV != 0)
-    fail("weight shard: num_key_value_heads {} and tp {}: neither divides the other", NKV, tp);
-  if (I % tp != 0) fail("weight shard: intermediate_size {} is not divisible by tp {}", I, tp);
-
-  // Heads [h0, h1) of this rank, and its kv heads (one replicated head when NKV < tp).
-  const int64_t h0 = int64_t{NH} / tp * r, h1 = h0 + NH / tp;
-  const int64_t kv0 = NKV >= tp ? int64_t{NKV} / tp * r : r / (tp / NKV);
-  const int64_t kv1 = NKV >= tp ? kv0 + NKV / tp : kv0 + 1;
-  const auto [v0, v1] = split_range(cfg.vocab_size, tp, r);
-  const int64_t i0 = int64_t{I} / tp * r, i1 = i0 + I / tp;
-
+  if (shard.tp_size < 1 || shard.tp_rank < 0 || shard.tp_rank >= shard.tp_size)
+    fail("weight shard: tp_rank {} is outside [0, tp_size {})", shard.tp_rank, shard.tp_size);
   std::vector<HfTensorSlice> out;
-  for (const HfTensorRef& ref : table.hf_tensors()) {
-    const ParamSpec& spec = table.spec_of(ref);
-    if (spec.layer >= 0 && (spec.layer < lb || spec.layer >= le)) continue;
-    if (spec.kind == ParamKind::embedding && lb != 0) continue;
-    if ((spec.kind == ParamKind::final_norm || spec.kind == ParamKind::lm_head) && le != L) continue;
-    if (spec.n_stacked > 0 && table.is_moe() && (ref.stacked_index < eb || ref.stacked_index >= ee)) continue;
+  if (lb == le) return out;
+  // The slices are the sharded parameter table's (one place decides how tensors split).
+  ParamShard ps;
+  ps.layer_begin = lb;
+  ps.layer_end = le;
+  ps.expert_begin = eb;
+  ps.expert_end = ee;
+  ps.tp_rank = shard.tp_rank;
+  ps.tp_size = shard.tp_size;
+  const ParamTable part(cfg, ps);
+  std::map<std::string, const HfTensorRef*> whole;
+  for (const HfTensorRef& ref : table.hf_tensors()) whole[ref.name] = &ref;
+  for (const HfTensorRef& t : part.hf_tensors()) {
+    const auto it = whole.find(t.name);
+    if (it == whole.end()) fail("weight shard: tensor '{}' is not part of the whole model", t.name);
     HfTensorSlice s;
-    s.ref = &ref;
-    auto cut = [&](int dim, int64_t begin, int64_t end) {
-      s.dim = dim;
-      s.begin = begin;
-      s.end = end;
-    };
-    if (tp > 1) {
-      switch (spec.kind) {
-        case ParamKind::embedding:
-        case ParamKind::lm_head:
-          cut(0, v0, v1);
-          break;
-        case ParamKind::q_proj:
-          cut(0, h0 * HD, h1 * HD);
-          break;
-        case ParamKind::k_proj:
-        case ParamKind::v_proj:
-          cut(0, kv0 * HD, kv1 * HD);
-          break;
-        case ParamKind::o_proj:
-          cut(1, h0 * HD, h1 * HD);
-          break;
-        case ParamKind::ffn_w13:
-          cut(0, i0, i1);
-          break;
-        case ParamKind::ffn_w2:
-          cut(1, i0, i1);
-          break;
-        default:
-          break;  // norms and router: whole on every rank
-      }
+    s.ref = it->second;
+    if (t.slice_dim >= 0) {
+      s.dim = t.slice_dim;
+      s.begin = t.slice_begin;
+      s.end = t.slice_end;
     }
     out.push_back(s);
   }
@@ -165,7 +132,7 @@ const TensorView& locate(const ModelTensors& files, const ParamTable& table, con
   }
   // The transformers-5 packing: the router under mlp.gate, experts stacked whole.
   const ParamSpec& spec = table.spec_of(ref);
-  const std::string packed = table.is_moe() ? packed_name(spec) : "";
+  const std::string packed = spec.expert || spec.kind == ParamKind::router ? packed_name(spec) : "";
   const TensorView* whole = packed.empty() ? nullptr : files.find(packed);
   if (!whole) fail("{}: tensor '{}' (shape {}) is missing", source, ref.name, shape_str(ref.shape));
   check_shape(*whole, spec.shape, source);
@@ -184,7 +151,10 @@ std::string read_hf_slice(const ModelTensors& files, const ParamTable& table, co
     read_view_slice(t, slice, 0, out);
   } else {
     // gate_up_proj [E, 2I, C] holds w1 (gate) rows then w3 (up) rows; down_proj [E, C, I] is w2.
-    const int64_t row_offset = ends_with(ref.name, ".w3.weight") ? ref.shape[0] : 0;
+    // The up half is the second of each expert's two [I, C] blocks in the stacked storage.
+    const ParamSpec& spec = table.spec_of(ref);
+    const bool up = spec.kind == ParamKind::ffn_w13 && (ref.offset - spec.offset) / ref.numel % 2 == 1;
+    const int64_t row_offset = up ? ref.shape[0] : 0;
     read_view_slice(select_index(t, ref.stacked_index), slice, row_offset, out);
   }
   check_finite(out, slice.numel(), t, ref.name);

@@ -35,7 +35,7 @@ void check_dims(const char* op, long N, int E, int K) {
 }  // namespace
 
 void router_forward(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, long N,
-                    int E, int K) {
+                    int E, int K, bool renormalize) {
   check_dims("router_forward", N, E, K);
 #pragma omp parallel
   {
@@ -71,14 +71,15 @@ void router_forward(float* probs, int32_t* topk_idx, float* topk_weight, const f
         w[k] = p[best];
         sum += p[best];  // fp32, in descending order, as torch sums the top-K values
       }
-      for (int k = 0; k < K; k++) w[k] /= sum;
+      if (renormalize)
+        for (int k = 0; k < K; k++) w[k] /= sum;
     }
   }
 }
 
 void router_backward(float* dlogits, const float* dtopk_weight, const double* dprobs_per_expert,
                      const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
-                     const float* topk_weight, long N, int E, int K) {
+                     const float* topk_weight, long N, int E, int K, bool renormalize) {
   check_dims("router_backward", N, E, K);
 #pragma omp parallel
   {
@@ -87,7 +88,12 @@ void router_backward(float* dlogits, const float* dtopk_weight, const double* dp
     for (long n = 0; n < N; n++) {
       const float* p = probs + n * E;
       std::fill(dp.begin(), dp.end(), 0.0);
-      if (dtopk_weight != nullptr) {
+      if (dtopk_weight != nullptr && !renormalize) {
+        // w_k = p_k
+        const int32_t* idx = topk_idx + n * K;
+        const float* dw = dtopk_weight + n * K;
+        for (int k = 0; k < K; k++) dp[idx[k]] += (double)dw[k];
+      } else if (dtopk_weight != nullptr) {
         // w_k = p_k / S, S = sum_j p_j over the chosen: dp_k = (dw_k - sum_j dw_j w_j) / S
         const int32_t* idx = topk_idx + n * K;
         const float* w = topk_weight + n * K;

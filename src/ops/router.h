@@ -2,7 +2,8 @@
 //   N tokens, E experts, K experts per token (K <= E).
 // Router (HF Mixtral): probs = softmax(logits) in fp32 over ALL experts; the K largest probs are
 // chosen (descending; ties go to the lower expert index); their weights are renormalised to sum
-// to 1.  Activation gradients assign (=) unless stated.
+// to 1 -- or, with renormalize false (Qwen3-MoE's norm_topk_prob false), are the probs themselves.
+// Activation gradients assign (=) unless stated.
 //
 // Auxiliary losses, all computed over "real" tokens only (token_mask[n] != 0, or all tokens when
 // token_mask is null):
@@ -25,14 +26,14 @@ namespace moetron::ops {
 
 // probs[N,E], topk_idx[N,K], topk_weight[N,K] from logits[N,E].
 void router_forward(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, long N,
-                    int E, int K);
+                    int E, int K, bool renormalize = true);
 
 // dlogits[N,E] (assign) = softmax backward of the total gradient on probs, which is
-//   the chain through the renormalised top-K weights (dtopk_weight[N,K])
+//   the chain through the top-K weights (dtopk_weight[N,K]; renormalised or not, as the forward)
 //   + dprobs_per_expert[e] for real tokens (the aux-loss gradient; null: none).
 void router_backward(float* dlogits, const float* dtopk_weight, const double* dprobs_per_expert,
                      const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
-                     const float* topk_weight, long N, int E, int K);
+                     const float* topk_weight, long N, int E, int K, bool renormalize = true);
 
 // One layer's routing statistics over its real tokens.
 struct RouterLayerStats {

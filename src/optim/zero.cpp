@@ -11,7 +11,7 @@ namespace moetron {
 namespace {
 
 bool in_set(const ParamSpec& s, ParamSet set) {
-  const bool expert = s.n_stacked > 0 && (s.kind == ParamKind::ffn_w13 || s.kind == ParamKind::ffn_w2);
+  const bool expert = s.expert;
   switch (set) {
     case ParamSet::all:
       return true;

@@ -1,4 +1,6 @@
 #include "train/checkpoint.h"
+
+#include <fmt/ranges.h>
 #include "core/json_limits.h"
 
 #include <fcntl.h>
@@ -628,6 +630,11 @@ void check_same_architecture(const ModelConfig& got, const ModelConfig& want, co
   cmp("head_dim", got.head_dim, want.head_dim);
   cmp("num_local_experts", got.num_local_experts, want.num_local_experts);
   cmp("num_experts_per_tok", got.num_experts_per_tok, want.num_experts_per_tok);
+  cmp("moe_intermediate_size", got.moe_intermediate_size, want.moe_intermediate_size);
+  cmp("decoder_sparse_step", got.decoder_sparse_step, want.decoder_sparse_step);
+  cmp("mlp_only_layers", fmt::format("[{}]", fmt::join(got.mlp_only_layers, ", ")),
+      fmt::format("[{}]", fmt::join(want.mlp_only_layers, ", ")));
+  cmp("norm_topk_prob", got.norm_topk_prob, want.norm_topk_prob);
   cmp("rms_norm_eps", got.rms_norm_eps, want.rms_norm_eps);
   cmp("rope_theta", got.rope_theta, want.rope_theta);
   cmp("sliding_window", window(got.sliding_window), window(want.sliding_window));

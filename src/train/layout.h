@@ -41,7 +41,7 @@ ParamShard layout_shard(const Layout& layout, const ModelConfig& model, int stag
 
 // What the run's device needs of the config and the model: device cpu trains fp32 parameters;
 // device cuda bf16 GEMM weights from fp32 masters (model.dtype bf16) within the CUDA kernels'
-// limits (head_dim even and <= 128, at most 64 experts).  Nothing here needs a GPU: whether one can
+// limits (head_dim even and <= 128, at most 256 experts).  Nothing here needs a GPU: whether one can
 // be used is the trainer's check at setup.
 void check_device_rules(const TrainConfig& cfg, const ModelConfig& model);
 

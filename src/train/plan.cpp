@@ -44,7 +44,7 @@ Dims dims_of(const Plan& p) {
   d.E = d.moe ? c.num_local_experts : 1;
   d.K = d.moe ? c.num_experts_per_tok : 1;
   d.M = d.K * d.N;
-  d.I = c.intermediate_size;
+  d.I = c.expert_intermediate_size();  // the MoE layers' (a Qwen3-MoE dense layer's is intermediate_size)
   d.L = c.num_hidden_layers;
   d.V = c.vocab_size;
   d.NHr = d.NH / p.tp;
@@ -72,8 +72,15 @@ RankParams rank_params(const Plan& p, const ParamTable& t, int first, int n, boo
     r.attention += numel(t, ParamKind::q_proj, l) / p.tp + numel(t, ParamKind::o_proj, l) / p.tp +
                    kv_rank(numel(t, ParamKind::k_proj, l)) + kv_rank(numel(t, ParamKind::v_proj, l));
     r.norms += numel(t, ParamKind::input_norm, l) + numel(t, ParamKind::post_norm, l);
-    if (d.moe) r.router += numel(t, ParamKind::router, l);
-    r.experts += (numel(t, ParamKind::ffn_w13, l) + numel(t, ParamKind::ffn_w2, l)) / (ep * p.tp);
+    if (t.has(ParamKind::q_norm, l)) r.norms += numel(t, ParamKind::q_norm, l) + numel(t, ParamKind::k_norm, l);
+    if (t.has(ParamKind::router, l)) r.router += numel(t, ParamKind::router, l);
+    // Routed experts split over ep; a dense layer's FFN in an MoE model (Qwen3-MoE mlp_only_layers)
+    // only over tp, and it is a dense parameter (dp) for ZeRO-1.
+    const int64_t ffn = numel(t, ParamKind::ffn_w13, l) + numel(t, ParamKind::ffn_w2, l);
+    if (d.moe && !t.at(ParamKind::ffn_w13, l).expert)
+      r.dense_ffn += ffn / p.tp;
+    else
+      r.experts += ffn / (ep * p.tp);
   }
   if (last_stage) {
     r.norms += numel(t, ParamKind::final_norm);
@@ -220,7 +227,7 @@ Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size,
   const ParamTable t(model);
   for (const ParamSpec& s : t.specs()) {
     p.params_total += (int64_t)s.numel;
-    if (s.kind == ParamKind::ffn_w13 || s.kind == ParamKind::ffn_w2) p.params_experts += (int64_t)s.numel;
+    if (s.expert) p.params_experts += (int64_t)s.numel;
   }
   p.params_active = p.params_total;
   if (model.is_moe())
@@ -403,6 +410,7 @@ nlohmann::json plan_to_json(const Plan& p) {
                         {"norms", r.norms},
                         {"router", r.router},
                         {"experts", r.experts},
+                        {"dense_ffn", r.dense_ffn},
                         {"lm_head", r.lm_head},
                         {"total", r.total()}}},
                       {"bytes",

@@ -35,8 +35,9 @@ struct RankParams {
   int64_t norms = 0;      // input/post-attention norms (+ final norm on the last stage), tp-replicated
   int64_t router = 0;     // E x C per layer, tp-replicated
   int64_t experts = 0;    // (E/ep) x 3 x (I/tp) x C per layer (dense FFN: 3 x (I/tp) x C)
+  int64_t dense_ffn = 0;  // 3 x (I/tp) x C per dense layer of an MoE model (Qwen3-MoE mlp_only_layers)
   int64_t lm_head = 0;    // V/tp x C, last stage
-  int64_t total() const { return embedding + attention + norms + router + experts + lm_head; }
+  int64_t total() const { return embedding + attention + norms + router + experts + dense_ffn + lm_head; }
   int64_t expert_sharded() const { return experts; }      // ZeRO-1 group: dp/ep ranks
   int64_t dense() const { return total() - experts; }     // ZeRO-1 group: dp ranks
 };
