@@ -1,4 +1,5 @@
-// Distributed training under `mpirun --oversubscribe` computes what one process computes: for each
+// Distributed training under `mpirun --oversubscribe` computes what one process computes (Qwen3-MoE and
+// tied dense Qwen3 at the end of the file): for each
 // (dp, tp) layout a tiny GQA Mixtral (E = 4, K = 2) trained 10 steps matches the single-process run's
 // loss at every step (rel 1e-5) and its final weights (max |diff| / max |w| per tensor <= 1e-4);
 // ZeRO-1's optimizer state per rank at dp = 4 is <= 30% of dp = 1's; a checkpoint written at (dp 2,
@@ -435,4 +436,45 @@ TEST_F(DistTrainQwen3Moe, ExpertParallel2OfDataParallel2MatchesOneProcess) {
 }
 TEST_F(DistTrainQwen3Moe, PipelineParallel2MatchesOneProcess) {
   expect_qwen_equivalent("qwen3_pp2", 2, {"parallel.pp=2"});
+}
+
+// Dense Qwen3 with tied embeddings: the head's gradient lands in the vocabulary-parallel embedding
+// rows it shares; tp 2 and dp 2 match one process.  At a tenth of the other tests' learning rate:
+// tying feeds the head GEMM's summation-order rounding (another order under tp) into the embedding,
+// hence into every layer's input, and Adam's nearly sign-like early steps turn such rounding into
+// weight differences proportional to lr (measured here: 1.9e-4 at lr 3e-3; with a 32000-token
+// vocabulary: 9e-5 at 3e-3, 1.1e-6 at 3e-5, and 1.8e-5 at 3e-3 untied, whose head rounding stays at
+// the output).
+namespace {
+const std::string kQwen3Tied =
+    "{architectures: [Qwen3ForCausalLM], model_type: qwen3, vocab_size: 256, hidden_size: 32, "
+    "intermediate_size: 48, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, "
+    "rope_theta: 10000.0, rms_norm_eps: 1.0e-5, tie_word_embeddings: true, max_position_embeddings: 256}";
+}  // namespace
+
+class DistTrainQwen3Tied : public DistTrain {
+ protected:
+  static void expect_tied_equivalent(const std::string& name, int np, const std::vector<std::string>& overrides) {
+    static const fs::path ref = train("qwen3_tied_ref", 0, {"train.lr=3.0e-4", "train.min_lr=3.0e-5"}, 0, kQwen3Tied);
+    std::vector<std::string> o = overrides;
+    o.insert(o.end(), {"train.lr=3.0e-4", "train.min_lr=3.0e-5"});
+    const fs::path run = train(name, np, o, 0, kQwen3Tied);
+    expect_same_losses(losses(run), losses(ref), 1, name);
+    ASSERT_EQ(losses(ref).size(), 10u);
+    const auto want = read_tensors(ref / "checkpoints" / "step-000010", "model");
+    const auto got = read_tensors(run / "checkpoints" / "step-000010", "model");
+    ASSERT_EQ(got.size(), want.size()) << name;
+    ASSERT_FALSE(want.count("lm_head.weight")) << "a tied model has no separate head";
+    for (const auto& [n, w] : want) {
+      ASSERT_TRUE(got.count(n)) << name << ": " << n;
+      EXPECT_LE(rel_max_diff(got.at(n), w), 1e-4) << name << ": " << n;
+    }
+  }
+};
+
+TEST_F(DistTrainQwen3Tied, TensorParallel2MatchesOneProcess) {
+  expect_tied_equivalent("qwen3_tied_tp2", 2, {"parallel.tp=2"});
+}
+TEST_F(DistTrainQwen3Tied, DataParallel2MatchesOneProcess) {
+  expect_tied_equivalent("qwen3_tied_dp2", 2, {"parallel.zero1=true"});
 }

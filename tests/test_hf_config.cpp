@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "io/hf_config.h"
+#include "model/params.h"
 
 using namespace moetron;
 using nlohmann::json;
@@ -398,10 +399,22 @@ TEST(HfConfigErrors, RopeScalingNotSupported) {
   expect_config_error(j, {"'rope_theta'", "disagrees"});
 }
 
-TEST(HfConfigErrors, TiedEmbeddingsNotSupported) {
+// Tied embeddings (small Qwen3 models): accepted; the table has no lm_head (tests/test_golden.cpp
+// checks the numerics, tests/test_layout.cpp the refused pipeline layouts).
+TEST(HfConfig, TiedEmbeddingsHaveNoLmHead) {
   json j = tiny_mixtral();
   j["tie_word_embeddings"] = true;
-  expect_config_error(j, {"'tie_word_embeddings'", "not supported"});
+  const ModelConfig c = model_config_from_json(j, "cfg.json");
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_TRUE(model_config_to_json(c).at("tie_word_embeddings").get<bool>());
+  const ParamTable t(c);
+  EXPECT_FALSE(t.has(ParamKind::lm_head));
+  EXPECT_EQ(t.head_kind(), ParamKind::embedding);
+  EXPECT_EQ(t.find_hf("lm_head.weight"), nullptr);
+  // A stage holding the head but not the embedding cannot be built.
+  ParamShard last;
+  last.layer_begin = 1;
+  EXPECT_THROW(ParamTable(c, last), Error);
 }
 
 TEST(HfConfigErrors, OnlySiluActivation) {

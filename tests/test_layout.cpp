@@ -54,6 +54,13 @@ TEST(LayoutAgreement, PlanAndTrainAcceptAndRefuseTheSameLayouts) {
       {"sequence_beyond_positions", 1, {"data.seq_length=512"}, false},
       {"bf16_on_cpu", 1, {"model.dtype=bf16"}, false},
       {"fp32_on_cuda", 1, {"device=cuda", "model.dtype=fp32"}, false},
+      {"tied_embeddings", 2, {"model.config.tie_word_embeddings=true", "parallel.tp=2"}, true},
+      {"tied_embeddings_pp2", 2, {"model.config.tie_word_embeddings=true", "parallel.pp=2"}, false},
+      // Qwen3-MoE's FFN widths: tp must divide moe_intermediate_size (24) and the dense layers' width.
+      {"tp_not_dividing_moe_width", 4,
+       {"model.config.architectures=[Qwen3MoeForCausalLM]", "model.config.model_type=qwen3_moe",
+        "model.config.moe_intermediate_size=6", "parallel.tp=4"},
+       false},
   };
   for (const LayoutCase& c : cases) {
     SCOPED_TRACE(c.name);

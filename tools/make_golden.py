@@ -69,9 +69,9 @@ CASES = {
                                        layers=4, heads=4, kv_heads=1, head_dim=8, experts=6, top_k=2,
                                        norm_topk_prob=True, mlp_only_layers=[], sparse_step=2, T=14,
                                        rope_theta=1e6, sliding_window=None, pad_row1=4),
-    # Dense Qwen3: q/k norms, head_dim 16 != hidden / heads = 8.
+    # Dense Qwen3 as the small ones are: q/k norms, head_dim 16 != hidden / heads = 8, tied embeddings.
     "qwen3_dense": dict(arch="qwen3", seed=25, vocab=120, hidden=32, inter=56, layers=2, heads=4, kv_heads=2,
-                        head_dim=16, T=12, rope_theta=1e6, sliding_window=None, pad_row1=0),
+                        head_dim=16, T=12, rope_theta=1e6, sliding_window=None, pad_row1=0, tie=True),
 }
 MOE_ARCHS = ("mixtral", "qwen3_moe")
 MOE_CLASSES = (MixtralForCausalLM, Qwen3MoeForCausalLM)
@@ -190,7 +190,7 @@ def float64_numerics():
 def build_config(c):
     common = dict(vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["inter"],
                   num_hidden_layers=c["layers"], num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
-                  rms_norm_eps=1e-5, initializer_range=0.02, tie_word_embeddings=False,
+                  rms_norm_eps=1e-5, initializer_range=0.02, tie_word_embeddings=c.get("tie", False),
                   max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]})
     if c["arch"] == "mixtral":
         cfg = MixtralConfig(**common, num_local_experts=c["experts"], num_experts_per_tok=c["top_k"],
@@ -285,7 +285,9 @@ def check_hub_file(model_dir, model, c):
         for k in keys:
             t = f.get_tensor(k)
             assert t.dtype == np.float32 and t.shape == want[k].shape and np.array_equal(t, want[k]), k
-    for needle in ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+    if c.get("tie"):  # transformers saves a tied head as the embedding alone
+        assert "lm_head.weight" not in keys and model.lm_head.weight is model.model.embed_tokens.weight
+    for needle in ["model.embed_tokens.weight", "model.norm.weight"] + ([] if c.get("tie") else ["lm_head.weight"]) + [
                    "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
                    "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
                    "model.layers.1.self_attn.v_proj.weight", "model.layers.1.self_attn.o_proj.weight"]:

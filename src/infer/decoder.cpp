@@ -252,11 +252,11 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
     ops::rmsnorm_forward(ln, rstd_.data(), xin, m_.weight(ParamKind::final_norm), rows, C_, eps);
   }
   if (rows == 1) {
-    const infer::GemvTask head = task(logits, ParamKind::lm_head, -1, 0, ln, V_);
+    const infer::GemvTask head = task(logits, m_.table.head_kind(), -1, 0, ln, V_);
     infer::gemv_batch(&head, 1, C_, gemv_min_);
   } else {
     ThreadLimit lim((long)rows * C_ * V_);
-    ops::matmul_forward(logits, ln, m_.weight(ParamKind::lm_head), rows, C_, V_);
+    ops::matmul_forward(logits, ln, m_.weight(m_.table.head_kind()), rows, C_, V_);
   }
 }
 

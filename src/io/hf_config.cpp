@@ -465,10 +465,6 @@ void validate_model_config(const ModelConfig& c, const std::string& source) {
   if (!(c.initializer_range >= 0.0) || !std::isfinite(c.initializer_range))
     fail("{}: field 'initializer_range' must be a finite number >= 0, got {}", source,
          c.initializer_range);
-  if (c.tie_word_embeddings)
-    fail("{}: field 'tie_word_embeddings' = true is not supported yet (moetron needs an untied "
-         "lm_head)",
-         source);
   if (c.qk_norm != arch->qwen3)
     fail("{}: q/k norms are {} for architecture {}", source, arch->qwen3 ? "required" : "not part", c.architecture);
   if (c.hidden_act != "silu")

@@ -7,7 +7,7 @@
 // differences: num_key_value_heads defaults to num_attention_heads (transformers' Mistral/Mixtral
 // classes default to 8), and absent bos/eos/pad ids are -1 rather than 1/2/None. Fields this
 // struct does not model are kept verbatim in `extra` and written back unchanged. Features moetron
-// does not implement (rope scaling, tied embeddings, activations other than silu, biases) are
+// does not implement (rope scaling, activations other than silu, biases) are
 // rejected with an Error instead of being silently ignored.
 //
 // Qwen3 / Qwen3-MoE differ from Mixtral in (modeling_qwen3*.py): an RMSNorm over each head's q and k
@@ -49,7 +49,7 @@ struct ModelConfig {
   int max_position_embeddings = 0;
   double router_aux_loss_coef = 0.0;  // Mixtral default 0.001; 0 for dense
   double initializer_range = 0.02;
-  bool tie_word_embeddings = false;
+  bool tie_word_embeddings = false;  // the head is the embedding matrix (no lm_head.weight; small Qwen3)
   int bos_token_id = -1;  // -1: absent / null
   int eos_token_id = -1;  // the first one when the config lists several
   int pad_token_id = -1;

@@ -484,7 +484,7 @@ Losses MixtralModel::run_forward(Activations& s, const Batch& batch, const LossW
   if (last_stage()) {
     Section t(be_, profile_, "fwd.head");
     be_.rmsnorm_forward(s.lnf, s.rstdf, s.x_final, W(ParamKind::final_norm), N, C, (float)cfg_.rms_norm_eps);
-    be_.matmul_forward(s.logits, s.lnf, Wg(ParamKind::lm_head), (int)N, C, V, false);
+    be_.matmul_forward(s.logits, s.lnf, Wg(table_.head_kind()), (int)N, C, V, false);
   }
 
   Losses out;
@@ -653,7 +653,9 @@ void MixtralModel::backward(const StageGrad& grad) {
     // Head and final norm.  The logits become their gradient in place.
     {
       Section t(be_, profile_, "bwd.head");
-      be_.head_backward(dln_, G(ParamKind::lm_head), s.logits, s.lse, s.targets, s.lnf, Wg(ParamKind::lm_head), N, C,
+      // Tied: the head's gradient accumulates into the embedding's, which the embedding adds to below.
+      const ParamKind hk = table_.head_kind();
+      be_.head_backward(dln_, G(hk), s.logits, s.lse, s.targets, s.lnf, Wg(hk), N, C,
                         V, table_.vocab_begin(), (float)s.weights.ce_scale, !tp_on());
       if (tp_on()) tp_all_reduce(dln_);
       be_.rmsnorm_backward(dres_, G(ParamKind::final_norm), dln_, s.x_final, W(ParamKind::final_norm), s.rstdf, N, C,

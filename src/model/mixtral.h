@@ -2,7 +2,8 @@
 // flat, mirror-image lists of op calls over one parameter table, written ONCE over a Backend
 // (backend/backend.h) -- the CPU backend (fp32), the bf16-rounding CPU backend, the CUDA backend
 // (bf16 storage, fp32 accumulation) -- which owns the memory and supplies the kernels.
-//   h = x + Attn(RMSNorm(x)); out = h + FFN(RMSNorm(h)); final RMSNorm; untied lm_head.
+//   h = x + Attn(RMSNorm(x)); out = h + FFN(RMSNorm(h)); final RMSNorm; lm_head (or, with
+//   tie_word_embeddings, the embedding matrix: one stage must then hold both ends).
 // Dimensions: B batch, T sequence, N = B*T tokens, C hidden, NH heads, NKV kv heads, HD head dim,
 // Q = NH*HD, KV = NKV*HD, E experts (1 for dense), K experts per token (1 for dense),
 // M = N*K routed rows, I FFN width, L layers, V vocab.

@@ -78,7 +78,7 @@ std::pair<int64_t, int64_t> shard_range(int64_t n, int parts, int part) {
 }
 
 ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
-    : num_layers_(cfg.num_hidden_layers), moe_(cfg.is_moe()), shard_(shard) {
+    : num_layers_(cfg.num_hidden_layers), moe_(cfg.is_moe()), shard_(shard), tied_(cfg.tie_word_embeddings) {
   const int64_t C = cfg.hidden_size, V = cfg.vocab_size;
   const int64_t NH = cfg.num_attention_heads, NKV = cfg.num_key_value_heads, HD = cfg.head_dim;
   const int64_t Q = NH * HD;
@@ -148,7 +148,12 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
   }
   if (last_stage) {
     replicated(add(cfg, ParamKind::final_norm, -1, {C}, false));
-    rows(add(cfg, ParamKind::lm_head, -1, {Vr, C}, true));
+    // Tied embeddings: the head reads the embedding, which only a stage that is also the first holds.
+    if (cfg.tie_word_embeddings && !first_stage)
+      fail("parameter shard: tie_word_embeddings needs the embedding and the head on one pipeline stage "
+           "(layers [{}, {}) of {} hold the head only)",
+           lb, le, L);
+    if (!cfg.tie_word_embeddings) rows(add(cfg, ParamKind::lm_head, -1, {Vr, C}, true));
   }
 
   // The HF tensors: experts (or the dense FFN) split out of the stacked storage; each with the

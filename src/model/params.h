@@ -35,7 +35,7 @@ enum class ParamKind {
   ffn_w13,     // [E, 2I, C] gate rows then up rows per expert (dense: E = 1)
   ffn_w2,      // [E, C, I] down
   final_norm,  // [C]
-  lm_head,     // [V, C]
+  lm_head,     // [V, C]; absent when tie_word_embeddings (the head reads `embedding`)
 };
 
 // Which part of the model a table holds (DESIGN §6); the default is the whole model.  Tensor
@@ -112,6 +112,8 @@ class ParamTable {
   int64_t vocab_begin() const { return vocab_begin_; }
   int64_t vocab_end() const { return vocab_end_; }
   bool has(ParamKind kind, int layer = -1) const;
+  // The head's weight: lm_head, or the embedding when the model ties them.
+  ParamKind head_kind() const { return tied_ ? ParamKind::embedding : ParamKind::lm_head; }
   const ParamSpec& at(ParamKind kind, int layer = -1) const;
   // The tensors as Hugging Face names them (experts expanded, dense FFN under mlp.* names).
   const std::vector<HfTensorRef>& hf_tensors() const { return hf_tensors_; }
@@ -127,6 +129,7 @@ class ParamTable {
   bool moe_ = false;
   ParamShard shard_;
   bool whole_ = true;
+  bool tied_ = false;
   int64_t vocab_begin_ = 0, vocab_end_ = 0;
 };
 

@@ -167,6 +167,8 @@ void check_weights_size(const ModelTensors& files, const ParamTable& table, cons
   for (const std::string& name : files.names()) {
     if (used.count(name)) continue;
     if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;  // a buffer, not a parameter
+    // Tied embeddings: transformers ignores a saved lm_head.weight (the head IS the embedding).
+    if (name == "lm_head.weight" && table.head_kind() == ParamKind::embedding) continue;
     fail(
         "{}: tensor '{}' is not a parameter of the model config.json describes (architecture, layer count "
         "or expert count mismatch?)",

@@ -51,6 +51,10 @@ void validate_layout(const TrainConfig& cfg, const ModelConfig& mc, int world) {
          "tp, or replicated when tp is a multiple of them)",
          nkv, tp);
   stage_layer_starts(cfg, mc);
+  if (mc.tie_word_embeddings && pp > 1)
+    fail("parallel.pp: pp {} with tie_word_embeddings: the head is the embedding matrix, which the first and "
+         "the last stage would both need (not supported; use pp 1)",
+         pp);
   if (!mc.is_moe() && ep != 1)
     fail("parallel.ep: ep {} needs an MoE model; {} is dense (num_local_experts 0)", ep, mc.architecture);
   if (mc.is_moe() && mc.num_local_experts % ep != 0)

@@ -84,7 +84,7 @@ RankParams rank_params(const Plan& p, const ParamTable& t, int first, int n, boo
   }
   if (last_stage) {
     r.norms += numel(t, ParamKind::final_norm);
-    r.lm_head = numel(t, ParamKind::lm_head) / p.tp;
+    if (t.has(ParamKind::lm_head)) r.lm_head = numel(t, ParamKind::lm_head) / p.tp;  // absent when tied
   }
   return r;
 }
