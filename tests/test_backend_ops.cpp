@@ -422,6 +422,42 @@ OpCase head_case() {
   return c;
 }
 
+// A projection bias (Qwen2-MoE's q/k/v): y = x + bias per row; the bias gradient is the column sum.
+OpCase bias_case() {
+  const long N = 13;
+  const int C = 20;
+  OpCase c;
+  c.name = "bias";
+  c.inputs = {{"x", rnd(N * C, 1)}, {"b", rnd(C, 2)}};
+  c.wrt = {"x", "b"};
+  c.outputs = {"y"};
+  c.cot = {{"y", rnd(N * C, 3)}};
+  c.forward = [=](Env& e) {
+    const Tensor y = e.f32("y", N * C);
+    e.be().copy(y, e["x"]);
+    e.be().add_bias_rows(y, e["b"], N, C);
+  };
+  c.backward = [=](Env& e) {
+    e.be().copy(e.f32("g:x", N * C), e["d:y"]);
+    e.be().bias_backward(e.f32("g:b", C), e["d:y"], N, C);
+  };
+  return c;
+}
+
+// The shared-expert gate's sigmoid, over values far into both tails.
+OpCase sigmoid_case() {
+  const long n = 17;
+  OpCase c;
+  c.name = "sigmoid";
+  c.inputs = {{"x", rnd(n, 1, 6.0f)}};
+  c.wrt = {"x"};
+  c.outputs = {"s"};
+  c.cot = {{"s", rnd(n, 2)}};
+  c.forward = [=](Env& e) { e.be().sigmoid_forward(e.f32("s", n), e["x"], n); };
+  c.backward = [=](Env& e) { e.be().sigmoid_backward(e.f32("g:x", n), e["d:s"], e["s"], n); };
+  return c;
+}
+
 OpCase embedding_case() {
   const long N = 30;
   const int C = 12, V = 9;
@@ -452,7 +488,7 @@ std::vector<int32_t> routed(long N, int K, const std::function<int(long, int)>& 
 std::vector<OpCase> all_cases() {
   const long N = 12;
   std::vector<OpCase> cases = {rmsnorm_case(), matmul_case(), rope_case(), router_case(true),
-                               router_case(false), z_loss_case(),
+                               router_case(false), z_loss_case(), bias_case(), sigmoid_case(),
                                head_case(), embedding_case()};
   cases.push_back(attention_case("attention_gqa", 2, 17, 4, 2, 8, 0, false, false));
   cases.push_back(attention_case("attention_window_padding", 2, 21, 4, 1, 16, 5, true, false));

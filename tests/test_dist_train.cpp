@@ -428,6 +428,51 @@ class DistTrainQwen3Moe : public DistTrain {
   }
 };
 
+// Qwen2-MoE: q/k/v biases (split with their heads; replicated kv heads sum theirs over the ranks
+// sharing them) and the gated shared expert (a dense FFN split over tp whose gate logit's gradient
+// is summed over tp; whole on every ep rank, reduced over dp).
+namespace {
+const std::string kQwen2Moe =
+    "{architectures: [Qwen2MoeForCausalLM], model_type: qwen2_moe, vocab_size: 256, hidden_size: 32, "
+    "intermediate_size: 48, moe_intermediate_size: 24, shared_expert_intermediate_size: 40, num_hidden_layers: 4, "
+    "num_attention_heads: 4, num_key_value_heads: 2, num_experts: 4, num_experts_per_tok: 2, mlp_only_layers: [2], "
+    "norm_topk_prob: false, router_aux_loss_coef: 0.02, rope_theta: 10000.0, rms_norm_eps: 1.0e-5, "
+    "tie_word_embeddings: false, max_position_embeddings: 256}";
+}  // namespace
+
+class DistTrainQwen2Moe : public DistTrain {
+ protected:
+  static void expect_qwen2_equivalent(const std::string& name, int np, const std::vector<std::string>& overrides) {
+    static const fs::path ref = train("qwen2_ref", 0, {}, 0, kQwen2Moe);
+    const fs::path run = train(name, np, overrides, 0, kQwen2Moe);
+    expect_same_losses(losses(run), losses(ref), 1, name);
+    ASSERT_EQ(losses(ref).size(), 10u);
+    const auto want = read_tensors(ref / "checkpoints" / "step-000010", "model");
+    const auto got = read_tensors(run / "checkpoints" / "step-000010", "model");
+    ASSERT_EQ(got.size(), want.size()) << name;
+    ASSERT_TRUE(want.count("model.layers.0.self_attn.k_proj.bias"));
+    ASSERT_TRUE(want.count("model.layers.1.mlp.shared_expert_gate.weight"));
+    ASSERT_FALSE(want.count("model.layers.2.mlp.shared_expert_gate.weight"));  // the dense layer has none
+    for (const auto& [n, w] : want) {
+      ASSERT_TRUE(got.count(n)) << name << ": " << n;
+      EXPECT_LE(rel_max_diff(got.at(n), w), 1e-4) << name << ": " << n;
+    }
+  }
+};
+
+TEST_F(DistTrainQwen2Moe, TensorParallel2MatchesOneProcess) {
+  expect_qwen2_equivalent("qwen2_tp2", 2, {"parallel.tp=2"});
+}
+TEST_F(DistTrainQwen2Moe, TensorParallel4ReplicatesKvHeadsAndTheirBiases) {
+  expect_qwen2_equivalent("qwen2_tp4", 4, {"parallel.tp=4"});
+}
+TEST_F(DistTrainQwen2Moe, ExpertParallel2OfDataParallel2MatchesOneProcess) {
+  expect_qwen2_equivalent("qwen2_ep2dp2", 2, {"parallel.ep=2", "parallel.zero1=true"});
+}
+TEST_F(DistTrainQwen2Moe, PipelineParallel2MatchesOneProcess) {
+  expect_qwen2_equivalent("qwen2_pp2", 2, {"parallel.pp=2"});
+}
+
 TEST_F(DistTrainQwen3Moe, TensorParallel2MatchesOneProcess) {
   expect_qwen_equivalent("qwen3_tp2", 2, {"parallel.tp=2"});
 }

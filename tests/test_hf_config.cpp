@@ -365,8 +365,8 @@ TEST(HfConfigErrors, ExpertsPerTokenOutOfRange) {
 
 TEST(HfConfigErrors, UnknownArchitecture) {
   json j = tiny_mixtral();
-  j["architectures"] = {"Qwen2MoeForCausalLM"};
-  expect_config_error(j, {"'architectures'", "Qwen2MoeForCausalLM"});
+  j["architectures"] = {"DeepseekV3ForCausalLM"};  // (Qwen2MoeForCausalLM was the example before it was supported)
+  expect_config_error(j, {"'architectures'", "DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM"});
   j = tiny_mixtral();
   j.erase("architectures");
   j["model_type"] = "gpt2";
@@ -678,4 +678,46 @@ TEST(HfConfig, Qwen3GoldenConfigs) {
   const ModelConfig dense = load_model_config(g + "qwen3_dense/config.json");
   EXPECT_EQ(dense.architecture, "Qwen3ForCausalLM");
   EXPECT_EQ(dense.head_dim, 16);
+}
+
+// Qwen1.5-MoE-A2.7B's Hub config: Qwen2-MoE fields, q/k/v biases on (transformers 4 always has them).
+TEST(HfConfig, Qwen2MoeFromTheHub) {
+  const ModelConfig c =
+      load_model_config(std::string(MOETRON_SOURCE_DIR) + "/configs/models/qwen1.5-moe-a2.7b/config.json");
+  EXPECT_EQ(c.model_type, "qwen2_moe");
+  EXPECT_EQ(c.num_local_experts, 60);
+  EXPECT_EQ(c.num_experts_per_tok, 4);
+  EXPECT_EQ(c.moe_intermediate_size, 1408);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 5632);
+  EXPECT_TRUE(c.has_shared_expert());
+  EXPECT_TRUE(c.qkv_bias);
+  EXPECT_FALSE(c.qk_norm);
+  EXPECT_FALSE(c.norm_topk_prob);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.sliding_window, 0);  // use_sliding_window false: the window fields are inert
+  const ParamTable t(c);
+  EXPECT_TRUE(t.find_hf("model.layers.0.self_attn.q_proj.bias") != nullptr);
+  EXPECT_TRUE(t.find_hf("model.layers.23.mlp.shared_expert.up_proj.weight") != nullptr);
+  EXPECT_TRUE(t.find_hf("model.layers.23.mlp.shared_expert_gate.weight") != nullptr);
+  EXPECT_TRUE(t.find_hf("model.layers.5.mlp.experts.59.down_proj.weight") != nullptr);
+  EXPECT_EQ(t.find_hf("model.layers.0.self_attn.o_proj.bias"), nullptr);  // o_proj has none
+  // Written back and read again: the same model.
+  const ModelConfig back = model_config_from_json(model_config_to_json(c), "written");
+  expect_same(c, back);
+  EXPECT_EQ(back.shared_expert_intermediate_size, 5632);
+  EXPECT_TRUE(back.qkv_bias);
+}
+
+TEST(HfConfigErrors, Qwen2MoeFieldsElsewhereAreRefused) {
+  ModelConfig bad = model_config_from_json(tiny_qwen3_moe(), "x");
+  bad.shared_expert_intermediate_size = 16;
+  EXPECT_THROW(validate_model_config(bad, "x"), Error);
+  json j = json::parse(R"({"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+    "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": -1})");
+  expect_config_error(j, {"'shared_expert_intermediate_size'", ">= 0"});
+  j["shared_expert_intermediate_size"] = 0;  // no shared expert: allowed
+  EXPECT_FALSE(model_config_from_json(j, "cfg.json").has_shared_expert());
+  j["qkv_bias"] = "yes";
+  expect_config_error(j, {"'qkv_bias'", "true or false"});
 }

@@ -80,7 +80,7 @@ constexpr double kTol = 1e-5;
 std::vector<std::string> model_dirs() {
   std::vector<std::string> dirs;
   for (const char* c : {"mixtral_gqa", "mixtral_e3_k1", "mixtral_swa_padded", "mistral_dense", "llama_dense",
-                        "qwen3_moe_mixed", "qwen3_moe_norm_topk_padded", "qwen3_dense"})
+                        "qwen3_moe_mixed", "qwen3_moe_norm_topk_padded", "qwen2_moe_shared", "qwen3_dense"})
     dirs.push_back((kGolden / c).string());
   for (const char* c : {"mixtral_gqa", "llama_dense", "qwen3_moe"}) dirs.push_back((kGenerate / c).string());
   return dirs;

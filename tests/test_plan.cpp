@@ -443,3 +443,20 @@ TEST(PlanRules, CudaExpertLimit) {
   EXPECT_NO_THROW(small_plan(2, 1, 1, 2, {{"num_local_experts", 256}}));
   expect_rule(error_of([] { small_plan(2, 1, 1, 2, {{"num_local_experts", 512}}); }), "at most 256 experts");
 }
+
+// Qwen1.5-MoE-A2.7B (Qwen2MoeForCausalLM) from its Hub config.json: 14.3B parameters, 2.7B active
+// (4 of 60 routed experts, plus the shared expert and the q/k/v biases every token uses).
+TEST(PlanTotals, Qwen2MoeA27bParameterCounts) {
+  const ModelConfig m =
+      load_model_config((kSrc / "configs" / "models" / "qwen1.5-moe-a2.7b" / "config.json").string());
+  const Plan p = make_plan(small_cfg(1, 1, 1, 8, 1, 128), m, 1);
+  const int64_t C = 2048, V = 151936, I = 1408, Is = 5632, L = 24, E = 60, K = 4, Q = 2048;
+  const int64_t experts = L * E * 3 * I * C;
+  const int64_t per_layer = 4 * Q * C + 3 * Q + 2 * C + E * C + 3 * Is * C + C;  // + biases, router, shared
+  const int64_t total = 2 * V * C + C + L * per_layer + experts;
+  EXPECT_EQ(p.params_total, total);
+  EXPECT_EQ(p.params_experts, experts);
+  EXPECT_EQ(p.params_active, total - experts / E * (E - K));
+  EXPECT_EQ(format_count((double)p.params_total, 1), "14.3B");
+  EXPECT_EQ(format_count((double)p.params_active, 1), "2.7B");
+}

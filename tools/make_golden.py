@@ -30,10 +30,12 @@ import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.mixtral import modeling_mixtral
+from transformers.models.qwen2_moe import modeling_qwen2_moe
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
@@ -69,19 +71,26 @@ CASES = {
                                        layers=4, heads=4, kv_heads=1, head_dim=8, experts=6, top_k=2,
                                        norm_topk_prob=True, mlp_only_layers=[], sparse_step=2, T=14,
                                        rope_theta=1e6, sliding_window=None, pad_row1=4),
+    # Qwen2-MoE: q/k/v biases, a gated shared expert of its own width in every MoE layer, a dense layer
+    # (mlp_only_layers [2]) after two sparse ones, norm_topk_prob false; row 1 right-padded by 3.
+    "qwen2_moe_shared": dict(arch="qwen2_moe", seed=62, vocab=128, hidden=32, inter=40, moe_inter=16, shared_inter=24,
+                             layers=3, heads=4, kv_heads=2, experts=4, top_k=2, norm_topk_prob=False,
+                             mlp_only_layers=[2], sparse_step=1, T=15, rope_theta=1e6, sliding_window=None,
+                             pad_row1=3),
     # Dense Qwen3 as the small ones are: q/k norms, head_dim 16 != hidden / heads = 8, tied embeddings.
     "qwen3_dense": dict(arch="qwen3", seed=25, vocab=120, hidden=32, inter=56, layers=2, heads=4, kv_heads=2,
                         head_dim=16, T=12, rope_theta=1e6, sliding_window=None, pad_row1=0, tie=True),
 }
-MOE_ARCHS = ("mixtral", "qwen3_moe")
-MOE_CLASSES = (MixtralForCausalLM, Qwen3MoeForCausalLM)
+MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")
+MOE_CLASSES = (MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM)
+BIAS_SCALE = 0.1  # q/k/v biases (HF initialises them to 0): N(0, 0.1) so a missing bias shows
 GATE_SCALE = 10.0
 QK_SCALE = 4.0
 NORM_JITTER = 0.1
 B = 2
-MODULES = (modeling_mixtral, modeling_mistral, modeling_llama, modeling_qwen3, modeling_qwen3_moe)
+MODULES = (modeling_mixtral, modeling_mistral, modeling_llama, modeling_qwen3, modeling_qwen3_moe, modeling_qwen2_moe)
 PREFIX = {modeling_mixtral: "Mixtral", modeling_mistral: "Mistral", modeling_llama: "Llama", modeling_qwen3: "Qwen3",
-          modeling_qwen3_moe: "Qwen3Moe"}
+          modeling_qwen3_moe: "Qwen3Moe", modeling_qwen2_moe: "Qwen2Moe"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,7 +182,7 @@ def float64_numerics():
         patch(getattr(mod, prefix + "RMSNorm"), "forward", _rmsnorm_forward)
         patch(getattr(mod, prefix + "RotaryEmbedding"), "forward", _rotary_forward)
         patch(mod, "eager_attention_forward", _make_eager_attention(mod))
-    for mod in (modeling_mixtral, modeling_qwen3_moe):
+    for mod in (modeling_mixtral, modeling_qwen3_moe, modeling_qwen2_moe):
         patch(getattr(mod, PREFIX[mod] + "TopKRouter"), "forward", _router_forward)
         patch(mod, "load_balancing_loss_func", _load_balancing_loss)
     try:
@@ -204,6 +213,13 @@ def build_config(c):
                              decoder_sparse_step=c["sparse_step"], router_aux_loss_coef=ROUTER_AUX_LOSS_COEF,
                              attention_bias=False, use_sliding_window=False)
         cls = Qwen3MoeForCausalLM
+    elif c["arch"] == "qwen2_moe":
+        cfg = Qwen2MoeConfig(**common, num_experts=c["experts"], num_experts_per_tok=c["top_k"],
+                             moe_intermediate_size=c["moe_inter"], shared_expert_intermediate_size=c["shared_inter"],
+                             norm_topk_prob=c["norm_topk_prob"], mlp_only_layers=c["mlp_only_layers"],
+                             decoder_sparse_step=c["sparse_step"], router_aux_loss_coef=ROUTER_AUX_LOSS_COEF,
+                             qkv_bias=True, use_sliding_window=False)
+        cls = Qwen2MoeForCausalLM
     elif c["arch"] == "qwen3":
         cfg = Qwen3Config(**common, head_dim=c["head_dim"], attention_bias=False, use_sliding_window=False)
         cls = Qwen3ForCausalLM
@@ -231,6 +247,8 @@ def build_model(c):
                 p.mul_(QK_SCALE)
             elif name.endswith("mlp.gate.weight"):
                 p.mul_(GATE_SCALE)
+            elif name.endswith("_proj.bias"):
+                p.copy_(BIAS_SCALE * torch.randn(p.shape))
     return model
 
 
@@ -295,10 +313,15 @@ def check_hub_file(model_dir, model, c):
     if c["arch"] == "mixtral":
         assert "model.layers.1.block_sparse_moe.gate.weight" in keys
         assert f"model.layers.1.block_sparse_moe.experts.{c['experts'] - 1}.w2.weight" in keys
-    elif c["arch"] == "qwen3_moe":
+    elif c["arch"] in ("qwen3_moe", "qwen2_moe"):
         sparse = [l for l in range(c["layers"]) if l not in c["mlp_only_layers"] and (l + 1) % c["sparse_step"] == 0]
         for l in range(c["layers"]):
-            assert f"model.layers.{l}.self_attn.q_norm.weight" in keys and f"model.layers.{l}.self_attn.k_norm.weight" in keys
+            if c["arch"] == "qwen3_moe":
+                assert f"model.layers.{l}.self_attn.q_norm.weight" in keys and f"model.layers.{l}.self_attn.k_norm.weight" in keys
+            else:
+                assert all(f"model.layers.{l}.self_attn.{p}_proj.bias" in keys for p in "qkv")
+                assert (f"model.layers.{l}.mlp.shared_expert_gate.weight" in keys) == (l in sparse)
+                assert (f"model.layers.{l}.mlp.shared_expert.down_proj.weight" in keys) == (l in sparse)
             if l in sparse:
                 assert f"model.layers.{l}.mlp.gate.weight" in keys
                 assert f"model.layers.{l}.mlp.experts.{c['experts'] - 1}.down_proj.weight" in keys

@@ -194,9 +194,16 @@ class Backend {
                                   Tensor k, Tensor v, const AttnMask& mask, int B, int T, int NH, int NKV,
                                   int HD) = 0;
 
-  // ---- router (ops/router.h) --------------------------------------------------------------------
-  // x[N,E] += bias[E] (f32; a test aid that skews routing).
+  // ---- biases (ops/bias.h) and the sigmoid gate (ops/sigmoid.h) ------------------------------------
+  // x[N,E] += bias[E] (f32): projection biases, and a test aid that skews routing.
   virtual void add_bias_rows(Tensor x, Tensor bias, long N, int E) = 0;
+  // dbias[C] += column sums of dout[N,C] (f32).
+  virtual void bias_backward(Tensor dbias, Tensor dout, long N, int C) = 0;
+  // s[n] = sigmoid(x[n]); dx[n] = ds[n] s[n] (1 - s[n]) (f32, assign).
+  virtual void sigmoid_forward(Tensor s, Tensor x, long n) = 0;
+  virtual void sigmoid_backward(Tensor dx, Tensor ds, Tensor s, long n) = 0;
+
+  // ---- router (ops/router.h) --------------------------------------------------------------------
   // renormalize: the top-K weights sum to 1 (Mixtral), else they are the probs (norm_topk_prob false).
   virtual void router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K,
                               bool renormalize) = 0;

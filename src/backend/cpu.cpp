@@ -10,11 +10,13 @@
 #include "core/rng.h"
 #include "dist/tp_ops.h"
 #include "ops/attention.h"
+#include "ops/bias.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 #include "ops/matmul.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
+#include "ops/sigmoid.h"
 #include "optim/adamw.h"
 
 namespace moetron {
@@ -187,8 +189,16 @@ void CpuBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout
 void CpuBackend::add_bias_rows(Tensor x, Tensor bias, long N, int E) {
   float* p = x.f32();
   const float* b = bias.f32();
+#pragma omp parallel for schedule(static) if (N * E >= (1 << 15))
   for (long n = 0; n < N; n++)
     for (int e = 0; e < E; e++) p[n * E + e] += b[e];
+}
+void CpuBackend::bias_backward(Tensor dbias, Tensor dout, long N, int C) {
+  ops::bias_backward(dbias.f32(), dout.f32(), N, C);
+}
+void CpuBackend::sigmoid_forward(Tensor s, Tensor x, long n) { ops::sigmoid_forward(s.f32(), x.f32(), n); }
+void CpuBackend::sigmoid_backward(Tensor dx, Tensor ds, Tensor s, long n) {
+  ops::sigmoid_backward(dx.f32(), ds.f32(), s.f32(), n);
 }
 
 void CpuBackend::router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K,

@@ -43,6 +43,9 @@ class CpuBackend : public Backend {
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor out, Tensor saved, Tensor q, Tensor k,
                           Tensor v, const AttnMask& mask, int B, int T, int NH, int NKV, int HD) override;
   void add_bias_rows(Tensor x, Tensor bias, long N, int E) override;
+  void bias_backward(Tensor dbias, Tensor dout, long N, int C) override;
+  void sigmoid_forward(Tensor s, Tensor x, long n) override;
+  void sigmoid_backward(Tensor dx, Tensor ds, Tensor s, long n) override;
   void router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K,
                       bool renormalize) override;
   void router_layer_stats(ops::RouterLayerStats& st, Tensor logits, Tensor probs, Tensor topk_idx, Tensor token_mask,

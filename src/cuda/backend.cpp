@@ -179,6 +179,13 @@ void CudaBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dou
 void CudaBackend::add_bias_rows(Tensor x, Tensor bias, long N, int E) {
   gpu::add_bias_rows(*ctx_, f32p(x), f32p(bias), N, E);
 }
+void CudaBackend::bias_backward(Tensor dbias, Tensor dout, long N, int C) {
+  gpu::bias_backward(*ctx_, f32p(dbias), f32p(dout), N, C);
+}
+void CudaBackend::sigmoid_forward(Tensor s, Tensor x, long n) { gpu::sigmoid_forward(*ctx_, f32p(s), f32p(x), n); }
+void CudaBackend::sigmoid_backward(Tensor dx, Tensor ds, Tensor s, long n) {
+  gpu::sigmoid_backward(*ctx_, f32p(dx), f32p(ds), f32p(s), n);
+}
 void CudaBackend::router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K,
                                  bool renormalize) {
   gpu::router_forward(*ctx_, f32p(probs), i32p(topk_idx), f32p(topk_w), f32p(logits), N, E, K, renormalize);

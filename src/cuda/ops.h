@@ -184,6 +184,11 @@ double cross_entropy_finish(Context& ctx, float* lse, float* row_loss, const flo
 void add_f32(Context& ctx, float* y, const float* x, size_t n);
 // x[N,E] += bias[E] (fp32)
 void add_bias_rows(Context& ctx, float* x, const float* bias, long N, int E);
+// dbias[C] += column sums of dout[N,C] (fp32; each column in row order, as ops::bias_backward)
+void bias_backward(Context& ctx, float* dbias, const float* dout, long N, int C);
+// s = sigmoid(x); dx = ds s (1 - s)  (fp32, n values, as ops/sigmoid.h)
+void sigmoid_forward(Context& ctx, float* s, const float* x, long n);
+void sigmoid_backward(Context& ctx, float* dx, const float* ds, const float* s, long n);
 // out[m] = in[index[m]] for rows of row_bytes bytes (m < rows)
 void gather_rows(Context& ctx, void* out, const void* in, const int32_t* index, long rows, size_t row_bytes);
 // partial[s] = sum of values[i]^2 over segment s = [begin[s], end[s]) (fp64, fixed reduction order).

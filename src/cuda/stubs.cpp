@@ -125,6 +125,9 @@ double cross_entropy_finish(Context&, float*, float*, const float*, const double
 }
 void add_f32(Context&, float*, const float*, size_t) { no_cuda("add_f32"); }
 void add_bias_rows(Context&, float*, const float*, long, int) { no_cuda("add_bias_rows"); }
+void bias_backward(Context&, float*, const float*, long, int) { no_cuda("bias_backward"); }
+void sigmoid_forward(Context&, float*, const float*, long) { no_cuda("sigmoid_forward"); }
+void sigmoid_backward(Context&, float*, const float*, const float*, long) { no_cuda("sigmoid_backward"); }
 void gather_rows(Context&, void*, const void*, const int32_t*, long, size_t) { no_cuda("gather_rows"); }
 void sum_squares_segments(Context&, double*, const float*, const int64_t*, const int64_t*, size_t) {
   no_cuda("sum_squares_segments");

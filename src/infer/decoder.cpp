@@ -16,6 +16,7 @@
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 #include "ops/router.h"
+#include "ops/sigmoid.h"
 #include "ops/swiglu.h"
 
 namespace moetron {
@@ -48,6 +49,12 @@ class ThreadLimit {
   int saved_;
   bool active_ = false;
 };
+
+// x[n, C] += bias[C] per row.
+void add_bias(float* x, const float* bias, long n, int C) {
+  for (long i = 0; i < n; i++)
+    for (int c = 0; c < C; c++) x[i * C + c] += bias[c];
+}
 
 void add_inplace(float* y, const float* x, long n) {
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
@@ -212,6 +219,12 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
       ops::matmul_forward(kdst, ln, wk, n, C_, KVd_);
       ops::matmul_forward(vdst, ln, wv, n, C_, KVd_);
     }
+    if (m_.cfg.qkv_bias) {  // Qwen2-MoE: q/k/v biases, rows of the projections
+      ThreadLimit lim(N * (Q_ + 2 * KVd_));
+      add_bias(q_.data(), m_.weight(ParamKind::q_bias, l), n, Q_);
+      add_bias(kdst, m_.weight(ParamKind::k_bias, l), n, KVd_);
+      add_bias(vdst, m_.weight(ParamKind::v_bias, l), n, KVd_);
+    }
     if (m_.cfg.qk_norm) {  // RMSNorm over each head of q and k (in place), before RoPE
       ThreadLimit lim(N * (Q_ + KVd_));
       ops::rmsnorm_forward(q_.data(), rstd_.data(), q_.data(), m_.weight(ParamKind::q_norm, l), N * NH_, HD_, eps);
@@ -351,6 +364,7 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
     std::fill(tmp, tmp + C_, 0.0f);
     for (int k = 0; k < K_; k++) infer::axpy(tmp, topk_w_[k], y + (size_t)k * C_, C_);
     add_inplace(x, tmp, C_);
+    shared_expert(x, ln, layer, 1);
     return;
   }
   ops::matmul_forward(rlogits_.data(), ln, wr, n, C_, E_);
@@ -361,6 +375,29 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
   ops::moe_experts_forward(yperm_.data(), h13, act, xperm_.data(), w13, w2, plan_, C_, I);
   ops::moe_combine_forward(tmp, yperm_.data(), topk_w_.data(), plan_, C_);
   add_inplace(x, tmp, (long)n * C_);
+  shared_expert(x, ln, layer, n);
+}
+
+// Qwen2-MoE: x[n, C] += sigmoid(ln . w_gate) * FFN_shared(ln), every token (MoE layers only).
+void Decoder::shared_expert(float* x, const float* ln, int layer, int n) {
+  if (!m_.cfg.has_shared_expert()) return;
+  const int Is = m_.cfg.shared_expert_intermediate_size;
+  shared_h13_.resize((size_t)n * 2 * Is);
+  shared_act_.resize((size_t)n * Is);
+  shared_y_.resize((size_t)n * C_);
+  float gate_logit[1], gate[1];
+  ops::matmul_forward(shared_h13_.data(), ln, m_.weight(ParamKind::shared_w13, layer), n, C_, 2 * Is);
+  ops::swiglu_forward(shared_act_.data(), shared_h13_.data(), n, Is);
+  ops::matmul_forward(shared_y_.data(), shared_act_.data(), m_.weight(ParamKind::shared_w2, layer), n, Is, C_);
+  const float* wg = m_.weight(ParamKind::shared_gate, layer);  // [1, C]
+  for (int i = 0; i < n; i++) {
+    const float* li = ln + (size_t)i * C_;
+    double dot = 0.0;  // as the model's [N,C] x [1,C] product, in fp32 pieces summed in double
+    for (int c = 0; c < C_; c++) dot += (double)li[c] * (double)wg[c];
+    gate_logit[0] = (float)dot;
+    ops::sigmoid_forward(gate, gate_logit, 1);
+    infer::axpy(x + (size_t)i * C_, gate[0], shared_y_.data() + (size_t)i * C_, C_);
+  }
 }
 
 }  // namespace moetron

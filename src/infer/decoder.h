@@ -66,6 +66,7 @@ class Decoder {
   void forward_chunk(KvCache& cache, const int32_t* tokens, int n, float* logits, bool all_logits);
   void attention(float* out, const float* q, const float* keys, const float* values, int pos0, int n);
   void ffn(float* x, const float* ln, int layer, int n);
+  void shared_expert(float* x, const float* ln, int layer, int n);
   void reserve_scratch(int n);
   // A decode-time product y = W x with the layer's weight in bf16 when available.
   infer::GemvTask task(float* y, ParamKind kind, int layer, size_t offset, const float* x, int OC,
@@ -80,6 +81,7 @@ class Decoder {
   // Scratch, sized for the largest chunk seen.
   int cap_ = 0;
   std::vector<float> x_, ln_, rstd_, q_, att_, tmp_, rlogits_, rprobs_, topk_w_, xperm_, h13_, act_, yperm_, scores_;
+  std::vector<float> shared_h13_, shared_act_, shared_y_;  // Qwen2-MoE's shared expert
   std::vector<int32_t> topk_idx_, pos_;
   ops::MoePlan plan_;
   // Decode steps (n == 1) split products from this many multiply-adds (set per step by the tuner).

@@ -27,22 +27,26 @@ struct ArchInfo {
   int sliding_window;  // 0: None
   double router_aux_loss_coef;
   bool has_sliding_window;  // LlamaForCausalLM has no sliding window attention
-  // Qwen3 / Qwen3-MoE: q/k norms, `use_sliding_window`, and (MoE) num_experts,
-  // moe_intermediate_size, decoder_sparse_step, mlp_only_layers, norm_topk_prob.
-  bool qwen3 = false;
+  // The Qwen family: `use_sliding_window`, and (MoE) num_experts, moe_intermediate_size,
+  // decoder_sparse_step, mlp_only_layers, norm_topk_prob.
+  bool qwen = false;
   int default_head_dim = 0;  // when head_dim is absent; 0: hidden_size / num_attention_heads
+  bool qk_norm = false;      // Qwen3: per-head q/k RMSNorm
+  bool qwen2_moe = false;    // q/k/v biases (qkv_bias, default true) and a gated shared expert
 };
 
 constexpr ArchInfo kArchs[] = {
     {"MixtralForCausalLM", "mixtral", true, 1e-5, 1e6, 4096 * 32, 0, 0.001, true},
     {"MistralForCausalLM", "mistral", false, 1e-6, 1e4, 4096 * 32, 4096, 0.0, true},
     {"LlamaForCausalLM", "llama", false, 1e-6, 1e4, 2048, 0, 0.0, false},
-    {"Qwen3MoeForCausalLM", "qwen3_moe", true, 1e-6, 1e4, 32768, 0, 0.001, false, true, 0},
-    {"Qwen3ForCausalLM", "qwen3", false, 1e-6, 1e4, 32768, 0, 0.0, false, true, 128},
+    {"Qwen3MoeForCausalLM", "qwen3_moe", true, 1e-6, 1e4, 32768, 0, 0.001, false, true, 0, true, false},
+    {"Qwen2MoeForCausalLM", "qwen2_moe", true, 1e-6, 1e4, 32768, 0, 0.001, false, true, 0, false, true},
+    {"Qwen3ForCausalLM", "qwen3", false, 1e-6, 1e4, 32768, 0, 0.0, false, true, 128, true, false},
 };
 constexpr const char* kArchList =
-    "MixtralForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, LlamaForCausalLM or Qwen3ForCausalLM";
-constexpr const char* kModelTypeList = "mixtral, qwen3_moe, mistral, llama or qwen3";
+    "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MistralForCausalLM, LlamaForCausalLM or "
+    "Qwen3ForCausalLM";
+constexpr const char* kModelTypeList = "mixtral, qwen3_moe, qwen2_moe, mistral, llama or qwen3";
 
 const ArchInfo* arch_by_name(const std::string& architecture) {
   for (const ArchInfo& a : kArchs)
@@ -145,6 +149,7 @@ void check_sizes(const ModelConfig& c, const std::string& source) {
       {"num_attention_heads", c.num_attention_heads, 1 << 12}, {"num_key_value_heads", c.num_key_value_heads, 1 << 12},
       {"head_dim", c.head_dim, 1 << 14},              {"num_local_experts", c.num_local_experts, 1 << 12},
       {"moe_intermediate_size", c.moe_intermediate_size, 1 << 22},
+      {"shared_expert_intermediate_size", c.shared_expert_intermediate_size, 1 << 22},
   };
   for (const Bound& b : bounds)
     if (b.value > b.max)
@@ -156,7 +161,8 @@ void check_sizes(const ModelConfig& c, const std::string& source) {
   const double C = c.hidden_size, Q = (double)c.num_attention_heads * c.head_dim,
                KV = (double)c.num_key_value_heads * c.head_dim, E = std::max(c.num_local_experts, 1);
   const double I = std::max(c.intermediate_size, c.moe_intermediate_size);
-  const double per_layer = C * Q * 2 + C * KV * 2 + E * 3.0 * I * C + E * C + 2 * C + 2.0 * c.head_dim;
+  const double per_layer = C * Q * 2 + C * KV * 2 + E * 3.0 * I * C + E * C + 2 * C + 2.0 * c.head_dim +
+                           3.0 * c.shared_expert_intermediate_size * C + Q + 2 * KV;
   const double total = per_layer * c.num_hidden_layers + 2.0 * c.vocab_size * C + C;
   if (total > (double)kMaxModelParameters)
     fail("{}: the sizes imply {:.3g} parameters (hidden_size {}, num_hidden_layers {}, num_local_experts {}, "
@@ -227,19 +233,19 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
            source, c.hidden_size, c.num_attention_heads);
     c.head_dim = c.hidden_size / c.num_attention_heads;
   }
-  if (arch->moe && !arch->qwen3) {
+  if (arch->moe && !arch->qwen) {
     c.num_local_experts = f.required_int("num_local_experts");
     c.num_experts_per_tok = f.required_int("num_experts_per_tok");
     c.router_aux_loss_coef = f.optional_double("router_aux_loss_coef", arch->router_aux_loss_coef);
-  } else if (arch->moe) {  // Qwen3MoeConfig's names and defaults
+  } else if (arch->moe) {  // Qwen3MoeConfig's / Qwen2MoeConfig's names and defaults
     // Hub configs (transformers 4) say num_experts; transformers 5 writes num_local_experts (its
     // attribute_map aliases the two).  Both are read, and must agree when both are present.
     const int hub = f.optional_int("num_experts", -1), v5 = f.optional_int("num_local_experts", -1);
     if (hub >= 0 && v5 >= 0 && hub != v5)
       fail("{}: fields 'num_experts' ({}) and 'num_local_experts' ({}) disagree", source, hub, v5);
-    c.num_local_experts = v5 >= 0 ? v5 : hub >= 0 ? hub : 128;
-    c.num_experts_per_tok = f.optional_int("num_experts_per_tok", 8);
-    c.moe_intermediate_size = f.optional_int("moe_intermediate_size", 768);
+    c.num_local_experts = v5 >= 0 ? v5 : hub >= 0 ? hub : arch->qwen2_moe ? 60 : 128;
+    c.num_experts_per_tok = f.optional_int("num_experts_per_tok", arch->qwen2_moe ? 4 : 8);
+    c.moe_intermediate_size = f.optional_int("moe_intermediate_size", arch->qwen2_moe ? 1408 : 768);
     check_positive(source, "moe_intermediate_size", c.moe_intermediate_size);
     c.decoder_sparse_step = f.optional_int("decoder_sparse_step", 1);
     c.norm_topk_prob = f.optional_bool("norm_topk_prob", false);
@@ -250,8 +256,14 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
       for (const json& v : *m) c.mlp_only_layers.push_back(f.to_int("mlp_only_layers", v));
     }
   }
-  if (arch->qwen3) {
-    c.qk_norm = true;
+  if (arch->qwen2_moe) {
+    c.qkv_bias = f.optional_bool("qkv_bias", true);  // transformers 4 has the biases always
+    c.shared_expert_intermediate_size = f.optional_int("shared_expert_intermediate_size", 5632);
+    if (c.shared_expert_intermediate_size < 0)
+      fail("{}: field 'shared_expert_intermediate_size' must be >= 0, got {}", source, c.shared_expert_intermediate_size);
+  }
+  if (arch->qwen) {
+    c.qk_norm = arch->qk_norm;
     // Sliding-window attention per layer (use_sliding_window with max_window_layers / layer_types)
     // is not modelled; off (the default and every released Qwen3) the window fields are inert and
     // stay in `extra`.
@@ -376,20 +388,24 @@ json model_config_to_json(const ModelConfig& c) {
   j["num_attention_heads"] = c.num_attention_heads;
   j["num_key_value_heads"] = c.num_key_value_heads;
   j["head_dim"] = c.head_dim;
-  const bool qwen3 = arch != nullptr && arch->qwen3;
+  const bool qwen = arch != nullptr && arch->qwen;
   if (c.is_moe() || (arch != nullptr && arch->moe)) {
     j["num_local_experts"] = c.num_local_experts;
-    if (qwen3) j["num_experts"] = c.num_local_experts;  // transformers 4's name (5 reads either)
+    if (qwen) j["num_experts"] = c.num_local_experts;  // transformers 4's name (5 reads either)
     j["num_experts_per_tok"] = c.num_experts_per_tok;
     j["router_aux_loss_coef"] = c.router_aux_loss_coef;
-    if (qwen3) {
+    if (qwen) {
       j["moe_intermediate_size"] = c.moe_intermediate_size;
       j["decoder_sparse_step"] = c.decoder_sparse_step;
       j["mlp_only_layers"] = c.mlp_only_layers;
       j["norm_topk_prob"] = c.norm_topk_prob;
     }
   }
-  if (qwen3) j["use_sliding_window"] = false;
+  if (qwen) j["use_sliding_window"] = false;
+  if (arch != nullptr && arch->qwen2_moe) {
+    j["qkv_bias"] = c.qkv_bias;
+    j["shared_expert_intermediate_size"] = c.shared_expert_intermediate_size;
+  }
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["rope_theta"] = c.rope_theta;
   j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", c.rope_theta}};
@@ -428,7 +444,7 @@ void validate_model_config(const ModelConfig& c, const std::string& source) {
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     fail("{}: field 'num_key_value_heads' ({}) must divide num_attention_heads ({})", source,
          c.num_key_value_heads, c.num_attention_heads);
-  const char* experts_field = arch->qwen3 ? "num_experts" : "num_local_experts";
+  const char* experts_field = arch->qwen ? "num_experts" : "num_local_experts";
   if (arch->moe) {
     check_positive(source, experts_field, c.num_local_experts);
     if (c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_local_experts)
@@ -437,12 +453,12 @@ void validate_model_config(const ModelConfig& c, const std::string& source) {
     if (!(c.router_aux_loss_coef >= 0.0) || !std::isfinite(c.router_aux_loss_coef))
       fail("{}: field 'router_aux_loss_coef' must be a finite number >= 0, got {}", source,
            c.router_aux_loss_coef);
-    if (c.moe_intermediate_size < 0 || (c.moe_intermediate_size > 0 && !arch->qwen3))
+    if (c.moe_intermediate_size < 0 || (c.moe_intermediate_size > 0 && !arch->qwen))
       fail("{}: field 'moe_intermediate_size' = {} does not fit architecture {}", source, c.moe_intermediate_size,
            c.architecture);
     if (c.decoder_sparse_step < 1)
       fail("{}: field 'decoder_sparse_step' must be >= 1, got {}", source, c.decoder_sparse_step);
-    if (!arch->qwen3 && (c.decoder_sparse_step != 1 || !c.mlp_only_layers.empty() || !c.norm_topk_prob))
+    if (!arch->qwen && (c.decoder_sparse_step != 1 || !c.mlp_only_layers.empty() || !c.norm_topk_prob))
       fail("{}: fields 'decoder_sparse_step', 'mlp_only_layers' and 'norm_topk_prob' are Qwen3-MoE's; {} routes "
            "every layer with renormalised weights",
            source, c.architecture);
@@ -465,8 +481,13 @@ void validate_model_config(const ModelConfig& c, const std::string& source) {
   if (!(c.initializer_range >= 0.0) || !std::isfinite(c.initializer_range))
     fail("{}: field 'initializer_range' must be a finite number >= 0, got {}", source,
          c.initializer_range);
-  if (c.qk_norm != arch->qwen3)
-    fail("{}: q/k norms are {} for architecture {}", source, arch->qwen3 ? "required" : "not part", c.architecture);
+  if (c.qk_norm != arch->qk_norm)
+    fail("{}: q/k norms are {} for architecture {}", source, arch->qk_norm ? "required" : "not part", c.architecture);
+  if (!arch->qwen2_moe && (c.qkv_bias || c.shared_expert_intermediate_size != 0))
+    fail("{}: fields 'qkv_bias' and 'shared_expert_intermediate_size' are Qwen2-MoE's, not {}'s", source,
+         c.architecture);
+  if (c.shared_expert_intermediate_size < 0)
+    fail("{}: field 'shared_expert_intermediate_size' must be >= 0, got {}", source, c.shared_expert_intermediate_size);
   if (c.hidden_act != "silu")
     fail("{}: field 'hidden_act' = '{}' is not supported (expected \"silu\")", source,
          c.hidden_act);

@@ -1,4 +1,4 @@
-// Hugging Face config.json <-> ModelConfig for the MoE models Mixtral and Qwen3-MoE, and the dense
+// Hugging Face config.json <-> ModelConfig for the MoE models Mixtral, Qwen3-MoE and Qwen2-MoE, and the dense
 // Mistral / Llama / Qwen3 models.
 //
 // Reading follows transformers' semantics: absent optional fields take the defaults of the
@@ -10,6 +10,8 @@
 // does not implement (rope scaling, activations other than silu, biases) are
 // rejected with an Error instead of being silently ignored.
 //
+// Qwen2-MoE (modeling_qwen2_moe.py) shares Qwen3-MoE's MoE fields and names (no q/k norms), and adds
+// q/k/v biases (`qkv_bias`, default true) and the gated shared expert.
 // Qwen3 / Qwen3-MoE differ from Mixtral in (modeling_qwen3*.py): an RMSNorm over each head's q and k
 // before RoPE (`self_attn.{q,k}_norm.weight` [head_dim]); `head_dim` independent of hidden / heads
 // (Qwen3's default 128); the experts' width `moe_intermediate_size` beside `intermediate_size` for
@@ -43,6 +45,8 @@ struct ModelConfig {
   std::vector<int> mlp_only_layers;  // ... and l is not listed here (then a dense FFN of intermediate_size)
   bool norm_topk_prob = true;     // renormalise the top-K router weights to sum 1 (Mixtral: always)
   bool qk_norm = false;           // RMSNorm over each head of q and k before RoPE (Qwen3, Qwen3-MoE)
+  bool qkv_bias = false;          // q/k/v projection biases (Qwen2-MoE)
+  int shared_expert_intermediate_size = 0;  // Qwen2-MoE: a shared expert in every MoE layer; 0: none
   double rms_norm_eps = 1e-5;
   double rope_theta = 1e6;
   int sliding_window = 0;  // 0: none (config null)
@@ -67,6 +71,9 @@ struct ModelConfig {
   // Hugging Face tensor names of the MoE block: Mixtral's `block_sparse_moe.{gate, experts.e.w1/w3/w2}`
   // or (Qwen3-MoE) `mlp.{gate, experts.e.gate_proj/up_proj/down_proj}`.
   bool mixtral_names() const { return model_type == "mixtral"; }
+  // Qwen2-MoE: every MoE layer also runs a dense "shared expert" FFN of this width, scaled per token by
+  // sigmoid(x . shared_expert_gate) (`mlp.shared_expert.{gate,up,down}_proj`, `mlp.shared_expert_gate`).
+  bool has_shared_expert() const { return shared_expert_intermediate_size > 0; }
 };
 
 // Parses and validates; errors name `source_name` and the field.

@@ -146,8 +146,8 @@ void MixtralModel::init_parameters(uint64_t seed) {
   }
   for (const HfTensorRef& t : table_.hf_tensors()) {
     const Tensor p = params_t_.part(t.offset, t.numel);
-    if (table_.spec_of(t).is_norm())
-      be_.init_normal(p, seed, 0, 0.0, 1.0f);
+    if (table_.spec_of(t).is_norm() || table_.spec_of(t).is_bias())
+      be_.init_normal(p, seed, 0, 0.0, table_.spec_of(t).is_norm() ? 1.0f : 0.0f);
     else
       be_.init_normal(p, seed, hash_name(t.name), cfg_.initializer_range, 0.0f);
   }
@@ -185,6 +185,19 @@ Tensor MixtralModel::as_act(Tensor src, Tensor scratch) {
   return scratch;
 }
 
+Tensor MixtralModel::as_f32(Tensor src, Tensor scratch) {
+  if (src.store == Store::f32) return src;
+  be_.convert(scratch, src);
+  return scratch;
+}
+
+void MixtralModel::store_as(Tensor dst, Tensor src) {
+  if (dst.store == src.store)
+    be_.copy(dst, src);
+  else
+    be_.convert(dst, src);
+}
+
 void MixtralModel::set_profile(Profile* profile) {
   profile_ = profile;
   dispatch_->set_profile(profile);
@@ -206,7 +219,8 @@ void MixtralModel::reduce_replicated_grads() {
       }
   if (!kv_comm_ || kv_comm_->size() == 1) return;
   for (int l = layer_begin_; l < layer_end_; l++)
-    for (ParamKind k : {ParamKind::k_proj, ParamKind::v_proj}) {
+    for (ParamKind k : {ParamKind::k_proj, ParamKind::v_proj, ParamKind::k_bias, ParamKind::v_bias}) {
+      if (!table_.has(k, l)) continue;
       const Tensor g = G(k, l);
       kv_comm_->all_reduce(g.data, g.numel, dist::CommDType::f32, dist::ReduceOp::sum);
     }
@@ -234,6 +248,8 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
   const bool head = last_stage();
   const bool qkn = cfg_.qk_norm;
   const Store act = be_.act_store(), f32 = Store::f32, i32 = Store::i32;
+  const bool shared = cfg_.has_shared_expert();
+  const long Is = shared ? cfg_.shared_expert_intermediate_size / tp_size_ : 0;
   const bool router_copy = act != f32;  // the router's input in f32 beside the act-store one
   const bool local_experts = !ep_on();  // the expert activations live in the arena
 
@@ -278,6 +294,12 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
       a.row_of = c.take(i32, M);
       a.dispatch.h13 = local_experts || !moe_l ? c.take(act, 2 * M * Il) : Tensor{};
       a.dispatch.act = local_experts || !moe_l ? c.take(act, M * Il) : Tensor{};
+      const bool sh = moe_l && shared;
+      a.sh13 = sh ? c.take(act, N * 2 * Is) : Tensor{};
+      a.shact = sh ? c.take(act, N * Is) : Tensor{};
+      a.shy = sh ? c.take(act, N * C) : Tensor{};
+      a.sgl = sh ? c.take(f32, N) : Tensor{};
+      a.sg = sh ? c.take(f32, N) : Tensor{};
     }
     s.x_final = c.take(f32, N * C);
     s.lnf = head ? c.take(act, N * C) : Tensor{};
@@ -290,6 +312,8 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
     s.attention_mask = c.take(i32, N);
     s.segment_ids = c.take(i32, N);
     s.token_mask = c.take(Store::u8, N);
+    s.ident_rt = shared ? c.take(i32, N) : Tensor{};
+    s.ident_ro = shared ? c.take(i32, N) : Tensor{};
     if (pass == 0) {
       s.arena = be_.allocate(c.used(), "activations");
       base = s.arena->data();
@@ -301,6 +325,10 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
     if (a.moe) continue;
     ops::moe_plan_build(a.plan, zeros.data(), N, 1, 1);
     a.pv = be_.upload_plan(a.plan, a.row_token, a.row_of);
+  }
+  if (shared) {
+    ops::moe_plan_build(s.ident_plan, zeros.data(), N, 1, 1);
+    s.ident_pv = be_.upload_plan(s.ident_plan, s.ident_rt, s.ident_ro);
   }
 }
 
@@ -328,9 +356,15 @@ void MixtralModel::allocate_scratch(int B, int T) {
     dxperm_ = moe ? c.take(act, M * C) : Tensor{};
     dyperm_ = moe ? c.take(act, M * C) : Tensor{};
     dres_act_ = act != f32 ? c.take(act, N * C) : Tensor{};
-    const bool qkn = cfg_.qk_norm;
-    dq32_ = qkn && act != f32 ? c.take(f32, N * Q) : dq_;
-    dk32_ = qkn && act != f32 ? c.take(f32, N * KVd) : dk_;
+    const bool qkn = cfg_.qk_norm, bias = cfg_.qkv_bias, shared = cfg_.has_shared_expert();
+    dq32_ = (qkn || bias) && act != f32 ? c.take(f32, N * Q) : dq_;
+    dk32_ = (qkn || bias) && act != f32 ? c.take(f32, N * KVd) : dk_;
+    dv32_ = bias && act != f32 ? c.take(f32, N * KVd) : dv_;
+    proj32_ = bias && !qkn && act != f32 ? c.take(f32, N * std::max(Q, KVd)) : Tensor{};
+    dshy_ = shared ? c.take(act, N * C) : Tensor{};
+    dsg_ = shared ? c.take(f32, N) : Tensor{};
+    dsgl_ = shared ? c.take(f32, N) : Tensor{};
+    dxs_ = shared ? c.take(f32, N * C) : Tensor{};
     dqraw_ = qkn ? c.take(f32, N * Q) : Tensor{};
     dkraw_ = qkn ? c.take(f32, N * KVd) : Tensor{};
     if (pass == 0) {
@@ -526,9 +560,14 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
   }
   {
     Section t(be_, profile_, "fwd.attn_proj");
-    if (cfg_.qk_norm) {  // f32 projections, then RMSNorm over each head's HD values (before RoPE)
+    const bool bias = cfg_.qkv_bias;
+    if (cfg_.qk_norm) {  // f32 projections (+ bias), then RMSNorm over each head's HD values (before RoPE)
       be_.matmul_forward(a.qraw, a.ln1, Wg(ParamKind::q_proj, l), (int)N, C, Q, false);
       be_.matmul_forward(a.kraw, a.ln1, Wg(ParamKind::k_proj, l), (int)N, C, KVd, false);
+      if (bias) {
+        be_.add_bias_rows(a.qraw, W(ParamKind::q_bias, l), N, Q);
+        be_.add_bias_rows(a.kraw, W(ParamKind::k_bias, l), N, KVd);
+      }
       be_.rmsnorm_forward(a.q, a.rstdq, a.qraw, W(ParamKind::q_norm, l), N * NH, HD, eps);
       be_.rmsnorm_forward(a.k, a.rstdk, a.kraw, W(ParamKind::k_norm, l), N * NKV, HD, eps);
     } else {
@@ -536,6 +575,20 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
       be_.matmul_forward(a.k, a.ln1, Wg(ParamKind::k_proj, l), (int)N, C, KVd, false);
     }
     be_.matmul_forward(a.v, a.ln1, Wg(ParamKind::v_proj, l), (int)N, C, KVd, false);
+    if (bias && !cfg_.qk_norm) {
+      // The bias is added in f32: in place when the act store is f32, else on an f32 product that is
+      // then rounded into the act store (the backward needs only d(q), d(k), d(v)).
+      const auto biased = [&](Tensor out, ParamKind w, ParamKind b, int OC) {
+        if (out.store == Store::f32) return be_.add_bias_rows(out, W(b, l), N, OC);
+        const Tensor t = proj32_.part(0, (size_t)N * OC);
+        be_.matmul_forward(t, a.ln1, Wg(w, l), (int)N, C, OC, false);
+        be_.add_bias_rows(t, W(b, l), N, OC);
+        store_as(out, t);
+      };
+      biased(a.q, ParamKind::q_proj, ParamKind::q_bias, Q);
+      biased(a.k, ParamKind::k_proj, ParamKind::k_bias, KVd);
+      biased(a.v, ParamKind::v_proj, ParamKind::v_bias, KVd);
+    }
   }
   {
     Section t(be_, profile_, "fwd.rope");
@@ -611,6 +664,17 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
     {
       Section t(be_, profile_, "fwd.moe_permute");
       be_.moe_combine_forward(x_next, a.yperm, a.plan.overflow ? a.combine_w : a.topk_w, a.pv, C);
+    }
+    if (!a.shy.empty()) {
+      // The shared expert (Qwen2-MoE): x_next += sigmoid(ln2 . w_gate) * FFN_shared(ln2), every token.
+      Section t(be_, profile_, "fwd.shared_expert");
+      const int Is = cfg_.shared_expert_intermediate_size / tp_size_;
+      be_.moe_experts_forward(a.shy, a.sh13, a.shact, a.ln2, Wg(ParamKind::shared_w13, l), Wg(ParamKind::shared_w2, l),
+                              s.ident_pv, C, Is);
+      be_.matmul_forward(a.sgl, a.ln2f, W(ParamKind::shared_gate, l), (int)N, C, 1, false);
+      be_.sigmoid_forward(a.sg, a.sgl, N);
+      be_.moe_combine_forward(tmp_, a.shy, a.sg, s.ident_pv, C);
+      be_.add(x_next, tmp_);  // under tp both parts are partial sums, all-reduced together below
     }
   } else {
     Section t(be_, profile_, "fwd.experts");
@@ -706,6 +770,21 @@ void MixtralModel::layer_backward(Activations& s, int l) {
                                  s.prep.real_tokens);
     be_.matmul_backward(dln_, G(ParamKind::router, l), drlogits_, a.ln2f, W(ParamKind::router, l), (int)N, C, E,
                         true);
+    if (!a.shy.empty()) {
+      // The shared expert in reverse: d(shy) = sg * dres, d(sg) = <dres, shy> (a partial sum under tp,
+      // like shy), through the sigmoid into the gate; the FFN's input gradient is partial too.
+      Section ts(be_, profile_, "bwd.shared_expert");
+      const int Is = cfg_.shared_expert_intermediate_size / tp_size_;
+      be_.moe_combine_backward(dshy_, dsg_, dres_, a.shy, a.sg, s.ident_pv, C);
+      if (tp_on()) tp_all_reduce(dsg_);
+      be_.sigmoid_backward(dsgl_, dsg_, a.sg, N);
+      be_.matmul_backward(dln_, G(ParamKind::shared_gate, l), dsgl_, a.ln2f, W(ParamKind::shared_gate, l), (int)N, C,
+                          1, true);
+      be_.moe_experts_backward(dxs_, G(ParamKind::shared_w13, l), G(ParamKind::shared_w2, l), dshy_, a.sh13, a.shact,
+                               a.ln2, Wg(ParamKind::shared_w13, l), Wg(ParamKind::shared_w2, l), s.ident_pv, C, Is);
+      if (tp_on()) tp_all_reduce(dxs_);
+      be_.add(dln_, dxs_);
+    }
   } else {
     Section t(be_, profile_, "bwd.experts");
     be_.moe_experts_backward(dln_, dw13, dw2, as_act(dres_, dres_act_), a.dispatch.h13, a.dispatch.act, a.ln2, w13,
@@ -745,6 +824,14 @@ void MixtralModel::layer_backward(Activations& s, int l) {
                          HD, false);
     dq = as_act(dqraw_, dq_);
     dk = as_act(dkraw_, dk_);
+  }
+  if (cfg_.qkv_bias) {
+    // d(bias) = column sums of d(the biased projection): after the norm's backward when there is one.
+    Section t(be_, profile_, "bwd.bias");
+    const Tensor gq = cfg_.qk_norm ? dqraw_ : as_f32(dq_, dq32_), gk = cfg_.qk_norm ? dkraw_ : as_f32(dk_, dk32_);
+    be_.bias_backward(G(ParamKind::q_bias, l), gq, N, Q);
+    be_.bias_backward(G(ParamKind::k_bias, l), gk, N, KVd);
+    be_.bias_backward(G(ParamKind::v_bias, l), as_f32(dv_, dv32_), N, KVd);
   }
   {
     Section t(be_, profile_, "bwd.attn_proj");

@@ -208,6 +208,7 @@ class MixtralModel {
     bool moe = false;  // a routed MoE block (else a dense FFN: one expert every token visits with weight 1)
     Tensor x, ln1, rstd1, q, k, v, attn_saved, att, h, ln2, ln2f, rstd2;  // ln2f: the router's f32 input
     Tensor qraw, kraw, rstdq, rstdk;  // qk_norm: f32 q/k projections before their per-head norm
+    Tensor sh13, shact, shy, sgl, sg;  // shared expert: its FFN rows, output [N,C], gate logit and sigmoid [N]
     Tensor rlogits, rprobs, topk_w, topk_idx, combine_w, xperm, yperm, row_token, row_of;
     ops::MoePlan plan;
     PlanView pv;
@@ -230,6 +231,10 @@ class MixtralModel {
     std::vector<LayerActs> layers;  // this stage's layers
     Tensor x_final, lnf, rstdf, logits, lse;
     Tensor tokens, targets, positions, token_mask, attention_mask, segment_ids;  // backend copies
+    // The identity plan (every token one row, weight from the gate) of the shared expert.
+    ops::MoePlan ident_plan;
+    PlanView ident_pv;
+    Tensor ident_rt, ident_ro;
     AttnMask amask;
     PreparedBatch prep;
     LossWeights weights;
@@ -253,6 +258,10 @@ class MixtralModel {
   Tensor G(ParamKind kind, int layer = -1) const;
   // src (f32) in the act store: src itself when that is f32, else converted into `scratch`.
   Tensor as_act(Tensor src, Tensor scratch);
+  // src (act store) as f32: src itself when the act store is f32, else converted into `scratch`.
+  Tensor as_f32(Tensor src, Tensor scratch);
+  // dst = src between float stores (a copy when they match).
+  void store_as(Tensor dst, Tensor src);
   // Zeros the rows [M] of plan order past the computed ones (the overflow expert's: capacity drops).
   void zero_dropped_rows(Tensor rows, const ops::MoePlan& plan, int C);
   void refresh_gemm_weights();
@@ -288,7 +297,9 @@ class MixtralModel {
   int scratch_B_ = 0, scratch_T_ = 0;
   std::unique_ptr<Allocation> scratch_alloc_;
   Tensor dres_, dln_, tmp_, datt_, dq_, dk_, dv_, drlogits_, dtopk_, dxperm_, dyperm_, dres_act_;
-  Tensor dq32_, dk32_, dqraw_, dkraw_;  // qk_norm: f32 gradients around the q/k norms
+  Tensor dq32_, dk32_, dqraw_, dkraw_;  // qk_norm / qkv_bias: f32 gradients around the q/k norms and biases
+  Tensor dv32_, proj32_;                // qkv_bias: f32 d(v); the forward's f32 projection before its bias
+  Tensor dshy_, dsg_, dsgl_, dxs_;      // shared expert: d(its output), d(gate), d(gate logit), d(its input)
   // Host copies of one layer's routing (device backends) and its capacity-limited weights.
   std::vector<int32_t> topk_idx_host_;
   std::vector<float> topk_w_host_, probs_host_, combine_host_;

@@ -33,6 +33,18 @@ std::string spec_name(const ModelConfig& cfg, ParamKind kind, int layer) {
       return p + "self_attn.v_proj.weight";
     case ParamKind::o_proj:
       return p + "self_attn.o_proj.weight";
+    case ParamKind::q_bias:
+      return p + "self_attn.q_proj.bias";
+    case ParamKind::k_bias:
+      return p + "self_attn.k_proj.bias";
+    case ParamKind::v_bias:
+      return p + "self_attn.v_proj.bias";
+    case ParamKind::shared_w13:
+      return p + "mlp.shared_expert.gate_up_proj";
+    case ParamKind::shared_w2:
+      return p + "mlp.shared_expert.down_proj.weight";
+    case ParamKind::shared_gate:
+      return p + "mlp.shared_expert_gate.weight";
     case ParamKind::q_norm:
       return p + "self_attn.q_norm.weight";
     case ParamKind::k_norm:
@@ -53,7 +65,10 @@ std::string spec_name(const ModelConfig& cfg, ParamKind kind, int layer) {
   return "";
 }
 
-bool is_ffn(ParamKind kind) { return kind == ParamKind::ffn_w13 || kind == ParamKind::ffn_w2; }
+bool is_ffn(ParamKind kind) {
+  return kind == ParamKind::ffn_w13 || kind == ParamKind::ffn_w2 || kind == ParamKind::shared_w13 ||
+         kind == ParamKind::shared_w2;
+}
 
 HfTensorRef make_ref(std::string name, std::vector<int64_t> shape, size_t offset, size_t numel, size_t spec_index,
                      int stacked_index) {
@@ -97,6 +112,9 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
   if (NH % tp != 0) fail("parameter shard: num_attention_heads {} is not divisible by tp {}", NH, tp);
   if (NKV % tp != 0 && tp % NKV != 0)
     fail("parameter shard: num_key_value_heads {} and tp {}: neither divides the other", NKV, tp);
+  if (cfg.shared_expert_intermediate_size % tp != 0)
+    fail("parameter shard: shared_expert_intermediate_size {} is not divisible by tp {}",
+         cfg.shared_expert_intermediate_size, tp);
   for (int l = lb; l < le; l++)
     if (cfg.ffn_size(l) % tp != 0)
       fail("parameter shard: {} {} (layer {}) is not divisible by tp {}",
@@ -132,6 +150,14 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
       rows(s);
       if (kv_replicated) s.tp_primary = r % (tp / NKV) == 0;
     }
+    if (cfg.qkv_bias) {  // split with their projections' rows; no weight decay (HF's AdamW groups decay them)
+      rows(add(cfg, ParamKind::q_bias, l, {Qr}, true));
+      for (ParamKind k : {ParamKind::k_bias, ParamKind::v_bias}) {
+        ParamSpec& s = add(cfg, k, l, {KVr}, true);
+        rows(s);
+        if (kv_replicated) s.tp_primary = r % (tp / NKV) == 0;
+      }
+    }
     cols(add(cfg, ParamKind::o_proj, l, {C, Qr}, true));
     if (cfg.qk_norm) {  // per head: whole on every rank, each rank's gradient covers its heads only
       replicated(add(cfg, ParamKind::q_norm, l, {HD}, false));
@@ -145,6 +171,12 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
     ParamSpec& w2 = add(cfg, ParamKind::ffn_w2, l, {El_l, C, Ir}, true);
     cols(w2);
     w2.expert = moe_l;
+    if (moe_l && cfg.has_shared_expert()) {  // a dense FFN: split over tp like one, whole on every ep rank
+      const int64_t Is = cfg.shared_expert_intermediate_size / tp;
+      rows(add(cfg, ParamKind::shared_w13, l, {1, 2 * Is, C}, true));
+      cols(add(cfg, ParamKind::shared_w2, l, {1, C, Is}, true));
+      replicated(add(cfg, ParamKind::shared_gate, l, {1, C}, true));
+    }
   }
   if (last_stage) {
     replicated(add(cfg, ParamKind::final_norm, -1, {C}, false));
@@ -183,6 +215,15 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
           t.full_shape = {KV, C};
           slice_of(t, s, kv0 * HD, (kv0 + nkv) * HD);
           break;
+        case ParamKind::q_bias:
+          t.full_shape = {Q};
+          slice_of(t, s, h0 * HD, (h0 + nh) * HD);
+          break;
+        case ParamKind::k_bias:
+        case ParamKind::v_bias:
+          t.full_shape = {KV};
+          slice_of(t, s, kv0 * HD, (kv0 + nkv) * HD);
+          break;
         case ParamKind::o_proj:
           t.full_shape = {C, Q};
           slice_of(t, s, h0 * HD, (h0 + nh) * HD);
@@ -194,16 +235,18 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
       continue;
     }
     const std::string p = layer_prefix(s.layer);
-    const int64_t I = cfg.ffn_size(s.layer), Ir = I / tp, i0 = Ir * r;
+    const bool shared = s.kind == ParamKind::shared_w13 || s.kind == ParamKind::shared_w2;
+    const int64_t I = shared ? cfg.shared_expert_intermediate_size : cfg.ffn_size(s.layer), Ir = I / tp, i0 = Ir * r;
     const size_t IC = (size_t)Ir * C;
     const bool mixtral = cfg.mixtral_names();
     for (int el = 0; el < s.shape[0]; el++) {
       const int e = s.expert ? eb + el : 0;
       auto name = [&](const char* mixtral_suffix, const char* qwen_suffix, const char* dense_name) {
+        if (shared) return p + "mlp.shared_expert." + qwen_suffix + ".weight";
         if (!s.expert) return p + dense_name;
         return fmt::format("{}{}experts.{}.{}.weight", p, moe_block(cfg), e, mixtral ? mixtral_suffix : qwen_suffix);
       };
-      if (s.kind == ParamKind::ffn_w13) {
+      if (s.kind == ParamKind::ffn_w13 || s.kind == ParamKind::shared_w13) {
         const size_t base = s.offset + 2 * IC * el;
         HfTensorRef w1 = make_ref(name("w1", "gate_proj", "mlp.gate_proj.weight"), {Ir, C}, base, IC, si, e);
         HfTensorRef w3 = make_ref(name("w3", "up_proj", "mlp.up_proj.weight"), {Ir, C}, base + IC, IC, si, e);
@@ -284,8 +327,8 @@ void for_each_run(const ParamTable& whole, const ParamTable& shard, F&& f) {
     if (t.slice_dim < 0) {
       f(w.offset, t.offset, t.numel);
     } else if (t.slice_dim == 0) {
-      const size_t cols = (size_t)t.shape.back();
-      f(w.offset + (size_t)t.slice_begin * cols, t.offset, t.numel);
+      const size_t row = t.numel / (size_t)t.shape[0];  // elements per index of dim 0 (1 for a bias)
+      f(w.offset + (size_t)t.slice_begin * row, t.offset, t.numel);
     } else {
       const size_t cols = (size_t)t.shape.back(), full_cols = (size_t)w.shape.back();
       for (size_t a = 0; a < t.numel / cols; a++)
@@ -343,8 +386,9 @@ void init_parameters(const ParamTable& table, const ModelConfig& cfg, uint64_t s
   const double std = cfg.initializer_range;
   for (const HfTensorRef& t : table.hf_tensors()) {
     float* p = params + t.offset;
-    if (table.spec_of(t).is_norm()) {
-      for (size_t i = 0; i < t.numel; i++) p[i] = 1.0f;
+    if (table.spec_of(t).is_norm() || table.spec_of(t).is_bias()) {
+      const float fill = table.spec_of(t).is_norm() ? 1.0f : 0.0f;
+      for (size_t i = 0; i < t.numel; i++) p[i] = fill;
       continue;
     }
     const uint64_t key = hash_name(t.name);
@@ -354,8 +398,14 @@ void init_parameters(const ParamTable& table, const ModelConfig& cfg, uint64_t s
       continue;
     }
     // A slice of a 2-d tensor: element (a, b) of the slice is element (a + begin, b) (rows) or
-    // (a, b + begin) (columns) of the whole tensor.
-    const size_t cols = (size_t)t.shape.back(), full_cols = (size_t)t.full_shape.back();
+    // (a, b + begin) (columns) of the whole tensor; a 1-d slice is one row.
+    const bool one_d = t.shape.size() == 1;
+    const size_t cols = one_d ? t.numel : (size_t)t.shape.back(), full_cols = one_d ? 0 : (size_t)t.full_shape.back();
+    if (one_d) {
+#pragma omp parallel for schedule(static)
+      for (size_t i = 0; i < t.numel; i++) p[i] = (float)(std * normal_at(seed, key, i + (size_t)t.slice_begin));
+      continue;
+    }
     const size_t row_off = t.slice_dim == 0 ? (size_t)t.slice_begin : 0;
     const size_t col_off = t.slice_dim == 0 ? 0 : (size_t)t.slice_begin;
 #pragma omp parallel for schedule(static)

@@ -30,10 +30,16 @@ enum class ParamKind {
   o_proj,      // [C, NH*HD]
   q_norm,      // [HD] RMSNorm weight over each query head (qk_norm models)
   k_norm,      // [HD] ... and each key head
+  q_bias,      // [NH*HD] (qkv_bias models)
+  k_bias,      // [NKV*HD]
+  v_bias,      // [NKV*HD]
   post_norm,   // [C]
   router,      // [E, C]
   ffn_w13,     // [E, 2I, C] gate rows then up rows per expert (dense: E = 1)
   ffn_w2,      // [E, C, I] down
+  shared_w13,  // [1, 2Is, C] the shared expert's gate and up rows (Qwen2-MoE MoE layers)
+  shared_w2,   // [1, C, Is] its down projection
+  shared_gate, // [1, C] its per-token gate: sigmoid(x . w)
   final_norm,  // [C]
   lm_head,     // [V, C]; absent when tie_word_embeddings (the head reads `embedding`)
 };
@@ -80,6 +86,7 @@ struct ParamSpec {
   // model (gradient norms) and checkpoint assembly use primary copies only.
   bool tp_primary = true;
   bool is_norm() const { return !weight_decay; }
+  bool is_bias() const { return kind == ParamKind::q_bias || kind == ParamKind::k_bias || kind == ParamKind::v_bias; }
 };
 
 // One HF tensor: a name and where its values live inside the flat allocation.  In a sharded table
@@ -148,7 +155,7 @@ void copy_to_whole(const ParamTable& shard, const float* shard_values, const Par
 std::pair<int64_t, int64_t> shard_range(int64_t n, int parts, int part);
 
 // Fills params (table.total() floats) from the counter-based RNG: normal(0, initializer_range)
-// for matrices, 1 for norm weights.  Each HF tensor draws from its own stream keyed by its HF name,
+// for matrices, 1 for norm weights, 0 for biases (transformers' init).  Each HF tensor draws from its own stream keyed by its HF name,
 // element index = position within the WHOLE tensor, so any slice (a sharded table) is initialised
 // to exactly the values the whole model holds there.
 void init_parameters(const ParamTable& table, const ModelConfig& cfg, uint64_t seed, float* params);

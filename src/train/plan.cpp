@@ -73,7 +73,14 @@ RankParams rank_params(const Plan& p, const ParamTable& t, int first, int n, boo
                    kv_rank(numel(t, ParamKind::k_proj, l)) + kv_rank(numel(t, ParamKind::v_proj, l));
     r.norms += numel(t, ParamKind::input_norm, l) + numel(t, ParamKind::post_norm, l);
     if (t.has(ParamKind::q_norm, l)) r.norms += numel(t, ParamKind::q_norm, l) + numel(t, ParamKind::k_norm, l);
+    if (t.has(ParamKind::q_bias, l))
+      r.attention += numel(t, ParamKind::q_bias, l) / p.tp + kv_rank(numel(t, ParamKind::k_bias, l)) +
+                     kv_rank(numel(t, ParamKind::v_bias, l));
     if (t.has(ParamKind::router, l)) r.router += numel(t, ParamKind::router, l);
+    if (t.has(ParamKind::shared_w13, l)) {  // Qwen2-MoE's shared expert: dense, tp-split; its gate replicated
+      r.dense_ffn += (numel(t, ParamKind::shared_w13, l) + numel(t, ParamKind::shared_w2, l)) / p.tp;
+      r.router += numel(t, ParamKind::shared_gate, l);
+    }
     // Routed experts split over ep; a dense layer's FFN in an MoE model (Qwen3-MoE mlp_only_layers)
     // only over tp, and it is a dense parameter (dp) for ZeRO-1.
     const int64_t ffn = numel(t, ParamKind::ffn_w13, l) + numel(t, ParamKind::ffn_w2, l);
