@@ -66,7 +66,7 @@ TEXTS = [
     "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
     "a<|endoftext|>b<|im_end|><|im_start|>",
     "<|im_end <|im_start |im_end|> <|im_end|>x",
-    "I'm you're he's they'll we've I'd don't DON'T 'S 'Ll it\u2019s 'x",
+    "I'm you're he's they'll we've I'd don't DON'T 'S 'Ll it\u2019s 'x x'\u017fx '\u017f '\u212ax",
     "a\u00a0b\u3000c\u2003d\x1ce\x85f\u2028g\u200bh",
     "Ελληνικά عربى עברית हिन्दी ไทย 한국어 ქართული",
     "tab\tsep\tvalues\n1\t2\t3\n",
@@ -76,6 +76,29 @@ TEXTS = [
     "x <extra> y  <extra>  z <word>  a<word>b <word>",
     "\u00ad\u00a0\u0085\u007f\x00\x01end",
 ]
+
+
+
+def random_texts(n=400, seed=1234):
+    """Random strings over characters the split patterns treat differently (letters of several
+    scripts, digits, punctuation, ASCII and Unicode spaces, \r \n, combining marks, emoji, apostrophe
+    contractions, the special tokens), for the pattern matchers' corner cases."""
+    import random
+    rng = random.Random(seed)
+    atoms = list("aZk09 .,;!?'\"()-_/\\\t\r\n") + [
+        " ", "  ", "\r\n", "\n\n", "'s", "'S", "'ll", "'Re", "'ve", "'d", "'m", "'t", "\u017f", "\u212a",
+        "\u00e9", "e\u0301", "\u0301", "\u0323\u0307", "\u00a0", "\u3000", "\u2003", "\u0085", "\x1c", "\x0b", "\x0c",
+        "東", "京", "の", "カ", "한", "\u1100\u1161", "\u11a8", "П", "ё", "\u0660", "\u00b2", "\u2167", "\u00bd",
+        "\U0001F600", "\u2764\ufe0f", "\u200d", "\U0001F1EF\U0001F1F5", "<|im_end|>", "<|im_start|>", "<|endoftext|>",
+        "\u0627\u0644", "\u05e9", "\u0915\u093f", "\u0e01\u0e34", "\u200b", "\ufeff", "\u2028", "$", "€", "\u00ad"]
+    out = []
+    for _ in range(n):
+        k = rng.randint(1, 24)
+        out.append("".join(rng.choice(atoms) for _ in range(k)))
+    return out
+
+
+TEXTS += random_texts()
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi! How can I help?"}],

@@ -52,6 +52,8 @@ inline char lower_ascii(unsigned char c) { return (c >= 'A' && c <= 'Z') ? (char
 // The contraction at p[i] == '\'': its end, or i.  `fold`: (?i:...) (Qwen), else case-sensitive.
 inline size_t contraction(const unsigned char* p, size_t n, size_t i, bool fold) {
   if (i + 1 >= n) return i;
+  // Under Unicode case folding U+017F (long s, C5 BF) is an 's' as well (Oniguruma's (?i)).
+  if (fold && i + 2 < n && p[i + 1] == 0xC5 && p[i + 2] == 0xBF) return i + 3;
   const char a = fold ? lower_ascii(p[i + 1]) : (char)p[i + 1];
   if (a == 's' || a == 't' || a == 'm' || a == 'd') return i + 2;
   if (i + 2 >= n) return i;
