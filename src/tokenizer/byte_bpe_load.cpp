@@ -336,8 +336,10 @@ struct ByteBpeLoader {
     const size_t n = t.piece_.size();
     t.bytes_.assign(n, {});
     std::fill(std::begin(t.byte_id_), std::end(t.byte_id_), -1);
+    size_t pieces = 0;  // the table is sized by the pieces it holds, not by the largest id
+    for (const ByteBpe::Kind k : t.kind_) pieces += k == ByteBpe::Kind::vocab;
     size_t cap = 16;
-    while (cap < n * 2) cap <<= 1;
+    while (cap < pieces * 2) cap <<= 1;
     t.byte_table_.assign(cap, {});
     t.byte_mask_ = cap - 1;
     std::string raw;
