@@ -633,3 +633,27 @@ TEST_F(TrainTest, CheckpointsCarryThePreparedDataTokenizer) {
   EXPECT_FALSE(fs::exists(root_ / "run2" / "checkpoints" / "step-000001" / "tokenizer.model"));
   EXPECT_NE(file_bytes(root_ / "run2" / "log.txt").find("has changed since `data prepare`"), std::string::npos);
 }
+
+// The same for a tokenizer.json: the copy keeps its name and takes the tokenizer_config.json beside it
+// (the BOS/EOS), so the checkpoint loads with the same special ids.
+TEST_F(TrainTest, CheckpointsCarryAPreparedTokenizerJson) {
+  const fs::path tokdir = root_ / "tokjson";
+  fs::create_directories(tokdir);
+  fs::copy_file(std::string(MOETRON_SOURCE_DIR) + "/tests/data/tiny-bytelevel-tokenizer.json", tokdir / "tokenizer.json",
+                fs::copy_options::overwrite_existing);
+  std::ofstream(tokdir / "tokenizer_config.json") << R"({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})";
+  const std::string tok = (tokdir / "tokenizer.json").string();
+  std::ofstream(root_ / "data" / "dataset.json")
+      << nlohmann::json{{"tokenizer", {{"path", tok}, {"sha256", sha256_file(tok)}}}}.dump();
+  run_training(config("runjson", {"train.max_steps=1", "eval.every_steps=0"}));
+  const fs::path ckpt = root_ / "runjson" / "checkpoints" / "step-000001";
+  EXPECT_FALSE(fs::exists(ckpt / "tokenizer.model"));
+  ASSERT_TRUE(fs::exists(ckpt / "tokenizer.json"));
+  EXPECT_EQ(file_bytes(ckpt / "tokenizer.json"), file_bytes(tok));
+  EXPECT_EQ(file_bytes(ckpt / "tokenizer_config.json"), file_bytes(tokdir / "tokenizer_config.json"));
+  std::string why;
+  EXPECT_TRUE(is_complete_checkpoint(ckpt.string(), &why)) << why;
+  const Tokenizer t = Tokenizer::load((ckpt / "tokenizer.json").string());
+  EXPECT_EQ(t.eos_id(), 2);
+  EXPECT_EQ(t.pad_id(), 0);
+}

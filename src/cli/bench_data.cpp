@@ -26,7 +26,7 @@ int run_bench_data(int argc, char** argv) {
   int repeats = 3;
   bool json = false;
   app.add_option("--input", o.inputs, "JSONL input files")->required();
-  app.add_option("--tokenizer", o.tokenizer_path, "SentencePiece tokenizer.model")->required();
+  app.add_option("--tokenizer", o.tokenizer_path, "SentencePiece tokenizer.model or Hugging Face tokenizer.json (byte-level BPE)")->required();
   app.add_option("--threads", o.threads, "threads (default: all)");
   app.add_option("--template", tmpl, "chat template: mistral | llama2 | chatml | raw")
       ->check(CLI::IsMember({"mistral", "llama2", "chatml", "raw"}));

@@ -27,7 +27,7 @@ int run_chat(int argc, char** argv) {
   int max_new_tokens = 512;
   GenerationOptions g;
   app.add_option("--model", model_dir, "model directory")->required();
-  app.add_option("--tokenizer", tokenizer_path, "tokenizer.model (default: MODEL/tokenizer.model)");
+  app.add_option("--tokenizer", tokenizer_path, "tokenizer.model or tokenizer.json (default: MODEL/tokenizer.model, else MODEL/tokenizer.json)");
   app.add_option("--template", template_name, "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
   app.add_option("--system", system, "a system message at the start of the conversation");
   app.add_option("--max-new-tokens", max_new_tokens, "longest reply in tokens");
@@ -48,6 +48,7 @@ int run_chat(int argc, char** argv) {
   o.max_new_tokens = max_new_tokens;
   o.sampling = g.sampling;
   o.eos_ids = model_eos_ids(model_dir, model->cfg, tok.get());
+  add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model->cfg);
   o.stop = g.stop;
   o.max_positions = model->cfg.max_position_embeddings;
   o.chat_reply = true;

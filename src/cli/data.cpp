@@ -27,7 +27,7 @@ int run_data_prepare(int argc, char** argv) {
   std::string tmpl = "mistral", format = "auto";
   bool quiet = false;
   app.add_option("--input", o.inputs, "JSONL input files")->required();
-  app.add_option("--tokenizer", o.tokenizer_path, "SentencePiece tokenizer.model")->required();
+  app.add_option("--tokenizer", o.tokenizer_path, "SentencePiece tokenizer.model or Hugging Face tokenizer.json (byte-level BPE)")->required();
   app.add_option("--output", o.output_dir, "output directory")->required();
   app.add_option("--template", tmpl, "chat template: mistral | llama2 | chatml | raw")
       ->check(CLI::IsMember({"mistral", "llama2", "chatml", "raw"}));

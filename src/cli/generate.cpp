@@ -56,7 +56,7 @@ int run_generate(int argc, char** argv) {
   app.add_option("--system", system, "with --chat: a system message first");
   app.add_option("--template", template_name,
                  "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
-  app.add_option("--tokenizer", tokenizer_path, "tokenizer.model (default: MODEL/tokenizer.model)");
+  app.add_option("--tokenizer", tokenizer_path, "tokenizer.model or tokenizer.json (default: MODEL/tokenizer.model, else MODEL/tokenizer.json)");
   app.add_option("--max-new-tokens", max_new_tokens, "stop after this many new tokens");
   add_generation_options(app, g);
   app.add_flag("--stats", stats, "print prompt length, prefill and decode tokens/s to stderr");
@@ -87,6 +87,7 @@ int run_generate(int argc, char** argv) {
 
   if (!eval_chat.empty()) {
     const TemplateChoice tc = choose_chat_template(model_dir, template_name);
+    add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model->cfg);
     const AnswerAccuracy acc = chat_answer_accuracy(decoder, *tok, tc.tmpl, o.eos_ids, eval_chat, max_new_tokens, limit);
     for (const std::string& e : acc.examples) std::printf("  %s\n", e.c_str());
     std::printf("exact-answer accuracy: %ld / %ld = %.1f%%\n", acc.correct, acc.total, 100.0 * acc.fraction());
@@ -103,6 +104,7 @@ int run_generate(int argc, char** argv) {
     std::vector<int32_t> ids;
     if (chat) {
       const TemplateChoice tc = choose_chat_template(model_dir, template_name);
+      add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model->cfg);
       std::vector<ChatMessage> msgs;
       if (!system.empty()) msgs.push_back({Role::system, system});
       msgs.push_back({Role::user, prompt});

@@ -33,7 +33,7 @@ int run_serve(int argc, char** argv) {
   int threads = 0;
   bool quiet = false;
   app.add_option("--model", model_dir, "model directory")->required();
-  app.add_option("--tokenizer", tokenizer_path, "tokenizer.model (default: MODEL/tokenizer.model)");
+  app.add_option("--tokenizer", tokenizer_path, "tokenizer.model or tokenizer.json (default: MODEL/tokenizer.model, else MODEL/tokenizer.json)");
   app.add_option("--template", template_name, "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
   app.add_option("--host", o.host, "address to bind (default 127.0.0.1: this machine only; 0.0.0.0: everyone)");
   app.add_option("--port", o.port, "port (0: any free port)");
@@ -70,7 +70,8 @@ int run_serve(int argc, char** argv) {
   const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir);
   const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(model_dir, tokenizer_path, model->cfg, true);
   const TemplateChoice tc = choose_chat_template(model_dir, template_name);
-  const std::vector<int32_t> eos = model_eos_ids(model_dir, model->cfg, tok.get());
+  std::vector<int32_t> eos = model_eos_ids(model_dir, model->cfg, tok.get());
+  add_chat_stop_ids(eos, tc.tmpl, *tok, model->cfg);
 
   // SIGINT / SIGTERM go to one waiting thread (blocked everywhere else, so set before any thread starts).
   sigset_t sigs;

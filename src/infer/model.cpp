@@ -119,19 +119,26 @@ std::vector<int32_t> model_eos_ids(const std::string& model_dir, const ModelConf
   return ids;
 }
 
+void add_chat_stop_ids(std::vector<int32_t>& eos_ids, ChatTemplate tmpl, const Tokenizer& tok, const ModelConfig& cfg) {
+  for (const int32_t id : chat_stop_ids(tmpl, tok))
+    if (id < cfg.vocab_size && std::find(eos_ids.begin(), eos_ids.end(), id) == eos_ids.end()) eos_ids.push_back(id);
+}
+
 std::unique_ptr<Tokenizer> load_model_tokenizer(const std::string& model_dir, const std::string& explicit_path,
                                                 const ModelConfig& cfg, bool required) {
-  // Only MODEL/tokenizer.model or --tokenizer: a path read from a file in the model directory could
-  // name anything on this machine (moetron checkpoints carry their tokenizer.model).
+  // Only MODEL/tokenizer.model, MODEL/tokenizer.json or --tokenizer: a path read from a file in the
+  // model directory could name anything on this machine (moetron checkpoints carry their tokenizer).
+  // tokenizer.model first: a Llama/Mistral directory that ships both is read as it always was.
   std::string path = explicit_path;
-  if (path.empty()) {
-    const fs::path own = fs::path(model_dir) / "tokenizer.model";
+  for (const char* name : {"tokenizer.model", "tokenizer.json"}) {
+    if (!path.empty()) break;
+    const fs::path own = fs::path(model_dir) / name;
     std::error_code ec;
     if (fs::is_regular_file(own, ec)) path = own.string();
   }
   if (path.empty()) {
     if (!required) return nullptr;
-    fail("{}: no tokenizer.model; pass --tokenizer PATH", model_dir);
+    fail("{}: no tokenizer.model or tokenizer.json; pass --tokenizer PATH", model_dir);
   }
   auto tok = std::make_unique<Tokenizer>(Tokenizer::load(path));
   if (tok->vocab_size() > cfg.vocab_size)

@@ -56,8 +56,11 @@ TemplateChoice choose_chat_template(const std::string& model_dir, const std::str
 // else config.json's, plus the tokenizer's EOS (when given).  Never empty unless nothing names one.
 std::vector<int32_t> model_eos_ids(const std::string& model_dir, const ModelConfig& cfg, const Tokenizer* tok);
 
+// Adds the chat template's stop tokens (chat_stop_ids: <|im_end|> for chatml) to eos_ids.
+void add_chat_stop_ids(std::vector<int32_t>& eos_ids, ChatTemplate tmpl, const Tokenizer& tok, const ModelConfig& cfg);
+
 // The tokenizer for a model directory: `explicit_path` when given (Error when missing), else
-// DIR/tokenizer.model.  Null when neither exists and `required` is false; Error naming both
+// DIR/tokenizer.model, else DIR/tokenizer.json (with DIR/tokenizer_config.json for its BOS/EOS/PAD).  Null when neither exists and `required` is false; Error naming both
 // otherwise.  Error when the tokenizer has more pieces than the model's vocabulary.
 std::unique_ptr<Tokenizer> load_model_tokenizer(const std::string& model_dir, const std::string& explicit_path,
                                                 const ModelConfig& cfg, bool required);

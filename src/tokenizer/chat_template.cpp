@@ -2,6 +2,7 @@
 #include "tokenizer/chat_template.h"
 
 #include <algorithm>
+#include <vector>
 
 namespace moetron {
 
@@ -145,11 +146,31 @@ void encode_chatml(const Tokenizer& tok, std::span<const ChatMessage> msgs, cons
   b.special(tok.bos_id(), 0);
   for (const ChatMessage& m : msgs) {
     const uint8_t mask = m.role == Role::assistant ? 1 : 0;
-    b.literal(std::string("<|im_start|>") + role_name(m.role) + "\n", 0);
-    b.literal(m.content + "<|im_end|>", mask);
+    const std::string head = std::string("<|im_start|>") + role_name(m.role) + "\n";
+    if (tok.byte_level()) {
+      // HF renders the conversation as one string and tokenizes it whole; its added tokens split
+      // the text, so each message's "ROLE\n" + content is one stretch of text, and a pre-token may
+      // straddle the two ("\n\n" when the content starts with a newline).  Encode the stretch
+      // whole; the tokens it shares with "ROLE\n" alone are markup, the rest (a straddling token
+      // included, as HF's assistant mask counts it) are content.
+      const size_t start = b.out.tokens.size();
+      tok.encode_literal_append(head, b.out.tokens);
+      const std::vector<int32_t> markup(b.out.tokens.begin() + (long)start, b.out.tokens.end());
+      b.out.tokens.resize(start);
+      tok.encode_literal_append(head + m.content + "<|im_end|>", b.out.tokens);
+      size_t k = 0;
+      while (k < markup.size() && start + k < b.out.tokens.size() && b.out.tokens[start + k] == markup[k]) k++;
+      b.out.loss_mask.resize(start + k, 0);
+      b.out.loss_mask.resize(b.out.tokens.size(), mask);
+    } else {
+      b.literal(head, 0);
+      b.literal(m.content + "<|im_end|>", mask);
+    }
     b.literal("\n", 0);
   }
-  if (msgs.back().role == Role::assistant)
+  // EOS closes a final assistant message, unless the EOS is <|im_end|> itself (Qwen's instruct
+  // tokenizer_config.json), which already closed it.
+  if (msgs.back().role == Role::assistant && !(tok.eos_id() >= 0 && tok.eos_id() == tok.piece_to_id("<|im_end|>")))
     b.special(tok.eos_id(), 1);
   else if (opts.add_generation_prompt)
     b.literal("<|im_start|>assistant\n", 0);
@@ -239,6 +260,13 @@ TokenizedDocument apply_chat_template(ChatTemplate tmpl, const Tokenizer& tok, s
   TokenizedDocument d;
   apply_chat_template(tmpl, tok, messages, opts, d);
   return d;
+}
+
+std::vector<int32_t> chat_stop_ids(ChatTemplate tmpl, const Tokenizer& tok) {
+  std::vector<int32_t> ids;
+  if (tmpl == ChatTemplate::chatml)
+    if (const int32_t id = tok.piece_to_id("<|im_end|>"); id >= 0) ids.push_back(id);
+  return ids;
 }
 
 void tokenize_text(const Tokenizer& tok, std::string_view text, TokenizedDocument& out) {

@@ -30,14 +30,22 @@
 //            Order: an optional system message first, then user/assistant strictly alternating,
 //            starting with user; anything else is bad_role_order.
 //   chatml   BOS, then for every message  lit("<|im_start|>" + role + "\n")  lit(content + "<|im_end|>")
-//            lit("\n"); EOS after the last message when it is an assistant message.  Markers are
-//            plain text unless the vocabulary defines them as pieces.  Any order of roles.
-//            add_generation_prompt appends lit("<|im_start|>assistant\n") after a final non-assistant
-//            message.
+//            lit("\n"); EOS after the last message when it is an assistant message (not when the EOS
+//            is <|im_end|>, which already closed it).  Markers are plain text unless the vocabulary
+//            defines them as pieces.  Any order of roles.  add_generation_prompt appends
+//            lit("<|im_start|>assistant\n") after a final non-assistant message.
+//            With a byte-level tokenizer (tokenizer.json) the markers are added tokens and the
+//            tokens are exactly HF's apply_chat_template(tokenize=True) of the ChatML (Qwen2.5-style)
+//            template: "<|im_start|>" + role + "\n" + content + "<|im_end|>" is encoded as one text
+//            (a pre-token may straddle "\n" and the content), and a token holding content bytes is
+//            content (HF's assistant-mask rule).
 //   raw      BOS, then every message's content as enc(content), EOS after each assistant message;
 //            no markup, any order of roles.
 //
 // Documents in plain-text format (no roles) use tokenize_text(): BOS enc(text) EOS, all positions 1.
+//
+// Stop tokens: chat_stop_ids() names the ids that end a generated reply besides the model's EOS
+// (for chatml, "<|im_end|>" when the vocabulary has it as one token).
 #pragma once
 
 #include <cstdint>
@@ -102,6 +110,9 @@ void apply_chat_template(ChatTemplate tmpl, const Tokenizer& tok, std::span<cons
                          const ChatOptions& opts, TokenizedDocument& out);
 TokenizedDocument apply_chat_template(ChatTemplate tmpl, const Tokenizer& tok, std::span<const ChatMessage> messages,
                                       const ChatOptions& opts = {});
+
+// Ids that end an assistant reply under `tmpl` besides the model's EOS ids (chatml: <|im_end|>).
+std::vector<int32_t> chat_stop_ids(ChatTemplate tmpl, const Tokenizer& tok);
 
 // A plain-text document: BOS enc(text) EOS (BOS/EOS only when the tokenizer has them), mask all 1.
 void tokenize_text(const Tokenizer& tok, std::string_view text, TokenizedDocument& out);

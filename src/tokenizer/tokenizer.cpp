@@ -2,13 +2,16 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include <sentencepiece_processor.h>
 
 #include "core/error.h"
+#include "core/json_limits.h"
 #include "tokenizer/bpe.h"
+#include "tokenizer/byte_bpe.h"
 #include "tokenizer/sha256.h"
 #include "tokenizer/sp_model.h"
 
@@ -37,6 +40,32 @@ std::unique_ptr<sentencepiece::SentencePieceProcessor> load_proto(const std::str
   return sp;
 }
 
+// A tokenizer.json is a JSON object; a SentencePiece ModelProto never starts with '{' (0x7B would be
+// field 15 as a group, which ModelProto does not have).
+bool looks_like_json(const std::string& bytes) {
+  for (const char c : bytes) {
+    if (c == ' ' || c == '\t' || c == '\n' || c == '\r') continue;
+    return c == '{';
+  }
+  return false;
+}
+
+// The id of tokenizer_config.json's `key` (a string, {"content": ...}, null or absent: -1).
+int32_t config_token(const nlohmann::json& cfg, const char* key, const ByteBpe& bpe, const std::string& what) {
+  const auto it = cfg.find(key);
+  if (it == cfg.end() || it->is_null()) return -1;
+  const nlohmann::json* content = &*it;
+  if (it->is_object()) {
+    const auto c = it->find("content");
+    if (c == it->end()) fail("{}: {} is an object without \"content\"", what, key);
+    content = &*c;
+  }
+  if (!content->is_string()) fail("{}: {} is {}, expected a token string, {{\"content\": ...}} or null", what, key, json_preview(*it));
+  const int32_t id = bpe.piece_to_id(content->get<std::string>());
+  if (id < 0) fail("{}: {} {} is not a token of the tokenizer", what, key, json_preview(*content));
+  return id;
+}
+
 }  // namespace
 
 Tokenizer::Tokenizer() = default;
@@ -50,11 +79,42 @@ Tokenizer Tokenizer::load(const std::string& path) {
   std::ostringstream ss;
   ss << f.rdbuf();
   if (f.bad()) fail("tokenizer '{}': read error", path);
-  return from_bytes(ss.str(), path);
+  const std::string bytes = ss.str();
+  std::string config;
+  if (looks_like_json(bytes)) {
+    const std::filesystem::path cfg = std::filesystem::path(path).parent_path() / "tokenizer_config.json";
+    std::error_code ec;
+    if (std::filesystem::is_regular_file(cfg, ec)) {
+      std::ifstream c(cfg, std::ios::binary);
+      std::ostringstream cs;
+      cs << c.rdbuf();
+      if (!c || c.bad()) fail("{}: cannot read: {}", cfg.string(), std::strerror(errno));
+      config = cs.str();
+      if (config.empty()) fail("{}: empty file, expected a JSON object", cfg.string());
+    }
+  }
+  return from_bytes(bytes, path, config);
 }
 
-Tokenizer Tokenizer::from_bytes(const std::string& bytes, const std::string& name) {
-  if (bytes.empty()) fail("tokenizer '{}': empty file, expected a SentencePiece model", name);
+Tokenizer Tokenizer::from_bytes(const std::string& bytes, const std::string& name, std::string_view config_json) {
+  if (bytes.empty()) fail("tokenizer '{}': empty file, expected a SentencePiece model or a tokenizer.json", name);
+  if (looks_like_json(bytes)) {
+    Tokenizer t;
+    t.bbpe_ = ByteBpe::from_json(bytes, name);
+    t.path_ = name;
+    t.sha256_ = sha256_hex(bytes);
+    t.vocab_size_ = t.bbpe_->vocab_size();
+    t.unk_id_ = t.bbpe_->unk_id();
+    if (!config_json.empty()) {
+      const std::string what = fmt::format("tokenizer_config.json beside {}", name);
+      const nlohmann::json cfg = parse_json(config_json, what);
+      if (!cfg.is_object()) fail("{}: expected a JSON object", what);
+      t.bos_id_ = config_token(cfg, "bos_token", *t.bbpe_, what);
+      t.eos_id_ = config_token(cfg, "eos_token", *t.bbpe_, what);
+      t.pad_id_ = config_token(cfg, "pad_token", *t.bbpe_, what);
+    }
+    return t;
+  }
   spm::check_sentencepiece_model(bytes, name);
   Tokenizer t;
   t.sp_ = load_proto(bytes, name);
@@ -79,6 +139,7 @@ Tokenizer Tokenizer::from_bytes(const std::string& bytes, const std::string& nam
 }
 
 std::vector<int32_t> Tokenizer::encode_reference(std::string_view text, bool literal) const {
+  if (bbpe_) return encode(text);
   std::vector<int> ids;
   const auto st = (literal ? literal_ : sp_)->Encode(text, &ids);
   if (!st.ok()) fail("tokenizer '{}': encode failed: {}", path_, st.ToString());
@@ -86,6 +147,7 @@ std::vector<int32_t> Tokenizer::encode_reference(std::string_view text, bool lit
 }
 
 void Tokenizer::encode_append(std::string_view text, std::vector<int32_t>& out) const {
+  if (bbpe_) return bbpe_->encode(text, out);
   if (fast_ && fast_->encode(text, dummy_prefix_, out)) return;
   std::vector<int> ids;
   const auto st = sp_->Encode(text, &ids);
@@ -94,6 +156,7 @@ void Tokenizer::encode_append(std::string_view text, std::vector<int32_t>& out) 
 }
 
 void Tokenizer::encode_literal_append(std::string_view text, std::vector<int32_t>& out) const {
+  if (bbpe_) return bbpe_->encode(text, out);
   if (fast_ && fast_->encode(text, false, out)) return;
   std::vector<int> ids;
   const auto st = literal_->Encode(text, &ids);
@@ -119,6 +182,7 @@ std::string Tokenizer::decode(std::span<const int32_t> ids) const {
     if (v[i] < 0 || v[i] >= vocab_size_)
       fail("tokenizer '{}': cannot decode id {} at position {}: outside the vocabulary [0, {})", path_, v[i], i,
            vocab_size_);
+  if (bbpe_) return bbpe_->decode(ids);
   std::string text;
   const auto st = sp_->Decode(v, &text);
   if (!st.ok()) fail("tokenizer '{}': decode failed: {}", path_, st.ToString());
@@ -128,10 +192,12 @@ std::string Tokenizer::decode(std::span<const int32_t> ids) const {
 std::string Tokenizer::id_to_piece(int32_t id) const {
   if (id < 0 || id >= vocab_size_)
     fail("tokenizer '{}': id {} is outside the vocabulary [0, {})", path_, id, vocab_size_);
+  if (bbpe_) return bbpe_->piece(id);
   return sp_->IdToPiece(id);
 }
 
 int32_t Tokenizer::piece_to_id(std::string_view piece) const {
+  if (bbpe_) return bbpe_->piece_to_id(piece);
   const int id = sp_->PieceToId(piece);
   // SentencePiece answers unk_id for an unknown piece; only "<unk>" itself may map there.
   if (id == unk_id_ && sp_->IdToPiece(id) != piece) return -1;

@@ -182,6 +182,15 @@ json read_json_file(const std::string& path) {
   return parse_json(text, path + " (corrupt or truncated?)");
 }
 
+// True when the file starts (after whitespace) with '{': a tokenizer.json, not a SentencePiece model.
+bool tokenizer_file_is_json(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char ch = 0;
+  while (in.get(ch))
+    if (ch != ' ' && ch != '\t' && ch != '\n' && ch != '\r') return ch == '{';
+  return false;
+}
+
 bool is_file(const fs::path& p) {
   std::error_code ec;
   return fs::is_regular_file(p, ec);
@@ -771,9 +780,18 @@ std::string save_checkpoint(const std::string& run_dir, long step, const Checkpo
         progress(f);
       }
     }
-    if (!o.tokenizer_model_file.empty() && !is_file(tmp / "tokenizer.model")) {
-      copy_file_synced(o.tokenizer_model_file, (tmp / "tokenizer.model").string());
-      progress("tokenizer.model");
+    if (!o.tokenizer_model_file.empty() && !is_file(tmp / "tokenizer.model") && !is_file(tmp / "tokenizer.json")) {
+      // The data's tokenizer under the name the model loaders look for: a tokenizer.json (a JSON
+      // object) keeps that name and takes its tokenizer_config.json (BOS/EOS) along.
+      const bool json = tokenizer_file_is_json(o.tokenizer_model_file);
+      const char* dest = json ? "tokenizer.json" : "tokenizer.model";
+      copy_file_synced(o.tokenizer_model_file, (tmp / dest).string());
+      progress(dest);
+      const fs::path cfg = fs::path(o.tokenizer_model_file).parent_path() / "tokenizer_config.json";
+      if (json && is_file(cfg) && !is_file(tmp / "tokenizer_config.json")) {
+        copy_file_synced(cfg.string(), (tmp / "tokenizer_config.json").string());
+        progress("tokenizer_config.json");
+      }
     }
 
     if (c.exp_avg != nullptr) {

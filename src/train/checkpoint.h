@@ -81,8 +81,10 @@ struct SaveOptions {
   DType model_dtype = DType::F32;  // F32, BF16 or F16 for the model files; optimizer/ is always F32
   size_t max_shard_bytes = kDefaultMaxShardBytes;  // 0: no limit
   std::string tokenizer_source_dir;                // "" or a directory to copy tokenizer files from
-  std::string tokenizer_model_file;                // "" or a file copied as tokenizer.model when
-                                                   // tokenizer_source_dir has none (the data's tokenizer)
+  std::string tokenizer_model_file;                // "" or a file copied as tokenizer.model (or, for
+                                                   // a tokenizer.json, as tokenizer.json with its
+                                                   // tokenizer_config.json) when tokenizer_source_dir
+                                                   // has none (the data's tokenizer)
   int keep_last = 3;                               // complete checkpoints kept; <= 0 keeps all
   // Test hook: called after each stage of the save with what was just done -- a file name relative to
   // the checkpoint ("config.json", "model" for all model files, "optimizer/optimizer.safetensors", ...,

@@ -56,7 +56,7 @@ namespace {
 
 // The tokenizer `data prepare` used (dataset.json's tokenizer.path) when it is still there and
 // unchanged (sha256); "" otherwise, with `why` saying so.  Checkpoints carry a copy as
-// tokenizer.model, so a model trained from random init needs no --tokenizer afterwards.
+// tokenizer.model (tokenizer.json for a byte-level one), so a model trained from random init needs no --tokenizer afterwards.
 std::string prepared_data_tokenizer(const std::string& data_dir, std::string& why) {
   std::ifstream in(fs::path(data_dir) / "dataset.json");
   if (!in) return "";
@@ -235,7 +235,7 @@ class Training {
   LossWeights weights_;
   double aux_coef_ = 0;   // the load-balancing coefficient (config, or the model's router_aux_loss_coef)
   std::string init_dir_;  // source of tokenizer files, when initialised from an HF directory
-  std::string data_tokenizer_;  // the prepared data's tokenizer.model (copied into checkpoints), or ""
+  std::string data_tokenizer_;  // the prepared data's tokenizer file (copied into checkpoints), or ""
   std::string resume_dir_;  // the root's choice: the checkpoint to resume, or "" (a fresh start)
   long total_steps_ = 0;
   long start_step_ = 0;  // last step done before this invocation

@@ -158,6 +158,66 @@ def seeds_tokenizer():
     put("fuzz_tokenizer", "truncated", struct.pack("<H", 5) + b"Hello" + model[: len(model) // 2])
 
 
+def byte_level_chars():
+    """GPT-2's bytes_to_unicode: the character standing for each byte."""
+    bs = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def seeds_tokenizer_json():
+    """Small tokenizer.json files: both split patterns, NFC, merges in both spellings, added tokens
+    with each flag, plus the committed tiny vocabulary and near-valid variants."""
+    ch = byte_level_chars()
+    vocab = {ch[b]: b for b in range(256)}
+    merges = []
+    for a, b in [("h", "e"), ("l", "l"), ("he", "ll"), (" ", "w"), ("o", "r"), ("\u00c3", "\u00a9")]:
+        ea, eb = "".join(ch[x] for x in a.encode("latin-1")), "".join(ch[x] for x in b.encode("latin-1"))
+        vocab.setdefault(ea + eb, len(vocab))
+        merges.append(f"{ea} {eb}")
+    qwen = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    n = len(vocab)
+    added = [{"id": n, "content": "<|im_start|>", "special": True, "normalized": False},
+             {"id": n + 1, "content": "<|im_end|>", "special": True, "normalized": False},
+             {"id": n + 2, "content": "<x>", "lstrip": True, "rstrip": True, "special": False, "normalized": True},
+             {"id": n + 3, "content": "w", "single_word": True, "special": False, "normalized": False}]
+    qwen_style = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+                  "normalizer": {"type": "NFC"},
+                  "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                      {"type": "Split", "pattern": {"Regex": qwen}, "behavior": "Isolated",
+                       "invert": False},
+                      {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
+                  "post_processor": {"type": "ByteLevel"}, "decoder": {"type": "ByteLevel"},
+                  "model": {"type": "BPE", "dropout": None, "unk_token": None, "byte_fallback": False,
+                            "ignore_merges": True, "vocab": vocab, "merges": merges}}
+    gpt2_style = json.loads(json.dumps(qwen_style))
+    gpt2_style["normalizer"] = None
+    gpt2_style["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    gpt2_style["model"]["merges"] = [m.split(" ") for m in merges]
+    gpt2_style["model"]["ignore_merges"] = False
+    texts = ["hello world", "<|im_start|>user\nhe'S <x> w ww\r\n\t\u00e9e\u0301 123 \U0001F600<|im_end|>",
+             "  \n\n  x  ", "\xff\xfe"]
+    for name, doc in (("qwen", qwen_style), ("gpt2", gpt2_style)):
+        body = json.dumps(doc).encode()
+        for i, t in enumerate(texts):
+            tb = t.encode("utf-8", "surrogateescape") if not t.startswith("\xff") else b"\xff\xfe"
+            put("fuzz_tokenizer_json", f"{name}_{i}", struct.pack("<H", len(tb)) + tb + body)
+        put("fuzz_tokenizer_json", f"{name}_truncated", struct.pack("<H", 5) + b"hello" + body[: len(body) // 2])
+    bad = json.loads(json.dumps(qwen_style))
+    bad["model"]["merges"].append("zz q")
+    put("fuzz_tokenizer_json", "bad_merge", struct.pack("<H", 2) + b"hi" + json.dumps(bad).encode())
+    bad = json.loads(json.dumps(qwen_style))
+    bad["pre_tokenizer"]["pretokenizers"][1]["type"] = "Metaspace"
+    put("fuzz_tokenizer_json", "metaspace", struct.pack("<H", 2) + b"hi" + json.dumps(bad).encode())
+    tiny = open(os.path.join(ROOT, "tests", "data", "tiny-bytelevel-tokenizer.json"), "rb").read()
+    put("fuzz_tokenizer_json", "tiny", struct.pack("<H", 11) + b"hello <|im_" + tiny)
+
+
 def seeds_http():
     body = b'{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4}'
     h = "Host: x\r\n".encode()
@@ -181,6 +241,6 @@ def seeds_http():
 
 if __name__ == "__main__":
     for f in [seeds_safetensors, seeds_index, seeds_hf_config, seeds_train_config, seeds_jsonl, seeds_indexed,
-              seeds_checkpoint, seeds_openai, seeds_tokenizer, seeds_http]:
+              seeds_checkpoint, seeds_openai, seeds_tokenizer, seeds_tokenizer_json, seeds_http]:
         f()
     print("seeds written under", OUT, file=sys.stderr)
