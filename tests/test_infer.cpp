@@ -513,6 +513,18 @@ TEST(TextStream, PiecesConcatenateToTheDecode) {
   EXPECT_EQ(stream_all(tok, ctx, ids, {}), " " + tok.decode(ids));
 }
 
+// A model whose vocab_size exceeds its tokenizer's (Qwen: 151936 rows, 151665 tokens) can emit a
+// padding id: it has no text, as in HF's decode, instead of failing the reply.
+TEST(TextStream, IdsPastTheTokenizerHaveNoText) {
+  const auto tok = Tokenizer::load((kGenerate / "qwen3_moe" / "tokenizer.json").string());
+  ASSERT_EQ(tok.vocab_size(), 802);
+  std::vector<int32_t> ids = tok.encode("The cat sees the river.");
+  const std::string want = tok.decode(ids);
+  ids.insert(ids.begin() + 2, 805);
+  ids.push_back(831);
+  EXPECT_EQ(stream_all(tok, {}, ids, {}), want);
+}
+
 TEST(TextStream, StopStringsEndTheTextBeforeThem) {
   const auto tok = Tokenizer::load((kGenerate / "mixtral_gqa" / "tokenizer.model").string());
   const std::string text = "The cat sees the river, and a dog finds the market.";

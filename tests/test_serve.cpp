@@ -3,6 +3,7 @@
 // model (tests/golden/generate/expected.json) -- the error objects, and the bounded queue.
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +15,7 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include "infer/generate.h"
 #include "infer/model.h"
 #include "server/engine.h"
 #include "server/openai_api.h"
@@ -431,4 +433,68 @@ TEST(Engine, BoundedQueueRefusesWhenFull) {
   job->wait_done();
   EXPECT_EQ(job->result().finish, FinishReason::cancelled);
   EXPECT_LT(job->result().tokens.size(), 400u);
+}
+
+// A Qwen-style model directory (tests/golden/generate/qwen3_moe: a tiny Qwen3-MoE with a byte-level
+// tokenizer.json and a ChatML chat template in tokenizer_config.json) answers a ChatML chat as
+// transformers' apply_chat_template + generate does, plain and streamed: the template is chosen from
+// the directory, <|im_end|> (its EOS) ends replies.
+TEST(ServeChatml, QwenStyleModelAnswersAChatmlChat) {
+  signal(SIGPIPE, SIG_IGN);
+  const fs::path dir = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "generate" / "qwen3_moe";
+  std::ifstream in(fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "generate" / "expected.json");
+  const json cases = json::parse(in)["cases"];
+  ASSERT_EQ(cases[2]["model"], "qwen3_moe");
+  const json t = cases[2]["text"];
+  ASSERT_EQ(t["template"], "chatml");
+  const auto model = load_inference_model(dir.string());
+  const auto tok = load_model_tokenizer(dir.string(), "", model->cfg, true);
+  ASSERT_TRUE(tok->byte_level());
+  const TemplateChoice tc = choose_chat_template(dir.string(), "auto");
+  ASSERT_EQ(tc.tmpl, ChatTemplate::chatml) << tc.source;
+  std::vector<int32_t> eos = model_eos_ids(dir.string(), model->cfg, tok.get());
+  add_chat_stop_ids(eos, tc.tmpl, *tok, model->cfg);
+  EXPECT_NE(std::find(eos.begin(), eos.end(), tok->piece_to_id("<|im_end|>")), eos.end());
+  // The prompt tokens are transformers' apply_chat_template(add_generation_prompt=True).
+  EXPECT_EQ(chat_prompt_tokens(tc.tmpl, *tok, {{Role::user, t["chat"]["user"].get<std::string>()}}),
+            t["chat"]["prompt_ids"].get<std::vector<int32_t>>());
+
+  server::ServerOptions o;
+  o.port = 0;
+  o.model_name = "tiny-qwen3-moe";
+  server::Server srv(*model, *tok, tc.tmpl, eos, o);
+  const int port = srv.bind();
+  std::thread th([&] { srv.run(); });
+  for (bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streaming" : "plain");
+    const json body = {{"model", "tiny-qwen3-moe"},
+                       {"messages", {{{"role", "user"}, {"content", t["chat"]["user"]}}}},
+                       {"max_tokens", t["max_tokens"]},
+                       {"temperature", 0},
+                       {"stream", stream}};
+    httplib::Client cli("127.0.0.1", port);
+    cli.set_read_timeout(10, 0);
+    auto r = cli.Post("/v1/chat/completions", body.dump(), "application/json");
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    std::string content, finish;
+    if (!stream) {
+      const json j = json::parse(r->body);
+      content = j["choices"][0]["message"]["content"];
+      finish = j["choices"][0]["finish_reason"];
+      EXPECT_EQ(j["usage"]["prompt_tokens"], t["chat"]["prompt_ids"].size());
+      EXPECT_EQ(j["usage"]["completion_tokens"], t["chat"]["completion_ids"].size());
+    } else {
+      for (const json& ev : sse_events(r->body)) {
+        if (ev == "[DONE]" || ev["choices"].empty()) continue;
+        const json& c = ev["choices"][0];
+        if (c["delta"].contains("content")) content += c["delta"]["content"].get<std::string>();
+        if (!c["finish_reason"].is_null()) finish = c["finish_reason"];
+      }
+    }
+    EXPECT_EQ(content, t["chat"]["content"].get<std::string>());
+    EXPECT_EQ(finish, t["chat"]["finish_reason"].get<std::string>());
+  }
+  srv.stop();
+  th.join();
 }

@@ -49,11 +49,19 @@ CASES = {
     "llama_dense": dict(arch="llama", seed=6, vocab=128, hidden=32, inter=48, layers=2, heads=4, kv_heads=4,
                         rope_theta=1e4, sliding_window=None, prompt_len=9, tokenizer=False),
     # Qwen3-MoE: q/k norms, head_dim 12 != 32 / 4, layer 1 dense between two sparse layers, top-K
-    # weights not renormalised.
-    "qwen3_moe": dict(arch="qwen3_moe", seed=33, vocab=160, hidden=32, inter=40, moe_inter=24, layers=3, heads=4,
+    # weights not renormalised; with the tiny byte-level tokenizer.json of tests/data (ids 0-801:
+    # <|endoftext|> 0, <|im_start|> 1, <|im_end|> 2 = EOS) and a ChatML chat template, so the directory
+    # is a complete Qwen-style model for `moetron serve`.
+    "qwen3_moe": dict(arch="qwen3_moe", seed=33, vocab=832, hidden=32, inter=40, moe_inter=24, layers=3, heads=4,
                       kv_heads=2, head_dim=12, experts=4, top_k=2, mlp_only_layers=[1], rope_theta=1e6,
-                      sliding_window=None, prompt_len=10, tokenizer=False),
+                      sliding_window=None, prompt_len=10, tokenizer=False, tokenizer_json=True),
 }
+TINY_TOKENIZER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data",
+                                   "tiny-bytelevel-tokenizer.json")
+# Qwen2.5's ChatML template without its default system prompt (moetron's chatml inserts none).
+CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+          "{%- endif %}")
 QK_SCALE = 4.0  # attention far from uniform, so position / cache / window errors change the logits
 GATE_SCALE = 10.0  # decisive routing
 HEAD_SCALE = 40.0  # logits spread over several units: clear greedy choices
@@ -171,6 +179,18 @@ def make_case(name, c, out_root):
 
     eos = 2
     case = {"model": name, "class": cls.__name__, "new_tokens": NEW_TOKENS}
+    hf_tok = None
+    if c.get("tokenizer_json"):
+        from transformers import PreTrainedTokenizerFast
+        shutil.copy(TINY_TOKENIZER_JSON, os.path.join(d, "tokenizer.json"))
+        with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+                       "pad_token": "<|endoftext|>", "chat_template": CHATML}, f, indent=2)
+            f.write("\n")
+        hf_tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(d, "tokenizer.json"), eos_token="<|im_end|>",
+                                         pad_token="<|endoftext|>")
+        hf_tok.chat_template = CHATML
+        assert hf_tok.convert_tokens_to_ids("<|im_end|>") == eos
     sp = train_tokenizer(d, c["vocab"]) if c["tokenizer"] else None
     if sp is not None:
         prompt = [1] + sp.encode(COMPLETION_PROMPT + " sees the river and")
@@ -188,6 +208,20 @@ def make_case(name, c, out_root):
     if c["sliding_window"]:
         assert len(prompt) + NEW_TOKENS > c["sliding_window"] > len(prompt)
 
+    if hf_tok is not None:
+        # Chat (ChatML, transformers' apply_chat_template): the reply ends at <|im_end|> (EOS) or after 16.
+        msgs = [{"role": "user", "content": CHAT_USER}]
+        chat_prompt = list(hf_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True)["input_ids"])
+        chat_gen = hf_generate(model32, chat_prompt, TEXT_MAX_TOKENS, eos)
+        chat_ref, chat_gap = greedy_recompute64(model64, chat_prompt, TEXT_MAX_TOKENS, eos)
+        assert chat_gen == chat_ref and chat_gap > MIN_GAP, (chat_gen, chat_ref, chat_gap)
+        chat_text = hf_tok.decode(chat_gen, skip_special_tokens=True)
+        assert len(chat_text) > 0
+        case["text"] = {"max_tokens": TEXT_MAX_TOKENS, "template": "chatml",
+                        "chat": {"user": CHAT_USER, "prompt_ids": chat_prompt, "completion_ids": chat_gen,
+                                 "content": chat_text,
+                                 "finish_reason": "length" if len(chat_gen) == TEXT_MAX_TOKENS else "stop"}}
     if sp is not None:
         # Chat (mistral template, mistral-common v1): BOS enc("[INST] " + user + " [/INST]"); the reply is
         # the decode of the new tokens alone.
@@ -232,7 +266,8 @@ def main():
         print(c["model"], "prompt", len(c["prompt_ids"]), "tokens; min gap", c["min_top1_gap_float64"])
         if "text" in c:
             print("  chat:", repr(c["text"]["chat"]["content"]), c["text"]["chat"]["finish_reason"])
-            print("  completion:", repr(c["text"]["completion"]["text"]), c["text"]["completion"]["finish_reason"])
+            if "completion" in c["text"]:
+                print("  completion:", repr(c["text"]["completion"]["text"]), c["text"]["completion"]["finish_reason"])
 
 
 if __name__ == "__main__":

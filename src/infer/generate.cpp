@@ -182,7 +182,9 @@ AnswerAccuracy chat_answer_accuracy(Decoder& decoder, const Tokenizer& tok, Chat
     o.max_new_tokens = max_new_tokens;
     o.eos_ids.assign(eos_ids.begin(), eos_ids.end());
     o.max_positions = positions;
-    const std::vector<int32_t> reply = generate(decoder, cache, prompt, o, nullptr).tokens;
+    std::vector<int32_t> reply = generate(decoder, cache, prompt, o, nullptr).tokens;
+    // Ids past the tokenizer (the model's padding rows) have no text (see text_stream.h).
+    std::erase_if(reply, [&](int32_t id) { return id >= tok.vocab_size(); });
     const std::string text = trim(tok.decode(reply));
     acc.total++;
     acc.correct += text == expected;

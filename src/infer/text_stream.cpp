@@ -34,6 +34,9 @@ TextStream::TextStream(const Tokenizer& tok, std::span<const int32_t> context, s
 
 std::string TextStream::push(int32_t id) {
   if (stopped_) return "";
+  // An id past the tokenizer's vocabulary: a padding row of the model's embedding (Qwen's config
+  // vocab_size 151936 exceeds its 151665 tokens).  It has no text (HF's decode skips it too).
+  if (id < 0 || id >= tok_.vocab_size()) return "";
   ids_.push_back(id);
   const std::span<const int32_t> all(ids_);
   const std::string before = tok_.decode(all.subspan(prefix_, read_ - prefix_));

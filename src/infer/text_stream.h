@@ -9,6 +9,9 @@
 // text that ends in an incomplete UTF-8 character (byte-fallback pieces still arriving; SentencePiece
 // shows them as U+FFFD) is held back until the character completes or the reply ends.
 //
+// Ids past the tokenizer's vocabulary (padding rows of a model whose vocab_size is larger) have no
+// text, as in HF's decode.
+//
 // Stop strings (OpenAI `stop`): the reply ends before the first occurrence of any of them, which is
 // not part of the text.  Text that could be the beginning of a stop string is held back until it is
 // known not to be one.
