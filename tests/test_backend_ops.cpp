@@ -458,6 +458,35 @@ OpCase sigmoid_case() {
   return c;
 }
 
+// OLMoE's clip_qkv: values clamped to [-1.5, 1.5] with the gradient zero where clipped; no value
+// within 0.1 of a bound, so a finite-difference step never crosses one.
+OpCase clamp_case() {
+  const long n = 40;
+  const float c = 1.5f;
+  std::vector<float> x = rnd_bf16(n, 1, 3.0f);
+  for (float& v : x)
+    if (std::fabs(std::fabs(v) - c) < 0.1f) v = rb(v > 0 ? c + 0.5f : -c - 0.5f);
+  OpCase k;
+  k.name = "clamp";
+  k.inputs = {{"x", x}};
+  k.act_inputs = {"x"};
+  k.wrt = {"x"};
+  k.outputs = {"y"};
+  k.cot = {{"y", rnd_bf16(n, 2)}};
+  k.cot_act = {"y"};
+  k.forward = [=](Env& e) {
+    const Tensor y = e.act("y", n);
+    e.be().copy(y, e["x"]);
+    e.be().clamp_forward(y, e.alloc("mask", Store::u8, n), c, n);
+  };
+  k.backward = [=](Env& e) {
+    const Tensor g = e.act("g:x", n);
+    e.be().copy(g, e["d:y"]);
+    e.be().clamp_backward(g, e["mask"], n);
+  };
+  return k;
+}
+
 OpCase embedding_case() {
   const long N = 30;
   const int C = 12, V = 9;
@@ -488,7 +517,7 @@ std::vector<int32_t> routed(long N, int K, const std::function<int(long, int)>& 
 std::vector<OpCase> all_cases() {
   const long N = 12;
   std::vector<OpCase> cases = {rmsnorm_case(), matmul_case(), rope_case(), router_case(true),
-                               router_case(false), z_loss_case(), bias_case(), sigmoid_case(),
+                               router_case(false), z_loss_case(), bias_case(), sigmoid_case(), clamp_case(),
                                head_case(), embedding_case()};
   cases.push_back(attention_case("attention_gqa", 2, 17, 4, 2, 8, 0, false, false));
   cases.push_back(attention_case("attention_window_padding", 2, 21, 4, 1, 16, 5, true, false));

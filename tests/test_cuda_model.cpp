@@ -118,7 +118,7 @@ TEST_P(CudaGolden, LogitsLossesAndGradientsMeetTheBf16Rule) {
 
 INSTANTIATE_TEST_SUITE_P(Transformers, CudaGolden,
                          ::testing::Values("mixtral_gqa", "mixtral_e3_k1", "mixtral_swa_padded", "mistral_dense",
-                                           "llama_dense", "qwen3_moe_mixed", "qwen3_moe_norm_topk_padded", "qwen2_moe_shared",
+                                           "llama_dense", "qwen3_moe_mixed", "qwen3_moe_norm_topk_padded", "qwen2_moe_shared", "olmoe_clip", "olmoe_plain",
                                            "qwen3_dense"));
 
 // 20 optimizer steps on GPU (bf16) and CPU (fp32) from the same weights on the same batches, each

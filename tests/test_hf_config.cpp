@@ -721,3 +721,58 @@ TEST(HfConfigErrors, Qwen2MoeFieldsElsewhereAreRefused) {
   j["qkv_bias"] = "yes";
   expect_config_error(j, {"'qkv_bias'", "true or false"});
 }
+
+// OLMoE-1B-7B's Hub config, and what OLMoE refuses.
+TEST(HfConfig, OlmoeFromTheHub) {
+  const ModelConfig c = load_model_config(std::string(MOETRON_SOURCE_DIR) + "/configs/models/olmoe-1b-7b/config.json");
+  EXPECT_EQ(c.model_type, "olmoe");
+  EXPECT_EQ(c.num_local_experts, 64);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_EQ(c.intermediate_size, 1024);
+  EXPECT_EQ(c.expert_intermediate_size(), 1024);
+  EXPECT_TRUE(c.qk_norm && c.qk_norm_full);
+  EXPECT_EQ(c.clip_qkv, 0.0);
+  EXPECT_FALSE(c.norm_topk_prob);
+  EXPECT_EQ(c.router_aux_loss_coef, 0.01);
+  EXPECT_EQ(c.pad_token_id, 1);
+  const ParamTable t(c);
+  EXPECT_EQ(t.at(ParamKind::q_norm, 0).numel, 2048u);
+  EXPECT_EQ(t.at(ParamKind::k_norm, 0).numel, 2048u);
+  EXPECT_TRUE(t.find_hf("model.layers.15.mlp.experts.63.up_proj.weight") != nullptr);
+  const ModelConfig back = model_config_from_json(model_config_to_json(c), "written");
+  expect_same(c, back);
+  EXPECT_TRUE(back.qk_norm_full);
+  EXPECT_EQ(model_config_to_json(c).at("clip_qkv"), nullptr);
+}
+
+TEST(HfConfigErrors, OlmoeFieldsNamed) {
+  json j = json::parse(R"({"architectures": ["OlmoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+    "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_experts": 4,
+    "num_experts_per_tok": 2})");
+  EXPECT_EQ(model_config_from_json(j, "cfg.json").clip_qkv, 0.0);
+  j["clip_qkv"] = 8.0;
+  EXPECT_EQ(model_config_from_json(j, "cfg.json").clip_qkv, 8.0);
+  EXPECT_EQ(model_config_from_json(model_config_to_json(model_config_from_json(j, "c")), "w").clip_qkv, 8.0);
+  j["clip_qkv"] = -1.0;
+  expect_config_error(j, {"'clip_qkv'", "positive"});
+  j["clip_qkv"] = nullptr;
+  j["head_dim"] = 16;  // q_norm spans hidden_size: head_dim must be 32 / 4
+  expect_config_error(j, {"'head_dim'", "hidden_size / num_attention_heads = 8"});
+  j.erase("head_dim");
+  j["attention_bias"] = true;
+  expect_config_error(j, {"'attention_bias'"});
+  // Tensor parallelism is refused naming the reason (the norms span every head).
+  j.erase("attention_bias");
+  const ModelConfig c = model_config_from_json(j, "cfg.json");
+  ParamShard tp2;
+  tp2.tp_size = 2;
+  try {
+    ParamTable t(c, tp2);
+    ADD_FAILURE() << "tp 2 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("span every head"), std::string::npos) << e.what();
+  }
+  ModelConfig bad = model_config_from_json(tiny_mixtral(), "x");
+  bad.clip_qkv = 4.0;
+  EXPECT_THROW(validate_model_config(bad, "x"), Error);
+}

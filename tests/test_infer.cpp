@@ -80,9 +80,9 @@ constexpr double kTol = 1e-5;
 std::vector<std::string> model_dirs() {
   std::vector<std::string> dirs;
   for (const char* c : {"mixtral_gqa", "mixtral_e3_k1", "mixtral_swa_padded", "mistral_dense", "llama_dense",
-                        "qwen3_moe_mixed", "qwen3_moe_norm_topk_padded", "qwen2_moe_shared", "qwen3_dense"})
+                        "qwen3_moe_mixed", "qwen3_moe_norm_topk_padded", "qwen2_moe_shared", "olmoe_clip", "olmoe_plain", "qwen3_dense"})
     dirs.push_back((kGolden / c).string());
-  for (const char* c : {"mixtral_gqa", "llama_dense", "qwen3_moe"}) dirs.push_back((kGenerate / c).string());
+  for (const char* c : {"mixtral_gqa", "llama_dense", "qwen3_moe", "olmoe"}) dirs.push_back((kGenerate / c).string());
   return dirs;
 }
 
@@ -235,7 +235,7 @@ TEST(Decoder, RejectsBadTokensWithoutChangingTheCache) {
 // transformers' generate(do_sample=False), 32 new tokens (tools/make_generate_reference.py).
 TEST(Generate, GreedyEqualsTransformersGenerate) {
   const nlohmann::json exp = expected_json();
-  ASSERT_EQ(exp["cases"].size(), 3u);  // Mixtral, Llama, Qwen3-MoE
+  ASSERT_EQ(exp["cases"].size(), 4u);  // Mixtral, Llama, Qwen3-MoE, OLMoE
   for (const auto& c : exp["cases"]) {
     const std::string dir = (kGenerate / c["model"].get<std::string>()).string();
     SCOPED_TRACE(dir);

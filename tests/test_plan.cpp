@@ -460,3 +460,18 @@ TEST(PlanTotals, Qwen2MoeA27bParameterCounts) {
   EXPECT_EQ(format_count((double)p.params_total, 1), "14.3B");
   EXPECT_EQ(format_count((double)p.params_active, 1), "2.7B");
 }
+
+// OLMoE-1B-7B from its Hub config.json: 6.9B parameters, 1.3B active (8 of 64 experts); its q/k
+// norms span the whole projections ([2048] each).
+TEST(PlanTotals, Olmoe1b7bParameterCounts) {
+  const ModelConfig m = load_model_config((kSrc / "configs" / "models" / "olmoe-1b-7b" / "config.json").string());
+  const Plan p = make_plan(small_cfg(1, 1, 1, 8, 1, 128), m, 1);
+  const int64_t C = 2048, V = 50304, I = 1024, L = 16, E = 64, K = 8;
+  const int64_t experts = L * E * 3 * I * C;
+  const int64_t per_layer = 4 * C * C + 2 * C + 2 * C + E * C;  // attention, norms, q/k norms, router
+  const int64_t total = 2 * V * C + C + L * per_layer + experts;
+  EXPECT_EQ(p.params_total, total);
+  EXPECT_EQ(p.params_active, total - experts / E * (E - K));
+  EXPECT_EQ(format_count((double)p.params_total, 1), "6.9B");
+  EXPECT_EQ(format_count((double)p.params_active, 1), "1.3B");
+}

@@ -25,8 +25,8 @@ import tempfile
 import sentencepiece as spm
 import torch
 import transformers
-from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, OlmoeConfig,
+                          OlmoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 NEW_TOKENS = 32
 MIN_GAP = 2e-3  # float64 top-1 minus top-2 logit at every greedy step
@@ -55,6 +55,9 @@ CASES = {
     "qwen3_moe": dict(arch="qwen3_moe", seed=33, vocab=832, hidden=32, inter=40, moe_inter=24, layers=3, heads=4,
                       kv_heads=2, head_dim=12, experts=4, top_k=2, mlp_only_layers=[1], rope_theta=1e6,
                       sliding_window=None, prompt_len=10, tokenizer=False, tokenizer_json=True),
+    # OLMoE: q/k norms over the whole projections, clip_qkv 2.0 (clipping part of q and k), norm_topk_prob false.
+    "olmoe": dict(arch="olmoe", seed=35, vocab=144, hidden=32, inter=24, layers=2, heads=4, kv_heads=4, experts=4,
+                  top_k=2, clip_qkv=2.0, rope_theta=1e4, sliding_window=None, prompt_len=9, tokenizer=False),
 }
 TINY_TOKENIZER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data",
                                    "tiny-bytelevel-tokenizer.json")
@@ -81,6 +84,10 @@ def build(c):
         cfg = MixtralConfig(**common, num_local_experts=c["experts"], num_experts_per_tok=c["top_k"],
                             router_aux_loss_coef=0.02, router_jitter_noise=0.0, sliding_window=c["sliding_window"])
         cls = MixtralForCausalLM
+    elif c["arch"] == "olmoe":
+        cfg = OlmoeConfig(**common, num_experts=c["experts"], num_experts_per_tok=c["top_k"], norm_topk_prob=False,
+                          clip_qkv=c["clip_qkv"], router_aux_loss_coef=0.02, attention_bias=False)
+        cls = OlmoeForCausalLM
     elif c["arch"] == "qwen3_moe":
         cfg = Qwen3MoeConfig(**common, head_dim=c["head_dim"], num_experts=c["experts"],
                              num_experts_per_tok=c["top_k"], moe_intermediate_size=c["moe_inter"],
@@ -174,7 +181,7 @@ def make_case(name, c, out_root):
     model32 = cls.from_pretrained(d, dtype=torch.float32).eval()
     for (n1, p1), (n2, p2) in zip(model.named_parameters(), model32.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2), f"reload changed {n1}"
-    kw = {"experts_implementation": "eager"} if c["arch"] in ("mixtral", "qwen3_moe") else {}  # grouped_mm: no float64
+    kw = {"experts_implementation": "eager"} if c["arch"] in ("mixtral", "qwen3_moe", "olmoe") else {}  # no float64 grouped_mm
     model64 = cls.from_pretrained(d, dtype=torch.float32, attn_implementation="eager", **kw).double().eval()
 
     eos = 2

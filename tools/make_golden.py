@@ -30,11 +30,12 @@ import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.mixtral import modeling_mixtral
+from transformers.models.olmoe import modeling_olmoe
 from transformers.models.qwen2_moe import modeling_qwen2_moe
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
@@ -77,20 +78,31 @@ CASES = {
                              layers=3, heads=4, kv_heads=2, experts=4, top_k=2, norm_topk_prob=False,
                              mlp_only_layers=[2], sparse_step=1, T=15, rope_theta=1e6, sliding_window=None,
                              pad_row1=3),
+    # OLMoE: q/k norms over the whole projections, clip_qkv 1.0 active on part of q, k and v (v_proj x 6
+    # so v reaches it too), norm_topk_prob true; row 1 right-padded by 5.
+    "olmoe_clip": dict(arch="olmoe", seed=68, vocab=120, hidden=32, inter=24, layers=2, heads=4, kv_heads=2,
+                       experts=4, top_k=2, norm_topk_prob=True, clip_qkv=1.0, T=16, rope_theta=1e4,
+                       sliding_window=None, pad_row1=5),
+    # OLMoE defaults otherwise: norm_topk_prob false, no clip, MHA.
+    "olmoe_plain": dict(arch="olmoe", seed=55, vocab=112, hidden=32, inter=32, layers=2, heads=4, kv_heads=4,
+                        experts=4, top_k=2, norm_topk_prob=False, clip_qkv=None, T=12, rope_theta=1e4,
+                        sliding_window=None, pad_row1=0),
     # Dense Qwen3 as the small ones are: q/k norms, head_dim 16 != hidden / heads = 8, tied embeddings.
     "qwen3_dense": dict(arch="qwen3", seed=25, vocab=120, hidden=32, inter=56, layers=2, heads=4, kv_heads=2,
                         head_dim=16, T=12, rope_theta=1e6, sliding_window=None, pad_row1=0, tie=True),
 }
-MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")
-MOE_CLASSES = (MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM)
+MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+MOE_CLASSES = (MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM)
+V_SCALE_CLIP = 6.0  # olmoe_clip: v_proj scaled so that clip_qkv clips some v values too
 BIAS_SCALE = 0.1  # q/k/v biases (HF initialises them to 0): N(0, 0.1) so a missing bias shows
 GATE_SCALE = 10.0
 QK_SCALE = 4.0
 NORM_JITTER = 0.1
 B = 2
-MODULES = (modeling_mixtral, modeling_mistral, modeling_llama, modeling_qwen3, modeling_qwen3_moe, modeling_qwen2_moe)
+MODULES = (modeling_mixtral, modeling_mistral, modeling_llama, modeling_qwen3, modeling_qwen3_moe, modeling_qwen2_moe,
+           modeling_olmoe)
 PREFIX = {modeling_mixtral: "Mixtral", modeling_mistral: "Mistral", modeling_llama: "Llama", modeling_qwen3: "Qwen3",
-          modeling_qwen3_moe: "Qwen3Moe", modeling_qwen2_moe: "Qwen2Moe"}
+          modeling_qwen3_moe: "Qwen3Moe", modeling_qwen2_moe: "Qwen2Moe", modeling_olmoe: "Olmoe"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +194,7 @@ def float64_numerics():
         patch(getattr(mod, prefix + "RMSNorm"), "forward", _rmsnorm_forward)
         patch(getattr(mod, prefix + "RotaryEmbedding"), "forward", _rotary_forward)
         patch(mod, "eager_attention_forward", _make_eager_attention(mod))
-    for mod in (modeling_mixtral, modeling_qwen3_moe, modeling_qwen2_moe):
+    for mod in (modeling_mixtral, modeling_qwen3_moe, modeling_qwen2_moe, modeling_olmoe):
         patch(getattr(mod, PREFIX[mod] + "TopKRouter"), "forward", _router_forward)
         patch(mod, "load_balancing_loss_func", _load_balancing_loss)
     try:
@@ -220,6 +232,11 @@ def build_config(c):
                              decoder_sparse_step=c["sparse_step"], router_aux_loss_coef=ROUTER_AUX_LOSS_COEF,
                              qkv_bias=True, use_sliding_window=False)
         cls = Qwen2MoeForCausalLM
+    elif c["arch"] == "olmoe":
+        cfg = OlmoeConfig(**common, num_experts=c["experts"], num_experts_per_tok=c["top_k"],
+                          norm_topk_prob=c["norm_topk_prob"], clip_qkv=c["clip_qkv"],
+                          router_aux_loss_coef=ROUTER_AUX_LOSS_COEF, attention_bias=False)
+        cls = OlmoeForCausalLM
     elif c["arch"] == "qwen3":
         cfg = Qwen3Config(**common, head_dim=c["head_dim"], attention_bias=False, use_sliding_window=False)
         cls = Qwen3ForCausalLM
@@ -249,6 +266,8 @@ def build_model(c):
                 p.mul_(GATE_SCALE)
             elif name.endswith("_proj.bias"):
                 p.copy_(BIAS_SCALE * torch.randn(p.shape))
+            if c.get("clip_qkv") and name.endswith("v_proj.weight"):
+                p.mul_(V_SCALE_CLIP)
     return model
 
 
@@ -313,6 +332,11 @@ def check_hub_file(model_dir, model, c):
     if c["arch"] == "mixtral":
         assert "model.layers.1.block_sparse_moe.gate.weight" in keys
         assert f"model.layers.1.block_sparse_moe.experts.{c['experts'] - 1}.w2.weight" in keys
+    elif c["arch"] == "olmoe":
+        for l in range(c["layers"]):
+            assert f"model.layers.{l}.mlp.gate.weight" in keys
+            assert f"model.layers.{l}.mlp.experts.{c['experts'] - 1}.down_proj.weight" in keys
+            assert model.model.layers[l].self_attn.q_norm.weight.shape[0] == c["hidden"]
     elif c["arch"] in ("qwen3_moe", "qwen2_moe"):
         sparse = [l for l in range(c["layers"]) if l not in c["mlp_only_layers"] and (l + 1) % c["sparse_step"] == 0]
         for l in range(c["layers"]):
@@ -355,6 +379,21 @@ def split_losses(model, out, inputs):
         aux = torch.zeros((), dtype=out.logits.dtype)
         coef = 0.0
     return ce.detach(), aux.detach(), coef
+
+
+def clip_fractions(model, inputs, clip):
+    """Fractions of the q, k (after their norms) and v values beyond clip_qkv in a forward pass."""
+    seen = {"q": [], "k": [], "v": []}
+    hooks = []
+    for layer in model.model.layers:
+        a = layer.self_attn
+        for key, mod in (("q", a.q_norm), ("k", a.k_norm), ("v", a.v_proj)):
+            hooks.append(mod.register_forward_hook(lambda m, i, o, key=key: seen[key].append(o.detach().abs() > clip)))
+    with torch.no_grad():
+        model(**{k: v for k, v in inputs.items() if k != "labels"})
+    for h in hooks:
+        h.remove()
+    return {k: torch.cat([x.reshape(-1) for x in v]).double().mean().item() for k, v in seen.items()}
 
 
 def check_routing(model, out, c, where):
@@ -469,6 +508,10 @@ def make_case(name, c, out_root):
         assert n1 == n2 and torch.equal(p1, p2), f"reload changed {n1}"
     inputs = build_inputs(c)
     save_safetensors(os.path.join(case_dir, "input.safetensors"), {k: v.numpy() for k, v in inputs.items()})
+    clipped = {}
+    if c.get("clip_qkv"):  # the clamp must act on part of q, k and v, not on none or all of them
+        clipped = clip_fractions(loaded, inputs, c["clip_qkv"])
+        assert all(0.01 < f < 0.9 for f in clipped.values()), clipped
 
     # Unpatched HF (float32 and float64) for the cross-checks.
     ref32 = copy.deepcopy(loaded).train()
@@ -531,6 +574,8 @@ def make_case(name, c, out_root):
           f"adamw {['%.6f' % x for x in losses]} grad_norm {['%.4f' % x for x in norms]} "
           f"min_gap {min(gaps + step_gaps) if gaps else float('nan'):.4f} size {size}")
     print("   checks " + " ".join(f"{k}={v:.2e}" for k, v in checks.items()))
+    if clipped:
+        print("   clip_qkv clips " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in clipped.items()))
 
 
 def main():

@@ -202,6 +202,10 @@ class Backend {
   // s[n] = sigmoid(x[n]); dx[n] = ds[n] s[n] (1 - s[n]) (f32, assign).
   virtual void sigmoid_forward(Tensor s, Tensor x, long n) = 0;
   virtual void sigmoid_backward(Tensor dx, Tensor ds, Tensor s, long n) = 0;
+  // OLMoE clip_qkv (ops/clamp.h): x (any float store) clamped to [-c, c] in place, mask u8[n] = 1 where
+  // kept; dx (any float store) zeroed in place where mask is 0.
+  virtual void clamp_forward(Tensor x, Tensor mask, float c, long n) = 0;
+  virtual void clamp_backward(Tensor dx, Tensor mask, long n) = 0;
 
   // ---- router (ops/router.h) --------------------------------------------------------------------
   // renormalize: the top-K weights sum to 1 (Mixtral), else they are the probs (norm_topk_prob false).

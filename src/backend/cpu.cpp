@@ -11,6 +11,7 @@
 #include "dist/tp_ops.h"
 #include "ops/attention.h"
 #include "ops/bias.h"
+#include "ops/clamp.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 #include "ops/matmul.h"
@@ -197,6 +198,11 @@ void CpuBackend::bias_backward(Tensor dbias, Tensor dout, long N, int C) {
   ops::bias_backward(dbias.f32(), dout.f32(), N, C);
 }
 void CpuBackend::sigmoid_forward(Tensor s, Tensor x, long n) { ops::sigmoid_forward(s.f32(), x.f32(), n); }
+void CpuBackend::clamp_forward(Tensor x, Tensor mask, float c, long n) {
+  // A bf16-valued tensor (Bf16CpuBackend's act store) is clamped to the bf16 value of c.
+  ops::clamp_forward(x.f32(), mask.u8(), x.store == Store::bf16 ? bf16_to_f32(f32_to_bf16(c)) : c, n);
+}
+void CpuBackend::clamp_backward(Tensor dx, Tensor mask, long n) { ops::clamp_backward(dx.f32(), mask.u8(), n); }
 void CpuBackend::sigmoid_backward(Tensor dx, Tensor ds, Tensor s, long n) {
   ops::sigmoid_backward(dx.f32(), ds.f32(), s.f32(), n);
 }

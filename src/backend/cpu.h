@@ -46,6 +46,8 @@ class CpuBackend : public Backend {
   void bias_backward(Tensor dbias, Tensor dout, long N, int C) override;
   void sigmoid_forward(Tensor s, Tensor x, long n) override;
   void sigmoid_backward(Tensor dx, Tensor ds, Tensor s, long n) override;
+  void clamp_forward(Tensor x, Tensor mask, float c, long n) override;
+  void clamp_backward(Tensor dx, Tensor mask, long n) override;
   void router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K,
                       bool renormalize) override;
   void router_layer_stats(ops::RouterLayerStats& st, Tensor logits, Tensor probs, Tensor topk_idx, Tensor token_mask,

@@ -183,6 +183,12 @@ void CudaBackend::bias_backward(Tensor dbias, Tensor dout, long N, int C) {
   gpu::bias_backward(*ctx_, f32p(dbias), f32p(dout), N, C);
 }
 void CudaBackend::sigmoid_forward(Tensor s, Tensor x, long n) { gpu::sigmoid_forward(*ctx_, f32p(s), f32p(x), n); }
+void CudaBackend::clamp_forward(Tensor x, Tensor mask, float c, long n) {
+  gpu::clamp_forward(*ctx_, x.data, dtype_of(x, "clamp_forward"), u8p(mask), c, n);
+}
+void CudaBackend::clamp_backward(Tensor dx, Tensor mask, long n) {
+  gpu::clamp_backward(*ctx_, dx.data, dtype_of(dx, "clamp_backward"), u8p(mask), n);
+}
 void CudaBackend::sigmoid_backward(Tensor dx, Tensor ds, Tensor s, long n) {
   gpu::sigmoid_backward(*ctx_, f32p(dx), f32p(ds), f32p(s), n);
 }

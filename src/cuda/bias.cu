@@ -1,5 +1,5 @@
-// Projection biases' gradient and the sigmoid gate (Qwen2-MoE) on the CUDA backend; see ops.h and
-// src/ops/bias.h, src/ops/sigmoid.h for the CPU reference.
+// Projection biases' gradient and the sigmoid gate (Qwen2-MoE), and OLMoE's clip_qkv clamp, on the
+// CUDA backend; see ops.h and src/ops/bias.h, sigmoid.h, clamp.h for the CPU reference.
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
 
@@ -48,6 +48,65 @@ void sigmoid_backward(Context& ctx, float* dx, const float* ds, const float* s, 
   if (n == 0) return;
   sigmoid_backward_kernel<<<blocks_for(n, 256), 256, 0, stream_of(ctx)>>>(dx, ds, s, n);
   CUDA_LAUNCHED("sigmoid_backward");
+}
+
+}  // namespace moetron::gpu
+
+// ---- clamp (OLMoE clip_qkv) on the act store (bf16) or f32 --------------------------------------
+namespace moetron::gpu {
+
+namespace {
+
+template <typename T>
+__device__ float load_f(const T* p, long i);
+template <>
+__device__ float load_f<float>(const float* p, long i) { return p[i]; }
+template <>
+__device__ float load_f<bf16>(const bf16* p, long i) { return __bfloat162float(p[i]); }
+template <typename T>
+__device__ void store_f(T* p, long i, float v);
+template <>
+__device__ void store_f<float>(float* p, long i, float v) { p[i] = v; }
+template <>
+__device__ void store_f<bf16>(bf16* p, long i, float v) { p[i] = __float2bfloat16_rn(v); }
+
+template <typename T>
+__global__ void clamp_forward_kernel(T* x, uint8_t* mask, float c, long n) {
+  const long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float v = load_f(x, i);
+  const bool keep = v >= -c && v <= c;
+  mask[i] = keep ? 1 : 0;
+  if (v > c) store_f(x, i, c);
+  else if (v < -c) store_f(x, i, -c);
+}
+
+template <typename T>
+__global__ void clamp_backward_kernel(T* dx, const uint8_t* mask, long n) {
+  const long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (i < n && !mask[i]) store_f(dx, i, 0.0f);
+}
+
+}  // namespace
+
+void clamp_forward(Context& ctx, void* x, DType dtype, uint8_t* mask, float c, long n) {
+  MOETRON_OP_CHECK(n >= 0 && c >= 0.0f, "clamp_forward", "bad count {} or bound {}", n, c);
+  if (n == 0) return;
+  if (dtype == DType::BF16)
+    clamp_forward_kernel<<<blocks_for(n, 256), 256, 0, stream_of(ctx)>>>(static_cast<bf16*>(x), mask, c, n);
+  else
+    clamp_forward_kernel<<<blocks_for(n, 256), 256, 0, stream_of(ctx)>>>(static_cast<float*>(x), mask, c, n);
+  CUDA_LAUNCHED("clamp_forward");
+}
+
+void clamp_backward(Context& ctx, void* dx, DType dtype, const uint8_t* mask, long n) {
+  MOETRON_OP_CHECK(n >= 0, "clamp_backward", "bad count {}", n);
+  if (n == 0) return;
+  if (dtype == DType::BF16)
+    clamp_backward_kernel<<<blocks_for(n, 256), 256, 0, stream_of(ctx)>>>(static_cast<bf16*>(dx), mask, n);
+  else
+    clamp_backward_kernel<<<blocks_for(n, 256), 256, 0, stream_of(ctx)>>>(static_cast<float*>(dx), mask, n);
+  CUDA_LAUNCHED("clamp_backward");
 }
 
 }  // namespace moetron::gpu

@@ -189,6 +189,10 @@ void bias_backward(Context& ctx, float* dbias, const float* dout, long N, int C)
 // s = sigmoid(x); dx = ds s (1 - s)  (fp32, n values, as ops/sigmoid.h)
 void sigmoid_forward(Context& ctx, float* s, const float* x, long n);
 void sigmoid_backward(Context& ctx, float* dx, const float* ds, const float* s, long n);
+// x clamped to [-c, c] in place (bf16 or fp32), mask[i] = 1 where it was inside; dx zeroed where
+// mask is 0 (as ops/clamp.h)
+void clamp_forward(Context& ctx, void* x, DType dtype, uint8_t* mask, float c, long n);
+void clamp_backward(Context& ctx, void* dx, DType dtype, const uint8_t* mask, long n);
 // out[m] = in[index[m]] for rows of row_bytes bytes (m < rows)
 void gather_rows(Context& ctx, void* out, const void* in, const int32_t* index, long rows, size_t row_bytes);
 // partial[s] = sum of values[i]^2 over segment s = [begin[s], end[s]) (fp64, fixed reduction order).

@@ -128,6 +128,8 @@ void add_bias_rows(Context&, float*, const float*, long, int) { no_cuda("add_bia
 void bias_backward(Context&, float*, const float*, long, int) { no_cuda("bias_backward"); }
 void sigmoid_forward(Context&, float*, const float*, long) { no_cuda("sigmoid_forward"); }
 void sigmoid_backward(Context&, float*, const float*, const float*, long) { no_cuda("sigmoid_backward"); }
+void clamp_forward(Context&, void*, DType, uint8_t*, float, long) { no_cuda("clamp_forward"); }
+void clamp_backward(Context&, void*, DType, const uint8_t*, long) { no_cuda("clamp_backward"); }
 void gather_rows(Context&, void*, const void*, const int32_t*, long, size_t) { no_cuda("gather_rows"); }
 void sum_squares_segments(Context&, double*, const float*, const int64_t*, const int64_t*, size_t) {
   no_cuda("sum_squares_segments");

@@ -50,6 +50,11 @@ class ThreadLimit {
   bool active_ = false;
 };
 
+// x[i] clamped to [-c, c] (as ops::clamp_forward, without its mask).
+void clip_inplace(float* x, long n, float c) {
+  for (long i = 0; i < n; i++) x[i] = x[i] > c ? c : x[i] < -c ? -c : x[i];
+}
+
 // x[n, C] += bias[C] per row.
 void add_bias(float* x, const float* bias, long n, int C) {
   for (long i = 0; i < n; i++)
@@ -225,10 +230,19 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
       add_bias(kdst, m_.weight(ParamKind::k_bias, l), n, KVd_);
       add_bias(vdst, m_.weight(ParamKind::v_bias, l), n, KVd_);
     }
-    if (m_.cfg.qk_norm) {  // RMSNorm over each head of q and k (in place), before RoPE
+    if (m_.cfg.qk_norm) {  // RMSNorm over each head of q and k (OLMoE: over all of q, k), in place, before RoPE
       ThreadLimit lim(N * (Q_ + KVd_));
-      ops::rmsnorm_forward(q_.data(), rstd_.data(), q_.data(), m_.weight(ParamKind::q_norm, l), N * NH_, HD_, eps);
-      ops::rmsnorm_forward(kdst, rstd_.data(), kdst, m_.weight(ParamKind::k_norm, l), N * NKV_, HD_, eps);
+      const bool full = m_.cfg.qk_norm_full;
+      ops::rmsnorm_forward(q_.data(), rstd_.data(), q_.data(), m_.weight(ParamKind::q_norm, l), full ? N : N * NH_,
+                           full ? Q_ : HD_, eps);
+      ops::rmsnorm_forward(kdst, rstd_.data(), kdst, m_.weight(ParamKind::k_norm, l), full ? N : N * NKV_,
+                           full ? KVd_ : HD_, eps);
+    }
+    if (m_.cfg.clip_qkv > 0) {  // OLMoE clip_qkv
+      const float c = (float)m_.cfg.clip_qkv;
+      clip_inplace(q_.data(), N * Q_, c);
+      clip_inplace(kdst, N * KVd_, c);
+      clip_inplace(vdst, N * KVd_, c);
     }
     {
       ThreadLimit lim(N * (Q_ + KVd_));

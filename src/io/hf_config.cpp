@@ -33,6 +33,7 @@ struct ArchInfo {
   int default_head_dim = 0;  // when head_dim is absent; 0: hidden_size / num_attention_heads
   bool qk_norm = false;      // Qwen3: per-head q/k RMSNorm
   bool qwen2_moe = false;    // q/k/v biases (qkv_bias, default true) and a gated shared expert
+  bool olmoe = false;        // num_experts, norm_topk_prob, clip_qkv; q/k norms over all heads
 };
 
 constexpr ArchInfo kArchs[] = {
@@ -42,11 +43,12 @@ constexpr ArchInfo kArchs[] = {
     {"Qwen3MoeForCausalLM", "qwen3_moe", true, 1e-6, 1e4, 32768, 0, 0.001, false, true, 0, true, false},
     {"Qwen2MoeForCausalLM", "qwen2_moe", true, 1e-6, 1e4, 32768, 0, 0.001, false, true, 0, false, true},
     {"Qwen3ForCausalLM", "qwen3", false, 1e-6, 1e4, 32768, 0, 0.0, false, true, 128, true, false},
+    {"OlmoeForCausalLM", "olmoe", true, 1e-5, 1e4, 4096, 0, 0.01, false, false, 0, true, false, true},
 };
 constexpr const char* kArchList =
-    "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MistralForCausalLM, LlamaForCausalLM or "
-    "Qwen3ForCausalLM";
-constexpr const char* kModelTypeList = "mixtral, qwen3_moe, qwen2_moe, mistral, llama or qwen3";
+    "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM, MistralForCausalLM, "
+    "LlamaForCausalLM or Qwen3ForCausalLM";
+constexpr const char* kModelTypeList = "mixtral, qwen3_moe, qwen2_moe, olmoe, mistral, llama or qwen3";
 
 const ArchInfo* arch_by_name(const std::string& architecture) {
   for (const ArchInfo& a : kArchs)
@@ -233,17 +235,30 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
            source, c.hidden_size, c.num_attention_heads);
     c.head_dim = c.hidden_size / c.num_attention_heads;
   }
-  if (arch->moe && !arch->qwen) {
+  // num_experts (transformers 4 and OLMoE) or num_local_experts (transformers 5 for Qwen3-MoE): both
+  // are read, and must agree when both are present.
+  auto experts_count = [&](int fallback) {
+    const int hub = f.optional_int("num_experts", -1), v5 = f.optional_int("num_local_experts", -1);
+    if (hub >= 0 && v5 >= 0 && hub != v5)
+      fail("{}: fields 'num_experts' ({}) and 'num_local_experts' ({}) disagree", source, hub, v5);
+    return v5 >= 0 ? v5 : hub >= 0 ? hub : fallback;
+  };
+  if (arch->olmoe) {  // OlmoeConfig's names and defaults; intermediate_size is the experts' width
+    c.num_local_experts = experts_count(64);
+    c.num_experts_per_tok = f.optional_int("num_experts_per_tok", 8);
+    c.norm_topk_prob = f.optional_bool("norm_topk_prob", false);
+    c.router_aux_loss_coef = f.optional_double("router_aux_loss_coef", arch->router_aux_loss_coef);
+    c.clip_qkv = f.optional_double("clip_qkv", 0.0);
+    if (f.get("clip_qkv") != nullptr && !(c.clip_qkv > 0.0 && std::isfinite(c.clip_qkv)))
+      fail("{}: field 'clip_qkv' must be null or a positive number, got {}", source, c.clip_qkv);
+    c.qk_norm = true;
+    c.qk_norm_full = true;
+  } else if (arch->moe && !arch->qwen) {
     c.num_local_experts = f.required_int("num_local_experts");
     c.num_experts_per_tok = f.required_int("num_experts_per_tok");
     c.router_aux_loss_coef = f.optional_double("router_aux_loss_coef", arch->router_aux_loss_coef);
   } else if (arch->moe) {  // Qwen3MoeConfig's / Qwen2MoeConfig's names and defaults
-    // Hub configs (transformers 4) say num_experts; transformers 5 writes num_local_experts (its
-    // attribute_map aliases the two).  Both are read, and must agree when both are present.
-    const int hub = f.optional_int("num_experts", -1), v5 = f.optional_int("num_local_experts", -1);
-    if (hub >= 0 && v5 >= 0 && hub != v5)
-      fail("{}: fields 'num_experts' ({}) and 'num_local_experts' ({}) disagree", source, hub, v5);
-    c.num_local_experts = v5 >= 0 ? v5 : hub >= 0 ? hub : arch->qwen2_moe ? 60 : 128;
+    c.num_local_experts = experts_count(arch->qwen2_moe ? 60 : 128);
     c.num_experts_per_tok = f.optional_int("num_experts_per_tok", arch->qwen2_moe ? 4 : 8);
     c.moe_intermediate_size = f.optional_int("moe_intermediate_size", arch->qwen2_moe ? 1408 : 768);
     check_positive(source, "moe_intermediate_size", c.moe_intermediate_size);
@@ -402,6 +417,11 @@ json model_config_to_json(const ModelConfig& c) {
     }
   }
   if (qwen) j["use_sliding_window"] = false;
+  if (arch != nullptr && arch->olmoe) {
+    j["num_experts"] = c.num_local_experts;
+    j["norm_topk_prob"] = c.norm_topk_prob;
+    j["clip_qkv"] = c.clip_qkv > 0 ? json(c.clip_qkv) : json(nullptr);
+  }
   if (arch != nullptr && arch->qwen2_moe) {
     j["qkv_bias"] = c.qkv_bias;
     j["shared_expert_intermediate_size"] = c.shared_expert_intermediate_size;
@@ -444,7 +464,7 @@ void validate_model_config(const ModelConfig& c, const std::string& source) {
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     fail("{}: field 'num_key_value_heads' ({}) must divide num_attention_heads ({})", source,
          c.num_key_value_heads, c.num_attention_heads);
-  const char* experts_field = arch->qwen ? "num_experts" : "num_local_experts";
+  const char* experts_field = arch->qwen || arch->olmoe ? "num_experts" : "num_local_experts";
   if (arch->moe) {
     check_positive(source, experts_field, c.num_local_experts);
     if (c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_local_experts)
@@ -458,7 +478,7 @@ void validate_model_config(const ModelConfig& c, const std::string& source) {
            c.architecture);
     if (c.decoder_sparse_step < 1)
       fail("{}: field 'decoder_sparse_step' must be >= 1, got {}", source, c.decoder_sparse_step);
-    if (!arch->qwen && (c.decoder_sparse_step != 1 || !c.mlp_only_layers.empty() || !c.norm_topk_prob))
+    if (!arch->qwen && (c.decoder_sparse_step != 1 || !c.mlp_only_layers.empty() || (!c.norm_topk_prob && !arch->olmoe)))
       fail("{}: fields 'decoder_sparse_step', 'mlp_only_layers' and 'norm_topk_prob' are Qwen3-MoE's; {} routes "
            "every layer with renormalised weights",
            source, c.architecture);
@@ -481,6 +501,14 @@ void validate_model_config(const ModelConfig& c, const std::string& source) {
   if (!(c.initializer_range >= 0.0) || !std::isfinite(c.initializer_range))
     fail("{}: field 'initializer_range' must be a finite number >= 0, got {}", source,
          c.initializer_range);
+  if (c.qk_norm_full != arch->olmoe || (c.clip_qkv != 0.0 && !arch->olmoe))
+    fail("{}: fields 'clip_qkv' and full-width q/k norms are OLMoE's, not {}'s", source, c.architecture);
+  if (!(c.clip_qkv >= 0.0) || !std::isfinite(c.clip_qkv))
+    fail("{}: field 'clip_qkv' must be null or a positive number, got {}", source, c.clip_qkv);
+  if (c.qk_norm_full && c.head_dim * c.num_attention_heads != c.hidden_size)
+    fail("{}: field 'head_dim' = {}: OLMoE's q norm spans hidden_size {}, so head_dim must be hidden_size / "
+         "num_attention_heads = {}",
+         source, c.head_dim, c.hidden_size, c.hidden_size / c.num_attention_heads);
   if (c.qk_norm != arch->qk_norm)
     fail("{}: q/k norms are {} for architecture {}", source, arch->qk_norm ? "required" : "not part", c.architecture);
   if (!arch->qwen2_moe && (c.qkv_bias || c.shared_expert_intermediate_size != 0))

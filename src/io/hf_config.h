@@ -1,4 +1,4 @@
-// Hugging Face config.json <-> ModelConfig for the MoE models Mixtral, Qwen3-MoE and Qwen2-MoE, and the dense
+// Hugging Face config.json <-> ModelConfig for the MoE models Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE, and the dense
 // Mistral / Llama / Qwen3 models.
 //
 // Reading follows transformers' semantics: absent optional fields take the defaults of the
@@ -10,6 +10,9 @@
 // does not implement (rope scaling, activations other than silu, biases) are
 // rejected with an Error instead of being silently ignored.
 //
+// OLMoE (modeling_olmoe.py): every layer MoE (num_experts, intermediate_size per expert), Qwen-style
+// names, norm_topk_prob (default false), RMSNorm over the whole q and k projections (not per head),
+// and the optional clip_qkv clamp of q, k, v.
 // Qwen2-MoE (modeling_qwen2_moe.py) shares Qwen3-MoE's MoE fields and names (no q/k norms), and adds
 // q/k/v biases (`qkv_bias`, default true) and the gated shared expert.
 // Qwen3 / Qwen3-MoE differ from Mixtral in (modeling_qwen3*.py): an RMSNorm over each head's q and k
@@ -45,6 +48,8 @@ struct ModelConfig {
   std::vector<int> mlp_only_layers;  // ... and l is not listed here (then a dense FFN of intermediate_size)
   bool norm_topk_prob = true;     // renormalise the top-K router weights to sum 1 (Mixtral: always)
   bool qk_norm = false;           // RMSNorm over each head of q and k before RoPE (Qwen3, Qwen3-MoE)
+  bool qk_norm_full = false;      // OLMoE: the q and k norms span every head ([NH*HD], [NKV*HD] weights)
+  double clip_qkv = 0.0;          // OLMoE: q, k, v clamped to [-clip_qkv, clip_qkv] after the norms; 0: off
   bool qkv_bias = false;          // q/k/v projection biases (Qwen2-MoE)
   int shared_expert_intermediate_size = 0;  // Qwen2-MoE: a shared expert in every MoE layer; 0: none
   double rms_norm_eps = 1e-5;

@@ -211,7 +211,7 @@ void MixtralModel::tp_all_reduce(Tensor x) {
 uint64_t MixtralModel::comm_bytes() const { return kv_comm_ ? kv_comm_->stats().bytes_sent : 0; }
 
 void MixtralModel::reduce_replicated_grads() {
-  if (tp_on() && cfg_.qk_norm)
+  if (tp_on() && cfg_.qk_norm && !cfg_.qk_norm_full)
     for (int l = layer_begin_; l < layer_end_; l++)
       for (ParamKind k : {ParamKind::q_norm, ParamKind::k_norm}) {
         const Tensor g = G(k, l);
@@ -273,8 +273,12 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
       a.v = c.take(act, N * KVd);
       a.qraw = qkn ? c.take(f32, N * Q) : Tensor{};
       a.kraw = qkn ? c.take(f32, N * KVd) : Tensor{};
-      a.rstdq = qkn ? c.take(f32, N * NH) : Tensor{};
+      a.rstdq = qkn ? c.take(f32, N * NH) : Tensor{};  // per head, or (full) N of them
       a.rstdk = qkn ? c.take(f32, N * NKV) : Tensor{};
+      const bool clip = cfg_.clip_qkv > 0;
+      a.clipq = clip ? c.take(Store::u8, N * Q) : Tensor{};
+      a.clipk = clip ? c.take(Store::u8, N * KVd) : Tensor{};
+      a.clipv = clip ? c.take(Store::u8, N * KVd) : Tensor{};
       a.attn_saved = c.take(f32, be_.attention_saved_numel(B, T, NH));
       a.att = c.take(act, N * Q);
       a.h = c.take(f32, N * C);
@@ -361,6 +365,8 @@ void MixtralModel::allocate_scratch(int B, int T) {
     dk32_ = (qkn || bias) && act != f32 ? c.take(f32, N * KVd) : dk_;
     dv32_ = bias && act != f32 ? c.take(f32, N * KVd) : dv_;
     proj32_ = bias && !qkn && act != f32 ? c.take(f32, N * std::max(Q, KVd)) : Tensor{};
+    // clip_qkv on a non-f32 act store: q, k, v staged in f32 (the forward's; see layer_forward).
+    clip32_ = cfg_.clip_qkv > 0 && qkn && act != f32 ? c.take(f32, N * std::max(Q, KVd)) : Tensor{};
     dshy_ = shared ? c.take(act, N * C) : Tensor{};
     dsg_ = shared ? c.take(f32, N) : Tensor{};
     dsgl_ = shared ? c.take(f32, N) : Tensor{};
@@ -568,8 +574,10 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
         be_.add_bias_rows(a.qraw, W(ParamKind::q_bias, l), N, Q);
         be_.add_bias_rows(a.kraw, W(ParamKind::k_bias, l), N, KVd);
       }
-      be_.rmsnorm_forward(a.q, a.rstdq, a.qraw, W(ParamKind::q_norm, l), N * NH, HD, eps);
-      be_.rmsnorm_forward(a.k, a.rstdk, a.kraw, W(ParamKind::k_norm, l), N * NKV, HD, eps);
+      // Per head (Qwen3: N*NH rows of HD) or over the whole projection (OLMoE: N rows of Q, KVd).
+      const bool full = cfg_.qk_norm_full;
+      be_.rmsnorm_forward(a.q, a.rstdq, a.qraw, W(ParamKind::q_norm, l), full ? N : N * NH, full ? Q : HD, eps);
+      be_.rmsnorm_forward(a.k, a.rstdk, a.kraw, W(ParamKind::k_norm, l), full ? N : N * NKV, full ? KVd : HD, eps);
     } else {
       be_.matmul_forward(a.q, a.ln1, Wg(ParamKind::q_proj, l), (int)N, C, Q, false);
       be_.matmul_forward(a.k, a.ln1, Wg(ParamKind::k_proj, l), (int)N, C, KVd, false);
@@ -588,6 +596,30 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
       biased(a.q, ParamKind::q_proj, ParamKind::q_bias, Q);
       biased(a.k, ParamKind::k_proj, ParamKind::k_bias, KVd);
       biased(a.v, ParamKind::v_proj, ParamKind::v_bias, KVd);
+    }
+    if (cfg_.clip_qkv > 0) {  // OLMoE: after the norms, before RoPE
+      const float c = (float)cfg_.clip_qkv;
+      if (be_.act_store() == Store::f32) {
+        be_.clamp_forward(a.q, a.clipq, c, N * Q);
+        be_.clamp_forward(a.k, a.clipk, c, N * KVd);
+        be_.clamp_forward(a.v, a.clipv, c, N * KVd);
+      } else {
+        // Which values are clipped is decided on the f32 values (as the fp32 model decides), then
+        // rounded: deciding on rounded values would flip the gradient of values near +-c.
+        const bool full = cfg_.qk_norm_full;
+        const Tensor t = clip32_.part(0, (size_t)N * Q);
+        be_.rmsnorm_forward(t, a.rstdq, a.qraw, W(ParamKind::q_norm, l), full ? N : N * NH, full ? Q : HD, eps);
+        be_.clamp_forward(t, a.clipq, c, N * Q);
+        be_.convert(a.q, t);
+        const Tensor tk = clip32_.part(0, (size_t)N * KVd);
+        be_.rmsnorm_forward(tk, a.rstdk, a.kraw, W(ParamKind::k_norm, l), full ? N : N * NKV, full ? KVd : HD, eps);
+        be_.clamp_forward(tk, a.clipk, c, N * KVd);
+        be_.convert(a.k, tk);
+        be_.matmul_forward(tk, a.ln1, Wg(ParamKind::v_proj, l), (int)N, C, KVd, false);
+        if (bias) be_.add_bias_rows(tk, W(ParamKind::v_bias, l), N, KVd);
+        be_.clamp_forward(tk, a.clipv, c, N * KVd);
+        be_.convert(a.v, tk);
+      }
     }
   }
   {
@@ -812,16 +844,22 @@ void MixtralModel::layer_backward(Activations& s, int l) {
     be_.rope_backward(dk_, s.positions, N, NKV, HD, theta);
   }
   Tensor dq = dq_, dk = dk_;  // d(the projections' outputs), in the act store
+  if (cfg_.clip_qkv > 0) {  // clipped values pass no gradient
+    be_.clamp_backward(dq_, a.clipq, N * Q);
+    be_.clamp_backward(dk_, a.clipk, N * KVd);
+    be_.clamp_backward(dv_, a.clipv, N * KVd);
+  }
   if (cfg_.qk_norm) {
     Section t(be_, profile_, "bwd.norms");
     if (dq32_.data != dq_.data) {
       be_.convert(dq32_, dq_);
       be_.convert(dk32_, dk_);
     }
-    be_.rmsnorm_backward(dqraw_, G(ParamKind::q_norm, l), dq32_, a.qraw, W(ParamKind::q_norm, l), a.rstdq, N * NH, HD,
-                         false);
-    be_.rmsnorm_backward(dkraw_, G(ParamKind::k_norm, l), dk32_, a.kraw, W(ParamKind::k_norm, l), a.rstdk, N * NKV,
-                         HD, false);
+    const bool full = cfg_.qk_norm_full;
+    be_.rmsnorm_backward(dqraw_, G(ParamKind::q_norm, l), dq32_, a.qraw, W(ParamKind::q_norm, l), a.rstdq,
+                         full ? N : N * NH, full ? Q : HD, false);
+    be_.rmsnorm_backward(dkraw_, G(ParamKind::k_norm, l), dk32_, a.kraw, W(ParamKind::k_norm, l), a.rstdk,
+                         full ? N : N * NKV, full ? KVd : HD, false);
     dq = as_act(dqraw_, dq_);
     dk = as_act(dkraw_, dk_);
   }

@@ -207,7 +207,8 @@ class MixtralModel {
   struct LayerActs {
     bool moe = false;  // a routed MoE block (else a dense FFN: one expert every token visits with weight 1)
     Tensor x, ln1, rstd1, q, k, v, attn_saved, att, h, ln2, ln2f, rstd2;  // ln2f: the router's f32 input
-    Tensor qraw, kraw, rstdq, rstdk;  // qk_norm: f32 q/k projections before their per-head norm
+    Tensor qraw, kraw, rstdq, rstdk;  // qk_norm: f32 q/k projections before their norm
+    Tensor clipq, clipk, clipv;       // clip_qkv: u8 masks of the values kept (not clipped)
     Tensor sh13, shact, shy, sgl, sg;  // shared expert: its FFN rows, output [N,C], gate logit and sigmoid [N]
     Tensor rlogits, rprobs, topk_w, topk_idx, combine_w, xperm, yperm, row_token, row_of;
     ops::MoePlan plan;
@@ -299,6 +300,7 @@ class MixtralModel {
   Tensor dres_, dln_, tmp_, datt_, dq_, dk_, dv_, drlogits_, dtopk_, dxperm_, dyperm_, dres_act_;
   Tensor dq32_, dk32_, dqraw_, dkraw_;  // qk_norm / qkv_bias: f32 gradients around the q/k norms and biases
   Tensor dv32_, proj32_;                // qkv_bias: f32 d(v); the forward's f32 projection before its bias
+  Tensor clip32_;                       // clip_qkv (act store not f32): the forward's f32 q, k, v before rounding
   Tensor dshy_, dsg_, dsgl_, dxs_;      // shared expert: d(its output), d(gate), d(gate logit), d(its input)
   // Host copies of one layer's routing (device backends) and its capacity-limited weights.
   std::vector<int32_t> topk_idx_host_;

@@ -112,6 +112,10 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
   if (NH % tp != 0) fail("parameter shard: num_attention_heads {} is not divisible by tp {}", NH, tp);
   if (NKV % tp != 0 && tp % NKV != 0)
     fail("parameter shard: num_key_value_heads {} and tp {}: neither divides the other", NKV, tp);
+  if (cfg.qk_norm_full && tp > 1)
+    fail("parameter shard: OLMoE's q/k norms span every head, so under tp {} each rank would need the sum of "
+         "squares of the others' heads (not supported yet; use tp 1)",
+         tp);
   if (cfg.shared_expert_intermediate_size % tp != 0)
     fail("parameter shard: shared_expert_intermediate_size {} is not divisible by tp {}",
          cfg.shared_expert_intermediate_size, tp);
@@ -159,7 +163,10 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
       }
     }
     cols(add(cfg, ParamKind::o_proj, l, {C, Qr}, true));
-    if (cfg.qk_norm) {  // per head: whole on every rank, each rank's gradient covers its heads only
+    if (cfg.qk_norm_full) {  // OLMoE: over the whole projections (tp 1, checked above)
+      add(cfg, ParamKind::q_norm, l, {Qr}, false);
+      add(cfg, ParamKind::k_norm, l, {KVr}, false);
+    } else if (cfg.qk_norm) {  // per head: whole on every rank, each rank's gradient covers its heads only
       replicated(add(cfg, ParamKind::q_norm, l, {HD}, false));
       replicated(add(cfg, ParamKind::k_norm, l, {HD}, false));
     }

@@ -28,8 +28,8 @@ enum class ParamKind {
   k_proj,      // [NKV*HD, C]
   v_proj,      // [NKV*HD, C]
   o_proj,      // [C, NH*HD]
-  q_norm,      // [HD] RMSNorm weight over each query head (qk_norm models)
-  k_norm,      // [HD] ... and each key head
+  q_norm,      // [HD] RMSNorm weight over each query head (qk_norm models; OLMoE: [NH*HD] over all of q)
+  k_norm,      // [HD] ... and each key head (OLMoE: [NKV*HD])
   q_bias,      // [NH*HD] (qkv_bias models)
   k_bias,      // [NKV*HD]
   v_bias,      // [NKV*HD]

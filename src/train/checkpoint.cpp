@@ -645,6 +645,7 @@ void check_same_architecture(const ModelConfig& got, const ModelConfig& want, co
       fmt::format("[{}]", fmt::join(want.mlp_only_layers, ", ")));
   cmp("norm_topk_prob", got.norm_topk_prob, want.norm_topk_prob);
   cmp("qkv_bias", got.qkv_bias, want.qkv_bias);
+  cmp("clip_qkv", got.clip_qkv, want.clip_qkv);
   cmp("shared_expert_intermediate_size", got.shared_expert_intermediate_size, want.shared_expert_intermediate_size);
   cmp("rms_norm_eps", got.rms_norm_eps, want.rms_norm_eps);
   cmp("rope_theta", got.rope_theta, want.rope_theta);
