@@ -422,6 +422,33 @@ OpCase head_case() {
   return c;
 }
 
+// The norm over rows split across ranks (OLMoE's q/k norms under tp), on one rank holding it all:
+// ss = row_dot(x, x), y = rmsnorm_forward_stats(x, ss); dot = row_dot(dy, x, w), backward_stats.
+// (The split itself -- partial sums all-reduced, replicas' 1/rep -- is tests/test_dist_train.cpp's.)
+OpCase rmsnorm_stats_case() {
+  const long N = 6;
+  const int C = 40;
+  OpCase c;
+  c.name = "rmsnorm_stats";
+  c.inputs = {{"x", rnd(N * C, 1, 2.0f)}, {"w", rnd(C, 2, 0.2f)}};
+  for (float& v : c.inputs["w"]) v += 1.0f;
+  c.wrt = {"x", "w"};
+  c.outputs = {"y", "rstd", "ss"};
+  c.cot = {{"y", rnd(N * C, 3)}};
+  c.forward = [=](Env& e) {
+    const Tensor ss = e.f32("ss", N);
+    e.be().row_dot(ss, e["x"], e["x"], Tensor{}, N, C);
+    e.be().rmsnorm_forward_stats(e.act("y", N * C), e.f32("rstd", N), e["x"], e["w"], ss, N, C, C, 1.0f, 1e-5f);
+  };
+  c.backward = [=](Env& e) {
+    const Tensor dot = e.f32("dot", N);
+    e.be().row_dot(dot, e["d:y"], e["x"], e["w"], N, C);
+    e.be().rmsnorm_backward_stats(e.f32("g:x", N * C), e.f32("g:w", C), e["d:y"], e["x"], e["w"], e["rstd"], dot, N, C,
+                                  C, 1.0f);
+  };
+  return c;
+}
+
 // A projection bias (Qwen2-MoE's q/k/v): y = x + bias per row; the bias gradient is the column sum.
 OpCase bias_case() {
   const long N = 13;
@@ -518,6 +545,7 @@ std::vector<OpCase> all_cases() {
   const long N = 12;
   std::vector<OpCase> cases = {rmsnorm_case(), matmul_case(), rope_case(), router_case(true),
                                router_case(false), z_loss_case(), bias_case(), sigmoid_case(), clamp_case(),
+                               rmsnorm_stats_case(),
                                head_case(), embedding_case()};
   cases.push_back(attention_case("attention_gqa", 2, 17, 4, 2, 8, 0, false, false));
   cases.push_back(attention_case("attention_window_padding", 2, 21, 4, 1, 16, 5, true, false));

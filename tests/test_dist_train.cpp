@@ -524,10 +524,10 @@ TEST_F(DistTrainQwen3Tied, DataParallel2MatchesOneProcess) {
   expect_tied_equivalent("qwen3_tied_dp2", 2, {"parallel.zero1=true"});
 }
 
-// OLMoE: q/k norms over the whole projections and clip_qkv; (pp 2) and (ep 2, dp 2) match one process.
-// Tensor parallelism is refused before any work (its norms would need the other ranks' heads).
-// The data-parallel layout runs without clip_qkv: the clamp's gradient is a step at +-clip_qkv, and dp
-// sums gradients in another order, whose rounding (amplified by Adam into ~1e-5 weight differences)
+// OLMoE: q/k norms over the whole projections and clip_qkv; (tp 2), (tp 4: replicated kv heads),
+// (ep 2, dp 2) and (pp 2) match one process.
+// The data- and tensor-parallel layouts run without clip_qkv: the clamp's gradient is a step at +-clip_qkv, and dp
+// (tp) sum gradients in another order, whose rounding (amplified by Adam into ~1e-5 weight differences)
 // moves a value across the bound now and then, a 100% difference for that element (measured: losses
 // still equal to 1e-5, weights 1e-4 to 7e-4 apart).  The pipeline keeps one process's summation order
 // and runs with it.
@@ -568,9 +568,11 @@ TEST_F(DistTrainOlmoe, ExpertParallel2OfDataParallel2MatchesOneProcess) {
 TEST_F(DistTrainOlmoe, PipelineParallel2WithClipQkvMatchesOneProcess) {
   expect_olmoe_equivalent("olmoe_pp2", 2, {"parallel.pp=2"}, "1.5");
 }
-TEST_F(DistTrainOlmoe, TensorParallelIsRefusedNamingTheReason) {
-  const fs::path run = train("olmoe_tp2", 2, {"parallel.tp=2"}, 2, olmoe_config("null"));
-  EXPECT_NE(read_file(*root_ / "olmoe_tp2.log").find("parallel.tp: tp 2 with OlmoeForCausalLM"), std::string::npos)
-      << read_file(*root_ / "olmoe_tp2.log");
-  EXPECT_FALSE(fs::exists(run / "checkpoints"));
+// Under tp the norms' row sums of squares (and, backward, their dots) are all-reduced over the ranks.
+TEST_F(DistTrainOlmoe, TensorParallel2MatchesOneProcess) {
+  expect_olmoe_equivalent("olmoe_tp2", 2, {"parallel.tp=2"}, "null");
+}
+// tp 4 over 2 kv heads: each kv head (and its k_norm part) on 2 ranks, counted once in the norm.
+TEST_F(DistTrainOlmoe, TensorParallel4ReplicatesKvHeadsInTheNorm) {
+  expect_olmoe_equivalent("olmoe_tp4", 4, {"parallel.tp=4"}, "null");
 }

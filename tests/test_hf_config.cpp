@@ -761,17 +761,18 @@ TEST(HfConfigErrors, OlmoeFieldsNamed) {
   j.erase("head_dim");
   j["attention_bias"] = true;
   expect_config_error(j, {"'attention_bias'"});
-  // Tensor parallelism is refused naming the reason (the norms span every head).
+  // Under tp the norms split with their heads: rank 1 of 2 holds q_norm [16, 32) of 32.
   j.erase("attention_bias");
   const ModelConfig c = model_config_from_json(j, "cfg.json");
   ParamShard tp2;
   tp2.tp_size = 2;
-  try {
-    ParamTable t(c, tp2);
-    ADD_FAILURE() << "tp 2 accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("span every head"), std::string::npos) << e.what();
-  }
+  tp2.tp_rank = 1;
+  const ParamTable t(c, tp2);
+  const HfTensorRef* qn = t.find_hf("model.layers.0.self_attn.q_norm.weight");
+  ASSERT_NE(qn, nullptr);
+  EXPECT_EQ(qn->slice_dim, 0);
+  EXPECT_EQ(qn->slice_begin, 16);
+  EXPECT_EQ(qn->slice_end, 32);
   ModelConfig bad = model_config_from_json(tiny_mixtral(), "x");
   bad.clip_qkv = 4.0;
   EXPECT_THROW(validate_model_config(bad, "x"), Error);

@@ -171,6 +171,16 @@ class Backend {
   virtual void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, Tensor rstd,
                                 long N, int C, bool accumulate) = 0;
 
+  // The norm over rows split across ranks (ops/rmsnorm.h: row_dot, rmsnorm_*_stats); all f32.
+  // out[N] (=) = sum_c a b (w when not empty).
+  virtual void row_dot(Tensor out, Tensor a, Tensor b, Tensor w, long N, int C) = 0;
+  // out[N,C] (any float store), rstd[N] from the row sums of squares ss[N] of all `width` features.
+  virtual void rmsnorm_forward_stats(Tensor out, Tensor rstd, Tensor inp, Tensor weight, Tensor ss, long N, int C,
+                                     int width, float ss_scale, float eps) = 0;
+  // dinp[N,C] (assign), dweight[C] (+=) from the all-rank dot[N] = sum w dy x.
+  virtual void rmsnorm_backward_stats(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, Tensor rstd,
+                                      Tensor dot, long N, int C, int width, float dot_scale) = 0;
+
   // ---- matmul, HF nn.Linear convention (weight [OC,IC]) ---------------------------------------
   // out[N,OC] (= or += when accumulate) inp[N,IC] @ weight^T.  inp and weight in the same store.
   virtual void matmul_forward(Tensor out, Tensor inp, Tensor weight, int N, int IC, int OC, bool accumulate) = 0;

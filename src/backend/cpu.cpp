@@ -135,6 +135,18 @@ void CpuBackend::rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor wei
   ops::rmsnorm_forward(out.f32(), r, inp.f32(), weight.f32(), N, C, eps);
 }
 
+void CpuBackend::row_dot(Tensor out, Tensor a, Tensor b, Tensor w, long N, int C) {
+  ops::row_dot(out.f32(), a.f32(), b.f32(), w.empty() ? nullptr : w.f32(), N, C);
+}
+void CpuBackend::rmsnorm_forward_stats(Tensor out, Tensor rstd, Tensor inp, Tensor weight, Tensor ss, long N, int C,
+                                       int width, float ss_scale, float eps) {
+  ops::rmsnorm_forward_stats(out.f32(), rstd.f32(), inp.f32(), weight.f32(), ss.f32(), N, C, width, ss_scale, eps);
+}
+void CpuBackend::rmsnorm_backward_stats(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
+                                        Tensor rstd, Tensor dot, long N, int C, int width, float dot_scale) {
+  ops::rmsnorm_backward_stats(dinp.f32(), dweight.f32(), dout.f32(), inp.f32(), weight.f32(), rstd.f32(), dot.f32(), N,
+                              C, width, dot_scale);
+}
 void CpuBackend::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, Tensor rstd,
                                   long N, int C, bool accumulate) {
   if (!accumulate) {

@@ -32,6 +32,11 @@ class CpuBackend : public Backend {
   void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, long N, int C, float eps) override;
   void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, Tensor rstd, long N,
                         int C, bool accumulate) override;
+  void row_dot(Tensor out, Tensor a, Tensor b, Tensor w, long N, int C) override;
+  void rmsnorm_forward_stats(Tensor out, Tensor rstd, Tensor inp, Tensor weight, Tensor ss, long N, int C, int width,
+                             float ss_scale, float eps) override;
+  void rmsnorm_backward_stats(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, Tensor rstd,
+                              Tensor dot, long N, int C, int width, float dot_scale) override;
   void matmul_forward(Tensor out, Tensor inp, Tensor weight, int N, int IC, int OC, bool accumulate) override;
   void matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, int N, int IC, int OC,
                        bool accumulate) override;

@@ -34,6 +34,12 @@ void Bf16CpuBackend::rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor
   finish(out);
 }
 
+void Bf16CpuBackend::rmsnorm_forward_stats(Tensor out, Tensor rstd, Tensor inp, Tensor weight, Tensor ss, long N,
+                                           int C, int width, float ss_scale, float eps) {
+  CpuBackend::rmsnorm_forward_stats(out, rstd, inp, weight, ss, N, C, width, ss_scale, eps);
+  finish(out);
+}
+
 void Bf16CpuBackend::matmul_forward(Tensor out, Tensor inp, Tensor weight, int N, int IC, int OC, bool accumulate) {
   CpuBackend::matmul_forward(out, inp, weight, N, IC, OC, accumulate);
   finish(out);

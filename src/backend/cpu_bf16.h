@@ -20,6 +20,8 @@ class Bf16CpuBackend final : public CpuBackend {
 
   void convert(Tensor dst, Tensor src) override;
   void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, long N, int C, float eps) override;
+  void rmsnorm_forward_stats(Tensor out, Tensor rstd, Tensor inp, Tensor weight, Tensor ss, long N, int C, int width,
+                             float ss_scale, float eps) override;
   void matmul_forward(Tensor out, Tensor inp, Tensor weight, int N, int IC, int OC, bool accumulate) override;
   void matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, int N, int IC, int OC,
                        bool accumulate) override;

@@ -125,6 +125,19 @@ void CudaBackend::rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor we
   gpu::rmsnorm_forward(*ctx_, out.data, dtype_of(out, "rmsnorm_forward"), rstd.empty() ? nullptr : f32p(rstd),
                        f32p(inp), f32p(weight), N, C, eps);
 }
+void CudaBackend::row_dot(Tensor out, Tensor a, Tensor b, Tensor w, long N, int C) {
+  gpu::row_dot(*ctx_, f32p(out), f32p(a), f32p(b), w.empty() ? nullptr : f32p(w), N, C);
+}
+void CudaBackend::rmsnorm_forward_stats(Tensor out, Tensor rstd, Tensor inp, Tensor weight, Tensor ss, long N, int C,
+                                        int width, float ss_scale, float eps) {
+  gpu::rmsnorm_forward_stats(*ctx_, out.data, dtype_of(out, "rmsnorm_forward_stats"), f32p(rstd), f32p(inp),
+                             f32p(weight), f32p(ss), N, C, width, ss_scale, eps);
+}
+void CudaBackend::rmsnorm_backward_stats(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
+                                         Tensor rstd, Tensor dot, long N, int C, int width, float dot_scale) {
+  gpu::rmsnorm_backward_stats(*ctx_, f32p(dinp), f32p(dweight), f32p(dout), f32p(inp), f32p(weight), f32p(rstd),
+                              f32p(dot), N, C, width, dot_scale);
+}
 void CudaBackend::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, Tensor rstd,
                                    long N, int C, bool accumulate) {
   gpu::rmsnorm_backward(*ctx_, f32p(dinp), dweight.empty() ? nullptr : f32p(dweight), f32p(dout), f32p(inp),

@@ -64,6 +64,14 @@ void rmsnorm_forward(Context& ctx, void* out, DType out_dtype, float* rstd, cons
 // dinp[N,C] (fp32; = or += when accumulate, for the residual stream); dweight[C] += (fp32).
 void rmsnorm_backward(Context& ctx, float* dinp, float* dweight, const float* dout, const float* inp,
                       const float* weight, const float* rstd, long N, int C, bool accumulate);
+// The norm over rows split across ranks, as ops/rmsnorm.h's row_dot / rmsnorm_*_stats (fp32; out of
+// the forward bf16 or fp32).
+void row_dot(Context& ctx, float* out, const float* a, const float* b, const float* w, long N, int C);
+void rmsnorm_forward_stats(Context& ctx, void* out, DType out_dtype, float* rstd, const float* inp, const float* weight,
+                           const float* ss, long N, int C, int width, float ss_scale, float eps);
+void rmsnorm_backward_stats(Context& ctx, float* dinp, float* dweight, const float* dout, const float* inp,
+                            const float* weight, const float* rstd, const float* dot, long N, int C, int width,
+                            float dot_scale);
 
 // ---- RoPE (HF rotate-half; the angle in fp32 exactly as ops::rope) ---------------------------
 // Rows are `stride` elements apart (0: H*HD), so q and k can live inside one fused qkv buffer.

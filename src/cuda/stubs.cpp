@@ -129,6 +129,15 @@ void bias_backward(Context&, float*, const float*, long, int) { no_cuda("bias_ba
 void sigmoid_forward(Context&, float*, const float*, long) { no_cuda("sigmoid_forward"); }
 void sigmoid_backward(Context&, float*, const float*, const float*, long) { no_cuda("sigmoid_backward"); }
 void clamp_forward(Context&, void*, DType, uint8_t*, float, long) { no_cuda("clamp_forward"); }
+void row_dot(Context&, float*, const float*, const float*, const float*, long, int) { no_cuda("row_dot"); }
+void rmsnorm_forward_stats(Context&, void*, DType, float*, const float*, const float*, const float*, long, int, int,
+                           float, float) {
+  no_cuda("rmsnorm_forward_stats");
+}
+void rmsnorm_backward_stats(Context&, float*, float*, const float*, const float*, const float*, const float*,
+                            const float*, long, int, int, float) {
+  no_cuda("rmsnorm_backward_stats");
+}
 void clamp_backward(Context&, void*, DType, const uint8_t*, long) { no_cuda("clamp_backward"); }
 void gather_rows(Context&, void*, const void*, const int32_t*, long, size_t) { no_cuda("gather_rows"); }
 void sum_squares_segments(Context&, double*, const float*, const int64_t*, const int64_t*, size_t) {

@@ -219,8 +219,8 @@ void MixtralModel::reduce_replicated_grads() {
       }
   if (!kv_comm_ || kv_comm_->size() == 1) return;
   for (int l = layer_begin_; l < layer_end_; l++)
-    for (ParamKind k : {ParamKind::k_proj, ParamKind::v_proj, ParamKind::k_bias, ParamKind::v_bias}) {
-      if (!table_.has(k, l)) continue;
+    for (ParamKind k : {ParamKind::k_proj, ParamKind::v_proj, ParamKind::k_bias, ParamKind::v_bias, ParamKind::k_norm}) {
+      if (!table_.has(k, l) || (k == ParamKind::k_norm && !cfg_.qk_norm_full)) continue;
       const Tensor g = G(k, l);
       kv_comm_->all_reduce(g.data, g.numel, dist::CommDType::f32, dist::ReduceOp::sum);
     }
@@ -367,6 +367,8 @@ void MixtralModel::allocate_scratch(int B, int T) {
     proj32_ = bias && !qkn && act != f32 ? c.take(f32, N * std::max(Q, KVd)) : Tensor{};
     // clip_qkv on a non-f32 act store: q, k, v staged in f32 (the forward's; see layer_forward).
     clip32_ = cfg_.clip_qkv > 0 && qkn && act != f32 ? c.take(f32, N * std::max(Q, KVd)) : Tensor{};
+    // OLMoE's norms under tp: the row sums of squares (forward) and dots (backward) of all ranks.
+    row_stat_ = cfg_.qk_norm_full && tp_on() ? c.take(f32, N) : Tensor{};
     dshy_ = shared ? c.take(act, N * C) : Tensor{};
     dsg_ = shared ? c.take(f32, N) : Tensor{};
     dsgl_ = shared ? c.take(f32, N) : Tensor{};
@@ -574,10 +576,8 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
         be_.add_bias_rows(a.qraw, W(ParamKind::q_bias, l), N, Q);
         be_.add_bias_rows(a.kraw, W(ParamKind::k_bias, l), N, KVd);
       }
-      // Per head (Qwen3: N*NH rows of HD) or over the whole projection (OLMoE: N rows of Q, KVd).
-      const bool full = cfg_.qk_norm_full;
-      be_.rmsnorm_forward(a.q, a.rstdq, a.qraw, W(ParamKind::q_norm, l), full ? N : N * NH, full ? Q : HD, eps);
-      be_.rmsnorm_forward(a.k, a.rstdk, a.kraw, W(ParamKind::k_norm, l), full ? N : N * NKV, full ? KVd : HD, eps);
+      qk_norm_forward(a.q, a.rstdq, a.qraw, ParamKind::q_norm, l, N, NH);
+      qk_norm_forward(a.k, a.rstdk, a.kraw, ParamKind::k_norm, l, N, NKV);
     } else {
       be_.matmul_forward(a.q, a.ln1, Wg(ParamKind::q_proj, l), (int)N, C, Q, false);
       be_.matmul_forward(a.k, a.ln1, Wg(ParamKind::k_proj, l), (int)N, C, KVd, false);
@@ -606,13 +606,12 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
       } else {
         // Which values are clipped is decided on the f32 values (as the fp32 model decides), then
         // rounded: deciding on rounded values would flip the gradient of values near +-c.
-        const bool full = cfg_.qk_norm_full;
         const Tensor t = clip32_.part(0, (size_t)N * Q);
-        be_.rmsnorm_forward(t, a.rstdq, a.qraw, W(ParamKind::q_norm, l), full ? N : N * NH, full ? Q : HD, eps);
+        qk_norm_forward(t, a.rstdq, a.qraw, ParamKind::q_norm, l, N, NH);
         be_.clamp_forward(t, a.clipq, c, N * Q);
         be_.convert(a.q, t);
         const Tensor tk = clip32_.part(0, (size_t)N * KVd);
-        be_.rmsnorm_forward(tk, a.rstdk, a.kraw, W(ParamKind::k_norm, l), full ? N : N * NKV, full ? KVd : HD, eps);
+        qk_norm_forward(tk, a.rstdk, a.kraw, ParamKind::k_norm, l, N, NKV);
         be_.clamp_forward(tk, a.clipk, c, N * KVd);
         be_.convert(a.k, tk);
         be_.matmul_forward(tk, a.ln1, Wg(ParamKind::v_proj, l), (int)N, C, KVd, false);
@@ -764,6 +763,38 @@ void MixtralModel::backward(const StageGrad& grad) {
   be_.embedding_backward(G(ParamKind::embedding), dres_, s.tokens, N, C, table_.vocab_begin(), V, !tp_on());
 }
 
+void MixtralModel::qk_norm_forward(Tensor out, Tensor rstd, Tensor raw, ParamKind w, int l, long N, int heads) {
+  const int HD = cfg_.head_dim, width = heads * HD;  // this rank's part
+  const float eps = (float)cfg_.rms_norm_eps;
+  if (!cfg_.qk_norm_full) return be_.rmsnorm_forward(out, rstd, raw, W(w, l), N * heads, HD, eps);
+  if (!tp_on()) return be_.rmsnorm_forward(out, rstd, raw, W(w, l), N, width, eps);
+  // The sum of squares over every rank's heads; a kv head replicated on rep ranks is counted rep times.
+  const bool k = w == ParamKind::k_norm;
+  const int full = (k ? cfg_.num_key_value_heads : cfg_.num_attention_heads) * HD;
+  be_.row_dot(row_stat_, raw, raw, Tensor{}, N, width);
+  tp_all_reduce(row_stat_);
+  be_.rmsnorm_forward_stats(out, rstd, raw, W(w, l), row_stat_, N, width, full, k ? 1.0f / (float)kv_replicas() : 1.0f,
+                            eps);
+}
+
+void MixtralModel::qk_norm_backward(Tensor draw, Tensor dout, Tensor raw, Tensor rstd, ParamKind w, int l, long N,
+                                    int heads) {
+  const int HD = cfg_.head_dim, width = heads * HD;
+  if (!cfg_.qk_norm_full)
+    return be_.rmsnorm_backward(draw, G(w, l), dout, raw, W(w, l), rstd, N * heads, HD, false);
+  if (!tp_on()) return be_.rmsnorm_backward(draw, G(w, l), dout, raw, W(w, l), rstd, N, width, false);
+  // sum_j w_j dy_j x_j over every rank's part.  A replicated kv head's d(out) is partial on each of its
+  // rep ranks (their own query heads' share): the all-rank sum is the true dot once, and each replica
+  // takes 1/rep of the term, so that summing d(raw) over the replicas (as the k_proj gradient and the
+  // layer input's are) gives the whole.
+  const bool k = w == ParamKind::k_norm;
+  const int full = (k ? cfg_.num_key_value_heads : cfg_.num_attention_heads) * HD;
+  be_.row_dot(row_stat_, dout, raw, W(w, l), N, width);
+  tp_all_reduce(row_stat_);
+  be_.rmsnorm_backward_stats(draw, G(w, l), dout, raw, W(w, l), rstd, row_stat_, N, width, full,
+                             k ? 1.0f / (float)kv_replicas() : 1.0f);
+}
+
 // Layer l in reverse; dres is d(x_next) on entry and d(x) of the layer on exit.
 void MixtralModel::layer_backward(Activations& s, int l) {
   const long N = (long)s.B * s.T;
@@ -855,11 +886,8 @@ void MixtralModel::layer_backward(Activations& s, int l) {
       be_.convert(dq32_, dq_);
       be_.convert(dk32_, dk_);
     }
-    const bool full = cfg_.qk_norm_full;
-    be_.rmsnorm_backward(dqraw_, G(ParamKind::q_norm, l), dq32_, a.qraw, W(ParamKind::q_norm, l), a.rstdq,
-                         full ? N : N * NH, full ? Q : HD, false);
-    be_.rmsnorm_backward(dkraw_, G(ParamKind::k_norm, l), dk32_, a.kraw, W(ParamKind::k_norm, l), a.rstdk,
-                         full ? N : N * NKV, full ? KVd : HD, false);
+    qk_norm_backward(dqraw_, dq32_, a.qraw, a.rstdq, ParamKind::q_norm, l, N, NH);
+    qk_norm_backward(dkraw_, dk32_, a.kraw, a.rstdk, ParamKind::k_norm, l, N, NKV);
     dq = as_act(dqraw_, dq_);
     dk = as_act(dkraw_, dk_);
   }

@@ -301,6 +301,14 @@ class MixtralModel {
   Tensor dq32_, dk32_, dqraw_, dkraw_;  // qk_norm / qkv_bias: f32 gradients around the q/k norms and biases
   Tensor dv32_, proj32_;                // qkv_bias: f32 d(v); the forward's f32 projection before its bias
   Tensor clip32_;                       // clip_qkv (act store not f32): the forward's f32 q, k, v before rounding
+  Tensor row_stat_;                     // qk_norm_full under tp: [N] partial row sums, all-reduced
+  // The q (or k) norm of layer l: per head (Qwen3), or over the whole projection (OLMoE), whose row
+  // statistics are summed over the tp ranks.  out = norm(raw); rows N, heads h of HD each.
+  void qk_norm_forward(Tensor out, Tensor rstd, Tensor raw, ParamKind w, int l, long N, int heads);
+  // d(raw) (f32, assign) and d(weight) (+=) from d(out) (f32).
+  void qk_norm_backward(Tensor draw, Tensor dout, Tensor raw, Tensor rstd, ParamKind w, int l, long N, int heads);
+  // Replicas of each kv head across the tp ranks (1 unless NKV < tp).
+  int kv_replicas() const { return tp_on() && cfg_.num_key_value_heads < tp_size_ ? tp_size_ / cfg_.num_key_value_heads : 1; }
   Tensor dshy_, dsg_, dsgl_, dxs_;      // shared expert: d(its output), d(gate), d(gate logit), d(its input)
   // Host copies of one layer's routing (device backends) and its capacity-limited weights.
   std::vector<int32_t> topk_idx_host_;

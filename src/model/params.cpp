@@ -112,10 +112,6 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
   if (NH % tp != 0) fail("parameter shard: num_attention_heads {} is not divisible by tp {}", NH, tp);
   if (NKV % tp != 0 && tp % NKV != 0)
     fail("parameter shard: num_key_value_heads {} and tp {}: neither divides the other", NKV, tp);
-  if (cfg.qk_norm_full && tp > 1)
-    fail("parameter shard: OLMoE's q/k norms span every head, so under tp {} each rank would need the sum of "
-         "squares of the others' heads (not supported yet; use tp 1)",
-         tp);
   if (cfg.shared_expert_intermediate_size % tp != 0)
     fail("parameter shard: shared_expert_intermediate_size {} is not divisible by tp {}",
          cfg.shared_expert_intermediate_size, tp);
@@ -163,9 +159,11 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
       }
     }
     cols(add(cfg, ParamKind::o_proj, l, {C, Qr}, true));
-    if (cfg.qk_norm_full) {  // OLMoE: over the whole projections (tp 1, checked above)
-      add(cfg, ParamKind::q_norm, l, {Qr}, false);
-      add(cfg, ParamKind::k_norm, l, {KVr}, false);
+    if (cfg.qk_norm_full) {  // OLMoE: over the whole projections, split with their heads
+      rows(add(cfg, ParamKind::q_norm, l, {Qr}, false));
+      ParamSpec& s = add(cfg, ParamKind::k_norm, l, {KVr}, false);
+      rows(s);
+      if (kv_replicated) s.tp_primary = r % (tp / NKV) == 0;
     } else if (cfg.qk_norm) {  // per head: whole on every rank, each rank's gradient covers its heads only
       replicated(add(cfg, ParamKind::q_norm, l, {HD}, false));
       replicated(add(cfg, ParamKind::k_norm, l, {HD}, false));
@@ -230,6 +228,18 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
         case ParamKind::v_bias:
           t.full_shape = {KV};
           slice_of(t, s, kv0 * HD, (kv0 + nkv) * HD);
+          break;
+        case ParamKind::q_norm:  // OLMoE's span the heads (Qwen3's [HD] are whole: tp_split none)
+          if (cfg.qk_norm_full) {
+            t.full_shape = {Q};
+            slice_of(t, s, h0 * HD, (h0 + nh) * HD);
+          }
+          break;
+        case ParamKind::k_norm:
+          if (cfg.qk_norm_full) {
+            t.full_shape = {KV};
+            slice_of(t, s, kv0 * HD, (kv0 + nkv) * HD);
+          }
           break;
         case ParamKind::o_proj:
           t.full_shape = {C, Q};

@@ -65,4 +65,51 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
   }
 }
 
+void row_dot(float* out, const float* a, const float* b, const float* w, long N, int C) {
+  MOETRON_OP_CHECK(N >= 0 && C > 0, "row_dot", "bad dimensions N={} C={}", N, C);
+#pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
+  for (long n = 0; n < N; n++) {
+    double s = 0.0;
+    for (int c = 0; c < C; c++) s += (w ? (double)w[c] : 1.0) * (double)a[n * C + c] * (double)b[n * C + c];
+    out[n] = (float)s;
+  }
+}
+
+void rmsnorm_forward_stats(float* out, float* rstd, const float* inp, const float* weight, const float* ss, long N,
+                           int C, int width, float ss_scale, float eps) {
+  MOETRON_OP_CHECK(N >= 0 && C > 0 && width >= C, "rmsnorm_forward_stats", "bad dimensions N={} C={} width={}", N, C,
+                   width);
+#pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
+  for (long n = 0; n < N; n++) {
+    const float var = (float)((double)ss[n] * ss_scale / width);
+    const float r = (float)(1.0 / std::sqrt((double)(var + eps)));
+    rstd[n] = r;
+    for (int c = 0; c < C; c++) out[n * C + c] = weight[c] * (inp[n * C + c] * r);
+  }
+}
+
+void rmsnorm_backward_stats(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                            const float* rstd, const float* dot, long N, int C, int width, float dot_scale) {
+  MOETRON_OP_CHECK(N >= 0 && C > 0 && width >= C, "rmsnorm_backward_stats", "bad dimensions N={} C={} width={}", N,
+                   C, width);
+#pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
+  for (long n = 0; n < N; n++) {
+    const float r = rstd[n];
+    const float coef = (float)((double)r * r * r * ((double)dot[n] * dot_scale) / width);
+    for (int c = 0; c < C; c++) dinp[n * C + c] = r * weight[c] * dout[n * C + c] - coef * inp[n * C + c];
+  }
+  // dweight: as rmsnorm_backward (columns in chunks, rows in order).
+  constexpr int CHUNK = 64;
+  const int nchunks = (C + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
+  for (int ch = 0; ch < nchunks; ch++) {
+    const int c0 = ch * CHUNK;
+    const int w = std::min(C, c0 + CHUNK) - c0;
+    double acc[CHUNK] = {};
+    for (long n = 0; n < N; n++)
+      for (int c = 0; c < w; c++) acc[c] += (double)dout[n * C + c0 + c] * (double)(inp[n * C + c0 + c] * rstd[n]);
+    for (int c = 0; c < w; c++) dweight[c0 + c] += (float)acc[c];
+  }
+}
+
 }  // namespace moetron::ops

@@ -59,10 +59,6 @@ void validate_layout(const TrainConfig& cfg, const ModelConfig& mc, int world) {
     fail("parallel.ep: ep {} needs an MoE model; {} is dense (num_local_experts 0)", ep, mc.architecture);
   if (mc.is_moe() && mc.num_local_experts % ep != 0)
     fail("parallel.ep: ep {} does not divide num_local_experts {}", ep, mc.num_local_experts);
-  if (mc.qk_norm_full && tp > 1)
-    fail("parallel.tp: tp {} with {}: its q/k norms span every head, which would need their sum of squares over "
-         "the tp ranks (not supported yet; use tp 1)",
-         tp, mc.architecture);
   if (mc.shared_expert_intermediate_size % tp != 0)
     fail("parallel.tp: tp {} does not divide shared_expert_intermediate_size {} (the FFN width is split over tp)", tp,
          mc.shared_expert_intermediate_size);
