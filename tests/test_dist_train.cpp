@@ -390,189 +390,147 @@ TEST_F(DistTrain, HfInitReadsSlicesUnderTensorParallel) {
   expect_same_losses(runs[2], runs[0], 1, "ep 2 from an HF directory");
 }
 
-// ---- Qwen3-MoE ------------------------------------------------------------------------------------
+// ---- the other architectures ----------------------------------------------------------------------
+// Each trains 10 steps as in the Mixtral tests: one process, then the layout; equal losses (1e-5) and
+// final weights (1e-4 per tensor).  The model is a `model.config` mapping; `common` overrides go to
+// both runs; `present` / `absent` name tensors the checkpoint must (not) hold.
+namespace {
+
+struct ArchCase {
+  std::string model;                // model.config YAML mapping
+  std::string ref;                  // name of the one-process run
+  std::vector<std::string> common;  // overrides of both runs
+  std::vector<std::string> present, absent;
+};
+
+}  // namespace
+
+class DistTrainArch : public DistTrain {
+ protected:
+  static void expect_architecture_equivalent(const ArchCase& a, const std::string& name, int np,
+                                             std::vector<std::string> overrides) {
+    const fs::path ref = train(a.ref, 0, a.common, 0, a.model);
+    overrides.insert(overrides.end(), a.common.begin(), a.common.end());
+    const fs::path run = train(name, np, overrides, 0, a.model);
+    expect_same_losses(losses(run), losses(ref), 1, name);
+    ASSERT_EQ(losses(ref).size(), 10u);
+    const auto want = read_tensors(ref / "checkpoints" / "step-000010", "model");
+    const auto got = read_tensors(run / "checkpoints" / "step-000010", "model");
+    ASSERT_EQ(got.size(), want.size()) << name;
+    for (const std::string& n : a.present) ASSERT_TRUE(want.count(n)) << n;
+    for (const std::string& n : a.absent) ASSERT_FALSE(want.count(n)) << n;
+    for (const auto& [n, w] : want) {
+      ASSERT_TRUE(got.count(n)) << name << ": " << n;
+      EXPECT_LE(rel_max_diff(got.at(n), w), 1e-4) << name << ": " << n;
+    }
+  }
+};
+
+namespace {
+
 // A tiny Qwen3-MoE with every difference from Mixtral at once: per-head q/k norms (whole on every tp
 // rank, each rank's gradient covering its heads: summed over tp), head_dim 12 != 32 / 4, a dense layer
 // (mlp_only_layers [1], intermediate_size 48) between MoE layers of moe_intermediate_size 24 (its FFN
 // is a dense parameter: reduced over dp, not held by ep rank), top-K weights not renormalised.
-namespace {
-const std::string kQwen3Moe =
+const ArchCase kQwen3Moe{
     "{architectures: [Qwen3MoeForCausalLM], model_type: qwen3_moe, vocab_size: 256, hidden_size: 32, "
     "intermediate_size: 48, moe_intermediate_size: 24, num_hidden_layers: 4, num_attention_heads: 4, "
     "num_key_value_heads: 2, head_dim: 12, num_experts: 4, num_experts_per_tok: 2, mlp_only_layers: [1], "
     "norm_topk_prob: false, router_aux_loss_coef: 0.02, rope_theta: 10000.0, rms_norm_eps: 1.0e-5, "
-    "tie_word_embeddings: false, max_position_embeddings: 256}";
-}  // namespace
-
-class DistTrainQwen3Moe : public DistTrain {
- protected:
-  static const fs::path& qwen_reference() {
-    static const fs::path run = train("qwen3_ref", 0, {}, 0, kQwen3Moe);
-    return run;
-  }
-  static void expect_qwen_equivalent(const std::string& name, int np, const std::vector<std::string>& overrides) {
-    const fs::path& ref = qwen_reference();
-    const fs::path run = train(name, np, overrides, 0, kQwen3Moe);
-    expect_same_losses(losses(run), losses(ref), 1, name);
-    ASSERT_EQ(losses(ref).size(), 10u);
-    const auto want = read_tensors(ref / "checkpoints" / "step-000010", "model");
-    const auto got = read_tensors(run / "checkpoints" / "step-000010", "model");
-    ASSERT_EQ(got.size(), want.size()) << name;
-    ASSERT_TRUE(want.count("model.layers.0.self_attn.q_norm.weight"));
-    ASSERT_TRUE(want.count("model.layers.1.mlp.gate_proj.weight"));
-    ASSERT_TRUE(want.count("model.layers.3.mlp.experts.3.down_proj.weight"));
-    for (const auto& [n, w] : want) {
-      ASSERT_TRUE(got.count(n)) << name << ": " << n;
-      EXPECT_LE(rel_max_diff(got.at(n), w), 1e-4) << name << ": " << n;
-    }
-  }
-};
+    "tie_word_embeddings: false, max_position_embeddings: 256}",
+    "qwen3_ref",
+    {},
+    {"model.layers.0.self_attn.q_norm.weight", "model.layers.1.mlp.gate_proj.weight",
+     "model.layers.3.mlp.experts.3.down_proj.weight"},
+    {}};
 
 // Qwen2-MoE: q/k/v biases (split with their heads; replicated kv heads sum theirs over the ranks
 // sharing them) and the gated shared expert (a dense FFN split over tp whose gate logit's gradient
 // is summed over tp; whole on every ep rank, reduced over dp).
-namespace {
-const std::string kQwen2Moe =
+const ArchCase kQwen2Moe{
     "{architectures: [Qwen2MoeForCausalLM], model_type: qwen2_moe, vocab_size: 256, hidden_size: 32, "
     "intermediate_size: 48, moe_intermediate_size: 24, shared_expert_intermediate_size: 40, num_hidden_layers: 4, "
     "num_attention_heads: 4, num_key_value_heads: 2, num_experts: 4, num_experts_per_tok: 2, mlp_only_layers: [2], "
     "norm_topk_prob: false, router_aux_loss_coef: 0.02, rope_theta: 10000.0, rms_norm_eps: 1.0e-5, "
-    "tie_word_embeddings: false, max_position_embeddings: 256}";
-}  // namespace
-
-class DistTrainQwen2Moe : public DistTrain {
- protected:
-  static void expect_qwen2_equivalent(const std::string& name, int np, const std::vector<std::string>& overrides) {
-    static const fs::path ref = train("qwen2_ref", 0, {}, 0, kQwen2Moe);
-    const fs::path run = train(name, np, overrides, 0, kQwen2Moe);
-    expect_same_losses(losses(run), losses(ref), 1, name);
-    ASSERT_EQ(losses(ref).size(), 10u);
-    const auto want = read_tensors(ref / "checkpoints" / "step-000010", "model");
-    const auto got = read_tensors(run / "checkpoints" / "step-000010", "model");
-    ASSERT_EQ(got.size(), want.size()) << name;
-    ASSERT_TRUE(want.count("model.layers.0.self_attn.k_proj.bias"));
-    ASSERT_TRUE(want.count("model.layers.1.mlp.shared_expert_gate.weight"));
-    ASSERT_FALSE(want.count("model.layers.2.mlp.shared_expert_gate.weight"));  // the dense layer has none
-    for (const auto& [n, w] : want) {
-      ASSERT_TRUE(got.count(n)) << name << ": " << n;
-      EXPECT_LE(rel_max_diff(got.at(n), w), 1e-4) << name << ": " << n;
-    }
-  }
-};
-
-TEST_F(DistTrainQwen2Moe, TensorParallel2MatchesOneProcess) {
-  expect_qwen2_equivalent("qwen2_tp2", 2, {"parallel.tp=2"});
-}
-TEST_F(DistTrainQwen2Moe, TensorParallel4ReplicatesKvHeadsAndTheirBiases) {
-  expect_qwen2_equivalent("qwen2_tp4", 4, {"parallel.tp=4"});
-}
-TEST_F(DistTrainQwen2Moe, ExpertParallel2OfDataParallel2MatchesOneProcess) {
-  expect_qwen2_equivalent("qwen2_ep2dp2", 2, {"parallel.ep=2", "parallel.zero1=true"});
-}
-TEST_F(DistTrainQwen2Moe, PipelineParallel2MatchesOneProcess) {
-  expect_qwen2_equivalent("qwen2_pp2", 2, {"parallel.pp=2"});
-}
-
-TEST_F(DistTrainQwen3Moe, TensorParallel2MatchesOneProcess) {
-  expect_qwen_equivalent("qwen3_tp2", 2, {"parallel.tp=2"});
-}
-TEST_F(DistTrainQwen3Moe, ExpertParallel2OfDataParallel2MatchesOneProcess) {
-  expect_qwen_equivalent("qwen3_ep2dp2", 2, {"parallel.ep=2", "parallel.zero1=true"});
-}
-TEST_F(DistTrainQwen3Moe, PipelineParallel2MatchesOneProcess) {
-  expect_qwen_equivalent("qwen3_pp2", 2, {"parallel.pp=2"});
-}
+    "tie_word_embeddings: false, max_position_embeddings: 256}",
+    "qwen2_ref",
+    {},
+    {"model.layers.0.self_attn.k_proj.bias", "model.layers.1.mlp.shared_expert_gate.weight"},
+    {"model.layers.2.mlp.shared_expert_gate.weight"}};  // the dense layer has none
 
 // Dense Qwen3 with tied embeddings: the head's gradient lands in the vocabulary-parallel embedding
-// rows it shares; tp 2 and dp 2 match one process.  At a tenth of the other tests' learning rate:
-// tying feeds the head GEMM's summation-order rounding (another order under tp) into the embedding,
-// hence into every layer's input, and Adam's nearly sign-like early steps turn such rounding into
-// weight differences proportional to lr (measured here: 1.9e-4 at lr 3e-3; with a 32000-token
-// vocabulary: 9e-5 at 3e-3, 1.1e-6 at 3e-5, and 1.8e-5 at 3e-3 untied, whose head rounding stays at
-// the output).
-namespace {
-const std::string kQwen3Tied =
+// rows it shares.  At a tenth of the other tests' learning rate: tying feeds the head GEMM's
+// summation-order rounding (another order under tp) into the embedding, hence into every layer's
+// input, and Adam's nearly sign-like early steps turn such rounding into weight differences
+// proportional to lr (measured here: 1.9e-4 at lr 3e-3; with a 32000-token vocabulary: 9e-5 at
+// 3e-3, 1.1e-6 at 3e-5, and 1.8e-5 at 3e-3 untied, whose head rounding stays at the output).
+const ArchCase kQwen3Tied{
     "{architectures: [Qwen3ForCausalLM], model_type: qwen3, vocab_size: 256, hidden_size: 32, "
     "intermediate_size: 48, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, "
-    "rope_theta: 10000.0, rms_norm_eps: 1.0e-5, tie_word_embeddings: true, max_position_embeddings: 256}";
+    "rope_theta: 10000.0, rms_norm_eps: 1.0e-5, tie_word_embeddings: true, max_position_embeddings: 256}",
+    "qwen3_tied_ref",
+    {"train.lr=3.0e-4", "train.min_lr=3.0e-5"},
+    {"model.embed_tokens.weight"},
+    {"lm_head.weight"}};  // a tied model has no separate head
+
+// OLMoE: q/k norms over the whole projections (under tp their row sums of squares, and the
+// backward's dots, are all-reduced; a replicated kv head counts once) and clip_qkv.  The data- and
+// tensor-parallel layouts run without clip_qkv: the clamp's gradient is a step at +-clip_qkv, and dp
+// (tp) sum gradients in another order, whose rounding (amplified by Adam into ~1e-5 weight
+// differences) moves a value across the bound now and then, a 100% difference for that element
+// (measured: losses still equal to 1e-5, weights 1e-4 to 7e-4 apart).  The pipeline keeps one
+// process's summation order and runs with it.
+ArchCase olmoe(const std::string& clip) {
+  return {"{architectures: [OlmoeForCausalLM], model_type: olmoe, vocab_size: 256, hidden_size: 32, "
+          "intermediate_size: 24, num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, "
+          "num_experts: 4, num_experts_per_tok: 2, norm_topk_prob: false, clip_qkv: " +
+              clip +
+              ", router_aux_loss_coef: 0.02, rope_theta: 10000.0, rms_norm_eps: 1.0e-5, tie_word_embeddings: false, "
+              "max_position_embeddings: 256}",
+          "olmoe_ref_clip_" + clip,
+          {},
+          {"model.layers.0.self_attn.q_norm.weight", "model.layers.3.mlp.experts.3.up_proj.weight"},
+          {}};
+}
+
 }  // namespace
 
-class DistTrainQwen3Tied : public DistTrain {
- protected:
-  static void expect_tied_equivalent(const std::string& name, int np, const std::vector<std::string>& overrides) {
-    static const fs::path ref = train("qwen3_tied_ref", 0, {"train.lr=3.0e-4", "train.min_lr=3.0e-5"}, 0, kQwen3Tied);
-    std::vector<std::string> o = overrides;
-    o.insert(o.end(), {"train.lr=3.0e-4", "train.min_lr=3.0e-5"});
-    const fs::path run = train(name, np, o, 0, kQwen3Tied);
-    expect_same_losses(losses(run), losses(ref), 1, name);
-    ASSERT_EQ(losses(ref).size(), 10u);
-    const auto want = read_tensors(ref / "checkpoints" / "step-000010", "model");
-    const auto got = read_tensors(run / "checkpoints" / "step-000010", "model");
-    ASSERT_EQ(got.size(), want.size()) << name;
-    ASSERT_FALSE(want.count("lm_head.weight")) << "a tied model has no separate head";
-    for (const auto& [n, w] : want) {
-      ASSERT_TRUE(got.count(n)) << name << ": " << n;
-      EXPECT_LE(rel_max_diff(got.at(n), w), 1e-4) << name << ": " << n;
-    }
-  }
-};
-
-TEST_F(DistTrainQwen3Tied, TensorParallel2MatchesOneProcess) {
-  expect_tied_equivalent("qwen3_tied_tp2", 2, {"parallel.tp=2"});
+TEST_F(DistTrainArch, Qwen3MoeTensorParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(kQwen3Moe, "qwen3_tp2", 2, {"parallel.tp=2"});
 }
-TEST_F(DistTrainQwen3Tied, DataParallel2MatchesOneProcess) {
-  expect_tied_equivalent("qwen3_tied_dp2", 2, {"parallel.zero1=true"});
+TEST_F(DistTrainArch, Qwen3MoeExpertParallel2OfDataParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(kQwen3Moe, "qwen3_ep2dp2", 2, {"parallel.ep=2", "parallel.zero1=true"});
 }
-
-// OLMoE: q/k norms over the whole projections and clip_qkv; (tp 2), (tp 4: replicated kv heads),
-// (ep 2, dp 2) and (pp 2) match one process.
-// The data- and tensor-parallel layouts run without clip_qkv: the clamp's gradient is a step at +-clip_qkv, and dp
-// (tp) sum gradients in another order, whose rounding (amplified by Adam into ~1e-5 weight differences)
-// moves a value across the bound now and then, a 100% difference for that element (measured: losses
-// still equal to 1e-5, weights 1e-4 to 7e-4 apart).  The pipeline keeps one process's summation order
-// and runs with it.
-namespace {
-std::string olmoe_config(const std::string& clip) {
-  return "{architectures: [OlmoeForCausalLM], model_type: olmoe, vocab_size: 256, hidden_size: 32, "
-         "intermediate_size: 24, num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, num_experts: 4, "
-         "num_experts_per_tok: 2, norm_topk_prob: false, clip_qkv: " +
-         clip +
-         ", router_aux_loss_coef: 0.02, rope_theta: 10000.0, rms_norm_eps: 1.0e-5, tie_word_embeddings: false, "
-         "max_position_embeddings: 256}";
+TEST_F(DistTrainArch, Qwen3MoePipelineParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(kQwen3Moe, "qwen3_pp2", 2, {"parallel.pp=2"});
 }
-}  // namespace
-
-class DistTrainOlmoe : public DistTrain {
- protected:
-  static void expect_olmoe_equivalent(const std::string& name, int np, const std::vector<std::string>& overrides,
-                                      const std::string& clip) {
-    const std::string model = olmoe_config(clip);
-    const fs::path ref = train("olmoe_ref_clip_" + clip, 0, {}, 0, model);
-    const fs::path run = train(name, np, overrides, 0, model);
-    expect_same_losses(losses(run), losses(ref), 1, name);
-    ASSERT_EQ(losses(ref).size(), 10u);
-    const auto want = read_tensors(ref / "checkpoints" / "step-000010", "model");
-    const auto got = read_tensors(run / "checkpoints" / "step-000010", "model");
-    ASSERT_EQ(got.size(), want.size()) << name;
-    ASSERT_EQ(want.at("model.layers.0.self_attn.q_norm.weight").size(), 32u);
-    for (const auto& [n, w] : want) {
-      ASSERT_TRUE(got.count(n)) << name << ": " << n;
-      EXPECT_LE(rel_max_diff(got.at(n), w), 1e-4) << name << ": " << n;
-    }
-  }
-};
-
-TEST_F(DistTrainOlmoe, ExpertParallel2OfDataParallel2MatchesOneProcess) {
-  expect_olmoe_equivalent("olmoe_ep2dp2", 2, {"parallel.ep=2", "parallel.zero1=true"}, "null");
+TEST_F(DistTrainArch, Qwen2MoeTensorParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(kQwen2Moe, "qwen2_tp2", 2, {"parallel.tp=2"});
 }
-TEST_F(DistTrainOlmoe, PipelineParallel2WithClipQkvMatchesOneProcess) {
-  expect_olmoe_equivalent("olmoe_pp2", 2, {"parallel.pp=2"}, "1.5");
+TEST_F(DistTrainArch, Qwen2MoeTensorParallel4ReplicatesKvHeadsAndTheirBiases) {
+  expect_architecture_equivalent(kQwen2Moe, "qwen2_tp4", 4, {"parallel.tp=4"});
 }
-// Under tp the norms' row sums of squares (and, backward, their dots) are all-reduced over the ranks.
-TEST_F(DistTrainOlmoe, TensorParallel2MatchesOneProcess) {
-  expect_olmoe_equivalent("olmoe_tp2", 2, {"parallel.tp=2"}, "null");
+TEST_F(DistTrainArch, Qwen2MoeExpertParallel2OfDataParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(kQwen2Moe, "qwen2_ep2dp2", 2, {"parallel.ep=2", "parallel.zero1=true"});
 }
-// tp 4 over 2 kv heads: each kv head (and its k_norm part) on 2 ranks, counted once in the norm.
-TEST_F(DistTrainOlmoe, TensorParallel4ReplicatesKvHeadsInTheNorm) {
-  expect_olmoe_equivalent("olmoe_tp4", 4, {"parallel.tp=4"}, "null");
+TEST_F(DistTrainArch, Qwen2MoePipelineParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(kQwen2Moe, "qwen2_pp2", 2, {"parallel.pp=2"});
+}
+TEST_F(DistTrainArch, Qwen3TiedTensorParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(kQwen3Tied, "qwen3_tied_tp2", 2, {"parallel.tp=2"});
+}
+TEST_F(DistTrainArch, Qwen3TiedDataParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(kQwen3Tied, "qwen3_tied_dp2", 2, {"parallel.zero1=true"});
+}
+TEST_F(DistTrainArch, OlmoeTensorParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(olmoe("null"), "olmoe_tp2", 2, {"parallel.tp=2"});
+}
+TEST_F(DistTrainArch, OlmoeTensorParallel4ReplicatesKvHeadsInTheNorm) {
+  expect_architecture_equivalent(olmoe("null"), "olmoe_tp4", 4, {"parallel.tp=4"});
+}
+TEST_F(DistTrainArch, OlmoeExpertParallel2OfDataParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(olmoe("null"), "olmoe_ep2dp2", 2, {"parallel.ep=2", "parallel.zero1=true"});
+}
+TEST_F(DistTrainArch, OlmoePipelineParallel2WithClipQkvMatchesOneProcess) {
+  expect_architecture_equivalent(olmoe("1.5"), "olmoe_pp2", 2, {"parallel.pp=2"});
 }

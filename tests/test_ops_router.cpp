@@ -129,20 +129,28 @@ TEST(RouterForward, RejectsBadK) {
 
 // L = sum r[n,k] * topk_weight[n,k] + sum_{real n, e} a[e] * probs[n,e]: exercises both inputs of
 // router_backward (the renormalisation chain and the per-expert aux-loss gradient under a mask).
+// renormalize false (Qwen3-MoE's norm_topk_prob false): the top-K weights are the probabilities
+// themselves, and the gradient reaches them without the renormalisation chain.
 TEST(RouterBackward, FiniteDifferences) {
+ for (bool renorm : {true, false})
   for (int K : {1, 2, 3, 5}) {
+    SCOPED_TRACE(renorm ? "renormalised" : "not renormalised");
     const long N = 7;
     const int E = 5;
     auto logits = separated_logits(N, E, 0.2f, 100 + K);
     const auto r = random_vector(N * K, 200 + K);
     const std::vector<double> a = {0.3, -0.7, 1.1, 0.05, -0.4};
     const std::vector<uint8_t> mask = {1, 0, 1, 1, 0, 1, 1};
-    Layers f{N, E, K, 1, true, {}, {}, {}, {}};
+    Layers f{N, E, K, 1, renorm, {}, {}, {}, {}};
     f.forward(logits, mask.data());
+    if (!renorm)
+      for (long n = 0; n < N; n++)
+        for (int k = 0; k < K; k++)
+          ASSERT_EQ(f.weight[n * K + k], f.probs[n * E + f.idx[n * K + k]]) << "the weight is the probability";
     const auto idx0 = f.idx;
     std::vector<float> dlogits(N * E);
     ops::router_backward(dlogits.data(), r.data(), a.data(), mask.data(), f.probs.data(), f.idx.data(),
-                         f.weight.data(), N, E, K);
+                         f.weight.data(), N, E, K, renorm);
     bool selection_changed = false;
     auto loss = [&]() {
       f.forward(logits, mask.data());
@@ -157,41 +165,6 @@ TEST(RouterBackward, FiniteDifferences) {
     auto res = finite_difference(logits, dlogits, loss, 1e-2f);
     ASSERT_FALSE(selection_changed) << "K=" << K;
     expect_gradient_close(res, ("router dlogits, K=" + std::to_string(K)).c_str());
-  }
-}
-
-// norm_topk_prob false (Qwen3-MoE): the top-K weights are the probabilities themselves, and the
-// gradient flows into them without the renormalisation chain.
-TEST(RouterBackward, WithoutRenormalisationFiniteDifferences) {
-  for (int K : {1, 2, 3}) {
-    const long N = 6;
-    const int E = 5;
-    auto logits = separated_logits(N, E, 0.2f, 300 + K);
-    const auto r = random_vector(N * K, 400 + K);
-    const std::vector<double> a = {-0.2, 0.6, 0.1, -0.9, 0.3};
-    const std::vector<uint8_t> mask = {1, 1, 0, 1, 1, 0};
-    Layers f{N, E, K, 1, false, {}, {}, {}, {}};
-    f.forward(logits, mask.data());
-    for (long n = 0; n < N; n++)
-      for (int k = 0; k < K; k++)
-        ASSERT_EQ(f.weight[n * K + k], f.probs[n * E + f.idx[n * K + k]]) << "the weight is the probability";
-    const auto idx0 = f.idx;
-    std::vector<float> dlogits(N * E);
-    ops::router_backward(dlogits.data(), r.data(), a.data(), mask.data(), f.probs.data(), f.idx.data(),
-                         f.weight.data(), N, E, K, false);
-    bool selection_changed = false;
-    auto loss = [&]() {
-      f.forward(logits, mask.data());
-      if (f.idx != idx0) selection_changed = true;
-      double s = testing::weighted_sum(f.weight, r);
-      for (long n = 0; n < N; n++)
-        if (mask[n])
-          for (int e = 0; e < E; e++) s += a[e] * f.probs[n * E + e];
-      return s;
-    };
-    auto res = finite_difference(logits, dlogits, loss, 1e-2f);
-    ASSERT_FALSE(selection_changed) << "K=" << K;
-    expect_gradient_close(res, ("router dlogits without renormalisation, K=" + std::to_string(K)).c_str());
   }
 }
 

@@ -13,6 +13,27 @@ namespace moetron::ops {
 namespace {
 // Below this many elements a parallel region costs more than it saves.
 constexpr long kParallelMin = 1 << 15;
+
+// dweight_c += sum_n dy[n,c] * (x[n,c] * r[n]).  Parallel over column chunks, rows summed in order
+// within each chunk: deterministic for any thread count.
+void accumulate_dweight(float* dweight, const float* dout, const float* inp, const float* rstd, long N, int C) {
+  constexpr int CHUNK = 64;
+  const int nchunks = (C + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
+  for (int ch = 0; ch < nchunks; ch++) {
+    const int c0 = ch * CHUNK;
+    const int w = std::min(C, c0 + CHUNK) - c0;
+    double acc[CHUNK] = {};
+    for (long n = 0; n < N; n++) {
+      const float* x = inp + n * C + c0;
+      const float* dy = dout + n * C + c0;
+      const float r = rstd[n];
+      for (int c = 0; c < w; c++) acc[c] += (double)dy[c] * (double)(x[c] * r);
+    }
+    for (int c = 0; c < w; c++) dweight[c0 + c] += (float)acc[c];
+  }
+}
+
 }  // namespace
 
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, long N, int C, float eps) {
@@ -46,23 +67,7 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
     const float coef = (float)((double)r * r * r * dot / C);
     for (int c = 0; c < C; c++) dx[c] = r * weight[c] * dy[c] - coef * x[c];
   }
-  // dweight_c += sum_n dy[n,c] * (x[n,c] * r[n]).  Parallel over column chunks, rows summed in
-  // order within each chunk: deterministic for any thread count.
-  constexpr int CHUNK = 64;
-  const int nchunks = (C + CHUNK - 1) / CHUNK;
-#pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
-  for (int ch = 0; ch < nchunks; ch++) {
-    const int c0 = ch * CHUNK;
-    const int w = std::min(C, c0 + CHUNK) - c0;
-    double acc[CHUNK] = {};
-    for (long n = 0; n < N; n++) {
-      const float* x = inp + n * C + c0;
-      const float* dy = dout + n * C + c0;
-      const float r = rstd[n];
-      for (int c = 0; c < w; c++) acc[c] += (double)dy[c] * (double)(x[c] * r);
-    }
-    for (int c = 0; c < w; c++) dweight[c0 + c] += (float)acc[c];
-  }
+  accumulate_dweight(dweight, dout, inp, rstd, N, C);
 }
 
 void row_dot(float* out, const float* a, const float* b, const float* w, long N, int C) {
@@ -98,18 +103,7 @@ void rmsnorm_backward_stats(float* dinp, float* dweight, const float* dout, cons
     const float coef = (float)((double)r * r * r * ((double)dot[n] * dot_scale) / width);
     for (int c = 0; c < C; c++) dinp[n * C + c] = r * weight[c] * dout[n * C + c] - coef * inp[n * C + c];
   }
-  // dweight: as rmsnorm_backward (columns in chunks, rows in order).
-  constexpr int CHUNK = 64;
-  const int nchunks = (C + CHUNK - 1) / CHUNK;
-#pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
-  for (int ch = 0; ch < nchunks; ch++) {
-    const int c0 = ch * CHUNK;
-    const int w = std::min(C, c0 + CHUNK) - c0;
-    double acc[CHUNK] = {};
-    for (long n = 0; n < N; n++)
-      for (int c = 0; c < w; c++) acc[c] += (double)dout[n * C + c0 + c] * (double)(inp[n * C + c0 + c] * rstd[n]);
-    for (int c = 0; c < w; c++) dweight[c0 + c] += (float)acc[c];
-  }
+  accumulate_dweight(dweight, dout, inp, rstd, N, C);
 }
 
 }  // namespace moetron::ops
