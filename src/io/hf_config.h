@@ -1,14 +1,14 @@
-// Hugging Face config.json <-> ModelConfig for the MoE models Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE, and the dense
-// Mistral / Llama / Qwen3 models.
+// Hugging Face config.json <-> ModelConfig for the MoE models Mixtral, Qwen3-MoE, Qwen2-MoE and
+// OLMoE, and the dense Mistral / Llama / Qwen3 models.
 //
 // Reading follows transformers' semantics: absent optional fields take the defaults of the
-// architecture's config class (MixtralConfig, Qwen3MoeConfig, MistralConfig, LlamaConfig,
-// Qwen3Config), with two deliberate
-// differences: num_key_value_heads defaults to num_attention_heads (transformers' Mistral/Mixtral
-// classes default to 8), and absent bos/eos/pad ids are -1 rather than 1/2/None. Fields this
-// struct does not model are kept verbatim in `extra` and written back unchanged. Features moetron
-// does not implement (rope scaling, activations other than silu, biases) are
-// rejected with an Error instead of being silently ignored.
+// architecture's config class (MixtralConfig, Qwen3MoeConfig, Qwen2MoeConfig, OlmoeConfig,
+// MistralConfig, LlamaConfig, Qwen3Config), with two deliberate differences: num_key_value_heads
+// defaults to num_attention_heads (transformers' Mistral/Mixtral classes default to 8), and absent
+// bos/eos/pad ids are -1 rather than 1/2/None. Fields this struct does not model are kept verbatim in
+// `extra` and written back unchanged. Features moetron does not implement (rope scaling, activations
+// other than silu, biases other than Qwen2-MoE's q/k/v, per-layer sliding windows) are rejected with
+// an Error instead of being silently ignored.
 //
 // OLMoE (modeling_olmoe.py): every layer MoE (num_experts, intermediate_size per expert), Qwen-style
 // names, norm_topk_prob (default false), RMSNorm over the whole q and k projections (not per head),
