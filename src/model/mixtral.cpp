@@ -191,12 +191,6 @@ Tensor MixtralModel::as_f32(Tensor src, Tensor scratch) {
   return scratch;
 }
 
-void MixtralModel::store_as(Tensor dst, Tensor src) {
-  if (dst.store == src.store)
-    be_.copy(dst, src);
-  else
-    be_.convert(dst, src);
-}
 
 void MixtralModel::set_profile(Profile* profile) {
   profile_ = profile;
@@ -364,9 +358,8 @@ void MixtralModel::allocate_scratch(int B, int T) {
     dq32_ = (qkn || bias) && act != f32 ? c.take(f32, N * Q) : dq_;
     dk32_ = (qkn || bias) && act != f32 ? c.take(f32, N * KVd) : dk_;
     dv32_ = bias && act != f32 ? c.take(f32, N * KVd) : dv_;
-    proj32_ = bias && !qkn && act != f32 ? c.take(f32, N * std::max(Q, KVd)) : Tensor{};
-    // clip_qkv on a non-f32 act store: q, k, v staged in f32 (the forward's; see layer_forward).
-    clip32_ = cfg_.clip_qkv > 0 && qkn && act != f32 ? c.take(f32, N * std::max(Q, KVd)) : Tensor{};
+    // The forward's f32 staging of a projection that a bias or a clip follows (act store not f32).
+    stage32_ = (bias || cfg_.clip_qkv > 0) && act != f32 ? c.take(f32, N * std::max(Q, KVd)) : Tensor{};
     // OLMoE's norms under tp: the row sums of squares (forward) and dots (backward) of all ranks.
     row_stat_ = cfg_.qk_norm_full && tp_on() ? c.take(f32, N) : Tensor{};
     dshy_ = shared ? c.take(act, N * C) : Tensor{};
@@ -568,58 +561,40 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
   }
   {
     Section t(be_, profile_, "fwd.attn_proj");
-    const bool bias = cfg_.qkv_bias;
-    if (cfg_.qk_norm) {  // f32 projections (+ bias), then RMSNorm over each head's HD values (before RoPE)
+    const bool bias = cfg_.qkv_bias, clip = cfg_.clip_qkv > 0, f32_act = be_.act_store() == Store::f32;
+    const float c = (float)cfg_.clip_qkv;
+    // What follows a projection (bias, norm, OLMoE's clip) runs in f32: in place when the act store is
+    // f32, else on the f32 staging buffer, rounded into the act store once at the end -- so which
+    // values are clipped is decided on f32 values, as the fp32 model decides (deciding on rounded
+    // values would flip the gradient of values near +-c).  The backward needs only d(q), d(k), d(v).
+    const auto finish = [&](Tensor out, Tensor t, Tensor mask, long n) {
+      if (clip) be_.clamp_forward(t, mask, c, n);
+      if (t.data != out.data) be_.convert(out, t);
+    };
+    const auto project = [&](Tensor out, ParamKind w, ParamKind b, int OC, Tensor mask) {
+      const Tensor t = !f32_act && (bias || clip) ? stage32_.part(0, (size_t)N * OC) : out;
+      be_.matmul_forward(t, a.ln1, Wg(w, l), (int)N, C, OC, false);
+      if (bias) be_.add_bias_rows(t, W(b, l), N, OC);
+      finish(out, t, mask, (long)N * OC);
+    };
+    if (cfg_.qk_norm) {  // f32 projections (+ bias), then the q/k norms (before RoPE)
       be_.matmul_forward(a.qraw, a.ln1, Wg(ParamKind::q_proj, l), (int)N, C, Q, false);
       be_.matmul_forward(a.kraw, a.ln1, Wg(ParamKind::k_proj, l), (int)N, C, KVd, false);
       if (bias) {
         be_.add_bias_rows(a.qraw, W(ParamKind::q_bias, l), N, Q);
         be_.add_bias_rows(a.kraw, W(ParamKind::k_bias, l), N, KVd);
       }
-      qk_norm_forward(a.q, a.rstdq, a.qraw, ParamKind::q_norm, l, N, NH);
-      qk_norm_forward(a.k, a.rstdk, a.kraw, ParamKind::k_norm, l, N, NKV);
+      const Tensor tq = !f32_act && clip ? stage32_.part(0, (size_t)N * Q) : a.q;
+      qk_norm_forward(tq, a.rstdq, a.qraw, ParamKind::q_norm, l, N, NH);
+      finish(a.q, tq, a.clipq, (long)N * Q);
+      const Tensor tk = !f32_act && clip ? stage32_.part(0, (size_t)N * KVd) : a.k;
+      qk_norm_forward(tk, a.rstdk, a.kraw, ParamKind::k_norm, l, N, NKV);
+      finish(a.k, tk, a.clipk, (long)N * KVd);
     } else {
-      be_.matmul_forward(a.q, a.ln1, Wg(ParamKind::q_proj, l), (int)N, C, Q, false);
-      be_.matmul_forward(a.k, a.ln1, Wg(ParamKind::k_proj, l), (int)N, C, KVd, false);
+      project(a.q, ParamKind::q_proj, ParamKind::q_bias, Q, a.clipq);
+      project(a.k, ParamKind::k_proj, ParamKind::k_bias, KVd, a.clipk);
     }
-    be_.matmul_forward(a.v, a.ln1, Wg(ParamKind::v_proj, l), (int)N, C, KVd, false);
-    if (bias && !cfg_.qk_norm) {
-      // The bias is added in f32: in place when the act store is f32, else on an f32 product that is
-      // then rounded into the act store (the backward needs only d(q), d(k), d(v)).
-      const auto biased = [&](Tensor out, ParamKind w, ParamKind b, int OC) {
-        if (out.store == Store::f32) return be_.add_bias_rows(out, W(b, l), N, OC);
-        const Tensor t = proj32_.part(0, (size_t)N * OC);
-        be_.matmul_forward(t, a.ln1, Wg(w, l), (int)N, C, OC, false);
-        be_.add_bias_rows(t, W(b, l), N, OC);
-        store_as(out, t);
-      };
-      biased(a.q, ParamKind::q_proj, ParamKind::q_bias, Q);
-      biased(a.k, ParamKind::k_proj, ParamKind::k_bias, KVd);
-      biased(a.v, ParamKind::v_proj, ParamKind::v_bias, KVd);
-    }
-    if (cfg_.clip_qkv > 0) {  // OLMoE: after the norms, before RoPE
-      const float c = (float)cfg_.clip_qkv;
-      if (be_.act_store() == Store::f32) {
-        be_.clamp_forward(a.q, a.clipq, c, N * Q);
-        be_.clamp_forward(a.k, a.clipk, c, N * KVd);
-        be_.clamp_forward(a.v, a.clipv, c, N * KVd);
-      } else {
-        // Which values are clipped is decided on the f32 values (as the fp32 model decides), then
-        // rounded: deciding on rounded values would flip the gradient of values near +-c.
-        const Tensor t = clip32_.part(0, (size_t)N * Q);
-        qk_norm_forward(t, a.rstdq, a.qraw, ParamKind::q_norm, l, N, NH);
-        be_.clamp_forward(t, a.clipq, c, N * Q);
-        be_.convert(a.q, t);
-        const Tensor tk = clip32_.part(0, (size_t)N * KVd);
-        qk_norm_forward(tk, a.rstdk, a.kraw, ParamKind::k_norm, l, N, NKV);
-        be_.clamp_forward(tk, a.clipk, c, N * KVd);
-        be_.convert(a.k, tk);
-        be_.matmul_forward(tk, a.ln1, Wg(ParamKind::v_proj, l), (int)N, C, KVd, false);
-        if (bias) be_.add_bias_rows(tk, W(ParamKind::v_bias, l), N, KVd);
-        be_.clamp_forward(tk, a.clipv, c, N * KVd);
-        be_.convert(a.v, tk);
-      }
-    }
+    project(a.v, ParamKind::v_proj, ParamKind::v_bias, KVd, a.clipv);
   }
   {
     Section t(be_, profile_, "fwd.rope");

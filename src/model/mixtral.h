@@ -261,8 +261,6 @@ class MixtralModel {
   Tensor as_act(Tensor src, Tensor scratch);
   // src (act store) as f32: src itself when the act store is f32, else converted into `scratch`.
   Tensor as_f32(Tensor src, Tensor scratch);
-  // dst = src between float stores (a copy when they match).
-  void store_as(Tensor dst, Tensor src);
   // Zeros the rows [M] of plan order past the computed ones (the overflow expert's: capacity drops).
   void zero_dropped_rows(Tensor rows, const ops::MoePlan& plan, int C);
   void refresh_gemm_weights();
@@ -299,8 +297,8 @@ class MixtralModel {
   std::unique_ptr<Allocation> scratch_alloc_;
   Tensor dres_, dln_, tmp_, datt_, dq_, dk_, dv_, drlogits_, dtopk_, dxperm_, dyperm_, dres_act_;
   Tensor dq32_, dk32_, dqraw_, dkraw_;  // qk_norm / qkv_bias: f32 gradients around the q/k norms and biases
-  Tensor dv32_, proj32_;                // qkv_bias: f32 d(v); the forward's f32 projection before its bias
-  Tensor clip32_;                       // clip_qkv (act store not f32): the forward's f32 q, k, v before rounding
+  Tensor dv32_;                         // qkv_bias: f32 d(v)
+  Tensor stage32_;                      // act store not f32: a projection in f32 before its bias / clip
   Tensor row_stat_;                     // qk_norm_full under tp: [N] partial row sums, all-reduced
   // The q (or k) norm of layer l: per head (Qwen3), or over the whole projection (OLMoE), whose row
   // statistics are summed over the tp ranks.  out = norm(raw); rows N, heads h of HD each.
