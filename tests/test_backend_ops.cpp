@@ -29,6 +29,7 @@
 #include "gradcheck.h"
 #include "ops/cross_entropy.h"
 #include "ops/moe_dispatch.h"
+#include "model/expert_ffn.h"
 
 namespace moetron {
 namespace {
@@ -393,6 +394,107 @@ OpCase experts_case(const std::string& name, std::vector<int32_t> topk, long N, 
   return c;
 }
 
+// The grouped linear: y (act store, accumulated onto its input) += alpha * x @ W[e]^T per expert.
+OpCase grouped_matmul_case(const std::string& name, std::vector<int32_t> topk, long N, int E, int K, bool overflow) {
+  const int IC = 16, OC = 20;
+  const float alpha = 1.75f;
+  const long M = N * K;
+  const int Ew = E - (overflow ? 1 : 0);
+  OpCase c;
+  c.name = name;
+  c.inputs = {{"x", rnd_bf16(M * IC, 1)}, {"W", rnd_bf16((size_t)Ew * OC * IC, 2, 0.3f)}, {"y", rnd_bf16(M * OC, 5)}};
+  c.act_inputs = {"x", "W", "y"};
+  c.wrt = {"x", "W"};
+  c.outputs = {"y"};
+  c.cot = {{"y", rnd_bf16(M * OC, 4)}};
+  c.cot_act = {"y"};
+  auto view = [=](Env& e) {
+    ops::MoePlan& p = e.plan("plan");
+    if (p.expert_offsets.empty()) {
+      ops::moe_plan_build(p, topk.data(), N, E, K);
+      p.overflow = overflow ? 1 : 0;
+    }
+    return e.be().upload_plan(p, e.has("rt") ? e["rt"] : e.alloc("rt", Store::i32, M),
+                              e.has("ro") ? e["ro"] : e.alloc("ro", Store::i32, M));
+  };
+  c.forward = [=](Env& e) { e.be().grouped_matmul_forward(e["y"], e["x"], e["W"], view(e), IC, OC, alpha, true); };
+  c.backward = [=](Env& e) {
+    // The overflow rows get no gradient: zero them first so the comparison sees a defined value.
+    const Tensor gx = e.act("g:x", M * IC);
+    e.be().fill_zero(gx);
+    e.be().grouped_matmul_backward(gx, e.f32("g:W", (size_t)Ew * OC * IC), e["d:y"], e["x"], e["W"], view(e), IC, OC,
+                                   alpha, false);
+  };
+  return c;
+}
+
+// The expert FFN in pieces with LoRA on gate_up and down over a frozen base (model/expert_ffn.h):
+// grouped linears and SwiGLU, the gradients of the input and of the four factors.
+OpCase expert_ffn_lora_case(const std::string& name, std::vector<int32_t> topk, long N, int E, int K, bool overflow) {
+  const int C = 16, I = 12, r = 3;
+  const float scale = 1.5f;
+  const long M = N * K;
+  const int Ew = E - (overflow ? 1 : 0);
+  OpCase c;
+  c.name = name;
+  c.inputs = {{"x", rnd_bf16(M * C, 1)},
+              {"w13", rnd_bf16((size_t)Ew * 2 * I * C, 2, 0.3f)},
+              {"w2", rnd_bf16((size_t)Ew * C * I, 3, 0.3f)},
+              {"a13", rnd_bf16((size_t)Ew * r * C, 6, 0.3f)},
+              {"b13", rnd_bf16((size_t)Ew * 2 * I * r, 7, 0.3f)},
+              {"a2", rnd_bf16((size_t)Ew * r * I, 8, 0.3f)},
+              {"b2", rnd_bf16((size_t)Ew * C * r, 9, 0.3f)}};
+  c.act_inputs = {"x", "w13", "w2", "a13", "b13", "a2", "b2"};
+  c.wrt = {"x", "a13", "b13", "a2", "b2"};
+  c.outputs = {"y"};
+  c.cot = {{"y", rnd_bf16(M * C, 4)}};
+  c.cot_act = {"y"};
+  auto view = [=](Env& e) {
+    ops::MoePlan& p = e.plan("plan");
+    if (p.expert_offsets.empty()) {
+      ops::moe_plan_build(p, topk.data(), N, E, K);
+      p.overflow = overflow ? 1 : 0;
+    }
+    return e.be().upload_plan(p, e.has("rt") ? e["rt"] : e.alloc("rt", Store::i32, M),
+                              e.has("ro") ? e["ro"] : e.alloc("ro", Store::i32, M));
+  };
+  auto weights = [=](Env& e, bool grads) {
+    ExpertFfnWeights w;
+    w.w13 = e["w13"];
+    w.w2 = e["w2"];
+    w.a13 = e["a13"];
+    w.b13 = e["b13"];
+    w.a2 = e["a2"];
+    w.b2 = e["b2"];
+    w.r = r;
+    w.scale = scale;
+    if (grads) {
+      w.da13 = e.f32("g:a13", (size_t)Ew * r * C);
+      w.db13 = e.f32("g:b13", (size_t)Ew * 2 * I * r);
+      w.da2 = e.f32("g:a2", (size_t)Ew * r * I);
+      w.db2 = e.f32("g:b2", (size_t)Ew * C * r);
+    }
+    return w;
+  };
+  auto saved = [=](Env& e) {
+    return ExpertFfnSaved{e.has("h13") ? e["h13"] : e.act("h13", M * 2 * I), e.has("act") ? e["act"] : e.act("act", M * I),
+                          e.has("u13") ? e["u13"] : e.act("u13", M * r), e.has("u2") ? e["u2"] : e.act("u2", M * r)};
+  };
+  c.forward = [=](Env& e) {
+    const Tensor y = e.act("y", M * C);
+    e.be().fill_zero(y);  // the overflow rows are not computed
+    ExpertFfn ffn;
+    ffn.forward(e.be(), y, saved(e), e["x"], view(e), weights(e, false), C, I);
+  };
+  c.backward = [=](Env& e) {
+    const Tensor gx = e.act("g:x", M * C);
+    e.be().fill_zero(gx);
+    ExpertFfn ffn;
+    ffn.backward(e.be(), gx, e["d:y"], saved(e), e["x"], view(e), weights(e, true), C, I);
+  };
+  return c;
+}
+
 // The head and the cross-entropy: logits = lnf @ head^T, loss = scale * sum CE, with ignored rows.
 OpCase head_case() {
   const long N = 10;
@@ -565,6 +667,11 @@ std::vector<OpCase> all_cases() {
   // Capacity drops: a fifth expert collects a third of the assignments and is not computed.
   const auto dropped = routed(N, 2, [](long n, int k) { return (n + k) % 3 == 0 ? 4 : (int)((n + k) % 4); });
   cases.push_back(experts_case("experts_capacity_overflow", dropped, N, E + 1, 2, true));
+  cases.push_back(grouped_matmul_case("grouped_matmul", balanced, N, E, 2, false));
+  cases.push_back(grouped_matmul_case("grouped_matmul_empty_expert", empty2, N, E, 2, false));
+  cases.push_back(grouped_matmul_case("grouped_matmul_capacity_overflow", dropped, N, E + 1, 2, true));
+  cases.push_back(expert_ffn_lora_case("expert_ffn_lora", balanced, N, E, 2, false));
+  cases.push_back(expert_ffn_lora_case("expert_ffn_lora_capacity_overflow", dropped, N, E + 1, 2, true));
   return cases;
 }
 

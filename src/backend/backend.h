@@ -167,7 +167,8 @@ class Backend {
   // ---- RMSNorm -----------------------------------------------------------------------------------
   // out[N,C] (any float store) = weight * inp * rstd; rstd[N] saved (skipped when empty).
   virtual void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, long N, int C, float eps) = 0;
-  // dinp[N,C] (f32; = or += when accumulate), dweight[C] += (f32).  dout, inp f32.
+  // dinp[N,C] (f32; = or += when accumulate), dweight[C] += (f32; skipped when empty: a frozen
+  // weight).  dout, inp f32.
   virtual void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, Tensor rstd,
                                 long N, int C, bool accumulate) = 0;
 
@@ -177,7 +178,7 @@ class Backend {
   // out[N,C] (any float store), rstd[N] from the row sums of squares ss[N] of all `width` features.
   virtual void rmsnorm_forward_stats(Tensor out, Tensor rstd, Tensor inp, Tensor weight, Tensor ss, long N, int C,
                                      int width, float ss_scale, float eps) = 0;
-  // dinp[N,C] (assign), dweight[C] (+=) from the all-rank dot[N] = sum w dy x.
+  // dinp[N,C] (assign), dweight[C] (+=; skipped when empty) from the all-rank dot[N] = sum w dy x.
   virtual void rmsnorm_backward_stats(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, Tensor rstd,
                                       Tensor dot, long N, int C, int width, float dot_scale) = 0;
 
@@ -253,6 +254,20 @@ class Backend {
   // act store.
   virtual void moe_experts_backward(Tensor dxperm, Tensor dw13, Tensor dw2, Tensor dy, Tensor h13, Tensor act,
                                     Tensor xperm, Tensor w13, Tensor w2, const PlanView& plan, int C, int I) = 0;
+  // The expert FFN in pieces (ops/grouped_matmul.h, ops/swiglu.h), for what the fused op cannot
+  // carry (LoRA on experts, a frozen base):  out[M,OC] (act store, or f32; = or += when accumulate)
+  // = alpha * inp[M,IC] @ weight[e]^T per expert e over its rows (weight[E,OC,IC], act store; the
+  // overflow expert's rows untouched).  A dense projection is the one-expert identity plan.
+  virtual void grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, const PlanView& plan, int IC, int OC,
+                                      float alpha, bool accumulate) = 0;
+  // dinp[M,IC] (act store or f32; = or += when accumulate; skipped when empty) = alpha * dout @ weight[e];
+  // dweight[E,OC,IC] (f32, +=; skipped when empty) += alpha * dout^T @ inp.  dout, inp, weight in the
+  // act store.
+  virtual void grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
+                                       const PlanView& plan, int IC, int OC, float alpha, bool accumulate) = 0;
+  // act[M,I] = silu(h13[:, :I]) * h13[:, I:]; dh13[M,2I] (assign) from dact.  All in the act store.
+  virtual void swiglu_forward(Tensor act, Tensor h13, long M, int I) = 0;
+  virtual void swiglu_backward(Tensor dh13, Tensor dact, Tensor h13, long M, int I) = 0;
   // out[m,:] = in[index[m],:] for m < rows (the expert-parallel exchange's reorderings).
   virtual void gather_rows(Tensor out, Tensor in, Tensor index, long rows, int C) = 0;
 
@@ -263,7 +278,7 @@ class Backend {
                                        float scale, dist::Comm* tp) = 0;
   // The head's backward from the loss: logits[N,Vr] (f32) are overwritten by their gradient
   // scale * (softmax - onehot) (kept in whatever form the backend's GEMM reads), then
-  // dln[N,C] (f32, assign) = dlogits @ head and dhead[Vr,C] += dlogits^T @ lnf.
+  // dln[N,C] (f32, assign) = dlogits @ head and dhead[Vr,C] += dlogits^T @ lnf (skipped when empty).
   // whole: these are every column (one process or no tensor parallelism).
   virtual void head_backward(Tensor dln, Tensor dhead, Tensor logits, Tensor lse, Tensor targets, Tensor lnf,
                              Tensor head, long N, int C, int64_t Vr, int64_t V0, float scale, bool whole) = 0;

@@ -14,10 +14,12 @@
 #include "ops/clamp.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
+#include "ops/grouped_matmul.h"
 #include "ops/matmul.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 #include "ops/sigmoid.h"
+#include "ops/swiglu.h"
 #include "optim/adamw.h"
 
 namespace moetron {
@@ -283,6 +285,20 @@ void CpuBackend::gather_rows(Tensor out, Tensor in, Tensor index, long rows, int
   const int32_t* idx = index.i32();
 #pragma omp parallel for schedule(static)
   for (long m = 0; m < rows; m++) std::memcpy(o + m * C, x + (size_t)idx[m] * C, sizeof(float) * C);
+}
+
+void CpuBackend::grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, const PlanView& plan, int IC, int OC,
+                                        float alpha, bool accumulate) {
+  ops::grouped_matmul_forward(out.f32(), inp.f32(), weight.f32(), *plan.plan, IC, OC, alpha, accumulate);
+}
+void CpuBackend::grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
+                                         const PlanView& plan, int IC, int OC, float alpha, bool accumulate) {
+  ops::grouped_matmul_backward(dinp.f32(), dweight.f32(), dout.f32(), inp.f32(), weight.f32(), *plan.plan, IC, OC, alpha,
+                               accumulate);
+}
+void CpuBackend::swiglu_forward(Tensor act, Tensor h13, long M, int I) { ops::swiglu_forward(act.f32(), h13.f32(), M, I); }
+void CpuBackend::swiglu_backward(Tensor dh13, Tensor dact, Tensor h13, long M, int I) {
+  ops::swiglu_backward(dh13.f32(), dact.f32(), h13.f32(), M, I);
 }
 
 double CpuBackend::cross_entropy_forward(Tensor lse, Tensor logits, Tensor targets, long N, int64_t Vr, int64_t V0,

@@ -128,6 +128,26 @@ void Bf16CpuBackend::moe_experts_backward(Tensor dxperm, Tensor dw13, Tensor dw2
   }
 }
 
+// The grouped linear and SwiGLU with their act-store outputs rounded as CUDA writes them.
+void Bf16CpuBackend::grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, const PlanView& plan, int IC, int OC,
+                                            float alpha, bool accumulate) {
+  CpuBackend::grouped_matmul_forward(out, inp, weight, plan, IC, OC, alpha, accumulate);
+  finish(out);
+}
+void Bf16CpuBackend::grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
+                                             const PlanView& plan, int IC, int OC, float alpha, bool accumulate) {
+  CpuBackend::grouped_matmul_backward(dinp, dweight, dout, inp, weight, plan, IC, OC, alpha, accumulate);
+  finish(dinp);
+}
+void Bf16CpuBackend::swiglu_forward(Tensor act, Tensor h13, long M, int I) {
+  CpuBackend::swiglu_forward(act, h13, M, I);
+  finish(act);
+}
+void Bf16CpuBackend::swiglu_backward(Tensor dh13, Tensor dact, Tensor h13, long M, int I) {
+  CpuBackend::swiglu_backward(dh13, dact, h13, M, I);
+  finish(dh13);
+}
+
 void Bf16CpuBackend::head_backward(Tensor dln, Tensor dhead, Tensor logits, Tensor lse, Tensor targets, Tensor lnf,
                                    Tensor head, long N, int C, int64_t Vr, int64_t V0, float scale, bool whole) {
   logits_to_gradient(logits, lse, targets, N, Vr, V0, scale, whole);

@@ -38,6 +38,12 @@ class Bf16CpuBackend final : public CpuBackend {
                            const PlanView& plan, int C, int I) override;
   void moe_experts_backward(Tensor dxperm, Tensor dw13, Tensor dw2, Tensor dy, Tensor h13, Tensor act, Tensor xperm,
                             Tensor w13, Tensor w2, const PlanView& plan, int C, int I) override;
+  void grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, const PlanView& plan, int IC, int OC, float alpha,
+                              bool accumulate) override;
+  void grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
+                               const PlanView& plan, int IC, int OC, float alpha, bool accumulate) override;
+  void swiglu_forward(Tensor act, Tensor h13, long M, int I) override;
+  void swiglu_backward(Tensor dh13, Tensor dact, Tensor h13, long M, int I) override;
   void head_backward(Tensor dln, Tensor dhead, Tensor logits, Tensor lse, Tensor targets, Tensor lnf, Tensor head,
                      long N, int C, int64_t Vr, int64_t V0, float scale, bool whole) override;
 

@@ -135,7 +135,7 @@ void CudaBackend::rmsnorm_forward_stats(Tensor out, Tensor rstd, Tensor inp, Ten
 }
 void CudaBackend::rmsnorm_backward_stats(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
                                          Tensor rstd, Tensor dot, long N, int C, int width, float dot_scale) {
-  gpu::rmsnorm_backward_stats(*ctx_, f32p(dinp), f32p(dweight), f32p(dout), f32p(inp), f32p(weight), f32p(rstd),
+  gpu::rmsnorm_backward_stats(*ctx_, f32p(dinp), dweight.empty() ? nullptr : f32p(dweight), f32p(dout), f32p(inp), f32p(weight), f32p(rstd),
                               f32p(dot), N, C, width, dot_scale);
 }
 void CudaBackend::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, Tensor rstd,
@@ -281,6 +281,27 @@ void CudaBackend::moe_experts_backward(Tensor dxperm, Tensor dw13, Tensor dw2, T
                             scratch, b16(dy), b16(h13), b16(act), b16(xperm), b16(w13), b16(w2), device_plan(plan), C,
                             I);
 }
+void CudaBackend::grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, const PlanView& plan, int IC, int OC,
+                                         float alpha, bool accumulate) {
+  expect(inp, Store::bf16, "grouped_matmul_forward", "inp");
+  expect(weight, Store::bf16, "grouped_matmul_forward", "weight");
+  gpu::grouped_matmul_forward(*ctx_, out.data, dtype_of(out, "grouped_matmul_forward"), b16(inp), b16(weight),
+                              plan.plan->expert_offsets, plan.plan->E - plan.plan->overflow, IC, OC, alpha, accumulate);
+}
+void CudaBackend::grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
+                                          const PlanView& plan, int IC, int OC, float alpha, bool accumulate) {
+  expect(dout, Store::bf16, "grouped_matmul_backward", "dout");
+  gpu::grouped_matmul_backward(*ctx_, dinp.data, dinp.empty() ? DType::BF16 : dtype_of(dinp, "grouped_matmul_backward"),
+                               dweight.empty() ? nullptr : f32p(dweight),
+                               b16(dout), b16(inp), b16(weight), plan.plan->expert_offsets,
+                               plan.plan->E - plan.plan->overflow, IC, OC, alpha, accumulate);
+}
+void CudaBackend::swiglu_forward(Tensor act, Tensor h13, long M, int I) {
+  if (M > 0) gpu::swiglu_forward(*ctx_, b16(act), b16(h13), M, I);
+}
+void CudaBackend::swiglu_backward(Tensor dh13, Tensor dact, Tensor h13, long M, int I) {
+  if (M > 0) gpu::swiglu_backward(*ctx_, b16(dh13), b16(dact), b16(h13), M, I);
+}
 void CudaBackend::gather_rows(Tensor out, Tensor in, Tensor index, long rows, int C) {
   MOETRON_ASSERT(out.elem_bytes == in.elem_bytes);
   gpu::gather_rows(*ctx_, out.data, in.data, i32p(index), rows, (size_t)C * in.elem_bytes);
@@ -314,8 +335,9 @@ void CudaBackend::head_backward(Tensor dln, Tensor dhead, Tensor logits, Tensor 
   cross_entropy_backward(*ctx_, dlogits, ld, f32p(logits), f32p(lse), i32p(targets), N, (int)Vr, V0, scale);
   gemm(*ctx_, false, false, (int)N, C, (int)Vr, 1.0f, dlogits, ld, head.data, C, 0.0f, dln.data, C, DType::BF16,
        DType::F32);
-  gemm(*ctx_, true, false, (int)Vr, C, (int)N, 1.0f, dlogits, ld, lnf.data, C, 1.0f, dhead.data, C, DType::BF16,
-       DType::F32);
+  if (!dhead.empty())  // empty: a frozen head
+    gemm(*ctx_, true, false, (int)Vr, C, (int)N, 1.0f, dlogits, ld, lnf.data, C, 1.0f, dhead.data, C, DType::BF16,
+         DType::F32);
 }
 
 void CudaBackend::init_normal(Tensor p, uint64_t seed, uint64_t key, double std, float fill) {

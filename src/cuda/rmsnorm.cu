@@ -165,6 +165,7 @@ void rmsnorm_backward_stats(Context& ctx, float* dinp, float* dweight, const flo
   rmsnorm_backward_stats_kernel<<<blocks, 32 * kRowsPerBlock, 0, stream_of(ctx)>>>(dinp, dout, inp, weight, rstd, dot,
                                                                                    N, C, width, dot_scale);
   CUDA_LAUNCHED("rmsnorm_backward_stats");
+  if (dweight == nullptr) return;  // a frozen weight
   const long rows_per_chunk = N / 128 > 64 ? (N + 127) / 128 : 64;
   const dim3 grid(blocks_for(C, 256), (unsigned)((N + rows_per_chunk - 1) / rows_per_chunk));
   rmsnorm_dweight_kernel<<<grid, 256, 0, stream_of(ctx)>>>(dweight, dout, inp, rstd, N, C, rows_per_chunk);

@@ -51,21 +51,23 @@ class Section {
 
 }  // namespace
 
-MixtralModel::MixtralModel(const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep, LayerRange layers)
+MixtralModel::MixtralModel(const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep, LayerRange layers,
+                           const LoraSpec& lora)
     : own_backend_(make_cpu_backend()),
       be_(*own_backend_),
       cfg_(cfg),
       table_(cfg, model_shard(cfg, tp, ep, layers)) {
-  init(tp, ep, layers);
+  init(tp, ep, layers, lora);
 }
 
 MixtralModel::MixtralModel(Backend& backend, const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep,
-                           LayerRange layers)
+                           LayerRange layers, const LoraSpec& lora)
     : be_(backend), cfg_(cfg), table_(cfg, model_shard(cfg, tp, ep, layers)) {
-  init(tp, ep, layers);
+  init(tp, ep, layers, lora);
 }
 
-void MixtralModel::init(dist::Comm* tp, dist::Comm* ep, LayerRange layers) {
+void MixtralModel::init(dist::Comm* tp, dist::Comm* ep, LayerRange layers, const LoraSpec& lora) {
+  lora_ = lora;
   tp_ = tp;
   tp_size_ = tp ? tp->size() : 1;
   ep_ = ep;
@@ -79,25 +81,105 @@ void MixtralModel::init(dist::Comm* tp, dist::Comm* ep, LayerRange layers) {
   dispatch_ = ep_on() ? make_all_to_all_dispatch(be_, *ep_, d.C, d.I, d.E) : make_local_dispatch(be_, d.C, d.I);
   for (int l = layer_begin_; l < layer_end_; l++)
     if (layer_moe(l) && ffn_width(l) != d.I) fail("[MixtralModel] layer {}: expert width {} != {}", l, ffn_width(l), d.I);
-  const size_t total = table_.total();
-  if (be_.host_memory()) {
-    params_.assign(total, 0.0f);
-    grads_.assign(total, 0.0f);
-    params_t_ = be_.view(params_.data(), Store::f32, total);
-    grads_t_ = be_.view(grads_.data(), Store::f32, total);
-  } else {
-    params_alloc_ = be_.allocate(total * 4, "parameters");
-    grads_alloc_ = be_.allocate(total * 4, "gradients");
-    params_t_ = be_.view(params_alloc_->data(), Store::f32, total);
-    grads_t_ = be_.view(grads_alloc_->data(), Store::f32, total);
+  // A table's parameters and gradients (none for a frozen base) and its GEMM copy.
+  const auto place = [&](size_t total, bool with_grads, std::vector<float>& hp, std::vector<float>& hg,
+                         std::unique_ptr<Allocation>& ap, std::unique_ptr<Allocation>& ag,
+                         std::unique_ptr<Allocation>& agemm, Tensor& tparam, Tensor& tg, Tensor& tgemm, const char* what) {
+    if (be_.host_memory()) {
+      hp.assign(total, 0.0f);
+      tparam = be_.view(hp.data(), Store::f32, total);
+      if (with_grads) {
+        hg.assign(total, 0.0f);
+        tg = be_.view(hg.data(), Store::f32, total);
+      }
+    } else {
+      ap = be_.allocate(total * 4, std::string(what) + " parameters");
+      tparam = be_.view(ap->data(), Store::f32, total);
+      if (with_grads) {
+        ag = be_.allocate(total * 4, std::string(what) + " gradients");
+        tg = be_.view(ag->data(), Store::f32, total);
+      }
+    }
+    if (be_.act_store() == Store::f32) {
+      tgemm = tparam;
+    } else {
+      agemm = be_.allocate(total * be_.element_bytes(be_.act_store()), std::string(what) + " GEMM weights");
+      tgemm = be_.view(agemm->data(), be_.act_store(), total);
+    }
+  };
+  place(table_.total(), !lora_.on(), params_, grads_, params_alloc_, grads_alloc_, gemm_alloc_, params_t_, grads_t_,
+        gemm_t_, "model");
+  if (lora_.on()) {
+    lora_table_ = std::make_unique<ParamTable>(cfg_, lora_, table_.shard());
+    place(lora_table_->total(), true, lparams_, lgrads_, lparams_alloc_, lgrads_alloc_, lgemm_alloc_, lparams_t_,
+          lgrads_t_, lgemm_t_, "LoRA");
   }
-  if (be_.act_store() == Store::f32) {
-    gemm_t_ = params_t_;
-  } else {
-    gemm_alloc_ = be_.allocate((size_t)total * be_.element_bytes(be_.act_store()), "GEMM weights");
-    gemm_t_ = be_.view(gemm_alloc_->data(), be_.act_store(), total);
-  }
-  gemm_stale_ = true;
+  gemm_stale_ = lgemm_stale_ = true;
+}
+
+Tensor MixtralModel::train_param_tensor() {
+  if (!lora_table_) return param_tensor();
+  lgemm_stale_ = true;
+  return lparams_t_;
+}
+void MixtralModel::get_train_params(float* host) const { be_.download(host, train_param_view()); }
+void MixtralModel::set_train_params(const float* host) {
+  be_.upload(train_param_tensor(), host);
+}
+void MixtralModel::init_lora(uint64_t seed) {
+  if (!lora_table_) fail("[MixtralModel::init_lora] the model has no LoRA adapters");
+  std::vector<float> host(lora_table_->total(), 0.0f);
+  init_lora_parameters(*lora_table_, seed, host.data());
+  set_train_params(host.data());
+}
+
+Tensor MixtralModel::LW(ParamKind target, int l, bool b) const {
+  const ParamSpec* s = lora_table_ ? lora_table_->find_lora(target, l, b) : nullptr;
+  return s ? lgemm_t_.part(s->offset, s->numel) : Tensor{};
+}
+Tensor MixtralModel::LG(ParamKind target, int l, bool b) const {
+  const ParamSpec* s = lora_table_ ? lora_table_->find_lora(target, l, b) : nullptr;
+  return s ? lgrads_t_.part(s->offset, s->numel) : Tensor{};
+}
+
+void MixtralModel::lora_forward(Tensor out, Tensor u, Tensor x, ParamKind target, int l, const PlanView& pv, int IC,
+                                int OC) {
+  if (u.empty()) return;
+  const int r = lora_.rank;
+  be_.grouped_matmul_forward(u, x, LW(target, l, false), pv, IC, r, 1.0f, false);
+  be_.grouped_matmul_forward(out, u, LW(target, l, true), pv, r, OC, lora_.scale(), true);
+}
+
+void MixtralModel::lora_backward(Tensor dx, Tensor dout, Tensor x, Tensor u, ParamKind target, int l,
+                                 const PlanView& pv, int IC, int OC) {
+  if (u.empty()) return;
+  const int r = lora_.rank;
+  const Tensor du = du_.part(0, u.numel);
+  // out += s u B^T: du = s dout B, dB += s dout^T u;  u = x A^T: dx += du A, dA += du^T x.
+  be_.grouped_matmul_backward(du, LG(target, l, true), dout, u, LW(target, l, true), pv, r, OC, lora_.scale(), false);
+  be_.grouped_matmul_backward(dx, LG(target, l, false), du, x, LW(target, l, false), pv, IC, r, 1.0f, true);
+}
+
+ExpertFfnWeights MixtralModel::ffn_weights(int l, bool shared) {
+  ExpertFfnWeights w;
+  const ParamKind k13 = shared ? ParamKind::shared_w13 : ParamKind::ffn_w13;
+  const ParamKind k2 = shared ? ParamKind::shared_w2 : ParamKind::ffn_w2;
+  w.w13 = Wg(k13, l);
+  w.w2 = Wg(k2, l);
+  w.dw13 = G(k13, l);
+  w.dw2 = G(k2, l);
+  if (shared || !lora_table_) return w;
+  w.a13 = LW(k13, l, false);
+  w.b13 = LW(k13, l, true);
+  w.a2 = LW(k2, l, false);
+  w.b2 = LW(k2, l, true);
+  w.da13 = LG(k13, l, false);
+  w.db13 = LG(k13, l, true);
+  w.da2 = LG(k2, l, false);
+  w.db2 = LG(k2, l, true);
+  w.r = lora_.rank;
+  w.scale = lora_.scale();
+  return w;
 }
 
 MixtralModel::~MixtralModel() {
@@ -153,12 +235,16 @@ void MixtralModel::init_parameters(uint64_t seed) {
   }
 }
 
-void MixtralModel::zero_grads() { be_.fill_zero(grads_t_); }
+void MixtralModel::zero_grads() {
+  const Tensor g = train_grad_tensor();
+  if (!g.empty()) be_.fill_zero(g);
+}
 
 void MixtralModel::refresh_gemm_weights() {
-  if (!gemm_stale_) return;
-  if (gemm_t_.data != params_t_.data) be_.convert(gemm_t_, params_t_);
+  if (gemm_stale_ && gemm_t_.data != params_t_.data) be_.convert(gemm_t_, params_t_);
   gemm_stale_ = false;
+  if (lgemm_stale_ && lora_table_ && lgemm_t_.data != lparams_t_.data) be_.convert(lgemm_t_, lparams_t_);
+  lgemm_stale_ = false;
 }
 
 Tensor MixtralModel::W(ParamKind kind, int layer) const {
@@ -170,6 +256,7 @@ Tensor MixtralModel::Wg(ParamKind kind, int layer) {
   return gemm_t_.part(s.offset, s.numel);
 }
 Tensor MixtralModel::G(ParamKind kind, int layer) const {
+  if (grads_t_.empty()) return Tensor{};  // a frozen base (LoRA)
   const ParamSpec& s = table_.at(kind, layer);
   return grads_t_.part(s.offset, s.numel);
 }
@@ -205,6 +292,19 @@ void MixtralModel::tp_all_reduce(Tensor x) {
 uint64_t MixtralModel::comm_bytes() const { return kv_comm_ ? kv_comm_->stats().bytes_sent : 0; }
 
 void MixtralModel::reduce_replicated_grads() {
+  if (lora_table_) {
+    // A factor whole on every tp rank beside a split base has a partial gradient on each (lora.h); a
+    // B factor of a replicated kv head sums over the ranks sharing the head, as k_proj does.
+    for (const ParamSpec& ls : lora_table_->specs()) {
+      const Tensor g = lgrads_t_.part(ls.offset, ls.numel);
+      if (tp_on() && ls.tp_split == TpSplit::none)
+        tp_->all_reduce(g.data, g.numel, dist::CommDType::f32, dist::ReduceOp::sum);
+      else if (kv_comm_ && kv_comm_->size() > 1 && ls.kind == ParamKind::lora_b &&
+               (ls.target == ParamKind::k_proj || ls.target == ParamKind::v_proj))
+        kv_comm_->all_reduce(g.data, g.numel, dist::CommDType::f32, dist::ReduceOp::sum);
+    }
+    return;  // the base is frozen
+  }
   if (tp_on() && cfg_.qk_norm && !cfg_.qk_norm_full)
     for (int l = layer_begin_; l < layer_end_; l++)
       for (ParamKind k : {ParamKind::q_norm, ParamKind::k_norm}) {
@@ -246,6 +346,9 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
   const long Is = shared ? cfg_.shared_expert_intermediate_size / tp_size_ : 0;
   const bool router_copy = act != f32;  // the router's input in f32 beside the act-store one
   const bool local_experts = !ep_on();  // the expert activations live in the arena
+  // The identity plan (every token one row of one expert): the shared expert's, and LoRA's on the
+  // attention projections (a grouped linear of one group).
+  const bool ident = shared || lora_.on();
 
   s.arena.reset();
   s.layers.clear();
@@ -292,6 +395,17 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
       a.row_of = c.take(i32, M);
       a.dispatch.h13 = local_experts || !moe_l ? c.take(act, 2 * M * Il) : Tensor{};
       a.dispatch.act = local_experts || !moe_l ? c.take(act, M * Il) : Tensor{};
+      // LoRA: each adapted projection keeps u = x A^T [rows, r].
+      const int64_t r = lora_.rank;
+      const auto lu = [&](ParamKind k, long rows) {
+        return lora_table_ && lora_table_->find_lora(k, layer_begin_ + l, false) ? c.take(act, rows * r) : Tensor{};
+      };
+      a.uq = lu(ParamKind::q_proj, N);
+      a.uk = lu(ParamKind::k_proj, N);
+      a.uv = lu(ParamKind::v_proj, N);
+      a.uo = lu(ParamKind::o_proj, N);
+      a.dispatch.u13 = local_experts ? lu(ParamKind::ffn_w13, M) : Tensor{};
+      a.dispatch.u2 = local_experts ? lu(ParamKind::ffn_w2, M) : Tensor{};
       const bool sh = moe_l && shared;
       a.sh13 = sh ? c.take(act, N * 2 * Is) : Tensor{};
       a.shact = sh ? c.take(act, N * Is) : Tensor{};
@@ -310,8 +424,8 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
     s.attention_mask = c.take(i32, N);
     s.segment_ids = c.take(i32, N);
     s.token_mask = c.take(Store::u8, N);
-    s.ident_rt = shared ? c.take(i32, N) : Tensor{};
-    s.ident_ro = shared ? c.take(i32, N) : Tensor{};
+    s.ident_rt = ident ? c.take(i32, N) : Tensor{};
+    s.ident_ro = ident ? c.take(i32, N) : Tensor{};
     if (pass == 0) {
       s.arena = be_.allocate(c.used(), "activations");
       base = s.arena->data();
@@ -324,7 +438,7 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
     ops::moe_plan_build(a.plan, zeros.data(), N, 1, 1);
     a.pv = be_.upload_plan(a.plan, a.row_token, a.row_of);
   }
-  if (shared) {
+  if (ident) {
     ops::moe_plan_build(s.ident_plan, zeros.data(), N, 1, 1);
     s.ident_pv = be_.upload_plan(s.ident_plan, s.ident_rt, s.ident_ro);
   }
@@ -366,6 +480,7 @@ void MixtralModel::allocate_scratch(int B, int T) {
     dsg_ = shared ? c.take(f32, N) : Tensor{};
     dsgl_ = shared ? c.take(f32, N) : Tensor{};
     dxs_ = shared ? c.take(f32, N * C) : Tensor{};
+    du_ = lora_.on() ? c.take(act, N * (long)lora_.rank) : Tensor{};
     dqraw_ = qkn ? c.take(f32, N * Q) : Tensor{};
     dkraw_ = qkn ? c.take(f32, N * KVd) : Tensor{};
     if (pass == 0) {
@@ -392,9 +507,9 @@ size_t MixtralModel::activation_bytes_per_micro_batch() const { return last_ ? l
 
 size_t MixtralModel::state_bytes() const {
   size_t b = 0;
-  for (const auto* a : {&params_alloc_, &grads_alloc_, &gemm_alloc_})
+  for (const auto* a : {&params_alloc_, &grads_alloc_, &gemm_alloc_, &lparams_alloc_, &lgrads_alloc_, &lgemm_alloc_})
     if (*a) b += (*a)->bytes();
-  if (be_.host_memory()) b += (params_.size() + grads_.size()) * sizeof(float);
+  if (be_.host_memory()) b += (params_.size() + grads_.size() + lparams_.size() + lgrads_.size()) * sizeof(float);
   return b;
 }
 
@@ -571,15 +686,20 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
       if (clip) be_.clamp_forward(t, mask, c, n);
       if (t.data != out.data) be_.convert(out, t);
     };
-    const auto project = [&](Tensor out, ParamKind w, ParamKind b, int OC, Tensor mask) {
-      const Tensor t = !f32_act && (bias || clip) ? stage32_.part(0, (size_t)N * OC) : out;
+    // Each projection: x W^T (+ its LoRA), then bias, clip or norm.
+    const auto linear = [&](Tensor t, ParamKind w, Tensor u, int OC) {
       be_.matmul_forward(t, a.ln1, Wg(w, l), (int)N, C, OC, false);
+      lora_forward(t, u, a.ln1, w, l, s.ident_pv, C, OC);
+    };
+    const auto project = [&](Tensor out, ParamKind w, ParamKind b, Tensor u, int OC, Tensor mask) {
+      const Tensor t = !f32_act && (bias || clip) ? stage32_.part(0, (size_t)N * OC) : out;
+      linear(t, w, u, OC);
       if (bias) be_.add_bias_rows(t, W(b, l), N, OC);
       finish(out, t, mask, (long)N * OC);
     };
     if (cfg_.qk_norm) {  // f32 projections (+ bias), then the q/k norms (before RoPE)
-      be_.matmul_forward(a.qraw, a.ln1, Wg(ParamKind::q_proj, l), (int)N, C, Q, false);
-      be_.matmul_forward(a.kraw, a.ln1, Wg(ParamKind::k_proj, l), (int)N, C, KVd, false);
+      linear(a.qraw, ParamKind::q_proj, a.uq, Q);
+      linear(a.kraw, ParamKind::k_proj, a.uk, KVd);
       if (bias) {
         be_.add_bias_rows(a.qraw, W(ParamKind::q_bias, l), N, Q);
         be_.add_bias_rows(a.kraw, W(ParamKind::k_bias, l), N, KVd);
@@ -591,10 +711,10 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
       qk_norm_forward(tk, a.rstdk, a.kraw, ParamKind::k_norm, l, N, NKV);
       finish(a.k, tk, a.clipk, (long)N * KVd);
     } else {
-      project(a.q, ParamKind::q_proj, ParamKind::q_bias, Q, a.clipq);
-      project(a.k, ParamKind::k_proj, ParamKind::k_bias, KVd, a.clipk);
+      project(a.q, ParamKind::q_proj, ParamKind::q_bias, a.uq, Q, a.clipq);
+      project(a.k, ParamKind::k_proj, ParamKind::k_bias, a.uk, KVd, a.clipk);
     }
-    project(a.v, ParamKind::v_proj, ParamKind::v_bias, KVd, a.clipv);
+    project(a.v, ParamKind::v_proj, ParamKind::v_bias, a.uv, KVd, a.clipv);
   }
   {
     Section t(be_, profile_, "fwd.rope");
@@ -610,9 +730,12 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
     if (!tp_on()) {
       be_.copy(a.h, a.x);
       be_.matmul_forward(a.h, a.att, Wg(ParamKind::o_proj, l), (int)N, Q, C, true);
+      lora_forward(a.h, a.uo, a.att, ParamKind::o_proj, l, s.ident_pv, Q, C);
     } else {
-      // Row-parallel o_proj: each rank's heads give a partial sum of the output.
+      // Row-parallel o_proj: each rank's heads give a partial sum of the output (its LoRA's too: u
+      // is partial, B whole).
       be_.matmul_forward(tmp_, a.att, Wg(ParamKind::o_proj, l), (int)N, Q, C, false);
+      lora_forward(tmp_, a.uo, a.att, ParamKind::o_proj, l, s.ident_pv, Q, C);
       tp_all_reduce(tmp_);
       be_.copy(a.h, a.x);
       be_.add(a.h, tmp_);
@@ -628,7 +751,7 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
       be_.rmsnorm_forward(a.ln2, a.rstd2, a.h, W(ParamKind::post_norm, l), N, C, eps);
     }
   }
-  const Tensor w13 = Wg(ParamKind::ffn_w13, l), w2 = Wg(ParamKind::ffn_w2, l);
+  const ExpertFfnWeights fw = ffn_weights(l, false);
   if (moe) {
     {
       Section t(be_, profile_, "fwd.router");
@@ -665,7 +788,7 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
       Section t(be_, profile_, "fwd.moe_permute");
       be_.moe_permute_forward(a.xperm, a.ln2, a.pv, C);
     }
-    dispatch_->forward(a.dispatch, a.yperm, a.xperm, a.pv, w13, w2);
+    dispatch_->forward(a.dispatch, a.yperm, a.xperm, a.pv, fw);
     zero_dropped_rows(a.yperm, a.plan, C);  // dropped rows (capacity) computed nothing: zeros
     {
       Section t(be_, profile_, "fwd.moe_permute");
@@ -675,8 +798,7 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
       // The shared expert (Qwen2-MoE): x_next += sigmoid(ln2 . w_gate) * FFN_shared(ln2), every token.
       Section t(be_, profile_, "fwd.shared_expert");
       const int Is = cfg_.shared_expert_intermediate_size / tp_size_;
-      be_.moe_experts_forward(a.shy, a.sh13, a.shact, a.ln2, Wg(ParamKind::shared_w13, l), Wg(ParamKind::shared_w2, l),
-                              s.ident_pv, C, Is);
+      ffn_.forward(be_, a.shy, ExpertFfnSaved{a.sh13, a.shact, {}, {}}, a.ln2, s.ident_pv, ffn_weights(l, true), C, Is);
       be_.matmul_forward(a.sgl, a.ln2f, W(ParamKind::shared_gate, l), (int)N, C, 1, false);
       be_.sigmoid_forward(a.sg, a.sgl, N);
       be_.moe_combine_forward(tmp_, a.shy, a.sg, s.ident_pv, C);
@@ -684,7 +806,7 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
     }
   } else {
     Section t(be_, profile_, "fwd.experts");
-    be_.moe_experts_forward(x_next, a.dispatch.h13, a.dispatch.act, a.ln2, w13, w2, a.pv, C, Il);
+    ffn_.forward(be_, x_next, ExpertFfnSaved{a.dispatch.h13, a.dispatch.act, {}, {}}, a.ln2, a.pv, fw, C, Il);
   }
   // Row-parallel w2: the FFN output is a partial sum on each tp rank.
   if (tp_on()) tp_all_reduce(x_next);
@@ -733,7 +855,7 @@ void MixtralModel::backward(const StageGrad& grad) {
     }
   }
   for (int l = layer_end_ - 1; l >= layer_begin_; l--) layer_backward(s, l);
-  if (!first_stage()) return;  // dres is the gradient of the stage's input: input_grad()
+  if (!first_stage() || grads_t_.empty()) return;  // dres: input_grad(); a frozen embedding has no gradient
   Section t(be_, profile_, "bwd.embedding");
   be_.embedding_backward(G(ParamKind::embedding), dres_, s.tokens, N, C, table_.vocab_begin(), V, !tp_on());
 }
@@ -784,8 +906,7 @@ void MixtralModel::layer_backward(Activations& s, int l) {
   const int Il = ffn_width(l);
   const Tensor tmask = s.prep.has_token_mask ? s.token_mask : Tensor{};
   // FFN block: dres is d(x_next); it flows to h unchanged plus through the FFN.
-  const Tensor w13 = Wg(ParamKind::ffn_w13, l), w2 = Wg(ParamKind::ffn_w2, l);
-  const Tensor dw13 = G(ParamKind::ffn_w13, l), dw2 = G(ParamKind::ffn_w2, l);
+  const ExpertFfnWeights fw = ffn_weights(l, false);
   if (moe) {
     {
       Section t(be_, profile_, "bwd.moe_permute");
@@ -793,7 +914,7 @@ void MixtralModel::layer_backward(Activations& s, int l) {
     }
     // yperm is this rank's partial expert output, so the routing-weight gradient is partial too.
     if (tp_on()) tp_all_reduce(dtopk_);
-    dispatch_->backward(dxperm_, dw13, dw2, dyperm_, a.dispatch, a.xperm, a.pv, w13, w2);
+    dispatch_->backward(dxperm_, dyperm_, a.dispatch, a.xperm, a.pv, fw);
     zero_dropped_rows(dxperm_, a.plan, C);  // dropped rows pass no gradient to the input
     {
       Section t(be_, profile_, "bwd.moe_permute");
@@ -818,15 +939,15 @@ void MixtralModel::layer_backward(Activations& s, int l) {
       be_.sigmoid_backward(dsgl_, dsg_, a.sg, N);
       be_.matmul_backward(dln_, G(ParamKind::shared_gate, l), dsgl_, a.ln2f, W(ParamKind::shared_gate, l), (int)N, C,
                           1, true);
-      be_.moe_experts_backward(dxs_, G(ParamKind::shared_w13, l), G(ParamKind::shared_w2, l), dshy_, a.sh13, a.shact,
-                               a.ln2, Wg(ParamKind::shared_w13, l), Wg(ParamKind::shared_w2, l), s.ident_pv, C, Is);
+      ffn_.backward(be_, dxs_, dshy_, ExpertFfnSaved{a.sh13, a.shact, {}, {}}, a.ln2, s.ident_pv, ffn_weights(l, true), C,
+                    Is);
       if (tp_on()) tp_all_reduce(dxs_);
       be_.add(dln_, dxs_);
     }
   } else {
     Section t(be_, profile_, "bwd.experts");
-    be_.moe_experts_backward(dln_, dw13, dw2, as_act(dres_, dres_act_), a.dispatch.h13, a.dispatch.act, a.ln2, w13,
-                             w2, a.pv, C, Il);
+    ffn_.backward(be_, dln_, as_act(dres_, dres_act_), ExpertFfnSaved{a.dispatch.h13, a.dispatch.act, {}, {}}, a.ln2,
+                  a.pv, fw, C, Il);
     if (tp_on()) tp_all_reduce(dln_);
   }
   {
@@ -836,9 +957,10 @@ void MixtralModel::layer_backward(Activations& s, int l) {
   }  // dres is now d(h)
   {
     Section t(be_, profile_, "bwd.attn_proj");
-    // Attention block: h = x + o_proj(att).
-    be_.matmul_backward(datt_, G(ParamKind::o_proj, l), as_act(dres_, dres_act_), a.att, Wg(ParamKind::o_proj, l),
-                        (int)N, Q, C, false);
+    // Attention block: h = x + o_proj(att) (+ its LoRA).
+    const Tensor dh = as_act(dres_, dres_act_);
+    be_.matmul_backward(datt_, G(ParamKind::o_proj, l), dh, a.att, Wg(ParamKind::o_proj, l), (int)N, Q, C, false);
+    lora_backward(datt_, dh, a.att, a.uo, ParamKind::o_proj, l, s.ident_pv, Q, C);
   }
   {
     Section t(be_, profile_, "bwd.attention");
@@ -866,7 +988,7 @@ void MixtralModel::layer_backward(Activations& s, int l) {
     dq = as_act(dqraw_, dq_);
     dk = as_act(dkraw_, dk_);
   }
-  if (cfg_.qkv_bias) {
+  if (cfg_.qkv_bias && !grads_t_.empty()) {
     // d(bias) = column sums of d(the biased projection): after the norm's backward when there is one.
     Section t(be_, profile_, "bwd.bias");
     const Tensor gq = cfg_.qk_norm ? dqraw_ : as_f32(dq_, dq32_), gk = cfg_.qk_norm ? dkraw_ : as_f32(dk_, dk32_);
@@ -879,6 +1001,9 @@ void MixtralModel::layer_backward(Activations& s, int l) {
     be_.matmul_backward(dln_, G(ParamKind::q_proj, l), dq, a.ln1, Wg(ParamKind::q_proj, l), (int)N, C, Q, false);
     be_.matmul_backward(dln_, G(ParamKind::k_proj, l), dk, a.ln1, Wg(ParamKind::k_proj, l), (int)N, C, KVd, true);
     be_.matmul_backward(dln_, G(ParamKind::v_proj, l), dv_, a.ln1, Wg(ParamKind::v_proj, l), (int)N, C, KVd, true);
+    lora_backward(dln_, dq, a.ln1, a.uq, ParamKind::q_proj, l, s.ident_pv, C, Q);
+    lora_backward(dln_, dk, a.ln1, a.uk, ParamKind::k_proj, l, s.ident_pv, C, KVd);
+    lora_backward(dln_, dv_, a.ln1, a.uv, ParamKind::v_proj, l, s.ident_pv, C, KVd);
     if (tp_on()) tp_all_reduce(dln_);  // column-parallel q/k/v: partial input gradient
   }
   {

@@ -60,6 +60,8 @@
 #include "core/profile.h"
 #include "io/hf_config.h"
 #include "model/batch.h"
+#include "model/expert_ffn.h"
+#include "model/lora.h"
 #include "model/losses.h"
 #include "model/params.h"
 #include "model/token_dispatch.h"
@@ -97,17 +99,32 @@ class MixtralModel {
   // whole model); ep: the expert-parallel group (null or size 1: every expert); both must outlive
   // the model.  Collective over tp (splits the group of ranks sharing a replicated kv head).
   // layers: the pipeline stage's decoder layers (default: all).
+  // lora: adapters on a frozen base (model/lora.h; rank 0: none, the whole model trains).
   explicit MixtralModel(const ModelConfig& cfg, dist::Comm* tp = nullptr, dist::Comm* ep = nullptr,
-                        LayerRange layers = {});
+                        LayerRange layers = {}, const LoraSpec& lora = {});
   // The model on `backend`, which must outlive it; tp / ep are groups over the backend's memory.
   MixtralModel(Backend& backend, const ModelConfig& cfg, dist::Comm* tp = nullptr, dist::Comm* ep = nullptr,
-               LayerRange layers = {});
+               LayerRange layers = {}, const LoraSpec& lora = {});
   ~MixtralModel();
   MixtralModel(MixtralModel&&) = delete;
 
   const ModelConfig& config() const { return cfg_; }
   const ParamTable& table() const { return table_; }
   Backend& backend() { return be_; }
+
+  // LoRA (model/lora.h): the base (table(), params()) is frozen -- it has no gradients (grad_tensor()
+  // is empty) -- and the adapters are what trains: the train_* accessors name the adapter table and
+  // its arrays with LoRA, the base's otherwise, so an optimizer over train_table() serves both.
+  bool lora_on() const { return lora_.on(); }
+  const LoraSpec& lora_spec() const { return lora_; }
+  const ParamTable& train_table() const { return lora_table_ ? *lora_table_ : table_; }
+  Tensor train_param_tensor();  // marks them changed
+  Tensor train_param_view() const { return lora_table_ ? lparams_t_ : params_t_; }
+  Tensor train_grad_tensor() { return lora_table_ ? lgrads_t_ : grads_t_; }
+  void get_train_params(float* host) const;
+  void set_train_params(const float* host);
+  // The adapters' PEFT initialisation (lora.h init_lora_parameters) in the backend's memory.
+  void init_lora(uint64_t seed);
 
   // Parameters and gradients: table().total() f32 each, in the backend's memory.  param_tensor()
   // marks the parameters changed (the GEMM weight copy is refreshed at the next forward).
@@ -128,6 +145,7 @@ class MixtralModel {
   const std::vector<float>& params() const;
   std::vector<float>& grads();
   const std::vector<float>& grads() const;
+  // Zeros the trained gradients (train_grad_tensor()).
   void zero_grads();
 
   int layer_begin() const { return layer_begin_; }
@@ -210,6 +228,7 @@ class MixtralModel {
     Tensor qraw, kraw, rstdq, rstdk;  // qk_norm: f32 q/k projections before their norm
     Tensor clipq, clipk, clipv;       // clip_qkv: u8 masks of the values kept (not clipped)
     Tensor sh13, shact, shy, sgl, sg;  // shared expert: its FFN rows, output [N,C], gate logit and sigmoid [N]
+    Tensor uq, uk, uv, uo;             // LoRA: x A^T [N,r] of each adapted projection
     Tensor rlogits, rprobs, topk_w, topk_idx, combine_w, xperm, yperm, row_token, row_of;
     ops::MoePlan plan;
     PlanView pv;
@@ -242,7 +261,7 @@ class MixtralModel {
     RouterLossTerms router;  // pooled statistics and the aux-loss gradients of this forward
     size_t bytes() const;    // the activations kept (the arena, expert-parallel rows)
   };
-  void init(dist::Comm* tp, dist::Comm* ep, LayerRange layers);
+  void init(dist::Comm* tp, dist::Comm* ep, LayerRange layers, const LoraSpec& lora);
   Dims dims() const;
   void allocate(Activations& a, int B, int T);
   void allocate_scratch(int B, int T);
@@ -264,6 +283,17 @@ class MixtralModel {
   // Zeros the rows [M] of plan order past the computed ones (the overflow expert's: capacity drops).
   void zero_dropped_rows(Tensor rows, const ops::MoePlan& plan, int C);
   void refresh_gemm_weights();
+  // LoRA factor b (false: A) of base tensor `target` in layer l: as the GEMMs read it (act store) and
+  // its gradient; empty when not adapted.
+  Tensor LW(ParamKind target, int l, bool b) const;
+  Tensor LG(ParamKind target, int l, bool b) const;
+  // out[N,OC] += scale * (x A^T) B^T over the rows of pv, keeping u = x A^T (a no-op when u is empty).
+  void lora_forward(Tensor out, Tensor u, Tensor x, ParamKind target, int l, const PlanView& pv, int IC, int OC);
+  // dx (+=) and the factors' gradients from dout (act store) of the adapted projection.
+  void lora_backward(Tensor dx, Tensor dout, Tensor x, Tensor u, ParamKind target, int l, const PlanView& pv, int IC,
+                     int OC);
+  // The FFN weights of layer l (routed experts, or the dense FFN) or of its shared expert.
+  ExpertFfnWeights ffn_weights(int l, bool shared);
 
   std::unique_ptr<Backend> own_backend_;  // the CPU backend of the first constructor
   Backend& be_;
@@ -311,6 +341,16 @@ class MixtralModel {
   // Host copies of one layer's routing (device backends) and its capacity-limited weights.
   std::vector<int32_t> topk_idx_host_;
   std::vector<float> topk_w_host_, probs_host_, combine_host_;
+
+  // LoRA: the spec, the adapter table and its parameters, gradients and GEMM copy (as the base's).
+  LoraSpec lora_;
+  std::unique_ptr<ParamTable> lora_table_;
+  std::vector<float> lparams_, lgrads_;
+  std::unique_ptr<Allocation> lparams_alloc_, lgrads_alloc_, lgemm_alloc_;
+  Tensor lparams_t_, lgrads_t_, lgemm_t_;
+  bool lgemm_stale_ = true;
+  Tensor du_;       // LoRA backward scratch [N,r]
+  ExpertFfn ffn_;   // the dense FFN layers and the shared expert (their backward scratch)
 
   std::vector<ops::RouterLayerStats> router_stats_;  // of the last forward
   Profile* profile_ = nullptr;

@@ -61,6 +61,9 @@ std::string spec_name(const ModelConfig& cfg, ParamKind kind, int layer) {
       return "model.norm.weight";
     case ParamKind::lm_head:
       return "lm_head.weight";
+    case ParamKind::lora_a:
+    case ParamKind::lora_b:
+      return "";  // named by the adapter table (model/lora.cpp)
   }
   return "";
 }
@@ -320,6 +323,13 @@ const ParamSpec& ParamTable::at(ParamKind kind, int layer) const {
   for (const ParamSpec& s : specs_)
     if (s.kind == kind && s.layer == layer) return s;
   fail("parameter table: no parameter of kind {} in layer {}", (int)kind, layer);
+}
+
+const ParamSpec* ParamTable::find_lora(ParamKind target, int layer, bool b) const {
+  const ParamKind k = b ? ParamKind::lora_b : ParamKind::lora_a;
+  for (const ParamSpec& s : specs_)
+    if (s.kind == k && s.target == target && s.layer == layer) return &s;
+  return nullptr;
 }
 
 const HfTensorRef* ParamTable::find_hf(const std::string& name) const {

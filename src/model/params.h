@@ -42,7 +42,11 @@ enum class ParamKind {
   shared_gate, // [1, C] its per-token gate: sigmoid(x . w)
   final_norm,  // [C]
   lm_head,     // [V, C]; absent when tie_word_embeddings (the head reads `embedding`)
+  lora_a,      // adapter tables only (model/lora.h): [r, in], experts [E, r, in]
+  lora_b,      //   [out, r], experts [E, out, r]
 };
+
+struct LoraSpec;
 
 // Which part of the model a table holds (DESIGN §6); the default is the whole model.  Tensor
 // parallel (Megatron): q/k/v, w1/w3 split by rows (heads / FFN width), o and w2 by columns,
@@ -81,6 +85,7 @@ struct ParamSpec {
   int n_stacked = 0;           // FFN tensors: experts stacked along dim 0 (1 for a dense FFN); 0 otherwise
   bool expert = false;         // a routed expert tensor of an MoE layer (lives on its ep rank)
   TpSplit tp_split = TpSplit::none;
+  ParamKind target = ParamKind::embedding;  // lora_a / lora_b: the base tensor adapted (q_proj .. ffn_w2)
   // False when another tp rank holds an identical copy that counts instead (replicated tensors on
   // tp ranks > 0; replicated kv heads on all but the first rank sharing the head): sums over the
   // model (gradient norms) and checkpoint assembly use primary copies only.
@@ -108,6 +113,8 @@ class ParamTable {
  public:
   // The whole model, or the part `shard` holds (Error naming the numbers when it does not fit).
   explicit ParamTable(const ModelConfig& cfg, const ParamShard& shard = {});
+  // The LoRA adapters of `lora`'s targets (model/lora.h), the part `shard` holds.
+  ParamTable(const ModelConfig& cfg, const LoraSpec& lora, const ParamShard& shard = {});
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
   size_t total() const { return total_; }
@@ -122,6 +129,9 @@ class ParamTable {
   // The head's weight: lm_head, or the embedding when the model ties them.
   ParamKind head_kind() const { return tied_ ? ParamKind::embedding : ParamKind::lm_head; }
   const ParamSpec& at(ParamKind kind, int layer = -1) const;
+  // Adapter tables: the A (b = false) or B factor adapting base tensor `target` of `layer`, or null.
+  const ParamSpec* find_lora(ParamKind target, int layer, bool b) const;
+  bool is_lora() const { return lora_; }
   // The tensors as Hugging Face names them (experts expanded, dense FFN under mlp.* names).
   const std::vector<HfTensorRef>& hf_tensors() const { return hf_tensors_; }
   const HfTensorRef* find_hf(const std::string& name) const;
@@ -137,6 +147,7 @@ class ParamTable {
   ParamShard shard_;
   bool whole_ = true;
   bool tied_ = false;
+  bool lora_ = false;
   int64_t vocab_begin_ = 0, vocab_end_ = 0;
 };
 

@@ -58,19 +58,21 @@ dist::CommDType comm_dtype_of(const Tensor& t) {
 class LocalDispatch final : public TokenDispatcher {
  public:
   LocalDispatch(Backend& be, int C, int I) : be_(be), C_(C), I_(I) {}
-  void forward(DispatchSaved& s, Tensor yperm, Tensor xperm, const PlanView& plan, Tensor w13, Tensor w2) override {
+  void forward(DispatchSaved& s, Tensor yperm, Tensor xperm, const PlanView& plan,
+               const ExpertFfnWeights& w) override {
     ScopedTimer t(profile_, "fwd.experts");
-    be_.moe_experts_forward(yperm, s.h13, s.act, xperm, w13, w2, plan, C_, I_);
+    ffn_.forward(be_, yperm, ExpertFfnSaved{s.h13, s.act, s.u13, s.u2}, xperm, plan, w, C_, I_);
   }
-  void backward(Tensor dxperm, Tensor dw13, Tensor dw2, Tensor dyperm, DispatchSaved& s, Tensor xperm,
-                const PlanView& plan, Tensor w13, Tensor w2) override {
+  void backward(Tensor dxperm, Tensor dyperm, DispatchSaved& s, Tensor xperm, const PlanView& plan,
+                const ExpertFfnWeights& w) override {
     ScopedTimer t(profile_, "bwd.experts");
-    be_.moe_experts_backward(dxperm, dw13, dw2, dyperm, s.h13, s.act, xperm, w13, w2, plan, C_, I_);
+    ffn_.backward(be_, dxperm, dyperm, ExpertFfnSaved{s.h13, s.act, s.u13, s.u2}, xperm, plan, w, C_, I_);
   }
 
  private:
   Backend& be_;
   int C_, I_;
+  ExpertFfn ffn_;
 };
 
 // Ranks exchange per-(owner, local expert) row counts, then rows.  Received rows arrive in
@@ -83,13 +85,16 @@ class AllToAllDispatch final : public TokenDispatcher {
     MOETRON_ASSERT(E % ep.size() == 0);
   }
 
-  void forward(DispatchSaved& s, Tensor yperm, Tensor xperm, const PlanView& plan, Tensor w13, Tensor w2) override {
+  void forward(DispatchSaved& s, Tensor yperm, Tensor xperm, const PlanView& plan,
+               const ExpertFfnWeights& w) override {
     exchange_counts(s, *plan.plan);
     const size_t Mr = s.local.row_token.size();
     const Store act = be_.act_store();
     s.rows = s.rows_buf.get(be_, act, Mr * C_, "expert-parallel rows");
     s.ep_h13 = s.h13_buf.get(be_, act, Mr * 2 * I_, "expert-parallel h13");
     s.ep_act = s.act_buf.get(be_, act, Mr * I_, "expert-parallel act");
+    s.ep_u13 = w.a13.empty() ? Tensor{} : s.u13_buf.get(be_, act, Mr * w.r, "expert-parallel LoRA u13");
+    s.ep_u2 = w.a2.empty() ? Tensor{} : s.u2_buf.get(be_, act, Mr * w.r, "expert-parallel LoRA u2");
     // Index arrays in backend memory: the two gathers and the local plan's identity rows.
     const Tensor idx = s.index_buf.get(be_, Store::i32, 4 * Mr, "expert-parallel indices");
     s.expert_major_idx = idx.part(0, Mr);
@@ -102,13 +107,14 @@ class AllToAllDispatch final : public TokenDispatcher {
     Tensor y_local = y_buf_.get(be_, act, Mr * C_, "expert-parallel outputs");
     {
       ScopedTimer t(profile_, "fwd.experts");
-      be_.moe_experts_forward(y_local, s.ep_h13, s.ep_act, s.rows, w13, w2, s.local_view, C_, I_);
+      ffn_.forward(be_, y_local, ExpertFfnSaved{s.ep_h13, s.ep_act, s.ep_u13, s.ep_u2}, s.rows, s.local_view, w, C_,
+                   I_);
     }
     to_home(yperm, y_local, s);
   }
 
-  void backward(Tensor dxperm, Tensor dw13, Tensor dw2, Tensor dyperm, DispatchSaved& s, Tensor xperm,
-                const PlanView& plan, Tensor w13, Tensor w2) override {
+  void backward(Tensor dxperm, Tensor dyperm, DispatchSaved& s, Tensor xperm, const PlanView& plan,
+                const ExpertFfnWeights& w) override {
     (void)xperm;
     (void)plan;
     const size_t Mr = s.local.row_token.size();
@@ -118,7 +124,8 @@ class AllToAllDispatch final : public TokenDispatcher {
     to_owners(dy, dyperm, s);
     {
       ScopedTimer t(profile_, "bwd.experts");
-      be_.moe_experts_backward(dx, dw13, dw2, dy, s.ep_h13, s.ep_act, s.rows, w13, w2, s.local_view, C_, I_);
+      ffn_.backward(be_, dx, dy, ExpertFfnSaved{s.ep_h13, s.ep_act, s.ep_u13, s.ep_u2}, s.rows, s.local_view, w, C_,
+                    I_);
     }
     to_home(dxperm, dx, s);
   }
@@ -206,6 +213,7 @@ class AllToAllDispatch final : public TokenDispatcher {
   // Scratch shared by every layer and micro-batch: the exchange's staging rows, the local
   // experts' outputs (forward) / output gradients (backward), and their input gradients.
   GrowableBuffer stage_buf_, y_buf_, dx_buf_;
+  ExpertFfn ffn_;
 };
 
 }  // namespace

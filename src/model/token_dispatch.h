@@ -17,6 +17,7 @@
 
 #include "backend/backend.h"
 #include "core/profile.h"
+#include "model/expert_ffn.h"
 #include "ops/moe_dispatch.h"
 
 namespace moetron {
@@ -39,19 +40,21 @@ long build_dispatch_plan(ops::MoePlan& plan, std::vector<float>& combine_w, cons
 // What one layer's dispatch keeps from its forward for its backward (one per micro-batch).
 struct DispatchSaved {
   Tensor h13, act;  // local: [M,2I], [M,I] in plan order (set by the model)
+  Tensor u13, u2;   // local, LoRA on experts: [M,r] each (set by the model)
   // Expert parallel: rows per peer, the received rows in expert-major order with their FFN
   // activations, the local plan (K = 1) over them, and the reorderings of the exchange.
   std::vector<size_t> send_rows, recv_rows;
   ops::MoePlan local;
   std::vector<int32_t> to_expert_major, to_source_major;  // [Mr] gather indices each way
-  GrowableBuffer rows_buf, h13_buf, act_buf, index_buf;
+  GrowableBuffer rows_buf, h13_buf, act_buf, index_buf, u13_buf, u2_buf;
   Tensor rows, ep_h13, ep_act;                            // [Mr,C], [Mr,2I], [Mr,I]
+  Tensor ep_u13, ep_u2;                                   // LoRA: [Mr,r] each
   Tensor expert_major_idx, source_major_idx, local_rows;  // i32 [Mr] each; local_rows [2*Mr]
   PlanView local_view;
   // The bytes this micro-batch's exchange keeps (received rows, their activations, the indices).
   size_t bytes() const {
-    return rows.nbytes() + ep_h13.nbytes() + ep_act.nbytes() + expert_major_idx.nbytes() + source_major_idx.nbytes() +
-           local_rows.nbytes();
+    return rows.nbytes() + ep_h13.nbytes() + ep_act.nbytes() + ep_u13.nbytes() + ep_u2.nbytes() +
+           expert_major_idx.nbytes() + source_major_idx.nbytes() + local_rows.nbytes();
   }
 };
 
@@ -59,12 +62,14 @@ class TokenDispatcher {
  public:
   virtual ~TokenDispatcher() = default;
   // yperm[M,C] (act store) = experts(xperm[M,C]) for the plan's computed rows (the overflow rows
-  // are left as they are).  Collective over the expert-parallel group.
-  virtual void forward(DispatchSaved& s, Tensor yperm, Tensor xperm, const PlanView& plan, Tensor w13, Tensor w2) = 0;
-  // dxperm[M,C] (assign, computed rows) from dyperm[M,C]; dw13 / dw2 accumulate every row this
-  // rank's experts saw (all the ep group's tokens under expert parallelism).
-  virtual void backward(Tensor dxperm, Tensor dw13, Tensor dw2, Tensor dyperm, DispatchSaved& s, Tensor xperm,
-                        const PlanView& plan, Tensor w13, Tensor w2) = 0;
+  // are left as they are); w: this rank's experts (model/expert_ffn.h).  Collective over the
+  // expert-parallel group.
+  virtual void forward(DispatchSaved& s, Tensor yperm, Tensor xperm, const PlanView& plan,
+                       const ExpertFfnWeights& w) = 0;
+  // dxperm[M,C] (assign, computed rows) from dyperm[M,C]; the weight gradients of w accumulate every
+  // row this rank's experts saw (all the ep group's tokens under expert parallelism).
+  virtual void backward(Tensor dxperm, Tensor dyperm, DispatchSaved& s, Tensor xperm, const PlanView& plan,
+                        const ExpertFfnWeights& w) = 0;
   void set_profile(Profile* p) { profile_ = p; }
 
  protected:

@@ -17,6 +17,7 @@ constexpr long kParallelMin = 1 << 15;
 // dweight_c += sum_n dy[n,c] * (x[n,c] * r[n]).  Parallel over column chunks, rows summed in order
 // within each chunk: deterministic for any thread count.
 void accumulate_dweight(float* dweight, const float* dout, const float* inp, const float* rstd, long N, int C) {
+  if (dweight == nullptr) return;  // a frozen weight
   constexpr int CHUNK = 64;
   const int nchunks = (C + CHUNK - 1) / CHUNK;
 #pragma omp parallel for schedule(static) if (N * C >= kParallelMin)

@@ -1,0 +1,354 @@
+// LoRA (model/lora.h) against PEFT: tests/golden/lora/<case>/ holds a tiny base model, PEFT's initial
+// and final adapters (written by PEFT) and, from PEFT in float64, the loss and every adapter gradient
+// of 5 AdamW steps (tools/make_lora_golden.py).  We run the same in fp32:
+//   the initial adapter leaves the logits bitwise the base's (B = 0);
+//   losses within 1e-5 relative per step, adapter gradients max|a-b| / max|b| <= 1e-4 per tensor;
+//   PEFT's final adapter gives PEFT's logits within 1e-5 (normalised).
+// And the adapter table itself: sharded tables hold the whole table's values, PEFT's format round
+// trips, and bad adapters are refused naming the field.
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "io/hf_config.h"
+#include "io/model_files.h"
+#include "io/safetensors.h"
+#include "model/batch_io.h"
+#include "model/lora.h"
+#include "model/mixtral.h"
+#include "model/weights.h"
+#include "optim/adamw.h"
+#include "temp_dir.h"
+
+namespace fs = std::filesystem;
+using namespace moetron;
+using moetron::testing::TempDir;
+
+namespace {
+
+const fs::path kLoraDir = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "lora";
+
+double normalized_max_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double max_err = 0.0, max_ref = 0.0;
+  for (size_t i = 0; i < b.size(); i++) {
+    max_err = std::max(max_err, std::fabs((double)a[i] - (double)b[i]));
+    max_ref = std::max(max_ref, std::fabs((double)b[i]));
+  }
+  return max_ref > 0 ? max_err / max_ref : max_err;
+}
+
+double meta_double(const SafetensorsFile& f, const std::string& key) {
+  auto it = f.metadata().find(key);
+  if (it == f.metadata().end()) throw std::runtime_error("expected.safetensors metadata lacks " + key);
+  return std::stod(it->second);
+}
+
+struct LoraCase {
+  fs::path dir;
+  ModelConfig cfg;
+  Batch batch;
+  SafetensorsFile expected;
+};
+
+LoraCase load_case(const std::string& name) {
+  const fs::path dir = kLoraDir / name;
+  return LoraCase{dir, load_model_config((dir / "config.json").string()),
+                  read_batch_safetensors((dir / "input.safetensors").string()),
+                  SafetensorsFile::open((dir / "expected.safetensors").string())};
+}
+
+LossWeights weights_for(const ModelConfig& cfg, const Batch& batch) {
+  LossWeights w;
+  w.ce_scale = 1.0 / (double)count_loss_tokens(batch);
+  w.aux_coef = cfg.router_aux_loss_coef;
+  return w;
+}
+
+// The base model with the adapter of `adapter_dir` (PEFT's directory).
+std::unique_ptr<MixtralModel> lora_model(const LoraCase& c, const std::string& adapter_dir) {
+  PeftAdapter ad = read_peft_adapter(adapter_dir, c.cfg);
+  auto m = std::make_unique<MixtralModel>(c.cfg, nullptr, nullptr, LayerRange{}, ad.spec);
+  load_hf_weights(ModelTensors::open(c.dir.string()), m->table(), m->params().data(), c.dir.string());
+  m->set_train_params(ad.values.data());
+  return m;
+}
+
+std::vector<float> logits_of(MixtralModel& m, const Batch& b) {
+  m.forward(b, weights_for(m.config(), b));
+  const size_t n = (size_t)b.B * b.T * m.config().vocab_size;
+  return std::vector<float>(m.logits(), m.logits() + n);
+}
+
+class LoraGolden : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LoraGolden, InitialAdapterLeavesTheBaseLogits) {
+  const LoraCase c = load_case(GetParam());
+  MixtralModel base(c.cfg);
+  load_hf_weights(ModelTensors::open(c.dir.string()), base.table(), base.params().data(), c.dir.string());
+  const std::vector<float> want = logits_of(base, c.batch);
+  EXPECT_LE(normalized_max_error(want, to_f32(c.expected.get("logits_base"))), 1e-5);
+  auto m = lora_model(c, (c.dir / "adapter_init").string());
+  EXPECT_TRUE(m->lora_on());
+  const std::vector<float> got = logits_of(*m, c.batch);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); i++) ASSERT_EQ(got[i], want[i]) << "logit " << i;
+}
+
+// The adapter gradients in PEFT's names and layout (via the PEFT writer).
+std::map<std::string, std::vector<float>> peft_named(const MixtralModel& m, const std::vector<float>& values) {
+  TempDir tmp("lora_grads");
+  write_peft_adapter(tmp.path().string(), m.config(), m.lora_spec(), m.train_table(), values.data(), "");
+  const SafetensorsFile f = SafetensorsFile::open(tmp.file("adapter_model.safetensors"));
+  std::map<std::string, std::vector<float>> out;
+  for (const std::string& n : f.names()) out[n] = to_f32(f.get(n));
+  return out;
+}
+
+TEST_P(LoraGolden, AdamWTrajectoryAndEveryAdapterGradientMatchPeft) {
+  const LoraCase c = load_case(GetParam());
+  auto m = lora_model(c, (c.dir / "adapter_init").string());
+  AdamWConfig acfg;
+  acfg.lr = meta_double(c.expected, "lr");
+  acfg.beta1 = meta_double(c.expected, "beta1");
+  acfg.beta2 = meta_double(c.expected, "beta2");
+  acfg.eps = meta_double(c.expected, "eps");
+  acfg.weight_decay = meta_double(c.expected, "weight_decay");
+  const double clip = meta_double(c.expected, "grad_clip");
+  AdamW opt(m->train_table(), acfg);
+  const std::vector<float> ref = to_f32(c.expected.get("lora_loss"));
+  ASSERT_EQ(ref.size(), 5u);
+  const LossWeights w = weights_for(c.cfg, c.batch);
+  std::vector<float> params(m->train_table().total()), grads(m->train_table().total());
+  size_t compared = 0;
+  for (size_t step = 0; step < ref.size(); step++) {
+    m->zero_grads();
+    const Losses l = m->forward(c.batch, w);
+    EXPECT_LE(std::fabs(l.loss - ref[step]), 1e-5 * std::fabs(ref[step])) << "step " << step;
+    m->backward();
+    m->reduce_replicated_grads();
+    EXPECT_TRUE(m->grad_tensor().empty()) << "the frozen base must have no gradient array";
+    m->get_train_params(params.data());
+    const Tensor gt = m->train_grad_tensor();
+    std::copy(gt.f32(), gt.f32() + gt.numel, grads.begin());
+    for (const auto& [name, g] : peft_named(*m, grads)) {
+      const std::string key = "grad." + std::to_string(step) + "." + name;
+      ASSERT_NE(c.expected.find(key), nullptr) << key;
+      EXPECT_LE(normalized_max_error(g, to_f32(c.expected.get(key))), 1e-4) << key;
+      compared++;
+    }
+    const double norm = global_grad_norm(grads.data(), grads.size());
+    EXPECT_LE(std::fabs(norm - to_f32(c.expected.get("lora_grad_norm"))[step]), 1e-4 * norm) << "step " << step;
+    opt.step(params.data(), grads.data(), acfg.lr, (float)clip_coefficient(norm, clip));
+    m->set_train_params(params.data());
+  }
+  size_t want = 0;
+  for (const std::string& n : c.expected.names()) want += n.rfind("grad.", 0) == 0;
+  EXPECT_EQ(compared, want) << "every PEFT gradient is compared";
+  EXPECT_NE(ref.front(), ref.back());
+}
+
+TEST_P(LoraGolden, PeftsFinalAdapterGivesPeftsLogits) {
+  const LoraCase c = load_case(GetParam());
+  auto m = lora_model(c, (c.dir / "adapter_final").string());
+  const std::vector<float> want = to_f32(c.expected.get("logits_final"));
+  EXPECT_LE(normalized_max_error(logits_of(*m, c.batch), want), 1e-5);
+  // ... and differ from the base's: the adapter does something.
+  EXPECT_GT(normalized_max_error(to_f32(c.expected.get("logits_base")), want), 1e-2);
+}
+
+TEST_P(LoraGolden, PeftFormatRoundTrips) {
+  const LoraCase c = load_case(GetParam());
+  const PeftAdapter a = read_peft_adapter((c.dir / "adapter_final").string(), c.cfg);
+  const ParamTable table(c.cfg, a.spec);
+  TempDir tmp("lora_rt");
+  write_peft_adapter(tmp.path().string(), c.cfg, a.spec, table, a.values.data(), c.dir.string());
+  const PeftAdapter b = read_peft_adapter(tmp.path().string(), c.cfg);
+  EXPECT_EQ(b.spec.rank, a.spec.rank);
+  EXPECT_EQ(b.spec.alpha, a.spec.alpha);
+  EXPECT_EQ(b.spec.targets, a.spec.targets);
+  EXPECT_EQ(b.values, a.values);
+  // Every tensor of PEFT's file is written, under the same name and shape.
+  const SafetensorsFile peft = SafetensorsFile::open((c.dir / "adapter_final" / "adapter_model.safetensors").string());
+  const SafetensorsFile ours = SafetensorsFile::open(tmp.file("adapter_model.safetensors"));
+  EXPECT_EQ(peft.names(), ours.names());
+  for (const std::string& n : peft.names()) {
+    EXPECT_EQ(peft.get(n).shape, ours.get(n).shape) << n;
+    EXPECT_EQ(to_f32(peft.get(n)), to_f32(ours.get(n))) << n;
+  }
+}
+
+TEST_P(LoraGolden, MergedBaseComputesTheAdaptedModel) {
+  const LoraCase c = load_case(GetParam());
+  const PeftAdapter a = read_peft_adapter((c.dir / "adapter_final").string(), c.cfg);
+  MixtralModel merged(c.cfg);
+  load_hf_weights(ModelTensors::open(c.dir.string()), merged.table(), merged.params().data(), c.dir.string());
+  merge_lora(merged.table(), merged.params().data(), ParamTable(c.cfg, a.spec), a.values.data(), a.spec);
+  EXPECT_LE(normalized_max_error(logits_of(merged, c.batch), to_f32(c.expected.get("logits_final"))), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Peft, LoraGolden, ::testing::Values("mixtral", "qwen3_moe"));
+
+// ---- the adapter table -----------------------------------------------------------------------------
+
+ModelConfig tiny_moe() { return load_model_config((kLoraDir / "mixtral" / "config.json").string()); }
+
+LoraSpec all_targets(const ModelConfig& cfg, int rank) {
+  LoraSpec s;
+  s.rank = rank;
+  s.alpha = 2.0 * rank;
+  s.targets = parse_lora_targets({"attention", "experts"}, cfg, "lora.targets");
+  return s;
+}
+
+TEST(LoraTable, ShardsHoldTheWholeTablesInitialValues) {
+  const ModelConfig cfg = tiny_moe();
+  const LoraSpec spec = all_targets(cfg, 4);
+  const ParamTable whole(cfg, spec);
+  std::vector<float> wv(whole.total());
+  init_lora_parameters(whole, 7, wv.data());
+  for (const auto& [tp, tpr, ep, epr, lb, le] :
+       std::vector<std::tuple<int, int, int, int, int, int>>{{2, 1, 1, 0, 0, -1}, {4, 3, 1, 0, 0, -1},
+                                                             {1, 0, 2, 1, 0, -1}, {2, 0, 2, 1, 1, 2}}) {
+    const ParamTable shard(cfg, spec, make_param_shard(cfg, lb, le, tpr, tp, epr, ep));
+    std::vector<float> sv(shard.total()), from_whole(shard.total());
+    init_lora_parameters(shard, 7, sv.data());
+    copy_from_whole(whole, wv.data(), shard, from_whole.data());
+    EXPECT_EQ(sv, from_whole) << "tp " << tpr << "/" << tp << " ep " << epr << "/" << ep;
+  }
+  // PEFT's initialisation: A within +-1/sqrt(in), not all zero; B zero.
+  for (const HfTensorRef& t : whole.hf_tensors()) {
+    const float* p = wv.data() + t.offset;
+    const double bound = 1.0 / std::sqrt((double)t.full_shape.back());
+    double mx = 0;
+    for (size_t i = 0; i < t.numel; i++) mx = std::max(mx, (double)std::fabs(p[i]));
+    if (whole.spec_of(t).kind == ParamKind::lora_b)
+      EXPECT_EQ(mx, 0.0) << t.name;
+    else
+      EXPECT_TRUE(mx > 0.5 * bound && mx <= bound) << t.name << " max " << mx << " bound " << bound;
+  }
+}
+
+TEST(LoraTable, TargetsAreCheckedAgainstTheModel) {
+  const ModelConfig moe = tiny_moe();
+  EXPECT_EQ(parse_lora_targets({"q_proj", "experts.down_proj", "q_proj"}, moe, "lora.targets").size(), 2u);
+  try {
+    parse_lora_targets({"gate_proj"}, moe, "lora.targets");
+    FAIL() << "accepted an unknown target";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lora.targets: unknown target 'gate_proj' (valid: attention, experts, q_proj"),
+              std::string::npos)
+        << e.what();
+  }
+  ModelConfig dense = moe;
+  dense.num_local_experts = 0;
+  dense.num_experts_per_tok = 0;
+  EXPECT_THROW(
+      {
+        try {
+          parse_lora_targets({"experts"}, dense, "lora.targets");
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("has no routed experts"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+  EXPECT_THROW(parse_lora_targets({}, moe, "lora.targets"), Error);
+  LoraSpec zero;
+  zero.targets = {LoraTarget::q_proj};
+  EXPECT_THROW(ParamTable(moe, zero), Error);
+}
+
+// An adapter directory copied from the golden one, then edited.
+struct EditedAdapter {
+  TempDir tmp{"lora_bad"};
+  nlohmann::json config;
+  EditedAdapter() {
+    const fs::path src = kLoraDir / "mixtral" / "adapter_init";
+    fs::copy(src / "adapter_model.safetensors", tmp.path() / "adapter_model.safetensors");
+    std::ifstream in(src / "adapter_config.json");
+    config = nlohmann::json::parse(in);
+  }
+  std::string write() {
+    std::ofstream(tmp.file("adapter_config.json")) << config.dump(2);
+    return tmp.path().string();
+  }
+};
+
+void expect_refused(const std::string& dir, const ModelConfig& cfg, const std::string& needle) {
+  try {
+    read_peft_adapter(dir, cfg);
+    FAIL() << "accepted; expected an error containing: " << needle;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(LoraAdapterErrors, BadAdaptersAreRefusedNamingTheField) {
+  const ModelConfig cfg = tiny_moe();
+  {
+    EditedAdapter a;
+    a.config["r"] = 8;  // the tensors are rank 4
+    expect_refused(a.write(), cfg, "has shape [4, 32], the base implies [8, 32]");
+  }
+  {
+    EditedAdapter a;
+    a.config["use_dora"] = true;
+    expect_refused(a.write(), cfg, "field 'use_dora'");
+  }
+  {
+    EditedAdapter a;
+    a.config["target_modules"] = ".*proj";
+    expect_refused(a.write(), cfg, "field 'target_modules': a regular expression is not supported");
+  }
+  {
+    EditedAdapter a;
+    a.config["target_modules"] = {"q_proj", "gate_proj"};
+    expect_refused(a.write(), cfg, "module 'gate_proj' is not one moetron adapts");
+  }
+  {
+    EditedAdapter a;
+    a.config["peft_type"] = "IA3";
+    expect_refused(a.write(), cfg, "field 'peft_type'");
+  }
+  {
+    EditedAdapter a;
+    a.config["r"] = 0;
+    expect_refused(a.write(), cfg, "field 'r'");
+  }
+  {
+    EditedAdapter a;
+    a.config["rank_pattern"] = {{"q_proj", 8}};
+    expect_refused(a.write(), cfg, "field 'rank_pattern'");
+  }
+  {
+    EditedAdapter a;  // drops the expert targets: the file then holds tensors the config does not name
+    a.config["target_parameters"] = nullptr;
+    expect_refused(a.write(), cfg, "unexpected tensor 'base_model.model.model.layers.0.mlp.experts.");
+  }
+  {
+    EditedAdapter a;  // a base with more layers than the adapter
+    ModelConfig deeper = cfg;
+    deeper.num_hidden_layers = 3;
+    expect_refused(a.write(), deeper, "is missing (the adapter does not match the base: 3 layers");
+  }
+  {
+    EditedAdapter a;  // an adapter for a base of another width
+    ModelConfig wider = cfg;
+    wider.hidden_size = 64;
+    wider.head_dim = 16;
+    expect_refused(a.write(), wider, "the base implies");
+  }
+  {
+    EditedAdapter a;
+    a.config["auto_mapping"] = {{"base_model_class", "LlamaForCausalLM"}};
+    expect_refused(a.write(), cfg, "made for LlamaForCausalLM, the base is MixtralForCausalLM");
+  }
+  expect_refused("/nonexistent-adapter", cfg, "not a PEFT adapter directory");
+}
+
+}  // namespace
