@@ -464,7 +464,8 @@ void validate_trainer_state(const json& j, const std::string& source, TrainerSta
   }
   if (!files->contains("config.json"))
     fail("{}: field 'files' does not list config.json (every checkpoint has one)", source);
-  if (!files->contains("model.safetensors") && !files->contains("model.safetensors.index.json"))
+  const bool adapter = files->contains("adapter_config.json") && files->contains("adapter_model.safetensors");
+  if (!adapter && !files->contains("model.safetensors") && !files->contains("model.safetensors.index.json"))
     fail("{}: field 'files' lists neither model.safetensors nor model.safetensors.index.json (the model weights)",
          source);
   if (use == TrainerStateUse::any) return;
@@ -765,10 +766,20 @@ std::string save_checkpoint(const std::string& run_dir, long step, const Checkpo
     write_file_synced((tmp / "generation_config.json").string(), gen.dump(2) + "\n");
     progress("generation_config.json");
 
-    std::vector<ModelTensorToWrite> model;
-    for (const HfTensorRef& ref : table.hf_tensors())
-      model.push_back({ref.name, o.model_dtype, ref.shape, c.params + ref.offset});
-    write_model_safetensors(tmp.string(), model, o.max_shard_bytes);
+    if (table.is_lora()) {
+      if (c.lora == nullptr) fail("save_checkpoint: an adapter table needs its LoRA spec");
+      write_peft_adapter(tmp.string(), cfg, *c.lora, table, c.params, c.base_model);
+      for (const char* f : {"adapter_config.json", "adapter_model.safetensors"}) {
+        const int fd = ::open((tmp / f).c_str(), O_RDONLY);
+        if (fd < 0 || ::fsync(fd) != 0) fail("{}: cannot fsync", (tmp / f).string());
+        ::close(fd);
+      }
+    } else {
+      std::vector<ModelTensorToWrite> model;
+      for (const HfTensorRef& ref : table.hf_tensors())
+        model.push_back({ref.name, o.model_dtype, ref.shape, c.params + ref.offset});
+      write_model_safetensors(tmp.string(), model, o.max_shard_bytes);
+    }
     progress("model");
 
     if (!o.tokenizer_source_dir.empty()) {
@@ -911,6 +922,17 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, const ModelConfig& expe
       if (exp_avg) read_optimizer_tensor(opt, opt_dir, ref, ".exp_avg", exp_avg);
       if (exp_avg_sq) read_optimizer_tensor(opt, opt_dir, ref, ".exp_avg_sq", exp_avg_sq);
     }
+  } else if (table.is_lora()) {
+    const PeftAdapter a = read_peft_adapter(dir, expected);
+    const ParamTable got(expected, a.spec);
+    bool same = got.total() == table.total() && got.hf_tensors().size() == table.hf_tensors().size();
+    for (size_t i = 0; same && i < got.hf_tensors().size(); i++)
+      same = got.hf_tensors()[i].name == table.hf_tensors()[i].name &&
+             got.hf_tensors()[i].shape == table.hf_tensors()[i].shape;
+    if (!same)
+      fail("{}: the adapter (rank {}) has other rank or targets than the run's (lora.rank, lora.targets)", dir,
+           a.spec.rank);
+    std::copy(a.values.begin(), a.values.end(), params);
   } else {
     load_hf_weights(ModelTensors::open(dir), table, params, dir);
   }

@@ -12,6 +12,8 @@
 //                                     ("float32" | "bfloat16" | "float16"), "architectures": [NAME]
 //       generation_config.json        {"_from_model_config": true, "bos_token_id": B, "eos_token_id": E
 //                                     (a list when the config names several), "pad_token_id": P (when set)}
+//       (LoRA runs: adapter_config.json + adapter_model.safetensors, PEFT's adapter (model/lora.h), instead
+//       of the model files; optimizer/ is keyed by the adapter table's internal names)
 //       model.safetensors             the model under the Hub names (params/ParamTable::hf_tensors() order),
 //         or model-0000K-of-0000N.safetensors + model.safetensors.index.json, exactly as
 //         write_model_safetensors() (io/model_files.h) writes them: shards of at most max_shard_bytes,
@@ -62,6 +64,7 @@
 #include "io/hf_config.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"
+#include "model/lora.h"
 #include "model/params.h"
 
 namespace moetron {
@@ -69,7 +72,12 @@ namespace moetron {
 // What the trainer hands over (save) -- all arrays laid out by `table`, table->total() floats each.
 struct CheckpointContents {
   const ModelConfig* model_config = nullptr;
+  // The whole model's table, or for a LoRA run the whole adapter table (table->is_lora()): the
+  // model files are then the PEFT adapter (adapter_config.json + adapter_model.safetensors,
+  // model/lora.h) of `lora` over the base `base_model`, and optimizer/ holds the adapters' state.
   const ParamTable* table = nullptr;
+  const LoraSpec* lora = nullptr;
+  std::string base_model;
   const float* params = nullptr;      // fp32 master weights
   const float* exp_avg = nullptr;     // AdamW moments; both null for a model without optimizer state
   const float* exp_avg_sq = nullptr;
@@ -109,7 +117,8 @@ struct LoadedCheckpoint {
 
 // Loads checkpoint directory `dir`: verifies every listed file's size and checksum (Error naming the
 // file), refuses a config.json whose architecture differs from `expected` (see check_same_architecture),
-// fills params (from optimizer/ NAME.master when present -- exact fp32 --, else from the model files)
+// fills params (from optimizer/ NAME.master when present -- exact fp32 --, else from the model files,
+// or for an adapter table from the PEFT adapter, whose rank and targets must be the table's)
 // and, when exp_avg/exp_avg_sq are non-null, the moments (Error when the checkpoint has none).
 LoadedCheckpoint load_checkpoint(const std::string& dir, const ModelConfig& expected, const ParamTable& table,
                                  float* params, float* exp_avg, float* exp_avg_sq);
@@ -135,7 +144,8 @@ constexpr uint64_t kMaxStateCount = uint64_t{1} << 53;
 // non-empty object that lists config.json and model.safetensors or model.safetensors.index.json,
 // whose names are plain file names of the directory or optimizer/NAME (nothing absolute, no "..",
 // ".", empty component or control character) and whose entries are {"size": BYTES, "xxh64": 16
-// lowercase hex digits}.  With TrainerStateUse::resume also the trainer's keys: "step",
+// lowercase hex digits} (a LoRA checkpoint lists adapter_config.json and adapter_model.safetensors in
+// place of the model weights).  With TrainerStateUse::resume also the trainer's keys: "step",
 // "consumed_samples", "consumed_tokens" (integers in [0, 2^53]) and "loader_state" (what
 // data/loader.h's LoaderState reads).  Pure: no file is touched (so it can be fuzzed).
 void validate_trainer_state(const nlohmann::json& state, const std::string& source,

@@ -59,7 +59,7 @@ std::vector<std::pair<size_t, size_t>> rank_state_ranges(const ParamTable& t, co
 void gather_whole_state(dist::Comm& w, const Layout& layout, const dist::GridShape& gs, const dist::GridCoord& me,
                         const ModelConfig& mcfg, const ParamTable& local, const RankState& mine,
                         const ParamTable& whole, std::vector<float>& params, std::vector<float>& m,
-                        std::vector<float>& v) {
+                        std::vector<float>& v, const LoraSpec* lora) {
   constexpr int kParams = 11, kExpAvg = 12, kExpAvgSq = 13;
   if (w.rank() != 0) {
     const size_t total = local.total();
@@ -90,7 +90,8 @@ void gather_whole_state(dist::Comm& w, const Layout& layout, const dist::GridSha
         c.dp = d;
         c.pp = stage;
         const int src = dist::grid_rank(gs, c);
-        const ParamTable lt(mcfg, layout_shard(layout, mcfg, stage, t, d % gs.ep));
+        const ParamShard shard = layout_shard(layout, mcfg, stage, t, d % gs.ep);
+        const ParamTable lt = lora ? ParamTable(mcfg, *lora, shard) : ParamTable(mcfg, shard);
         const auto ranges = rank_state_ranges(lt, layout, d);
         const size_t n = total_of(ranges);
         const bool sends_params = d < gs.ep;  // edp rank 0

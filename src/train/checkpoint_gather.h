@@ -11,6 +11,7 @@
 #include "dist/grid.h"
 #include "io/hf_config.h"
 #include "io/model_files.h"
+#include "model/lora.h"
 #include "model/params.h"
 #include "train/layout.h"
 
@@ -30,11 +31,13 @@ std::vector<std::pair<size_t, size_t>> rank_state_ranges(const ParamTable& table
 
 // Collective over `world`.  Every rank sends its part (parameters from the ranks with edp rank 0
 // of each (stage, tp rank); moments from every rank holding some); world rank 0 assembles the whole
-// model's params / exp_avg / exp_avg_sq (whole.total() floats each; untouched elsewhere).
+// model's params / exp_avg / exp_avg_sq (whole.total() floats each; untouched elsewhere).  lora:
+// the tables are LoRA adapter tables of this spec (model/lora.h), else the model's.
 void gather_whole_state(dist::Comm& world, const Layout& layout, const dist::GridShape& shape,
                         const dist::GridCoord& me, const ModelConfig& model, const ParamTable& local,
                         const RankState& mine, const ParamTable& whole, std::vector<float>& params,
-                        std::vector<float>& exp_avg, std::vector<float>& exp_avg_sq);
+                        std::vector<float>& exp_avg, std::vector<float>& exp_avg_sq,
+                        const LoraSpec* lora = nullptr);
 
 // This rank's slices of a checkpoint's optimizer/*.safetensors (the fp32 masters and moments of
 // every HF tensor of `local`), into flat arrays of local.total() floats.

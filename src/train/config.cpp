@@ -30,7 +30,7 @@ using nlohmann::json;
 // added here is complete everywhere. Keys of one section are contiguous (the dump relies on it).
 
 using FieldRef = std::variant<std::string*, int*, long*, uint64_t*, double*, bool*, std::optional<double>*, json*,
-                              std::vector<int>*>;
+                              std::vector<int>*, std::vector<std::string>*>;
 
 struct Field {
   const char* key;
@@ -68,6 +68,12 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"moe.aux_loss", &c.moe.aux_loss},
       {"moe.z_loss_coef", &c.moe.z_loss_coef},
       {"moe.capacity_factor", &c.moe.capacity_factor},
+      {"lora.rank", &c.lora.rank},
+      {"lora.alpha", &c.lora.alpha},
+      {"lora.dropout", &c.lora.dropout},
+      {"lora.targets", &c.lora.targets},
+      {"lora.init_seed", &c.lora.init_seed},
+      {"lora.rslora", &c.lora.rslora},
       {"parallel.tp", &c.parallel.tp},
       {"parallel.pp", &c.parallel.pp},
       {"parallel.ep", &c.parallel.ep},
@@ -117,6 +123,11 @@ constexpr std::pair<const char*, const char*> kAliases[] = {
     {"moe_aux_loss_coeff", "moe.aux_loss_coef"},
     {"moe_z_loss_coeff", "moe.z_loss_coef"},
     {"precision", "model.dtype"},
+    {"lora_r", "lora.rank"},
+    {"lora_alpha", "lora.alpha"},
+    {"lora_dropout", "lora.dropout"},
+    {"lora_target_modules", "lora.targets"},
+    {"target_modules", "lora.targets"},
     {"data_path", "data.path"},
     {"save_interval", "checkpoint.every_steps"},
     {"log_interval", "log.every_steps"},
@@ -538,6 +549,15 @@ class Reader {
               }
               *p = std::move(out);
             }
+          } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+            constexpr const char* expected = "a list of names, e.g. [q_proj, experts]";
+            if (!v.IsSequence()) bad(expected);
+            std::vector<std::string> out;
+            for (const YAML::Node& e : v) {
+              if (!e.IsScalar()) bad(expected);
+              out.push_back(utf8_scalar(e, key, o));
+            }
+            *p = std::move(out);
           } else if constexpr (std::is_same_v<T, json>) {
             if (v.IsNull()) *p = json::object();
             else if (v.IsMap()) *p = yaml_to_json(v, key, o);
@@ -632,6 +652,17 @@ void validate(const TrainConfig& c, const std::string& source, const std::map<st
 
   if (c.moe.aux_loss_coef) at_least("moe.aux_loss_coef", *c.moe.aux_loss_coef, 0.0, " (or null: the model's)");
   one_of("moe.aux_loss", c.moe.aux_loss, {"hf_pooled", "per_layer"});
+  if (c.lora.rank < 0 || c.lora.rank > 65536)
+    fail("{}: lora.rank: must be in [0, 65536] (0: no LoRA, the whole model trains), got {}", at("lora.rank"),
+         c.lora.rank);
+  if (c.lora.rank > 0) {
+    if (!(c.lora.alpha > 0 && std::isfinite(c.lora.alpha)))
+      fail("{}: lora.alpha: must be > 0, got {}", at("lora.alpha"), c.lora.alpha);
+    if (c.lora.dropout != 0.0)
+      fail("{}: lora.dropout: only 0 is implemented (PEFT refuses dropout on fused experts too), got {}",
+           at("lora.dropout"), c.lora.dropout);
+    if (c.lora.targets.empty()) fail("{}: lora.targets: empty (e.g. [attention, experts])", at("lora.targets"));
+  }
   at_least("moe.z_loss_coef", c.moe.z_loss_coef, 0.0, "");
   // Bounded: the capacity ceil(f * tokens * K / E) is cast to an integer; at f >= E / K (E <= 4096) no
   // token is ever dropped, so a larger factor means nothing more.
@@ -722,6 +753,10 @@ void emit_field(YAML::Emitter& em, const FieldRef& ref) {
         } else if constexpr (std::is_same_v<T, std::vector<int>>) {
           em << YAML::Flow << YAML::BeginSeq;
           for (int x : *p) em << x;
+          em << YAML::EndSeq;
+        } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+          em << YAML::Flow << YAML::BeginSeq;
+          for (const std::string& x : *p) emit_string(em, x);
           em << YAML::EndSeq;
         } else {
           em << *p;  // integers

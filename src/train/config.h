@@ -1,5 +1,5 @@
 // The training config of `moetron train` / `plan` / `eval` (DESIGN §2 "Training config contract"):
-// a YAML file with sections model / data / train / moe / parallel / checkpoint / log / eval, plus
+// a YAML file with sections model / data / train / moe / lora / parallel / checkpoint / log / eval, plus
 // dotted `key=value` overrides from the command line ("train.lr=3e-4", "parallel.tp=2",
 // "model.config.hidden_size=64", "moe.aux_loss_coef=null", "parallel={tp: 2, pp: 2}").
 //
@@ -79,6 +79,17 @@ struct TrainConfig {
     std::optional<double> capacity_factor;  // null: dropless
     bool operator==(const Moe&) const = default;
   } moe;
+
+  // LoRA fine-tuning (model/lora.h): adapters on a frozen base; rank 0 trains the whole model.
+  struct Lora {
+    int rank = 0;
+    double alpha = 16.0;  // scale alpha / rank (alpha / sqrt(rank) with rslora)
+    double dropout = 0.0;  // only 0 (PEFT refuses dropout on fused experts)
+    std::vector<std::string> targets = {"attention", "experts"};  // see parse_lora_targets
+    uint64_t init_seed = 0;  // the adapters' initialisation (A uniform, B zero)
+    bool rslora = false;
+    bool operator==(const Lora&) const = default;
+  } lora;
 
   struct Parallel {
     int tp = 1, pp = 1, ep = 1;

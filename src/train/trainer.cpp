@@ -212,6 +212,10 @@ class Training {
   RankState host_state(std::vector<float>& params_store) const;
   // Fills this rank's parameters through a host array (the model's own on a host backend).
   void fill_params(const std::function<void(float*)>& fill);
+  // The same for what trains: the adapters of a LoRA run, else the parameters.
+  void fill_train_params(const std::function<void(float*)>& fill);
+  // The whole table of what trains (the model's, or its LoRA adapter table).
+  ParamTable whole_train_table() const { return lora_.on() ? ParamTable(mcfg_, lora_) : ParamTable(mcfg_); }
 
   const TrainConfig& cfg_;
   const TrainOptions& options_;
@@ -226,6 +230,7 @@ class Training {
   RunLog log_;
   ModelConfig mcfg_;
   std::optional<MixtralModel> model_;
+  LoraSpec lora_;  // rank 0: the whole model trains
   std::optional<PipelineLink> link_;
   std::optional<ShardedAdamW> opt_;      // every tensor, or (ep > 1) all but the experts, over dp
   std::optional<ShardedAdamW> opt_exp_;  // ep > 1: the expert tensors, over edp
@@ -342,6 +347,14 @@ void Training::setup() {
       mcfg_.num_experts_per_tok, (double)model_->table().total() / 1e6, cfg_.data.path, ls.documents, ls.blocks,
       cfg_.data.seq_length, ls.split_documents, ls.dropped_documents, total_steps_, cfg_.train.global_batch_size,
       layout_.micro_batches, cfg_.train.micro_batch_size, backend_->name()));
+  if (lora_.on()) {
+    std::vector<std::string> names;
+    for (LoraTarget t : lora_.targets) names.push_back(lora_target_name(t));
+    log_.line(fmt::format("LoRA rank {} alpha {} (scale {:.4g}) on {}: {:.3f}M trainable parameters (this rank), "
+                          "the base frozen",
+                          lora_.rank, lora_.alpha, lora_.scale(), fmt::join(names, ", "),
+                          (double)model_->train_table().total() / 1e6));
+  }
   if (world_->size() > 1)
     log_.line(fmt::format(
         "distributed: {} ranks over {} ({}): pp {} x dp {} x tp {} (ep {}); ZeRO-1 {}; optimizer state {} per rank "
@@ -356,7 +369,13 @@ void Training::build_model() {
   groups_.emplace(*grid_, *backend_, cfg_.parallel.device_comm);
   if (root_) peak_gflops_ = backend_->host_memory() ? ops::measure_sgemm_gflops(1024, 3) : kCudaPeakGflops;
   const dist::GridShape& gs = grid_->shape();
-  model_.emplace(*backend_, mcfg_, &groups_->tp(), &groups_->ep(), layout_.stage_layers(grid_->coord().pp));
+  if (cfg_.lora.rank > 0) {
+    lora_.rank = cfg_.lora.rank;
+    lora_.alpha = cfg_.lora.alpha;
+    lora_.rslora = cfg_.lora.rslora;
+    lora_.targets = parse_lora_targets(cfg_.lora.targets, mcfg_, "lora.targets");
+  }
+  model_.emplace(*backend_, mcfg_, &groups_->tp(), &groups_->ep(), layout_.stage_layers(grid_->coord().pp), lora_);
   link_.emplace(*backend_, groups_->pp(), mcfg_.is_moe() ? mcfg_.num_local_experts : 0);
   if (!options_.router_bias.empty()) model_->set_router_bias(options_.router_bias);
   if (cfg_.moe.capacity_factor) model_->set_capacity_factor(*cfg_.moe.capacity_factor);
@@ -367,10 +386,10 @@ void Training::build_model() {
   ac.eps = cfg_.train.adam_eps;
   ac.weight_decay = cfg_.train.weight_decay;
   const bool ep_on = gs.ep > 1;
-  opt_.emplace(*backend_, model_->table(), ac, groups_->dp(), *world_, cfg_.parallel.zero1,
-               ep_on ? ParamSet::dense : ParamSet::all);
-  if (ep_on)
-    opt_exp_.emplace(*backend_, model_->table(), ac, groups_->edp(), *world_, cfg_.parallel.zero1, ParamSet::experts);
+  // Over what trains: the whole model, or its LoRA adapters (model_->train_table()).
+  const ParamTable& tt = model_->train_table();
+  opt_.emplace(*backend_, tt, ac, groups_->dp(), *world_, cfg_.parallel.zero1, ep_on ? ParamSet::dense : ParamSet::all);
+  if (ep_on) opt_exp_.emplace(*backend_, tt, ac, groups_->edp(), *world_, cfg_.parallel.zero1, ParamSet::experts);
   const size_t state_bytes = opt_->state_bytes() + (opt_exp_ ? opt_exp_->state_bytes() : 0);
   opt_state_bytes_max_ = (uint64_t)world_->all_reduce_value((int64_t)state_bytes, dist::ReduceOp::max);
 }
@@ -380,6 +399,13 @@ void Training::fill_params(const std::function<void(float*)>& fill) {
   std::vector<float> host(model_->table().total(), 0.0f);
   fill(host.data());
   model_->set_params(host.data());
+}
+
+void Training::fill_train_params(const std::function<void(float*)>& fill) {
+  if (!lora_.on()) return fill_params(fill);
+  std::vector<float> host(model_->train_table().total(), 0.0f);
+  fill(host.data());
+  model_->set_train_params(host.data());
 }
 
 // Resume, or initialise.  The root decides which checkpoint (the others follow).
@@ -407,14 +433,16 @@ void Training::initialise() {
   std::string resume_dir = resume_dir_;
   world_->broadcast_string(resume_dir, 0);
   const ParamTable& table = model_->table();
-  if (!resume_dir.empty()) {
+  if (!resume_dir.empty() && !lora_.on()) {
     load_resume(resume_dir);
     if (root_) truncate_metrics(run_dir_ / "metrics.jsonl", start_step_);
     log_.line(fmt::format("resumed from {} at step {}", resume_dir, start_step_));
-  } else if (cfg_.model.init == "random") {
+    return;
+  }
+  // A fresh start; a LoRA run's frozen base also on resume (its checkpoints hold the adapters).
+  if (cfg_.model.init == "random") {
     // Keyed by (seed, HF name, index in the whole tensor): any shard initialises to its part.
     model_->init_parameters(cfg_.seed);
-    if (root_) truncate_metrics(run_dir_ / "metrics.jsonl", 0);
   } else {
     const ModelTensors files = ModelTensors::open(init_dir_);
     fill_params([&](float* p) {
@@ -423,8 +451,15 @@ void Training::initialise() {
       else
         read_rank_hf_weights(files, init_dir_, mcfg_, table, p);
     });
-    if (root_) truncate_metrics(run_dir_ / "metrics.jsonl", 0);
   }
+  if (!resume_dir.empty()) {  // LoRA: the adapters and their optimizer state
+    load_resume(resume_dir);
+    if (root_) truncate_metrics(run_dir_ / "metrics.jsonl", start_step_);
+    log_.line(fmt::format("resumed from {} at step {}", resume_dir, start_step_));
+    return;
+  }
+  if (lora_.on()) model_->init_lora(cfg_.lora.init_seed);
+  if (root_) truncate_metrics(run_dir_ / "metrics.jsonl", 0);
 }
 
 void Training::load_resume(const std::string& dir) {
@@ -432,29 +467,29 @@ void Training::load_resume(const std::string& dir) {
   // step, a missing loader_state, ... are refused naming the field before anything is read.
   validate_trainer_state(read_trainer_state(dir), (fs::path(dir) / "trainer_state.json").string(),
                          TrainerStateUse::resume);
-  const ParamTable& table = model_->table();
+  const ParamTable& table = model_->train_table();
   const size_t total = table.total();
   std::vector<float> lm(total, 0.0f), lv(total, 0.0f);
   LoadedCheckpoint ck;
   if (table.is_whole() && world_->size() == 1) {
-    fill_params([&](float* p) { ck = load_checkpoint(dir, mcfg_, table, p, lm.data(), lv.data()); });
+    fill_train_params([&](float* p) { ck = load_checkpoint(dir, mcfg_, table, p, lm.data(), lv.data()); });
   } else {
     // The root loads the whole checkpoint the single-process way (every file's checksum, the
     // architecture, no unknown tensor) -- it holds whole tensors for saving anyway; the other ranks
     // wait for that, then read only their slices (tensor-parallel parts of their experts).
     if (root_) {
       std::optional<ParamTable> whole_own;
-      if (!table.is_whole()) whole_own.emplace(mcfg_);
+      if (!table.is_whole()) whole_own.emplace(whole_train_table());
       const ParamTable& whole = table.is_whole() ? table : *whole_own;
       std::vector<float> wp(whole.total(), 0.0f), wm(whole.total(), 0.0f), wv(whole.total(), 0.0f);
       ck = load_checkpoint(dir, mcfg_, whole, wp.data(), wm.data(), wv.data());
-      fill_params([&](float* p) { copy_from_whole(whole, wp.data(), table, p); });
+      fill_train_params([&](float* p) { copy_from_whole(whole, wp.data(), table, p); });
       copy_from_whole(whole, wm.data(), table, lm.data());
       copy_from_whole(whole, wv.data(), table, lv.data());
     }
     world_->barrier();
     if (!root_) {
-      fill_params([&](float* p) { read_rank_optimizer_state(dir, table, p, lm.data(), lv.data()); });
+      fill_train_params([&](float* p) { read_rank_optimizer_state(dir, table, p, lm.data(), lv.data()); });
       nlohmann::json state = read_trainer_state(dir);
       ck.optimizer_steps = state.at("optimizer_steps").get<long>();
       ck.trainer_state = std::move(state);
@@ -486,13 +521,13 @@ double Training::global_norm(Tensor values) const {
 }
 
 void Training::reduce_gradients() {
-  opt_->reduce_gradients(model_->grad_tensor());
-  if (opt_exp_) opt_exp_->reduce_gradients(model_->grad_tensor());
+  opt_->reduce_gradients(model_->train_grad_tensor());
+  if (opt_exp_) opt_exp_->reduce_gradients(model_->train_grad_tensor());
 }
 
 void Training::optimizer_step(double lr, float grad_scale) {
-  opt_->step(model_->param_tensor(), model_->grad_tensor(), lr, grad_scale);
-  if (opt_exp_) opt_exp_->step(model_->param_tensor(), model_->grad_tensor(), lr, grad_scale);
+  opt_->step(model_->train_param_tensor(), model_->train_grad_tensor(), lr, grad_scale);
+  if (opt_exp_) opt_exp_->step(model_->train_param_tensor(), model_->train_grad_tensor(), lr, grad_scale);
 }
 
 StepResult Training::train_step() {
@@ -619,12 +654,12 @@ nlohmann::json Training::trainer_state(long step) const {
 RankState Training::host_state(std::vector<float>& params_store) const {
   RankState s;
   const dist::GridCoord& me = grid_->coord();
-  const size_t total = model_->table().total();
-  if (backend_->host_memory()) {
+  const size_t total = model_->train_table().total();
+  if (backend_->host_memory() && !lora_.on()) {
     s.params = model_->params().data();
   } else {
     params_store.resize(total);
-    model_->get_params(params_store.data());
+    model_->get_train_params(params_store.data());
     s.params = params_store.data();
   }
   s.exp_avg.assign(total, 0.0f);
@@ -636,27 +671,30 @@ RankState Training::host_state(std::vector<float>& params_store) const {
 
 std::string Training::save(long step, bool final_save) {
   // Never write a checkpoint that could not be resumed usefully.
-  const double param_norm = global_norm(model_->param_view());
+  const double param_norm = global_norm(model_->train_param_view());
   if (!std::isfinite(param_norm)) {
     log_.line(fmt::format("step {}: parameters are not finite; checkpoint NOT saved", step));
     return "";
   }
   const auto t0 = Clock::now();
-  const ParamTable& table = model_->table();
+  const ParamTable& table = model_->train_table();
   std::vector<float> params_store;
   const RankState mine = host_state(params_store);
   const bool direct = world_->size() == 1 && table.is_whole() && !opt_exp_;
   std::optional<ParamTable> whole_own;
-  if (!table.is_whole()) whole_own.emplace(mcfg_);
+  if (!table.is_whole()) whole_own.emplace(whole_train_table());
   const ParamTable& whole = table.is_whole() ? table : *whole_own;
   std::vector<float> wp, wm, wv;
   if (!direct)
-    gather_whole_state(*world_, layout_, grid_->shape(), grid_->coord(), mcfg_, table, mine, whole, wp, wm, wv);
+    gather_whole_state(*world_, layout_, grid_->shape(), grid_->coord(), mcfg_, table, mine, whole, wp, wm, wv,
+                       lora_.on() ? &lora_ : nullptr);
   std::string dir;
   if (root_) {
     CheckpointContents c;
     c.model_config = &mcfg_;
     c.table = &whole;
+    c.lora = lora_.on() ? &lora_ : nullptr;
+    c.base_model = init_dir_.empty() ? std::string() : fs::absolute(init_dir_).string();
     c.params = direct ? mine.params : wp.data();
     c.exp_avg = direct ? mine.exp_avg.data() : wm.data();
     c.exp_avg_sq = direct ? mine.exp_avg_sq.data() : wv.data();
@@ -733,9 +771,9 @@ TrainSummary Training::run() {
         options_.inject_nan_steps.end())
       if (!opt_->state_ranges().empty()) {  // an element this rank owns
         const float nan = std::nanf("");
-        backend_->upload(model_->grad_tensor().part(opt_->state_ranges()[0].first, 1), &nan);
+        backend_->upload(model_->train_grad_tensor().part(opt_->state_ranges()[0].first, 1), &nan);
       }
-    const double grad_norm = global_norm(model_->grad_tensor());
+    const double grad_norm = global_norm(model_->train_grad_tensor());
     const double lr = schedule_.at(step);
     const bool finite = std::isfinite(r.loss) && std::isfinite(grad_norm);
     if (finite) {
@@ -762,7 +800,7 @@ TrainSummary Training::run() {
 
     const bool log_now = cfg_.log.every_steps > 0 && (step % cfg_.log.every_steps == 0 || step == total_steps_);
     // Collective: every rank takes part in the norm.
-    const double param_norm = log_now ? global_norm(model_->param_view()) : 0.0;
+    const double param_norm = log_now ? global_norm(model_->train_param_view()) : 0.0;
     int64_t all_bytes[2] = {(int64_t)step_bytes, (int64_t)step_bytes};  // sum and max over the ranks
     if (log_now && world_->size() > 1) {
       all_bytes[0] = world_->all_reduce_value(all_bytes[0]);
