@@ -39,6 +39,8 @@
 #include "core/error.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"
+#include "model/lora.h"
+#include "model/weights.h"
 #include "train/checkpoint.h"
 #include "train/plan.h"  // parse_byte_size
 
@@ -136,6 +138,52 @@ void fsync_file(const fs::path& p) {
   ::close(fd);
 }
 
+// --merge-lora: the base in --input with the adapter's W += scale B A, as a plain HF model directory
+// (the base's config and tokenizer files; dtype `target`, else the base's embedding's).  The output
+// is written into `tmp`.
+void write_merged(const fs::path& in, const std::string& adapter_dir, std::optional<DType> target, size_t max_shard,
+                  const fs::path& tmp) {
+  const ModelConfig cfg = load_model_config((in / "config.json").string());
+  const PeftAdapter adapter = read_peft_adapter(adapter_dir, cfg);  // checked against the base first
+  const ModelTensors files = ModelTensors::open(in.string());
+  const ParamTable table(cfg);
+  check_weights_size(files, table, in.string());
+  std::vector<float> params(table.total(), 0.0f);
+  load_hf_weights(files, table, params.data(), in.string());
+  merge_lora(table, params.data(), ParamTable(cfg, adapter.spec), adapter.values.data(), adapter.spec);
+  DType dtype = DType::F32;
+  if (target) {
+    dtype = *target;
+  } else if (const TensorView* e = files.find("model.embed_tokens.weight"); e && dtype_is_float(e->dtype)) {
+    dtype = e->dtype;
+  }
+  std::vector<ModelTensorToWrite> tensors;
+  for (const HfTensorRef& ref : table.hf_tensors()) tensors.push_back({ref.name, dtype, ref.shape, params.data() + ref.offset});
+  write_model_safetensors(tmp.string(), tensors, max_shard);
+  json c;
+  {
+    std::ifstream f(in / "config.json", std::ios::binary);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    c = parse_json(ss.str(), (in / "config.json").string());
+  }
+  c["torch_dtype"] = torch_name(dtype);
+  if (c.contains("dtype")) c["dtype"] = torch_name(dtype);
+  write_json_synced(tmp / "config.json", c);
+  fsync_file(tmp / "config.json");
+  // The base's other files (tokenizer, generation config, chat template); not its training state.
+  for (const auto& e : fs::directory_iterator(in)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_regular_file() || name == "config.json" || name == "trainer_state.json" || is_weight_file(name) ||
+        name == "adapter_config.json")
+      continue;
+    fs::copy_file(e.path(), tmp / name);
+    fsync_file(tmp / name);
+  }
+  std::printf("merged LoRA rank %d (scale %.4g, %zu adapted tensors) into %zu tensors (%s)\n", adapter.spec.rank,
+              adapter.spec.scale(), ParamTable(cfg, adapter.spec).specs().size() / 2, tensors.size(), torch_name(dtype));
+}
+
 }  // namespace
 
 int run_convert(int argc, char** argv) {
@@ -149,6 +197,10 @@ int run_convert(int argc, char** argv) {
   app.add_option("--dtype", dtype_s, "fp32 | bf16 | fp16 for the model's float tensors (default: keep)");
   app.add_option("--max-shard-size", shard_s, "largest model / optimizer file, e.g. 5GB, 500MB, 2GiB (default 5GB)");
   app.add_flag("--drop-optimizer", drop_optimizer, "leave out optimizer/ and trainer_state.json (release model)");
+  std::string merge_lora_dir;
+  app.add_option("--merge-lora", merge_lora_dir,
+                 "a PEFT LoRA adapter directory (e.g. a LoRA run's checkpoint): write --input (the base) with the "
+                 "adapter merged in, as a plain HF model");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -177,6 +229,26 @@ int run_convert(int argc, char** argv) {
              input, name, input);
     }
     fail("--input {}: no model.safetensors or model.safetensors.index.json", input);
+  }
+
+  if (!merge_lora_dir.empty()) {
+    const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
+    fs::create_directories(parent, ec);
+    const fs::path tmp = parent / fmt::format(".{}.tmp-{}", out.filename().string(), ::getpid());
+    fs::remove_all(tmp, ec);
+    if (!fs::create_directory(tmp, ec)) fail("{}: cannot create directory: {}", tmp.string(), ec.message());
+    try {
+      write_merged(in, merge_lora_dir, target, max_shard, tmp);
+      fsync_directory(tmp.string());
+      if (::rename(tmp.c_str(), out.c_str()) != 0)
+        fail("--output {}: cannot rename {} into place: {}", output, tmp.string(), std::strerror(errno));
+      fsync_directory(parent.string());
+    } catch (...) {
+      fs::remove_all(tmp, ec);
+      throw;
+    }
+    std::printf("wrote %s\n", output.c_str());
+    return 0;
   }
 
   // A moetron checkpoint: verify before converting, so corruption is never laundered into new checksums.

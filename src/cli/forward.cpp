@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "io/model_files.h"
 #include "io/safetensors.h"
 #include "model/batch_io.h"
+#include "model/lora.h"
 #include "model/mixtral.h"
 #include "model/weights.h"
 
@@ -29,7 +31,10 @@ int run_forward(int argc, char** argv) {
   app.add_option("--input", input, "input safetensors: input_ids [B,T], optional labels, attention_mask, "
                                    "position_ids, segment_ids")->required();
   app.add_option("--output", output, "output safetensors")->required();
-  app.add_option("--grads", grads_path, "also write d loss / d param for every parameter (F32, HF names)");
+  app.add_option("--grads", grads_path, "also write d loss / d param for every parameter (F32, HF names; with "
+                                        "--lora: of every adapter tensor, PEFT's names)");
+  std::string lora_dir;
+  app.add_option("--lora", lora_dir, "a PEFT LoRA adapter directory for the model, applied unmerged (the base frozen)");
   app.add_option("--aux-loss", aux_kind, "load-balancing formula: hf_pooled | per_layer")
       ->check(CLI::IsMember({"hf_pooled", "per_layer"}));
   app.add_option("--z-loss-coef", z_coef, "router z-loss coefficient (default 0)");
@@ -65,12 +70,15 @@ int run_forward(int argc, char** argv) {
   // The same model on either backend; the parameters are read on the host and uploaded.
   check_weights_size(files, ParamTable(cfg), model_dir);  // before allocating from config.json
   const std::unique_ptr<Backend> backend = make_backend(device);
-  MixtralModel model(*backend, cfg);
+  std::optional<PeftAdapter> adapter;
+  if (!lora_dir.empty()) adapter = read_peft_adapter(lora_dir, cfg);
+  MixtralModel model(*backend, cfg, nullptr, nullptr, LayerRange{}, adapter ? adapter->spec : LoraSpec{});
   {
     std::vector<float> params(model.table().total(), 0.0f);
     load_hf_weights(files, model.table(), params.data(), model_dir);
     model.set_params(params.data());
   }
+  if (adapter) model.set_train_params(adapter->values.data());
   const Losses losses = model.forward(batch, w);
   std::vector<float> logits((size_t)batch.B * batch.T * cfg.vocab_size);
   model.download_logits(logits.data());  // before backward: backward overwrites the logits in place
@@ -93,11 +101,20 @@ int run_forward(int argc, char** argv) {
   if (!grads_path.empty()) {
     model.zero_grads();
     model.backward();
-    std::vector<float> grads(model.table().total());
-    model.get_grads(grads.data());
-    SafetensorsWriter g;
-    add_hf_tensors(g, model.table(), grads.data(), DType::F32);
-    g.write(grads_path);
+    if (adapter) {  // the adapters' gradients, in PEFT's layout (written by the adapter writer)
+      std::vector<float> grads(model.train_table().total());
+      backend->download(grads.data(), model.train_grad_tensor());
+      const std::string tmp = grads_path + ".lora-tmp";
+      write_peft_adapter(tmp, cfg, adapter->spec, model.train_table(), grads.data(), "");
+      std::filesystem::rename(std::filesystem::path(tmp) / "adapter_model.safetensors", grads_path);
+      std::filesystem::remove_all(tmp);
+    } else {
+      std::vector<float> grads(model.table().total());
+      model.get_grads(grads.data());
+      SafetensorsWriter g;
+      add_hf_tensors(g, model.table(), grads.data(), DType::F32);
+      g.write(grads_path);
+    }
   }
   return 0;
 }

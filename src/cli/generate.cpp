@@ -50,6 +50,8 @@ int run_generate(int argc, char** argv) {
   long limit = 0;
   GenerationOptions g;
   app.add_option("--model", model_dir, "model directory")->required();
+  std::string lora_dir;
+  app.add_option("--lora", lora_dir, "a PEFT LoRA adapter directory for the model (e.g. a LoRA run's checkpoint)");
   app.add_option("--prompt", prompt, "the prompt text");
   app.add_option("--prompt-ids", prompt_ids, "the prompt as comma-separated token ids; prints the reply's ids");
   app.add_flag("--chat", chat, "treat the prompt as a user turn and apply the chat template");
@@ -72,7 +74,7 @@ int run_generate(int argc, char** argv) {
     fail("give exactly one of --prompt, --prompt-ids or --eval-chat");
   if (max_new_tokens < 0) fail("--max-new-tokens must be >= 0, got {}", max_new_tokens);
   apply_generation_options(g);
-  const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir);
+  const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir, lora_dir);
   const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(model_dir, tokenizer_path, model->cfg,
                                                               /*required=*/prompt_ids.empty());
   Decoder decoder(*model);

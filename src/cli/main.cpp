@@ -54,6 +54,9 @@ int main(int argc, char** argv) {
     if (cmd == "convert") return moetron::cli::run_convert(argc - 1, argv + 1);
     if (cmd == "report") return moetron::cli::run_report(argc - 1, argv + 1);
     if (cmd == "plan") return moetron::cli::run_plan(argc - 1, argv + 1);
+  } catch (const moetron::InputError& e) {
+    std::fprintf(stderr, "moetron %s: error: %s\n", cmd.c_str(), e.what());
+    return 2;
   } catch (const moetron::Error& e) {
     std::fprintf(stderr, "moetron %s: error: %s\n", cmd.c_str(), e.what());
     return 1;

@@ -15,6 +15,13 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& what) : std::runtime_error(what) {}
 };
 
+// An Error in what the user handed over (a file, a directory), found before any work: the CLI exits
+// 2 for it (1 for other errors), as for a usage error.
+class InputError : public Error {
+ public:
+  explicit InputError(const std::string& what) : Error(what) {}
+};
+
 // Throws Error with a formatted message: fail("{}: header length {} exceeds file size {}", path, n, size).
 template <typename... Args>
 [[noreturn]] void fail(fmt::format_string<Args...> format, Args&&... args) {

@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "io/model_files.h"
+#include "model/lora.h"
 #include "model/weights.h"
 
 namespace fs = std::filesystem;
@@ -53,12 +54,16 @@ std::optional<ChatTemplate> template_from_jinja(const std::string& jinja) {
 
 }  // namespace
 
-std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir) {
+std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, const std::string& lora_dir) {
   const ModelConfig cfg = load_model_config((fs::path(dir) / "config.json").string());
   const ModelTensors files = ModelTensors::open(dir);
   check_weights_size(files, ParamTable(cfg), dir);  // before allocating what config.json asks for
+  // The adapter is read (and checked against the base) before the base's memory is allocated.
+  std::optional<PeftAdapter> adapter;
+  if (!lora_dir.empty()) adapter = read_peft_adapter(lora_dir, cfg);
   auto m = std::make_unique<InferenceModel>(cfg);
   load_hf_weights(files, m->table, m->params.data(), dir);
+  if (adapter) merge_lora(m->table, m->params.data(), ParamTable(cfg, adapter->spec), adapter->values.data(), adapter->spec);
   m->keep_bf16_copy();
   return m;
 }

@@ -36,8 +36,9 @@ struct InferenceModel {
 };
 
 // Reads DIR/config.json and DIR's safetensors (any float dtype; computed in fp32), and keeps a bf16
-// copy for decoding when the values allow it exactly (keep_bf16_copy).
-std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir);
+// copy for decoding when the values allow it exactly (keep_bf16_copy).  lora_dir: a PEFT LoRA adapter
+// directory (model/lora.h) for this base, merged into the fp32 weights at load ("": none).
+std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, const std::string& lora_dir = "");
 
 // How the chat template was chosen, for messages ("--template", "tokenizer_config.json", ...).
 struct TemplateChoice {

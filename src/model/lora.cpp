@@ -351,7 +351,22 @@ void write_peft_adapter(const std::string& dir, const ModelConfig& cfg, const Lo
   fs::rename(cpath + ".tmp", cpath);
 }
 
+namespace {
+PeftAdapter read_peft_adapter_unchecked(const std::string& dir, const ModelConfig& cfg);
+}
+
 PeftAdapter read_peft_adapter(const std::string& dir, const ModelConfig& cfg) {
+  try {
+    return read_peft_adapter_unchecked(dir, cfg);
+  } catch (const InputError&) {
+    throw;
+  } catch (const Error& e) {
+    throw InputError(e.what());
+  }
+}
+
+namespace {
+PeftAdapter read_peft_adapter_unchecked(const std::string& dir, const ModelConfig& cfg) {
   const std::string cpath = (fs::path(dir) / "adapter_config.json").string();
   const std::string wpath = (fs::path(dir) / "adapter_model.safetensors").string();
   std::error_code ec;
@@ -469,6 +484,7 @@ PeftAdapter read_peft_adapter(const std::string& dir, const ModelConfig& cfg) {
            fmt::join(names, ", "));
   return out;
 }
+}  // namespace
 
 void merge_lora(const ParamTable& base, float* base_values, const ParamTable& adapters, const float* adapter_values,
                 const LoraSpec& spec) {

@@ -82,7 +82,8 @@ struct PeftAdapter {
 // Reads a PEFT LoRA adapter directory for a base of config `cfg`.  Errors name the file and the
 // field: not LoRA, options moetron does not implement (DoRA, biases, dropout on experts, per-layer
 // ranks, target regexes, modules_to_save, ...), a target the base lacks, a tensor missing,
-// unexpected or of a shape the base does not imply (an adapter made for another model).
+// unexpected or of a shape the base does not imply (an adapter made for another model).  Every error
+// is an InputError (the CLI exits 2).
 PeftAdapter read_peft_adapter(const std::string& dir, const ModelConfig& cfg);
 
 // W += scale * B A for every adapted tensor: base_values laid out by the WHOLE base table, adapter
