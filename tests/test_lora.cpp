@@ -6,7 +6,10 @@
 //   PEFT's final adapter gives PEFT's logits within 1e-5 (normalised).
 // And the adapter table itself: sharded tables hold the whole table's values, PEFT's format round
 // trips, and bad adapters are refused naming the field.
+#include <sys/wait.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -349,6 +352,92 @@ TEST(LoraAdapterErrors, BadAdaptersAreRefusedNamingTheField) {
     expect_refused(a.write(), cfg, "made for LlamaForCausalLM, the base is MixtralForCausalLM");
   }
   expect_refused("/nonexistent-adapter", cfg, "not a PEFT adapter directory");
+}
+
+// ---- the command line -------------------------------------------------------------------------------
+
+struct Cli {
+  int code = -1;
+  std::string out, err;
+};
+
+Cli moetron_cli(const TempDir& t, const std::string& args) {
+  const std::string o = t.file("stdout.txt"), e = t.file("stderr.txt");
+  const int status = std::system((std::string(MOETRON_BINARY) + " " + args + " > " + o + " 2> " + e).c_str());
+  Cli r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream fo(o), fe(e);
+  r.out.assign(std::istreambuf_iterator<char>(fo), {});
+  r.err.assign(std::istreambuf_iterator<char>(fe), {});
+  return r;
+}
+
+TEST(LoraCli, ForwardWithAnAdapterGivesPeftsLogitsAndAdapterGradients) {
+  const LoraCase c = load_case("mixtral");
+  TempDir t("lora_cli");
+  const Cli r = moetron_cli(t, "forward --model " + c.dir.string() + " --lora " + (c.dir / "adapter_final").string() +
+                                   " --input " + (c.dir / "input.safetensors").string() + " --output " +
+                                   t.file("out.safetensors") + " --grads " + t.file("grads.safetensors"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const SafetensorsFile out = SafetensorsFile::open(t.file("out.safetensors"));
+  EXPECT_LE(normalized_max_error(to_f32(out.get("logits")), to_f32(c.expected.get("logits_final"))), 1e-5);
+  // The gradients are the adapters', under PEFT's names (the base is frozen: none of its tensors).
+  const SafetensorsFile g = SafetensorsFile::open(t.file("grads.safetensors"));
+  const SafetensorsFile peft = SafetensorsFile::open((c.dir / "adapter_final" / "adapter_model.safetensors").string());
+  EXPECT_EQ(g.names(), peft.names());
+}
+
+TEST(LoraCli, MergeLoraWritesAModelThatComputesTheAdaptedLogits) {
+  const LoraCase c = load_case("qwen3_moe");
+  TempDir t("lora_merge");
+  const std::string merged = t.file("merged");
+  Cli r = moetron_cli(t, "convert --input " + c.dir.string() + " --merge-lora " + (c.dir / "adapter_final").string() +
+                             " --output " + merged);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_FALSE(fs::exists(fs::path(merged) / "adapter_config.json"));
+  r = moetron_cli(t, "forward --model " + merged + " --input " + (c.dir / "input.safetensors").string() +
+                         " --output " + t.file("out.safetensors"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const SafetensorsFile out = SafetensorsFile::open(t.file("out.safetensors"));
+  EXPECT_LE(normalized_max_error(to_f32(out.get("logits")), to_f32(c.expected.get("logits_final"))), 1e-5);
+}
+
+TEST(LoraCli, GenerateWithAnAdapterEqualsGenerateOnTheMergedModel) {
+  const LoraCase c = load_case("mixtral");
+  TempDir t("lora_gen");
+  const std::string merged = t.file("merged");
+  ASSERT_EQ(moetron_cli(t, "convert --input " + c.dir.string() + " --merge-lora " +
+                               (c.dir / "adapter_final").string() + " --output " + merged)
+                .code,
+            0);
+  const std::string gen = " --prompt-ids 1,5,9,17 --max-new-tokens 12 --temperature 0";
+  const Cli a = moetron_cli(t, "generate --model " + c.dir.string() + " --lora " + (c.dir / "adapter_final").string() + gen);
+  const Cli b = moetron_cli(t, "generate --model " + merged + gen);
+  const Cli base = moetron_cli(t, "generate --model " + c.dir.string() + gen);
+  ASSERT_EQ(a.code, 0) << a.err;
+  ASSERT_EQ(b.code, 0) << b.err;
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_NE(a.out, base.out) << "the adapter changes nothing";
+}
+
+TEST(LoraCli, AnAdapterForAnotherBaseIsRefusedWithExitTwoAndNothingWritten) {
+  const LoraCase c = load_case("mixtral");
+  const fs::path other = kLoraDir / "qwen3_moe" / "adapter_final";
+  TempDir t("lora_bad_cli");
+  const std::string merged = t.file("merged");
+  Cli r = moetron_cli(t, "convert --input " + c.dir.string() + " --merge-lora " + other.string() + " --output " + merged);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("the base implies"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(merged));
+  for (const auto& e : fs::directory_iterator(t.path()))
+    EXPECT_TRUE(e.path().filename().string().rfind("std", 0) == 0) << "left behind: " << e.path();
+  r = moetron_cli(t, "forward --model " + c.dir.string() + " --lora " + other.string() + " --input " +
+                         (c.dir / "input.safetensors").string() + " --output " + t.file("out.safetensors"));
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_FALSE(fs::exists(t.file("out.safetensors")));
+  r = moetron_cli(t, "generate --model " + c.dir.string() + " --lora " + t.file("nothing") + " --prompt-ids 1 --max-new-tokens 2");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("not a PEFT adapter directory"), std::string::npos) << r.err;
 }
 
 }  // namespace
