@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 #include <omp.h>
 
 #include "cli/bench_model_shape.h"
@@ -27,6 +28,7 @@
 #include "optim/zero.h"
 #include "io/hf_config.h"
 #include "model/flops.h"
+#include "model/lora.h"
 #include "model/mixtral.h"
 #include "ops/blas.h"
 #include "ops/matmul.h"
@@ -71,6 +73,10 @@ int run_bench_train(int argc, char** argv) {
   app.add_option("--sgemm-size", sgemm_n, "size of the square sgemm that sets the peak (--device cpu)");
   app.add_flag("--json", json, "also print one JSON line with the figures");
   app.add_flag("--profile", profile, "print the time spent per section of the timed steps");
+  int lora_rank = 0;
+  std::vector<std::string> lora_targets = {"attention", "experts"};
+  app.add_option("--lora-rank", lora_rank, "LoRA fine-tuning at this rank on a frozen base (0: full fine-tuning)");
+  app.add_option("--lora-targets", lora_targets, "LoRA targets (lora.targets)")->delimiter(',');
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -108,12 +114,32 @@ int run_bench_train(int argc, char** argv) {
   }
   std::fflush(stdout);
 
-  MixtralModel model(*backend, cfg);
+  LoraSpec lora;
+  if (lora_rank < 0) fail("--lora-rank must be >= 0");
+  if (lora_rank > 0) {
+    lora.rank = lora_rank;
+    lora.alpha = 2.0 * lora_rank;
+    lora.targets = parse_lora_targets(lora_targets, cfg, "--lora-targets");
+  }
+  MixtralModel model(*backend, cfg, nullptr, nullptr, LayerRange{}, lora);
   model.init_parameters(1234);
+  if (lora.on()) {
+    // B = 0 would leave the adapters' input gradients zero: a random B makes every product do work.
+    std::vector<float> a(model.train_table().total());
+    init_lora_parameters(model.train_table(), 5, a.data());
+    for (const HfTensorRef& t : model.train_table().hf_tensors())
+      if (model.train_table().spec_of(t).kind == ParamKind::lora_b)
+        for (size_t i = 0; i < t.numel; i++) a[t.offset + i] = (float)(0.01 * normal_at(9, t.offset, i));
+    model.set_train_params(a.data());
+  }
   AdamWConfig acfg;
   acfg.lr = 1e-4;
   dist::SelfComm self("bench");
-  ShardedAdamW opt(*backend, model.table(), acfg, self, self, false);
+  ShardedAdamW opt(*backend, model.train_table(), acfg, self, self, false);
+  size_t trainable = 0;
+  for (const ParamSpec& sp : model.train_table().specs()) trainable += sp.numel;
+  std::printf("trainable parameters: %zu (%s)\n", trainable,
+              lora.on() ? fmt::format("LoRA rank {}, the base frozen", lora.rank).c_str() : "full fine-tuning");
   // grad_accum micro-batches of random tokens (labels = inputs), the same every step.
   std::vector<Batch> batches(grad_accum);
   long loss_tokens = 0;
@@ -151,8 +177,8 @@ int run_bench_train(int argc, char** argv) {
     }
     {
       ScopedTimer t(pp, "optimizer");
-      const double norm = opt.global_norm(model.grad_tensor());
-      opt.step(model.param_tensor(), model.grad_tensor(), acfg.lr, (float)clip_coefficient(norm, 1.0));
+      const double norm = opt.global_norm(model.train_grad_tensor());
+      opt.step(model.train_param_tensor(), model.train_grad_tensor(), acfg.lr, (float)clip_coefficient(norm, 1.0));
       backend->synchronize("bench train");
     }
     const double dt = seconds_since(t0);
@@ -200,10 +226,11 @@ int run_bench_train(int argc, char** argv) {
     std::printf("{\"device\": \"%s\", \"tokens_per_s\": %.2f, \"gflops\": %.3f, \"tflops\": %.3f, "
                 "\"peak_gflops\": %.3f, \"sgemm_peak_gflops\": %.3f, \"mfu\": %.4f, \"step_s\": %.5f, "
                 "\"tokens_per_step\": %.0f, \"train_flop_per_token\": %.6g, \"peak_rss_mib\": %.1f, \"threads\": %d, "
-                "\"final_loss\": %.6f, \"state_gib\": %.3f, \"optimizer_gib\": %.3f, \"activation_gib\": %.3f}\n",
+                "\"final_loss\": %.6f, \"state_gib\": %.3f, \"optimizer_gib\": %.3f, \"activation_gib\": %.3f, "
+                "\"lora_rank\": %d, \"trainable_params\": %zu, \"optimizer_state_bytes\": %zu}\n",
                 device.c_str(), tps, gflops, gflops / 1e3, peak_gflops, cuda ? 0.0 : peak_gflops, mfu, step_s, tokens,
                 fc.train_per_token(), peak_rss_mib(), nthreads, last_loss, model.state_bytes() / kGiB,
-                opt.state_bytes() / kGiB, model.activation_bytes() / kGiB);
+                opt.state_bytes() / kGiB, model.activation_bytes() / kGiB, lora.rank, trainable, opt.state_bytes());
   return 0;
 }
 

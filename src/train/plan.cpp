@@ -4,6 +4,8 @@
 // m micro-batches per step per data-parallel rank; the suffix r marks a per-rank (tp-split) size.
 #include "train/plan.h"
 
+#include "model/lora.h"
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -249,7 +251,19 @@ Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size,
   p.bubble = (p.pp - 1.0) / (m + p.pp - 1.0);
 
   const std::vector<int> starts = stage_layer_starts(cfg, model);
-  const int64_t opt = p.optimizer_bytes_per_param;
+  int64_t opt = p.optimizer_bytes_per_param;
+  LoraSpec lora;
+  if (cfg.lora.rank > 0) {
+    lora.rank = cfg.lora.rank;
+    lora.alpha = cfg.lora.alpha;
+    lora.targets = parse_lora_targets(cfg.lora.targets, model, "lora.targets");
+    p.lora_rank = lora.rank;
+    // MixtralModel keeps a frozen base as fp32 (the act-store GEMM copy beside it on cuda); adapters
+    // are fp32 masters (+ their bf16 GEMM copy on cuda) with fp32 Adam moments.
+    p.base_bytes_per_param = 4 + (p.activation_dtype_bytes == 2 ? 2 : 0);
+    opt = 8;
+    for (const ParamSpec& s : ParamTable(model, lora).specs()) p.lora_params_total += (int64_t)s.numel;
+  }
   const int64_t dense_shards = p.zero1 ? p.dp : 1;
   const int64_t expert_shards = p.zero1 ? p.dp / (model.is_moe() ? p.ep : 1) : 1;
   for (int si = 0; si < p.pp; si++) {
@@ -259,11 +273,25 @@ Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size,
     s.num_layers = starts[si + 1] - starts[si];
     const bool first = si == 0, last = si == p.pp - 1;
     s.params = rank_params(p, t, s.first_layer, s.num_layers, first, last);
+    s.trainable = s.params.total();
+    int64_t dense_trainable = s.params.dense(), expert_trainable = s.params.expert_sharded();
     s.param_bytes = s.params.total() * p.param_dtype_bytes;
-    s.grad_bytes = s.params.total() * p.grad_dtype_bytes;
-    s.optimizer_bytes =
-        (ceil_div(s.params.dense(), dense_shards) + ceil_div(s.params.expert_sharded(), expert_shards)) * opt;
-    s.activation_bytes_per_micro_batch = stage_activation_bytes(p, s.num_layers, last);
+    int64_t lora_act = 0;  // u = x A^T [rows, r] of every adapted projection, per micro-batch
+    if (lora.on()) {
+      const ParamTable lt(model, lora, layout_shard(layout, model, si, 0, 0));
+      dense_trainable = expert_trainable = 0;
+      for (const ParamSpec& ls : lt.specs()) (ls.expert ? expert_trainable : dense_trainable) += (int64_t)ls.numel;
+      s.trainable = dense_trainable + expert_trainable;
+      s.param_bytes = s.params.total() * p.base_bytes_per_param + s.trainable * (p.activation_dtype_bytes == 2 ? 6 : 4);
+      const Dims d = dims_of(p);
+      for (int l = s.first_layer; l < s.first_layer + s.num_layers; l++)
+        for (const ParamSpec& ls : lt.specs())
+          if (ls.layer == l && ls.kind == ParamKind::lora_a) lora_act += (ls.expert ? d.M : d.N) * lora.rank;
+      lora_act *= p.activation_dtype_bytes;
+    }
+    s.grad_bytes = s.trainable * p.grad_dtype_bytes;
+    s.optimizer_bytes = (ceil_div(dense_trainable, dense_shards) + ceil_div(expert_trainable, expert_shards)) * opt;
+    s.activation_bytes_per_micro_batch = stage_activation_bytes(p, s.num_layers, last) + lora_act;
     s.in_flight = std::min(p.pp - si, m);
     s.workspace_bytes = workspace_bytes(p);
     s.flops = 3.0 * (s.num_layers * layer_fwd + (last ? head_fwd : 0.0)) * (double)p.tokens_per_step /
@@ -347,13 +375,19 @@ std::string format_plan(const Plan& p) {
                    p.dtype, p.param_dtype_bytes, p.optimizer_bytes_per_param, dtype_name(p.activation_dtype_bytes),
                    p.activation_dtype_bytes, p.device);
 
+  if (p.lora_rank > 0)
+    o += fmt::format("lora        rank {}: {} adapter parameters ({:.3f}% of the model) train; the base is frozen ({} B "
+                     "per parameter, no gradients or optimizer state)\n",
+                     p.lora_rank, format_count((double)p.lora_params_total, 2),
+                     100.0 * (double)p.lora_params_total / (double)p.params_total, p.base_bytes_per_param);
   o += "\nmemory per rank (every rank of a stage needs the same)\n";
-  std::vector<std::vector<std::string>> rows = {{"stage", "layers", "params", "weights", "grads", "optimizer",
+  std::vector<std::vector<std::string>> rows = {{"stage", "layers", "params", "trainable", "weights", "grads", "optimizer",
                                                  "act/micro-batch", "in flight", "workspace", "activations",
                                                  "total"}};
   for (const StagePlan& s : p.stages)
     rows.push_back({std::to_string(s.stage), fmt::format("{}-{}", s.first_layer, s.first_layer + s.num_layers - 1),
-                    format_count((double)s.params.total()), format_bytes((double)s.param_bytes),
+                    format_count((double)s.params.total()), format_count((double)s.trainable),
+                    format_bytes((double)s.param_bytes),
                     format_bytes((double)s.grad_bytes), format_bytes((double)s.optimizer_bytes),
                     format_bytes((double)s.activation_bytes_per_micro_batch), std::to_string(s.in_flight),
                     format_bytes((double)s.workspace_bytes), format_bytes((double)s.activation_bytes()),
@@ -394,6 +428,8 @@ nlohmann::json plan_to_json(const Plan& p) {
                 {"intermediate_size", p.model.intermediate_size},
                 {"vocab_size", p.model.vocab_size}};
   j["params"] = {{"total", p.params_total}, {"active", p.params_active}, {"experts", p.params_experts}};
+  if (p.lora_rank > 0)
+    j["lora"] = {{"rank", p.lora_rank}, {"params", p.lora_params_total}, {"base_bytes_per_param", p.base_bytes_per_param}};
   j["layout"] = {{"world", p.world}, {"tp", p.tp}, {"pp", p.pp}, {"dp", p.dp}, {"ep", p.ep}, {"zero1", p.zero1}};
   j["batch"] = {{"global_batch_size", p.global_batch_size}, {"micro_batch_size", p.micro_batch_size},
                 {"seq_length", p.seq_length},               {"micro_batches", p.micro_batches},
@@ -419,7 +455,8 @@ nlohmann::json plan_to_json(const Plan& p) {
                         {"experts", r.experts},
                         {"dense_ffn", r.dense_ffn},
                         {"lm_head", r.lm_head},
-                        {"total", r.total()}}},
+                        {"total", r.total()},
+                        {"trainable", s.trainable}}},
                       {"bytes",
                        {{"params", s.param_bytes},
                         {"grads", s.grad_bytes},

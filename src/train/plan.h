@@ -54,9 +54,11 @@ struct StagePlan {
   int stage = 0;
   int first_layer = 0, num_layers = 0;  // layers [first_layer, first_layer + num_layers)
   RankParams params;                    // per rank
-  int64_t param_bytes = 0;              // params x parameter dtype size
-  int64_t grad_bytes = 0;               // params x 4 (fp32 accumulation)
-  int64_t optimizer_bytes = 0;          // (fp32 master if bf16) + Adam m, v; / dp shards with ZeRO-1
+  int64_t trainable = 0;                // parameters with gradients and AdamW state: params, or (LoRA)
+                                        // the rank's adapters (the base frozen)
+  int64_t param_bytes = 0;              // params x parameter dtype size (+ the adapters with LoRA)
+  int64_t grad_bytes = 0;               // trainable x 4 (fp32 accumulation)
+  int64_t optimizer_bytes = 0;          // (fp32 master if bf16) + Adam m, v of the trainable; / dp shards with ZeRO-1
   int64_t activation_bytes_per_micro_batch = 0;  // saved for the backward, one micro-batch
   int in_flight = 1;                             // micro-batches in flight under 1F1B: min(pp - stage, m)
   int64_t workspace_bytes = 0;                   // backward scratch of one layer and one micro-batch
@@ -76,6 +78,12 @@ struct Plan {
   int micro_batches = 1;  // m: per step per data-parallel rank
   int64_t tokens_per_step = 0;
   int param_dtype_bytes = 4, grad_dtype_bytes = 4, optimizer_bytes_per_param = 8, activation_dtype_bytes = 4;
+  // LoRA (cfg.lora.rank > 0): the frozen base's bytes per parameter (as MixtralModel keeps it: fp32,
+  // and on cuda its bf16 GEMM copy beside), the adapters in fp32 (their own masters) with their
+  // gradients and Adam moments.
+  int lora_rank = 0;
+  int base_bytes_per_param = 0;
+  int64_t lora_params_total = 0;  // the whole model's adapters
   // Whole model (from ParamTable, no padding).
   int64_t params_total = 0;
   int64_t params_experts = 0;  // all expert (or dense FFN) weights
