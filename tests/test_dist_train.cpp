@@ -593,3 +593,24 @@ TEST_F(DistTrainLora, CheckpointOfTensorParallel2ResumesInOneProcess) {
   const fs::path run = train("lora_tp2_resumed_1", 0, r);
   expect_same_losses(losses(run), want, 6, "lora tp2 -> 1");
 }
+// The frozen base kept in bf16 (model.dtype bf16, one layer widened at a time) under tp 2 x pp 2 and
+// under ep 2 of dp 2: as one process with the same bf16 base.
+TEST_F(DistTrainLora, Bf16BaseUnderTensorPipelineAndExpertParallelMatchesOneProcess) {
+  std::vector<std::string> o = lora();
+  o.push_back("model.dtype=bf16");
+  const fs::path ref = train("lora_bf16_ref", 0, o);
+  const auto want = read_tensors(ref / "checkpoints" / "step-000010", "adapter_model");
+  ASSERT_FALSE(want.empty());
+  for (const auto& [name, np, extra] : std::vector<std::tuple<std::string, int, std::vector<std::string>>>{
+           {"lora_bf16_tp2pp2", 4, {"parallel.tp=2", "parallel.pp=2"}}, {"lora_bf16_ep2dp2", 4, {"parallel.ep=2"}}}) {
+    std::vector<std::string> r = o;
+    r.insert(r.end(), extra.begin(), extra.end());
+    const fs::path run = train(name, np, r);
+    expect_same_losses(losses(run), losses(ref), 1, name);
+    const auto got = read_tensors(run / "checkpoints" / "step-000010", "adapter_model");
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [n, w] : want) EXPECT_LE(rel_max_diff(got.at(n), w), 1e-4) << name << ": " << n;
+  }
+  // ... and differs from the fp32 base's run (the base really is rounded).
+  EXPECT_NE(losses(ref), losses(lora_reference()));
+}

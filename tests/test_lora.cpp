@@ -194,7 +194,58 @@ TEST_P(LoraGolden, MergedBaseComputesTheAdaptedModel) {
   EXPECT_LE(normalized_max_error(logits_of(merged, c.batch), to_f32(c.expected.get("logits_final"))), 1e-5);
 }
 
+// The base kept in bf16 (model.dtype bf16), each layer widened to fp32 as it runs: the golden bases
+// are bf16 values, so the losses, logits and adapter gradients are bitwise those of the fp32 base.
+TEST_P(LoraGolden, FrozenBf16BaseComputesBitwiseWhatTheFp32BaseDoes) {
+  const LoraCase c = load_case(GetParam());
+  PeftAdapter ad = read_peft_adapter((c.dir / "adapter_final").string(), c.cfg);
+  std::vector<float> base(ParamTable(c.cfg).total());
+  load_hf_weights(ModelTensors::open(c.dir.string()), ParamTable(c.cfg), base.data(), c.dir.string());
+  std::vector<std::vector<float>> logits, grads;
+  std::vector<double> losses;
+  for (bool bf16 : {false, true}) {
+    LoraSpec spec = ad.spec;
+    spec.base_bf16 = bf16;
+    MixtralModel m(c.cfg, nullptr, nullptr, LayerRange{}, spec);
+    EXPECT_EQ(m.base_in_bf16(), bf16);
+    m.set_params(base.data());
+    m.set_train_params(ad.values.data());
+    m.zero_grads();
+    losses.push_back(m.forward(c.batch, weights_for(c.cfg, c.batch)).loss);
+    logits.emplace_back(m.logits(), m.logits() + (size_t)c.batch.B * c.batch.T * c.cfg.vocab_size);
+    m.backward();
+    const Tensor g = m.train_grad_tensor();
+    grads.emplace_back(g.f32(), g.f32() + g.numel);
+    if (bf16) {
+      EXPECT_THROW(m.params(), Error);
+      std::vector<float> back(base.size());
+      m.get_params(back.data());
+      EXPECT_EQ(back, base) << "the bf16 store holds the (bf16) base exactly";
+    }
+  }
+  EXPECT_EQ(losses[0], losses[1]);
+  EXPECT_EQ(logits[0], logits[1]);
+  EXPECT_EQ(grads[0], grads[1]);
+}
+
 INSTANTIATE_TEST_SUITE_P(Peft, LoraGolden, ::testing::Values("mixtral", "qwen3_moe"));
+
+// A bf16 base takes 2 bytes a parameter plus one layer (and the embedding and head) in fp32: with 16
+// layers about 0.6 of the fp32 base's memory.
+TEST(LoraBf16Base, HoldsTwoBytesAParameterPlusOneWidenedLayer) {
+  ModelConfig cfg = load_model_config((kLoraDir / "mixtral" / "config.json").string());
+  cfg.num_hidden_layers = 16;
+  LoraSpec spec;
+  spec.rank = 4;
+  spec.alpha = 8;
+  spec.targets = {LoraTarget::q_proj};
+  MixtralModel full(cfg, nullptr, nullptr, LayerRange{}, spec);
+  spec.base_bf16 = true;
+  MixtralModel half(cfg, nullptr, nullptr, LayerRange{}, spec);
+  const double ratio = (double)half.state_bytes() / (double)full.state_bytes();
+  EXPECT_LT(ratio, 0.65) << half.state_bytes() << " vs " << full.state_bytes();
+  EXPECT_GT(ratio, 0.5);
+}
 
 // ---- the adapter table -----------------------------------------------------------------------------
 

@@ -704,6 +704,32 @@ TEST_F(TrainTest, LoraTrainsTheAdaptersAndResumesExactly) {
   for (const auto& [name, bytes] : wa) EXPECT_TRUE(wb.at(name) == bytes) << name;
 }
 
+// model.dtype bf16 keeps a LoRA run's frozen base in bf16 on the CPU too; it trains and resumes exactly.
+TEST_F(TrainTest, LoraOverABf16BaseResumesExactly) {
+  const std::vector<std::string> o = {"lora.rank=4", "model.dtype=bf16", "train.lr=1.0e-2", "train.min_lr=1.0e-3"};
+  run_training(config("straight", o));
+  std::vector<std::string> a = o, b = o;
+  a.insert(a.end(), {"train.exit_interval=3", "checkpoint.keep_last=10"});
+  b.push_back("checkpoint.keep_last=10");
+  run_training(config("resumed", a));
+  run_training(config("resumed", b));
+  const auto x = losses("straight"), y = losses("resumed");
+  ASSERT_EQ(x.size(), 10u);
+  ASSERT_EQ(y, x);
+  // Without LoRA, bf16 parameters are refused on the CPU, naming the field.
+  EXPECT_THROW(
+      {
+        try {
+          run_training(config("full_bf16", {"model.dtype=bf16"}));
+        } catch (const SetupError& e) {
+          EXPECT_NE(std::string(e.what()).find("model.dtype: 'bf16' is not supported on device cpu"), std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      SetupError);
+}
+
 TEST_F(TrainTest, LoraConfigErrorsNameTheField) {
   const std::pair<std::vector<std::string>, std::string> cases[] = {
       {{"lora.rank=-1"}, "lora.rank: must be in [0, 65536]"},

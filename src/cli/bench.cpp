@@ -77,6 +77,8 @@ int run_bench_train(int argc, char** argv) {
   std::vector<std::string> lora_targets = {"attention", "experts"};
   app.add_option("--lora-rank", lora_rank, "LoRA fine-tuning at this rank on a frozen base (0: full fine-tuning)");
   app.add_option("--lora-targets", lora_targets, "LoRA targets (lora.targets)")->delimiter(',');
+  bool base_bf16 = false;
+  app.add_flag("--base-bf16", base_bf16, "LoRA: keep the frozen base in bf16 (model.dtype bf16)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -120,6 +122,7 @@ int run_bench_train(int argc, char** argv) {
     lora.rank = lora_rank;
     lora.alpha = 2.0 * lora_rank;
     lora.targets = parse_lora_targets(lora_targets, cfg, "--lora-targets");
+    lora.base_bf16 = base_bf16;
   }
   MixtralModel model(*backend, cfg, nullptr, nullptr, LayerRange{}, lora);
   model.init_parameters(1234);

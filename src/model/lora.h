@@ -47,6 +47,9 @@ struct LoraSpec {
   double alpha = 0.0;
   bool rslora = false;  // scale alpha / sqrt(r) (PEFT use_rslora)
   std::vector<LoraTarget> targets;  // sorted, unique
+  // How MixtralModel keeps the frozen base: bf16 (model.dtype bf16: 2 bytes a parameter, each
+  // layer widened to fp32 when it runs) or fp32.  Not part of the adapter.
+  bool base_bf16 = false;
   bool on() const { return rank > 0; }
   float scale() const;
   bool has(LoraTarget t) const;

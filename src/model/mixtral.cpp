@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "backend/cpu.h"
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "dist/comm.h"
@@ -107,8 +108,37 @@ void MixtralModel::init(dist::Comm* tp, dist::Comm* ep, LayerRange layers, const
       tgemm = be_.view(agemm->data(), be_.act_store(), total);
     }
   };
-  place(table_.total(), !lora_.on(), params_, grads_, params_alloc_, grads_alloc_, gemm_alloc_, params_t_, grads_t_,
-        gemm_t_, "model");
+  base16_ = lora_.on() && lora_.base_bf16;
+  if (!base16_) {
+    place(table_.total(), !lora_.on(), params_, grads_, params_alloc_, grads_alloc_, gemm_alloc_, params_t_, grads_t_,
+          gemm_t_, "model");
+  } else {
+    // The layers' flat ranges: tensors are laid out layer by layer between the first stage's embedding
+    // and the last stage's final norm and head.
+    const size_t total = table_.total();
+    const int L = layer_end_ - layer_begin_;
+    layer_begin_off_.assign(L + 1, total);
+    suffix_begin_ = total;
+    for (const ParamSpec& sp : table_.specs()) {
+      if (sp.layer >= 0)
+        layer_begin_off_[sp.layer - layer_begin_] = std::min(layer_begin_off_[sp.layer - layer_begin_], sp.offset);
+      else if (sp.kind != ParamKind::embedding)
+        suffix_begin_ = std::min(suffix_begin_, sp.offset);
+    }
+    layer_begin_off_[L] = suffix_begin_;
+    prefix_end_ = layer_begin_off_[0];
+    window_ = 0;
+    for (int i = 0; i < L; i++) window_ = std::max(window_, layer_begin_off_[i + 1] - layer_begin_off_[i]);
+    const size_t compact = prefix_end_ + window_ + (total - suffix_begin_);
+    compact_alloc_ = be_.allocate(compact * 4, "frozen base: fp32 edges and one layer");
+    compact_t_ = be_.view(compact_alloc_->data(), Store::f32, compact);
+    if (be_.host_memory()) {
+      base16_host_.assign(total, 0);
+    } else {
+      base16_alloc_ = be_.allocate(total * be_.element_bytes(Store::bf16), "frozen base (bf16)");
+      base16_t_ = be_.view(base16_alloc_->data(), Store::bf16, total);
+    }
+  }
   if (lora_.on()) {
     lora_table_ = std::make_unique<ParamTable>(cfg_, lora_, table_.shard());
     place(lora_table_->total(), true, lparams_, lgrads_, lparams_alloc_, lgrads_alloc_, lgemm_alloc_, lparams_t_,
@@ -194,12 +224,51 @@ Tensor MixtralModel::param_tensor() {
   return params_t_;
 }
 
+// Widens n bf16 values (host) into fp32.
+static void widen_bf16(float* out, const uint16_t* in, size_t n) {
+#pragma omp parallel for schedule(static)
+  for (size_t i = 0; i < n; i++) out[i] = bf16_to_f32(in[i]);
+}
+
+void MixtralModel::refresh_edges() {
+  const size_t total = table_.total(), suffix = total - suffix_begin_;
+  if (be_.host_memory()) {
+    widen_bf16(compact_t_.f32(), base16_host_.data(), prefix_end_);
+    widen_bf16(compact_t_.f32() + prefix_end_ + window_, base16_host_.data() + suffix_begin_, suffix);
+  } else {
+    if (prefix_end_ > 0) be_.convert(compact_t_.part(0, prefix_end_), base16_t_.part(0, prefix_end_));
+    if (suffix > 0) be_.convert(compact_t_.part(prefix_end_ + window_, suffix), base16_t_.part(suffix_begin_, suffix));
+  }
+  window_layer_ = -1;
+}
+
+void MixtralModel::ensure_layer(int l) {
+  if (!base16_ || window_layer_ == l) return;
+  const int li = l - layer_begin_;
+  const size_t b = layer_begin_off_[li], n = layer_begin_off_[li + 1] - b;
+  if (be_.host_memory())
+    widen_bf16(compact_t_.f32() + prefix_end_, base16_host_.data() + b, n);
+  else
+    be_.convert(compact_t_.part(prefix_end_, n), base16_t_.part(b, n));
+  window_layer_ = l;
+}
+
+size_t MixtralModel::compact_offset(const ParamSpec& sp) const {
+  if (sp.offset < prefix_end_) return sp.offset;
+  if (sp.offset >= suffix_begin_) return prefix_end_ + window_ + (sp.offset - suffix_begin_);
+  if (sp.layer != window_layer_)
+    fail("[MixtralModel] the frozen bf16 base's layer {} is read while layer {} is widened", sp.layer, window_layer_);
+  return prefix_end_ + (sp.offset - layer_begin_off_[sp.layer - layer_begin_]);
+}
+
 std::vector<float>& MixtralModel::params() {
+  if (base16_) fail("[MixtralModel::params] the frozen base is kept in bf16; use get_params / set_params");
   if (!be_.host_memory()) fail("[MixtralModel::params] the parameters live in {} memory; use get_params", be_.name());
   gemm_stale_ = true;
   return params_;
 }
 const std::vector<float>& MixtralModel::params() const {
+  if (base16_) fail("[MixtralModel::params] the frozen base is kept in bf16; use get_params / set_params");
   if (!be_.host_memory()) fail("[MixtralModel::params] the parameters live in {} memory; use get_params", be_.name());
   return params_;
 }
@@ -212,14 +281,37 @@ const std::vector<float>& MixtralModel::grads() const {
   return grads_;
 }
 
-void MixtralModel::get_params(float* host) const { be_.download(host, params_t_); }
+void MixtralModel::get_params(float* host) const {
+  if (!base16_) return be_.download(host, params_t_);
+  if (be_.host_memory()) return widen_bf16(host, base16_host_.data(), base16_host_.size());
+  std::vector<uint16_t> b(table_.total());
+  be_.download(b.data(), base16_t_);
+  widen_bf16(host, b.data(), b.size());
+}
 void MixtralModel::set_params(const float* host) {
-  be_.upload(params_t_, host);
   gemm_stale_ = true;
+  if (!base16_) return be_.upload(params_t_, host);
+  // Rounded to bf16 (nearest even): the frozen base is model.dtype.
+  const size_t total = table_.total();
+  std::vector<uint16_t> tmp;
+  uint16_t* dst = base16_host_.data();
+  if (!be_.host_memory()) {
+    tmp.resize(total);
+    dst = tmp.data();
+  }
+#pragma omp parallel for schedule(static)
+  for (size_t i = 0; i < total; i++) dst[i] = f32_to_bf16(host[i]);
+  if (!be_.host_memory()) be_.upload(base16_t_, tmp.data());
+  refresh_edges();
 }
 void MixtralModel::get_grads(float* host) const { be_.download(host, grads_t_); }
 void MixtralModel::init_parameters(uint64_t seed) {
   gemm_stale_ = true;
+  if (base16_) {
+    std::vector<float> host(table_.total(), 0.0f);
+    moetron::init_parameters(table_, cfg_, seed, host.data());
+    return set_params(host.data());
+  }
   if (be_.host_memory()) return moetron::init_parameters(table_, cfg_, seed, params_.data());
   if (!table_.is_whole()) {  // slices of tensors: drawn on the host at their whole-tensor indices
     std::vector<float> host(table_.total(), 0.0f);
@@ -249,10 +341,18 @@ void MixtralModel::refresh_gemm_weights() {
 
 Tensor MixtralModel::W(ParamKind kind, int layer) const {
   const ParamSpec& s = table_.at(kind, layer);
+  if (base16_) return compact_t_.part(compact_offset(s), s.numel);
   return params_t_.part(s.offset, s.numel);
 }
 Tensor MixtralModel::Wg(ParamKind kind, int layer) {
   const ParamSpec& s = table_.at(kind, layer);
+  if (base16_) {
+    if (!be_.host_memory()) return base16_t_.part(s.offset, s.numel);  // the device's act store is bf16
+    // Host backends: the widened fp32 values, which are bf16 values (what a bf16 act store holds).
+    Tensor t = compact_t_.part(compact_offset(s), s.numel);
+    t.store = be_.act_store();
+    return t;
+  }
   return gemm_t_.part(s.offset, s.numel);
 }
 Tensor MixtralModel::G(ParamKind kind, int layer) const {
@@ -507,8 +607,10 @@ size_t MixtralModel::activation_bytes_per_micro_batch() const { return last_ ? l
 
 size_t MixtralModel::state_bytes() const {
   size_t b = 0;
-  for (const auto* a : {&params_alloc_, &grads_alloc_, &gemm_alloc_, &lparams_alloc_, &lgrads_alloc_, &lgemm_alloc_})
+  for (const auto* a : {&params_alloc_, &grads_alloc_, &gemm_alloc_, &lparams_alloc_, &lgrads_alloc_, &lgemm_alloc_,
+                        &base16_alloc_, &compact_alloc_})
     if (*a) b += (*a)->bytes();
+  b += base16_host_.size() * sizeof(uint16_t);
   if (be_.host_memory()) b += (params_.size() + grads_.size() + lparams_.size() + lgrads_.size()) * sizeof(float);
   return b;
 }
@@ -659,6 +761,7 @@ Losses MixtralModel::run_forward(Activations& s, const Batch& batch, const LossW
 
 // One decoder layer l: x_next = h + FFN(RMSNorm(h)), h = x + Attn(RMSNorm(x)).
 void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
+  ensure_layer(l);
   const long N = (long)s.B * s.T;
   const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe_model] = dims();
   (void)V;
@@ -894,6 +997,7 @@ void MixtralModel::qk_norm_backward(Tensor draw, Tensor dout, Tensor raw, Tensor
 
 // Layer l in reverse; dres is d(x_next) on entry and d(x) of the layer on exit.
 void MixtralModel::layer_backward(Activations& s, int l) {
+  ensure_layer(l);
   const long N = (long)s.B * s.T;
   const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe_model] = dims();
   (void)V;

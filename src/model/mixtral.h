@@ -116,6 +116,9 @@ class MixtralModel {
   // is empty) -- and the adapters are what trains: the train_* accessors name the adapter table and
   // its arrays with LoRA, the base's otherwise, so an optimizer over train_table() serves both.
   bool lora_on() const { return lora_.on(); }
+  // The frozen base is kept in bf16 (LoraSpec::base_bf16): params() is unavailable (use
+  // get_params / set_params, which round to bf16).
+  bool base_in_bf16() const { return base16_; }
   const LoraSpec& lora_spec() const { return lora_; }
   const ParamTable& train_table() const { return lora_table_ ? *lora_table_ : table_; }
   Tensor train_param_tensor();  // marks them changed
@@ -349,6 +352,21 @@ class MixtralModel {
   std::unique_ptr<Allocation> lparams_alloc_, lgrads_alloc_, lgemm_alloc_;
   Tensor lparams_t_, lgrads_t_, lgemm_t_;
   bool lgemm_stale_ = true;
+  // A frozen bf16 base: the parameters in bf16 (host: base16_host_; device: base16_t_), and an fp32
+  // "compact" array -- the tensors before the first layer, one layer's window, the tensors after the
+  // last -- from which W() (and, on host backends, Wg()) read; ensure_layer(l) widens layer l into
+  // the window.  Compact offsets: prefix [0, prefix_end_), window [prefix_end_, + window_), suffix.
+  bool base16_ = false;
+  std::vector<uint16_t> base16_host_;
+  std::unique_ptr<Allocation> base16_alloc_, compact_alloc_;
+  Tensor base16_t_, compact_t_;
+  size_t prefix_end_ = 0, suffix_begin_ = 0, window_ = 0;
+  std::vector<size_t> layer_begin_off_;  // per stage layer: its first flat offset; + suffix_begin_
+  int window_layer_ = -1;
+  void ensure_layer(int l);
+  void refresh_edges();
+  // The compact offset of a base tensor (its layer must be in the window).
+  size_t compact_offset(const ParamSpec& s) const;
   Tensor du_;       // LoRA backward scratch [N,r]
   ExpertFfn ffn_;   // the dense FFN layers and the shared expert (their backward scratch)
 

@@ -91,8 +91,11 @@ void check_seq_length(const TrainConfig& cfg, const ModelConfig& mc, const std::
 
 void check_device_rules(const TrainConfig& cfg, const ModelConfig& mc) {
   if (cfg.device == "cpu") {
-    if (cfg.model.dtype != "fp32")
-      fail("model.dtype: '{}' is not supported on device cpu (it trains fp32 parameters); use fp32", cfg.model.dtype);
+    // LoRA: bf16 keeps the frozen base in bf16 (computed in fp32); the adapters train in fp32.
+    if (cfg.model.dtype != "fp32" && !(cfg.lora.rank > 0 && cfg.model.dtype == "bf16"))
+      fail("model.dtype: '{}' is not supported on device cpu (it trains fp32 parameters; bf16 is for a LoRA run's "
+           "frozen base); use fp32",
+           cfg.model.dtype);
     return;
   }
   if (cfg.device == "cuda") {

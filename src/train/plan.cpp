@@ -258,9 +258,10 @@ Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size,
     lora.alpha = cfg.lora.alpha;
     lora.targets = parse_lora_targets(cfg.lora.targets, model, "lora.targets");
     p.lora_rank = lora.rank;
-    // MixtralModel keeps a frozen base as fp32 (the act-store GEMM copy beside it on cuda); adapters
-    // are fp32 masters (+ their bf16 GEMM copy on cuda) with fp32 Adam moments.
-    p.base_bytes_per_param = 4 + (p.activation_dtype_bytes == 2 ? 2 : 0);
+    // MixtralModel keeps a frozen base in bf16 (model.dtype bf16; one layer at a time widened to fp32,
+    // not counted) or fp32; adapters are fp32 masters (+ their bf16 GEMM copy on cuda) with fp32 Adam
+    // moments.
+    p.base_bytes_per_param = bf16 ? 2 : 4 + (p.activation_dtype_bytes == 2 ? 2 : 0);
     opt = 8;
     for (const ParamSpec& s : ParamTable(model, lora).specs()) p.lora_params_total += (int64_t)s.numel;
   }
@@ -304,7 +305,7 @@ Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size,
         "pipeline: {} micro-batches per step per data-parallel rank < pp {}: the 1F1B pipeline never fills "
         "(bubble {:.1f}%); raise train.global_batch_size or lower train.micro_batch_size",
         m, p.pp, 100.0 * p.bubble));
-  if (cfg.device == "cpu" && bf16)
+  if (cfg.device == "cpu" && bf16 && !lora.on())
     p.warnings.push_back("model.dtype bf16 on device cpu: the CPU trainer supports fp32 only");
   return p;
 }

@@ -374,6 +374,7 @@ void Training::build_model() {
     lora_.alpha = cfg_.lora.alpha;
     lora_.rslora = cfg_.lora.rslora;
     lora_.targets = parse_lora_targets(cfg_.lora.targets, mcfg_, "lora.targets");
+    lora_.base_bf16 = cfg_.model.dtype == "bf16";  // the frozen base in model.dtype
   }
   model_.emplace(*backend_, mcfg_, &groups_->tp(), &groups_->ep(), layout_.stage_layers(grid_->coord().pp), lora_);
   link_.emplace(*backend_, groups_->pp(), mcfg_.is_moe() ? mcfg_.num_local_experts : 0);
@@ -395,7 +396,7 @@ void Training::build_model() {
 }
 
 void Training::fill_params(const std::function<void(float*)>& fill) {
-  if (backend_->host_memory()) return fill(model_->params().data());
+  if (backend_->host_memory() && !model_->base_in_bf16()) return fill(model_->params().data());
   std::vector<float> host(model_->table().total(), 0.0f);
   fill(host.data());
   model_->set_params(host.data());
