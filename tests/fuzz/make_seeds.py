@@ -218,6 +218,18 @@ def seeds_tokenizer_json():
     put("fuzz_tokenizer_json", "tiny", struct.pack("<H", 11) + b"hello <|im_" + tiny)
 
 
+def seeds_peft_adapter():
+    src = os.path.join(ROOT, "tests", "golden", "lora", "mixtral", "adapter_init", "adapter_config.json")
+    cfg = json.load(open(src))
+    put("fuzz_peft_adapter", "golden", json.dumps(cfg, indent=2))
+    for name, edit in [("rank8", {"r": 8}), ("dora", {"use_dora": True}), ("regex", {"target_modules": ".*proj"}),
+                       ("attention_only", {"target_parameters": None}), ("rslora", {"use_rslora": True}),
+                       ("rank_pattern", {"rank_pattern": {"q_proj": 2}}), ("no_type", {"peft_type": None})]:
+        put("fuzz_peft_adapter", name, json.dumps(dict(cfg, **edit)))
+    put("fuzz_peft_adapter", "with_weights", json.dumps(cfg).encode() + b"\n@@SAFETENSORS@@\n" +
+        safetensors({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": ("F32", [1, 1], b"\0" * 4)}))
+
+
 def seeds_http():
     body = b'{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4}'
     h = "Host: x\r\n".encode()
@@ -241,6 +253,6 @@ def seeds_http():
 
 if __name__ == "__main__":
     for f in [seeds_safetensors, seeds_index, seeds_hf_config, seeds_train_config, seeds_jsonl, seeds_indexed,
-              seeds_checkpoint, seeds_openai, seeds_tokenizer, seeds_tokenizer_json, seeds_http]:
+              seeds_checkpoint, seeds_openai, seeds_tokenizer, seeds_tokenizer_json, seeds_peft_adapter, seeds_http]:
         f()
     print("seeds written under", OUT, file=sys.stderr)
