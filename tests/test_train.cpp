@@ -730,6 +730,25 @@ TEST_F(TrainTest, LoraOverABf16BaseResumesExactly) {
       SetupError);
 }
 
+// A LoRA run from an HF directory whose weights are bf16 values: the bf16 base (read tensor by
+// tensor into the bf16 store) and the fp32 base compute bitwise the same run.
+TEST_F(TrainTest, LoraFromAnHfDirectoryBf16BaseEqualsFp32Base) {
+  run_training(config("init", {"train.max_steps=1", "train.lr=0", "train.min_lr=0", "train.warmup_steps=0"}));
+  const fs::path ck = root_ / "init" / "checkpoints" / "step-000001", bf16 = root_ / "init_bf16";
+  const std::string cmd = std::string(MOETRON_BINARY) + " convert --input " + ck.string() + " --output " +
+                          bf16.string() + " --dtype bf16 --drop-optimizer > /dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const std::vector<std::string> o = {"model.init=" + bf16.string(), "model.config=null", "lora.rank=4",
+                                      "train.lr=1.0e-2", "train.min_lr=1.0e-3"};
+  run_training(config("fp32_base", o));
+  std::vector<std::string> b = o;
+  b.push_back("model.dtype=bf16");
+  run_training(config("bf16_base", b));
+  const auto x = losses("fp32_base"), y = losses("bf16_base");
+  ASSERT_EQ(x.size(), 10u);
+  EXPECT_EQ(x, y);
+}
+
 TEST_F(TrainTest, LoraConfigErrorsNameTheField) {
   const std::pair<std::vector<std::string>, std::string> cases[] = {
       {{"lora.rank=-1"}, "lora.rank: must be in [0, 65536]"},

@@ -111,7 +111,7 @@ TEST(TrainConfig, UnknownKeySuggestions) {
       {"  tensor_model_parallel_size: 8\n", "(did you mean parallel.tp?)"},
       {"  zzzzzzzzzzzz: 1\n", "unknown key 'train.zzzzzzzzzzzz' (valid keys under train: global_batch_size, "
                               "micro_batch_size, max_steps"},
-      {"qqqqqqqqqqqqqqqq: 1\n", "(valid top-level keys: run_dir, device, seed, model, data, train, moe, parallel,"},
+      {"qqqqqqqqqqqqqqqq: 1\n", "(valid top-level keys: run_dir, device, seed, model, data, train, moe, lora, parallel,"},
       {"parallel: {tp: 1, pipeline: 2}\n", "cfg.yaml:17:19: unknown key 'parallel.pipeline'"},
   };
   for (const Case& c : cases) EXPECT_HAS(error_of(kBase + c.yaml_tail), c.expected);
@@ -352,7 +352,19 @@ TEST(TrainConfig, JsonHasEveryKeyInItsSection) {
   EXPECT_EQ(j["moe"]["capacity_factor"], 2.0);
   EXPECT_TRUE(j["moe"]["aux_loss_coef"].is_null());
   EXPECT_EQ(j["model"]["config"]["hidden_size"], 64);
-  EXPECT_EQ(train_config_keys().size(), 42u);  // update with the key table
+  EXPECT_EQ(train_config_keys().size(), 48u);  // update with the key table
+  EXPECT_EQ(j["lora"]["rank"], 0);
+  EXPECT_EQ(j["lora"]["targets"], json({"attention", "experts"}));
+}
+
+// The lora section: a list of names, dumped and read back equal.
+TEST(TrainConfig, LoraSectionRoundTrips) {
+  const TrainConfig c = load_text(kBase, {"lora={rank: 8, alpha: 16, targets: [q_proj, experts.down_proj], rslora: true}"});
+  EXPECT_EQ(c.lora.rank, 8);
+  EXPECT_EQ(c.lora.targets, (std::vector<std::string>{"q_proj", "experts.down_proj"}));
+  EXPECT_TRUE(c.lora.rslora);
+  EXPECT_EQ(train_config_from_yaml_text(train_config_to_yaml(c), "dump", {}), c);
+  EXPECT_THROW(load_text(kBase, {"lora.targets=q_proj"}), Error);  // a list, not a scalar
 }
 
 TEST(TrainConfig, TinyMixtralExampleLoads) {

@@ -240,6 +240,7 @@ void MixtralModel::refresh_edges() {
     if (suffix > 0) be_.convert(compact_t_.part(prefix_end_ + window_, suffix), base16_t_.part(suffix_begin_, suffix));
   }
   window_layer_ = -1;
+  edges_stale_ = false;
 }
 
 void MixtralModel::ensure_layer(int l) {
@@ -305,12 +306,32 @@ void MixtralModel::set_params(const float* host) {
   refresh_edges();
 }
 void MixtralModel::get_grads(float* host) const { be_.download(host, grads_t_); }
+void MixtralModel::set_param_tensor(const HfTensorRef& t, const float* host) {
+  gemm_stale_ = true;
+  if (!base16_) return be_.upload(params_t_.part(t.offset, t.numel), host);
+  if (be_.host_memory()) {
+    uint16_t* dst = base16_host_.data() + t.offset;
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < t.numel; i++) dst[i] = f32_to_bf16(host[i]);
+  } else {
+    std::vector<uint16_t> tmp(t.numel);
+    for (size_t i = 0; i < t.numel; i++) tmp[i] = f32_to_bf16(host[i]);
+    be_.upload(base16_t_.part(t.offset, t.numel), tmp.data());
+  }
+  edges_stale_ = true;
+  window_layer_ = -1;
+}
+
 void MixtralModel::init_parameters(uint64_t seed) {
   gemm_stale_ = true;
-  if (base16_) {
-    std::vector<float> host(table_.total(), 0.0f);
-    moetron::init_parameters(table_, cfg_, seed, host.data());
-    return set_params(host.data());
+  if (base16_) {  // tensor by tensor: never a whole fp32 copy of the base
+    std::vector<float> tmp;
+    for (const HfTensorRef& t : table_.hf_tensors()) {
+      tmp.resize(t.numel);
+      init_hf_tensor(table_, cfg_, seed, t, tmp.data());
+      set_param_tensor(t, tmp.data());
+    }
+    return refresh_edges();
   }
   if (be_.host_memory()) return moetron::init_parameters(table_, cfg_, seed, params_.data());
   if (!table_.is_whole()) {  // slices of tensors: drawn on the host at their whole-tensor indices
@@ -693,6 +714,10 @@ Losses MixtralModel::forward_queued(const Batch& batch, const LossWeights& weigh
 
 Losses MixtralModel::run_forward(Activations& s, const Batch& batch, const LossWeights& weights, const StageInput& in) {
   refresh_gemm_weights();
+  if (edges_stale_) {
+    refresh_edges();
+    edges_stale_ = false;
+  }
   allocate(s, batch.B, batch.T);
   allocate_scratch(batch.B, batch.T);
   const long N = (long)batch.B * batch.T;

@@ -138,6 +138,9 @@ class MixtralModel {
   // Host copies, on any backend.
   void get_params(float* host) const;
   void set_params(const float* host);
+  // One HF tensor of table() from host values (t.numel floats; rounded to bf16 for a bf16 base): a
+  // base loads tensor by tensor without a whole-model host copy.
+  void set_param_tensor(const HfTensorRef& t, const float* host);
   void get_grads(float* host) const;
   // moetron::init_parameters (params.h) in the backend's memory: the same counter RNG, so any
   // backend and any shard hold the same values (a device evaluates the fp64 maths itself).
@@ -363,6 +366,7 @@ class MixtralModel {
   size_t prefix_end_ = 0, suffix_begin_ = 0, window_ = 0;
   std::vector<size_t> layer_begin_off_;  // per stage layer: its first flat offset; + suffix_begin_
   int window_layer_ = -1;
+  bool edges_stale_ = false;  // set_param_tensor changed the bf16 base: widen the edges again
   void ensure_layer(int l);
   void refresh_edges();
   // The compact offset of a base tensor (its layer must be in the window).

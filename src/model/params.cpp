@@ -410,19 +410,22 @@ void copy_to_whole(const ParamTable& shard, const float* shard_values, const Par
 }
 
 void init_parameters(const ParamTable& table, const ModelConfig& cfg, uint64_t seed, float* params) {
+  for (const HfTensorRef& t : table.hf_tensors()) init_hf_tensor(table, cfg, seed, t, params + t.offset);
+}
+
+void init_hf_tensor(const ParamTable& table, const ModelConfig& cfg, uint64_t seed, const HfTensorRef& t, float* p) {
   const double std = cfg.initializer_range;
-  for (const HfTensorRef& t : table.hf_tensors()) {
-    float* p = params + t.offset;
+  {
     if (table.spec_of(t).is_norm() || table.spec_of(t).is_bias()) {
       const float fill = table.spec_of(t).is_norm() ? 1.0f : 0.0f;
       for (size_t i = 0; i < t.numel; i++) p[i] = fill;
-      continue;
+      return;
     }
     const uint64_t key = hash_name(t.name);
     if (t.slice_dim < 0) {
 #pragma omp parallel for schedule(static)
       for (size_t i = 0; i < t.numel; i++) p[i] = (float)(std * normal_at(seed, key, i));
-      continue;
+      return;
     }
     // A slice of a 2-d tensor: element (a, b) of the slice is element (a + begin, b) (rows) or
     // (a, b + begin) (columns) of the whole tensor; a 1-d slice is one row.
@@ -431,7 +434,7 @@ void init_parameters(const ParamTable& table, const ModelConfig& cfg, uint64_t s
     if (one_d) {
 #pragma omp parallel for schedule(static)
       for (size_t i = 0; i < t.numel; i++) p[i] = (float)(std * normal_at(seed, key, i + (size_t)t.slice_begin));
-      continue;
+      return;
     }
     const size_t row_off = t.slice_dim == 0 ? (size_t)t.slice_begin : 0;
     const size_t col_off = t.slice_dim == 0 ? 0 : (size_t)t.slice_begin;

@@ -170,5 +170,7 @@ std::pair<int64_t, int64_t> shard_range(int64_t n, int parts, int part);
 // element index = position within the WHOLE tensor, so any slice (a sharded table) is initialised
 // to exactly the values the whole model holds there.
 void init_parameters(const ParamTable& table, const ModelConfig& cfg, uint64_t seed, float* params);
+// The same for one HF tensor of the table: p[t.numel] (p points at the tensor's values).
+void init_hf_tensor(const ParamTable& table, const ModelConfig& cfg, uint64_t seed, const HfTensorRef& t, float* p);
 
 }  // namespace moetron

@@ -446,12 +446,30 @@ void Training::initialise() {
     model_->init_parameters(cfg_.seed);
   } else {
     const ModelTensors files = ModelTensors::open(init_dir_);
-    fill_params([&](float* p) {
-      if (table.is_whole())
-        load_hf_weights(files, table, p, init_dir_);
-      else
-        read_rank_hf_weights(files, init_dir_, mcfg_, table, p);
-    });
+    if (model_->base_in_bf16()) {
+      // Tensor by tensor into the bf16 store: never a whole fp32 copy of the base (setup checked that
+      // the directory holds exactly the model's tensors).
+      std::optional<ParamTable> whole;
+      if (!table.is_whole()) whole.emplace(mcfg_);
+      std::vector<float> tmp;
+      for (const HfTensorRef& ref : table.hf_tensors()) {
+        HfTensorSlice slice;
+        slice.ref = table.is_whole() ? &ref : whole->find_hf(ref.name);
+        slice.dim = ref.slice_dim;
+        slice.begin = ref.slice_begin;
+        slice.end = ref.slice_end;
+        tmp.resize(ref.numel);
+        read_hf_slice(files, table.is_whole() ? table : *whole, slice, tmp.data(), init_dir_);
+        model_->set_param_tensor(ref, tmp.data());
+      }
+    } else {
+      fill_params([&](float* p) {
+        if (table.is_whole())
+          load_hf_weights(files, table, p, init_dir_);
+        else
+          read_rank_hf_weights(files, init_dir_, mcfg_, table, p);
+      });
+    }
   }
   if (!resume_dir.empty()) {  // LoRA: the adapters and their optimizer state
     load_resume(resume_dir);
