@@ -113,25 +113,27 @@ void MixtralModel::init(dist::Comm* tp, dist::Comm* ep, LayerRange layers, const
     place(table_.total(), !lora_.on(), params_, grads_, params_alloc_, grads_alloc_, gemm_alloc_, params_t_, grads_t_,
           gemm_t_, "model");
   } else {
-    // The layers' flat ranges: tensors are laid out layer by layer between the first stage's embedding
-    // and the last stage's final norm and head.
+    // Segments: the tensors before the first layer, each layer, the tensors after the last (tensors
+    // are laid out layer by layer between the first stage's embedding and the last stage's head).
     const size_t total = table_.total();
     const int L = layer_end_ - layer_begin_;
-    layer_begin_off_.assign(L + 1, total);
-    suffix_begin_ = total;
+    std::vector<size_t> layer_first(L, total);
+    size_t suffix = total;
     for (const ParamSpec& sp : table_.specs()) {
       if (sp.layer >= 0)
-        layer_begin_off_[sp.layer - layer_begin_] = std::min(layer_begin_off_[sp.layer - layer_begin_], sp.offset);
+        layer_first[sp.layer - layer_begin_] = std::min(layer_first[sp.layer - layer_begin_], sp.offset);
       else if (sp.kind != ParamKind::embedding)
-        suffix_begin_ = std::min(suffix_begin_, sp.offset);
+        suffix = std::min(suffix, sp.offset);
     }
-    layer_begin_off_[L] = suffix_begin_;
-    prefix_end_ = layer_begin_off_[0];
-    window_ = 0;
-    for (int i = 0; i < L; i++) window_ = std::max(window_, layer_begin_off_[i + 1] - layer_begin_off_[i]);
-    const size_t compact = prefix_end_ + window_ + (total - suffix_begin_);
-    compact_alloc_ = be_.allocate(compact * 4, "frozen base: fp32 edges and one layer");
-    compact_t_ = be_.view(compact_alloc_->data(), Store::f32, compact);
+    seg_begin_.clear();
+    if (layer_first[0] > 0) seg_begin_.push_back(0);
+    for (size_t b : layer_first) seg_begin_.push_back(b);
+    if (suffix < total) seg_begin_.push_back(suffix);
+    seg_begin_.push_back(total);
+    size_t window = 0;
+    for (size_t i = 0; i + 1 < seg_begin_.size(); i++) window = std::max(window, seg_begin_[i + 1] - seg_begin_[i]);
+    window_alloc_ = be_.allocate(window * 4, "frozen base: one segment widened to fp32");
+    window_t_ = be_.view(window_alloc_->data(), Store::f32, window);
     if (be_.host_memory()) {
       base16_host_.assign(total, 0);
     } else {
@@ -230,36 +232,20 @@ static void widen_bf16(float* out, const uint16_t* in, size_t n) {
   for (size_t i = 0; i < n; i++) out[i] = bf16_to_f32(in[i]);
 }
 
-void MixtralModel::refresh_edges() {
-  const size_t total = table_.total(), suffix = total - suffix_begin_;
-  if (be_.host_memory()) {
-    widen_bf16(compact_t_.f32(), base16_host_.data(), prefix_end_);
-    widen_bf16(compact_t_.f32() + prefix_end_ + window_, base16_host_.data() + suffix_begin_, suffix);
-  } else {
-    if (prefix_end_ > 0) be_.convert(compact_t_.part(0, prefix_end_), base16_t_.part(0, prefix_end_));
-    if (suffix > 0) be_.convert(compact_t_.part(prefix_end_ + window_, suffix), base16_t_.part(suffix_begin_, suffix));
+Tensor MixtralModel::window_view(const ParamSpec& sp) const {
+  const int seg = (int)(std::upper_bound(seg_begin_.begin(), seg_begin_.end(), sp.offset) - seg_begin_.begin()) - 1;
+  const size_t b = seg_begin_[seg];
+  if (window_seg_ != seg) {
+    // Widen the whole segment (ops before this one finished reading the window: host calls return
+    // when done; device work is in stream order).
+    const size_t n = seg_begin_[seg + 1] - b;
+    if (be_.host_memory())
+      widen_bf16(window_t_.f32(), base16_host_.data() + b, n);
+    else
+      be_.convert(window_t_.part(0, n), base16_t_.part(b, n));
+    window_seg_ = seg;
   }
-  window_layer_ = -1;
-  edges_stale_ = false;
-}
-
-void MixtralModel::ensure_layer(int l) {
-  if (!base16_ || window_layer_ == l) return;
-  const int li = l - layer_begin_;
-  const size_t b = layer_begin_off_[li], n = layer_begin_off_[li + 1] - b;
-  if (be_.host_memory())
-    widen_bf16(compact_t_.f32() + prefix_end_, base16_host_.data() + b, n);
-  else
-    be_.convert(compact_t_.part(prefix_end_, n), base16_t_.part(b, n));
-  window_layer_ = l;
-}
-
-size_t MixtralModel::compact_offset(const ParamSpec& sp) const {
-  if (sp.offset < prefix_end_) return sp.offset;
-  if (sp.offset >= suffix_begin_) return prefix_end_ + window_ + (sp.offset - suffix_begin_);
-  if (sp.layer != window_layer_)
-    fail("[MixtralModel] the frozen bf16 base's layer {} is read while layer {} is widened", sp.layer, window_layer_);
-  return prefix_end_ + (sp.offset - layer_begin_off_[sp.layer - layer_begin_]);
+  return window_t_.part(sp.offset - b, sp.numel);
 }
 
 std::vector<float>& MixtralModel::params() {
@@ -303,7 +289,7 @@ void MixtralModel::set_params(const float* host) {
 #pragma omp parallel for schedule(static)
   for (size_t i = 0; i < total; i++) dst[i] = f32_to_bf16(host[i]);
   if (!be_.host_memory()) be_.upload(base16_t_, tmp.data());
-  refresh_edges();
+  window_seg_ = -1;
 }
 void MixtralModel::get_grads(float* host) const { be_.download(host, grads_t_); }
 void MixtralModel::set_param_tensor(const HfTensorRef& t, const float* host) {
@@ -318,8 +304,7 @@ void MixtralModel::set_param_tensor(const HfTensorRef& t, const float* host) {
     for (size_t i = 0; i < t.numel; i++) tmp[i] = f32_to_bf16(host[i]);
     be_.upload(base16_t_.part(t.offset, t.numel), tmp.data());
   }
-  edges_stale_ = true;
-  window_layer_ = -1;
+  window_seg_ = -1;
 }
 
 void MixtralModel::init_parameters(uint64_t seed) {
@@ -331,7 +316,7 @@ void MixtralModel::init_parameters(uint64_t seed) {
       init_hf_tensor(table_, cfg_, seed, t, tmp.data());
       set_param_tensor(t, tmp.data());
     }
-    return refresh_edges();
+    return;
   }
   if (be_.host_memory()) return moetron::init_parameters(table_, cfg_, seed, params_.data());
   if (!table_.is_whole()) {  // slices of tensors: drawn on the host at their whole-tensor indices
@@ -362,7 +347,7 @@ void MixtralModel::refresh_gemm_weights() {
 
 Tensor MixtralModel::W(ParamKind kind, int layer) const {
   const ParamSpec& s = table_.at(kind, layer);
-  if (base16_) return compact_t_.part(compact_offset(s), s.numel);
+  if (base16_) return window_view(s);
   return params_t_.part(s.offset, s.numel);
 }
 Tensor MixtralModel::Wg(ParamKind kind, int layer) {
@@ -370,7 +355,7 @@ Tensor MixtralModel::Wg(ParamKind kind, int layer) {
   if (base16_) {
     if (!be_.host_memory()) return base16_t_.part(s.offset, s.numel);  // the device's act store is bf16
     // Host backends: the widened fp32 values, which are bf16 values (what a bf16 act store holds).
-    Tensor t = compact_t_.part(compact_offset(s), s.numel);
+    Tensor t = window_view(s);
     t.store = be_.act_store();
     return t;
   }
@@ -629,7 +614,7 @@ size_t MixtralModel::activation_bytes_per_micro_batch() const { return last_ ? l
 size_t MixtralModel::state_bytes() const {
   size_t b = 0;
   for (const auto* a : {&params_alloc_, &grads_alloc_, &gemm_alloc_, &lparams_alloc_, &lgrads_alloc_, &lgemm_alloc_,
-                        &base16_alloc_, &compact_alloc_})
+                        &base16_alloc_, &window_alloc_})
     if (*a) b += (*a)->bytes();
   b += base16_host_.size() * sizeof(uint16_t);
   if (be_.host_memory()) b += (params_.size() + grads_.size() + lparams_.size() + lgrads_.size()) * sizeof(float);
@@ -714,10 +699,6 @@ Losses MixtralModel::forward_queued(const Batch& batch, const LossWeights& weigh
 
 Losses MixtralModel::run_forward(Activations& s, const Batch& batch, const LossWeights& weights, const StageInput& in) {
   refresh_gemm_weights();
-  if (edges_stale_) {
-    refresh_edges();
-    edges_stale_ = false;
-  }
   allocate(s, batch.B, batch.T);
   allocate_scratch(batch.B, batch.T);
   const long N = (long)batch.B * batch.T;
@@ -786,7 +767,6 @@ Losses MixtralModel::run_forward(Activations& s, const Batch& batch, const LossW
 
 // One decoder layer l: x_next = h + FFN(RMSNorm(h)), h = x + Attn(RMSNorm(x)).
 void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
-  ensure_layer(l);
   const long N = (long)s.B * s.T;
   const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe_model] = dims();
   (void)V;
@@ -1022,7 +1002,6 @@ void MixtralModel::qk_norm_backward(Tensor draw, Tensor dout, Tensor raw, Tensor
 
 // Layer l in reverse; dres is d(x_next) on entry and d(x) of the layer on exit.
 void MixtralModel::layer_backward(Activations& s, int l) {
-  ensure_layer(l);
   const long N = (long)s.B * s.T;
   const auto [C, V, I, NH, NKV, HD, Q, KVd, E, K, moe_model] = dims();
   (void)V;

@@ -355,22 +355,19 @@ class MixtralModel {
   std::unique_ptr<Allocation> lparams_alloc_, lgrads_alloc_, lgemm_alloc_;
   Tensor lparams_t_, lgrads_t_, lgemm_t_;
   bool lgemm_stale_ = true;
-  // A frozen bf16 base: the parameters in bf16 (host: base16_host_; device: base16_t_), and an fp32
-  // "compact" array -- the tensors before the first layer, one layer's window, the tensors after the
-  // last -- from which W() (and, on host backends, Wg()) read; ensure_layer(l) widens layer l into
-  // the window.  Compact offsets: prefix [0, prefix_end_), window [prefix_end_, + window_), suffix.
+  // A frozen bf16 base: the parameters in bf16 (host: base16_host_; device: base16_t_) and one fp32
+  // window, from which W() (and, on host backends, Wg()) read.  The flat array is cut into segments
+  // -- the tensors before the first layer (embedding), each layer, the tensors after the last (final
+  // norm, head) -- and the window holds one of them, widened on first use (a layer's, while the layer
+  // runs; the head's, at the head; ...).  seg_begin_[i] is segment i's first flat offset.
   bool base16_ = false;
   std::vector<uint16_t> base16_host_;
-  std::unique_ptr<Allocation> base16_alloc_, compact_alloc_;
-  Tensor base16_t_, compact_t_;
-  size_t prefix_end_ = 0, suffix_begin_ = 0, window_ = 0;
-  std::vector<size_t> layer_begin_off_;  // per stage layer: its first flat offset; + suffix_begin_
-  int window_layer_ = -1;
-  bool edges_stale_ = false;  // set_param_tensor changed the bf16 base: widen the edges again
-  void ensure_layer(int l);
-  void refresh_edges();
-  // The compact offset of a base tensor (its layer must be in the window).
-  size_t compact_offset(const ParamSpec& s) const;
+  std::unique_ptr<Allocation> base16_alloc_, window_alloc_;
+  Tensor base16_t_, window_t_;
+  std::vector<size_t> seg_begin_;  // segments + 1 entries (the last: table total)
+  mutable int window_seg_ = -1;    // the segment widened in the window (-1: none)
+  // The window's view of a base tensor, widening its segment first when another one is there.
+  Tensor window_view(const ParamSpec& s) const;
   Tensor du_;       // LoRA backward scratch [N,r]
   ExpertFfn ffn_;   // the dense FFN layers and the shared expert (their backward scratch)
 
