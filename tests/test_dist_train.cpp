@@ -614,3 +614,28 @@ TEST_F(DistTrainLora, Bf16BaseUnderTensorPipelineAndExpertParallelMatchesOneProc
   // ... and differs from the fp32 base's run (the base really is rounded).
   EXPECT_NE(losses(ref), losses(lora_reference()));
 }
+// Qwen2-MoE with LoRA on attention, the routed experts, the shared experts and the dense layer's MLP
+// (gate_proj / up_proj / down_proj, split over tp with their base, whole on every ep rank): tp 2,
+// tp 4 (replicated kv heads and their biases), ep 2 of dp 2 and pp 2 match one process.
+TEST_F(DistTrainLora, Qwen2MoeWithDenseAndSharedExpertTargetsMatchesOneProcess) {
+  std::vector<std::string> o = lora();
+  o.back() = "train.min_lr=1.0e-3";
+  o[2] = "lora.targets=[attention, experts, mlp]";
+  const fs::path ref = train("lora_q2_ref", 0, o, 0, kQwen2Moe.model);
+  const auto want = read_tensors(ref / "checkpoints" / "step-000010", "adapter_model");
+  ASSERT_TRUE(want.count("base_model.model.model.layers.2.mlp.gate_proj.lora_B.weight"));
+  ASSERT_TRUE(want.count("base_model.model.model.layers.0.mlp.shared_expert.down_proj.lora_A.weight"));
+  for (const auto& [name, np, extra] : std::vector<std::tuple<std::string, int, std::vector<std::string>>>{
+           {"lora_q2_tp2", 2, {"parallel.tp=2"}},
+           {"lora_q2_tp4", 4, {"parallel.tp=4"}},
+           {"lora_q2_ep2dp2", 4, {"parallel.ep=2"}},
+           {"lora_q2_pp2", 2, {"parallel.pp=2"}}}) {
+    std::vector<std::string> r = o;
+    r.insert(r.end(), extra.begin(), extra.end());
+    const fs::path run = train(name, np, r, 0, kQwen2Moe.model);
+    expect_same_losses(losses(run), losses(ref), 1, name);
+    const auto got = read_tensors(run / "checkpoints" / "step-000010", "adapter_model");
+    ASSERT_EQ(got.size(), want.size()) << name;
+    for (const auto& [n, w] : want) EXPECT_LE(rel_max_diff(got.at(n), w), 1e-4) << name << ": " << n;
+  }
+}

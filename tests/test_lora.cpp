@@ -228,7 +228,7 @@ TEST_P(LoraGolden, FrozenBf16BaseComputesBitwiseWhatTheFp32BaseDoes) {
   EXPECT_EQ(grads[0], grads[1]);
 }
 
-INSTANTIATE_TEST_SUITE_P(Peft, LoraGolden, ::testing::Values("mixtral", "qwen3_moe"));
+INSTANTIATE_TEST_SUITE_P(Peft, LoraGolden, ::testing::Values("mixtral", "qwen3_moe", "qwen2_moe"));
 
 // A bf16 base takes 2 bytes a parameter plus one layer (and the embedding and head) in fp32: with 16
 // layers about 0.6 of the fp32 base's memory.
@@ -361,8 +361,18 @@ TEST(LoraAdapterErrors, BadAdaptersAreRefusedNamingTheField) {
   }
   {
     EditedAdapter a;
+    a.config["target_modules"] = {"q_proj", "lm_head"};
+    expect_refused(a.write(), cfg, "module 'lm_head' is not one moetron adapts");
+  }
+  {
+    EditedAdapter a;
     a.config["target_modules"] = {"q_proj", "gate_proj"};
-    expect_refused(a.write(), cfg, "module 'gate_proj' is not one moetron adapts");
+    expect_refused(a.write(), cfg, "gate_proj, up_proj and down_proj are adapted together (got gate_proj)");
+  }
+  {
+    EditedAdapter a;  // Mixtral has neither dense FFN layers nor shared experts
+    a.config["target_modules"] = {"q_proj", "gate_proj", "up_proj", "down_proj"};
+    expect_refused(a.write(), cfg, "target 'mlp': the model (MixtralForCausalLM) has no dense FFN layers or shared experts");
   }
   {
     EditedAdapter a;

@@ -37,6 +37,10 @@ CASES = {
     "mixtral": dict(base="mixtral_gqa", override=dict(seed=42), r=4, alpha=8, init_seed=101),
     # Qwen3-MoE as qwen3_moe_mixed: a dense layer (no experts to adapt) between sparse ones, head_dim 12.
     "qwen3_moe": dict(base="qwen3_moe_mixed", override=dict(seed=32), r=3, alpha=12, init_seed=102),
+    # Qwen2-MoE as qwen2_moe_shared (q/k/v biases, shared experts in layers 0, 1, layer 2 dense), and LoRA
+    # on the dense MLP and the shared experts too (gate_proj / up_proj / down_proj match both).
+    "qwen2_moe": dict(base="qwen2_moe_shared", override=dict(seed=62), r=4, alpha=8, init_seed=103,
+                      modules=TARGET_MODULES + ["gate_proj", "up_proj", "down_proj"]),
 }
 
 
@@ -76,7 +80,8 @@ def make_case(name, spec, out_root):
         model.loss_function = mg._causal_lm_loss
         with torch.no_grad():
             base_logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
-        lc = peft.LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=0.0, target_modules=TARGET_MODULES,
+        lc = peft.LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=0.0,
+                             target_modules=spec.get("modules", TARGET_MODULES),
                              target_parameters=TARGET_PARAMETERS, bias="none", task_type="CAUSAL_LM")
         torch.manual_seed(spec["init_seed"])
         pm = peft.get_peft_model(model, lc)

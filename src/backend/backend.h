@@ -258,13 +258,16 @@ class Backend {
   // carry (LoRA on experts, a frozen base):  out[M,OC] (act store, or f32; = or += when accumulate)
   // = alpha * inp[M,IC] @ weight[e]^T per expert e over its rows (weight[E,OC,IC], act store; the
   // overflow expert's rows untouched).  A dense projection is the one-expert identity plan.
+  // ld_in / ld_out: row strides of inp (dinp) and out (dout) -- 0: IC / OC -- so a column block of a
+  // wider matrix is an operand (its Tensor starts at the block's first element).
   virtual void grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, const PlanView& plan, int IC, int OC,
-                                      float alpha, bool accumulate) = 0;
+                                      float alpha, bool accumulate, int ld_in = 0, int ld_out = 0) = 0;
   // dinp[M,IC] (act store or f32; = or += when accumulate; skipped when empty) = alpha * dout @ weight[e];
   // dweight[E,OC,IC] (f32, +=; skipped when empty) += alpha * dout^T @ inp.  dout, inp, weight in the
   // act store.
   virtual void grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
-                                       const PlanView& plan, int IC, int OC, float alpha, bool accumulate) = 0;
+                                       const PlanView& plan, int IC, int OC, float alpha, bool accumulate,
+                                       int ld_in = 0, int ld_out = 0) = 0;
   // act[M,I] = silu(h13[:, :I]) * h13[:, I:]; dh13[M,2I] (assign) from dact.  All in the act store.
   virtual void swiglu_forward(Tensor act, Tensor h13, long M, int I) = 0;
   virtual void swiglu_backward(Tensor dh13, Tensor dact, Tensor h13, long M, int I) = 0;

@@ -288,13 +288,14 @@ void CpuBackend::gather_rows(Tensor out, Tensor in, Tensor index, long rows, int
 }
 
 void CpuBackend::grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, const PlanView& plan, int IC, int OC,
-                                        float alpha, bool accumulate) {
-  ops::grouped_matmul_forward(out.f32(), inp.f32(), weight.f32(), *plan.plan, IC, OC, alpha, accumulate);
+                                        float alpha, bool accumulate, int ld_in, int ld_out) {
+  ops::grouped_matmul_forward(out.f32(), inp.f32(), weight.f32(), *plan.plan, IC, OC, alpha, accumulate, ld_in, ld_out);
 }
 void CpuBackend::grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
-                                         const PlanView& plan, int IC, int OC, float alpha, bool accumulate) {
+                                         const PlanView& plan, int IC, int OC, float alpha, bool accumulate, int ld_in,
+                                         int ld_out) {
   ops::grouped_matmul_backward(dinp.f32(), dweight.f32(), dout.f32(), inp.f32(), weight.f32(), *plan.plan, IC, OC, alpha,
-                               accumulate);
+                               accumulate, ld_in, ld_out);
 }
 void CpuBackend::swiglu_forward(Tensor act, Tensor h13, long M, int I) { ops::swiglu_forward(act.f32(), h13.f32(), M, I); }
 void CpuBackend::swiglu_backward(Tensor dh13, Tensor dact, Tensor h13, long M, int I) {

@@ -72,9 +72,10 @@ class CpuBackend : public Backend {
   void moe_experts_backward(Tensor dxperm, Tensor dw13, Tensor dw2, Tensor dy, Tensor h13, Tensor act, Tensor xperm,
                             Tensor w13, Tensor w2, const PlanView& plan, int C, int I) override;
   void grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, const PlanView& plan, int IC, int OC, float alpha,
-                              bool accumulate) override;
+                              bool accumulate, int ld_in = 0, int ld_out = 0) override;
   void grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
-                               const PlanView& plan, int IC, int OC, float alpha, bool accumulate) override;
+                               const PlanView& plan, int IC, int OC, float alpha, bool accumulate, int ld_in = 0,
+                               int ld_out = 0) override;
   void swiglu_forward(Tensor act, Tensor h13, long M, int I) override;
   void swiglu_backward(Tensor dh13, Tensor dact, Tensor h13, long M, int I) override;
   void gather_rows(Tensor out, Tensor in, Tensor index, long rows, int C) override;

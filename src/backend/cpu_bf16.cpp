@@ -129,14 +129,16 @@ void Bf16CpuBackend::moe_experts_backward(Tensor dxperm, Tensor dw13, Tensor dw2
 }
 
 // The grouped linear and SwiGLU with their act-store outputs rounded as CUDA writes them.
+// (A strided operand's Tensor spans its rows: rounding the columns between is a no-op on bf16 values.)
 void Bf16CpuBackend::grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, const PlanView& plan, int IC, int OC,
-                                            float alpha, bool accumulate) {
-  CpuBackend::grouped_matmul_forward(out, inp, weight, plan, IC, OC, alpha, accumulate);
+                                            float alpha, bool accumulate, int ld_in, int ld_out) {
+  CpuBackend::grouped_matmul_forward(out, inp, weight, plan, IC, OC, alpha, accumulate, ld_in, ld_out);
   finish(out);
 }
 void Bf16CpuBackend::grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
-                                             const PlanView& plan, int IC, int OC, float alpha, bool accumulate) {
-  CpuBackend::grouped_matmul_backward(dinp, dweight, dout, inp, weight, plan, IC, OC, alpha, accumulate);
+                                             const PlanView& plan, int IC, int OC, float alpha, bool accumulate,
+                                             int ld_in, int ld_out) {
+  CpuBackend::grouped_matmul_backward(dinp, dweight, dout, inp, weight, plan, IC, OC, alpha, accumulate, ld_in, ld_out);
   finish(dinp);
 }
 void Bf16CpuBackend::swiglu_forward(Tensor act, Tensor h13, long M, int I) {

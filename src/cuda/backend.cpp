@@ -282,19 +282,21 @@ void CudaBackend::moe_experts_backward(Tensor dxperm, Tensor dw13, Tensor dw2, T
                             I);
 }
 void CudaBackend::grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, const PlanView& plan, int IC, int OC,
-                                         float alpha, bool accumulate) {
+                                         float alpha, bool accumulate, int ld_in, int ld_out) {
   expect(inp, Store::bf16, "grouped_matmul_forward", "inp");
   expect(weight, Store::bf16, "grouped_matmul_forward", "weight");
   gpu::grouped_matmul_forward(*ctx_, out.data, dtype_of(out, "grouped_matmul_forward"), b16(inp), b16(weight),
-                              plan.plan->expert_offsets, plan.plan->E - plan.plan->overflow, IC, OC, alpha, accumulate);
+                              plan.plan->expert_offsets, plan.plan->E - plan.plan->overflow, IC, OC, alpha, accumulate,
+                              ld_in, ld_out);
 }
 void CudaBackend::grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
-                                          const PlanView& plan, int IC, int OC, float alpha, bool accumulate) {
+                                          const PlanView& plan, int IC, int OC, float alpha, bool accumulate, int ld_in,
+                                          int ld_out) {
   expect(dout, Store::bf16, "grouped_matmul_backward", "dout");
   gpu::grouped_matmul_backward(*ctx_, dinp.data, dinp.empty() ? DType::BF16 : dtype_of(dinp, "grouped_matmul_backward"),
                                dweight.empty() ? nullptr : f32p(dweight),
                                b16(dout), b16(inp), b16(weight), plan.plan->expert_offsets,
-                               plan.plan->E - plan.plan->overflow, IC, OC, alpha, accumulate);
+                               plan.plan->E - plan.plan->overflow, IC, OC, alpha, accumulate, ld_in, ld_out);
 }
 void CudaBackend::swiglu_forward(Tensor act, Tensor h13, long M, int I) {
   if (M > 0) gpu::swiglu_forward(*ctx_, b16(act), b16(h13), M, I);

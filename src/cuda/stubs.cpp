@@ -152,11 +152,11 @@ double global_grad_norm(Context&, double*, const float*, size_t) { no_cuda("glob
 void init_normal(Context&, float*, size_t, uint64_t, uint64_t, double, float) { no_cuda("init_normal"); }
 
 void grouped_matmul_forward(Context&, void*, DType, const Bf16*, const Bf16*, const std::vector<int64_t>&, int, int, int,
-                            float, bool) {
+                            float, bool, int, int) {
   no_cuda("grouped_matmul_forward");
 }
 void grouped_matmul_backward(Context&, void*, DType, float*, const Bf16*, const Bf16*, const Bf16*, const std::vector<int64_t>&,
-                             int, int, int, float, bool) {
+                             int, int, int, float, bool, int, int) {
   no_cuda("grouped_matmul_backward");
 }
 

@@ -18,11 +18,15 @@ struct ExpertFfnWeights {
   Tensor da13, db13, da2, db2;
   int r = 0;
   float scale = 0.0f;
+  // PEFT's separate gate_proj and up_proj adapters of a dense FFN / shared expert (E = 1): a13 [1, 2r, C]
+  // holds the gate factor then the up factor, b13 [1, 2I, r] the gate rows then the up rows; the gate
+  // rows read u13[:, :r], the up rows u13[:, r:] (u13 [M, 2r]).
+  bool split13 = false;
   bool lora() const { return !a13.empty() || !a2.empty(); }
 };
 
-// What the forward keeps for the backward: h13 [M,2I], act [M,I] and, with LoRA, u13 = x A13^T and
-// u2 = act A2^T [M,r] each (act store).
+// What the forward keeps for the backward: h13 [M,2I], act [M,I] and, with LoRA, u13 = x A13^T
+// ([M,r], or [M,2r] split) and u2 = act A2^T [M,r] (act store).
 struct ExpertFfnSaved {
   Tensor h13, act, u13, u2;
 };

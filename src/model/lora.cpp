@@ -43,6 +43,7 @@ constexpr TargetInfo kTargets[] = {
     {LoraTarget::o_proj, "o_proj", ParamKind::o_proj, false},
     {LoraTarget::experts_gate_up, "experts.gate_up_proj", ParamKind::ffn_w13, true},
     {LoraTarget::experts_down, "experts.down_proj", ParamKind::ffn_w2, true},
+    {LoraTarget::mlp, "mlp", ParamKind::ffn_w13, false},
 };
 
 const TargetInfo& info(LoraTarget t) {
@@ -52,7 +53,7 @@ const TargetInfo& info(LoraTarget t) {
 }
 
 std::string valid_names() {
-  std::vector<std::string> v{"attention", "experts"};
+  std::vector<std::string> v{"attention", "experts"};  // and every kTargets name
   for (const TargetInfo& i : kTargets) v.push_back(i.name);
   return fmt::format("{}", fmt::join(v, ", "));
 }
@@ -95,6 +96,7 @@ struct PeftTensor {
   std::vector<int64_t> shape;
   const ParamSpec* spec = nullptr;
   bool expert_b = false;
+  size_t offset = 0, numel = 0;  // where the values live in the whole adapter table (not expert_b)
 };
 
 // `ex`: the expert targets in PEFT's target_parameters order (which fixes their names).
@@ -103,19 +105,29 @@ std::vector<PeftTensor> peft_tensors(const ModelConfig& cfg, const LoraSpec& spe
   std::vector<PeftTensor> out;
   for (int l = 0; l < cfg.num_hidden_layers; l++)
     for (LoraTarget t : spec.targets) {
+      if (t == LoraTarget::mlp) {  // the table's own tensors are PEFT's (gate, up, down of the layer)
+        for (const HfTensorRef& ref : table.hf_tensors()) {
+          const ParamSpec& sp = table.spec_of(ref);
+          if (sp.layer != l || sp.expert || (sp.target != ParamKind::ffn_w13 && sp.target != ParamKind::ffn_w2 &&
+                                             sp.target != ParamKind::shared_w13 && sp.target != ParamKind::shared_w2))
+            continue;
+          out.push_back({kPeftPrefix + ref.name, ref.shape, &sp, false, ref.offset, ref.numel});
+        }
+        continue;
+      }
       const ParamKind base = info(t).base;
       const ParamSpec* a = table.find_lora(base, l, false);
       const ParamSpec* b = table.find_lora(base, l, true);
-      if (a == nullptr) continue;  // an expert target in a dense layer
+      if (a == nullptr || a->expert != info(t).expert) continue;  // an expert target in a dense layer
       if (!info(t).expert) {
-        out.push_back({peft_module_name(l, t, "lora_A"), a->shape, a, false});
-        out.push_back({peft_module_name(l, t, "lora_B"), b->shape, b, false});
+        out.push_back({peft_module_name(l, t, "lora_A"), a->shape, a, false, a->offset, a->numel});
+        out.push_back({peft_module_name(l, t, "lora_B"), b->shape, b, false, b->offset, b->numel});
         continue;
       }
       const int k = (int)(std::find(ex.begin(), ex.end(), t) - ex.begin()), n = (int)ex.size();
       const int64_t E = a->shape[0], r = a->shape[1];
-      out.push_back({peft_expert_name(l, k, n, "lora_A"), {E * r, a->shape[2]}, a, false});
-      out.push_back({peft_expert_name(l, k, n, "lora_B"), {b->shape[1], r * E}, b, true});
+      out.push_back({peft_expert_name(l, k, n, "lora_A"), {E * r, a->shape[2]}, a, false, a->offset, a->numel});
+      out.push_back({peft_expert_name(l, k, n, "lora_B"), {b->shape[1], r * E}, b, true, b->offset, b->numel});
     }
   return out;
 }
@@ -163,6 +175,13 @@ std::vector<LoraTarget> parse_lora_targets(const std::vector<std::string>& names
     for (LoraTarget t : these) {
       if (info(t).expert && !cfg.is_moe())
         fail("{}: target '{}': the model ({}) has no routed experts", field, n, cfg.architecture);
+      if (t == LoraTarget::mlp) {
+        bool dense = cfg.has_shared_expert();
+        for (int l = 0; l < cfg.num_hidden_layers; l++) dense = dense || !cfg.is_moe_layer(l);
+        if (!dense)
+          fail("{}: target '{}': the model ({}) has no dense FFN layers or shared experts (its experts: 'experts')", field,
+               n, cfg.architecture);
+      }
       out.insert(t);
     }
   }
@@ -214,8 +233,42 @@ ParamTable::ParamTable(const ModelConfig& cfg, const LoraSpec& lora, const Param
     for (LoraTarget tg : lora.targets) {
       const TargetInfo& ti = info(tg);
       if (ti.expert && !cfg.is_moe_layer(l)) continue;
-      const ParamSpec& b = base.at(ti.base, l);
       const std::string p = layer_prefix(l);
+      if (tg == LoraTarget::mlp) {
+        // The dense FFN of a dense layer, or the shared expert of an MoE layer: PEFT's separate gate_proj,
+        // up_proj (stacked split, expert_ffn.h) and down_proj adapters, split over tp with their base.
+        const bool moe_l = cfg.is_moe_layer(l);
+        if (moe_l && !cfg.has_shared_expert()) continue;
+        const ParamSpec& w13 = base.at(moe_l ? ParamKind::shared_w13 : ParamKind::ffn_w13, l);
+        const ParamSpec& w2 = base.at(moe_l ? ParamKind::shared_w2 : ParamKind::ffn_w2, l);
+        const std::string n = p + (moe_l ? "mlp.shared_expert." : "mlp.");
+        std::vector<const HfTensorRef*> gate_up, down;
+        for (const HfTensorRef& t : base.hf_tensors()) {
+          if (&base.spec_of(t) == &w13) gate_up.push_back(&t);
+          if (&base.spec_of(t) == &w2) down.push_back(&t);
+        }
+        const int64_t Ir = w13.shape[1] / 2, I = gate_up[0]->full_shape[0];
+        const size_t ai = specs_.size();
+        ParamSpec& a = add_lora(ParamKind::lora_a, w13, n + "gate_up.lora_A", {1, 2 * r, C}, TpSplit::none, tp_rank == 0);
+        push_ref(ai, n + "gate_proj.lora_A.weight", {r, C}, a.offset, {r, C}, -1, 0, 0, -1);
+        push_ref(ai, n + "up_proj.lora_A.weight", {r, C}, a.offset + r * C, {r, C}, -1, 0, 0, -1);
+        const size_t bi = specs_.size();
+        ParamSpec& bb = add_lora(ParamKind::lora_b, w13, n + "gate_up.lora_B", {1, 2 * Ir, r}, w13.tp_split, w13.tp_primary);
+        for (int half = 0; half < 2; half++) {
+          const HfTensorRef& g = *gate_up[half];
+          push_ref(bi, n + (half ? "up_proj" : "gate_proj") + ".lora_B.weight", {Ir, r}, bb.offset + half * Ir * r,
+                   {I, r}, g.slice_dim, g.slice_begin, g.slice_end, -1);
+        }
+        const HfTensorRef& d = *down[0];
+        const size_t di = specs_.size();
+        ParamSpec& da = add_lora(ParamKind::lora_a, w2, n + "down_proj.lora_A.weight", {1, r, Ir}, w2.tp_split, w2.tp_primary);
+        push_ref(di, da.name, {r, Ir}, da.offset, {r, d.full_shape[1]}, d.slice_dim, d.slice_begin, d.slice_end, -1);
+        const size_t dbi = specs_.size();
+        ParamSpec& db = add_lora(ParamKind::lora_b, w2, n + "down_proj.lora_B.weight", {1, C, r}, TpSplit::none, tp_rank == 0);
+        push_ref(dbi, db.name, {C, r}, db.offset, {C, r}, -1, 0, 0, -1);
+        continue;
+      }
+      const ParamSpec& b = base.at(ti.base, l);
       if (!ti.expert) {
         // q/k/v: rows split (B follows, A whole); o: columns split (A follows, B whole).
         const HfTensorRef& br = ref_of(b);
@@ -305,7 +358,12 @@ void write_peft_adapter(const std::string& dir, const ModelConfig& cfg, const Lo
   if (!table.is_lora() || !table.is_whole()) fail("write_peft_adapter: needs the whole adapter table");
   fs::create_directories(dir);
   std::vector<std::string> modules, params;
-  for (LoraTarget t : spec.targets) (info(t).expert ? params : modules).push_back(std::string(info(t).expert ? "mlp." : "") + info(t).name);
+  for (LoraTarget t : spec.targets) {
+    if (t == LoraTarget::mlp)
+      modules.insert(modules.end(), {"gate_proj", "up_proj", "down_proj"});
+    else
+      (info(t).expert ? params : modules).push_back(std::string(info(t).expert ? "mlp." : "") + info(t).name);
+  }
   json c = {{"peft_type", "LORA"},
             {"task_type", "CAUSAL_LM"},
             {"r", spec.rank},
@@ -331,7 +389,7 @@ void write_peft_adapter(const std::string& dir, const ModelConfig& cfg, const Lo
   w.set_metadata("format", "pt");
   std::vector<std::vector<float>> owned;
   for (const PeftTensor& t : peft_tensors(cfg, spec, table, expert_targets(spec))) {
-    const float* src = values + t.spec->offset;
+    const float* src = values + t.offset;
     if (!t.expert_b) {
       w.add_f32(t.name, t.shape, src);
       continue;
@@ -420,17 +478,27 @@ PeftAdapter read_peft_adapter_unchecked(const std::string& dir, const ModelConfi
            (*v)["base_model_class"].get<std::string>(), cfg.architecture);
   // Targets: attention modules by name, fused expert parameters by path (their order fixes the names).
   std::vector<std::string> names;
+  std::set<std::string> mlp_modules;
   std::vector<LoraTarget> param_order;
   if (const json* v = field("target_modules")) {
     refuse_if("target_modules", !v->is_array(), "a regular expression is not supported (give a list of names)");
     for (const json& m : *v) {
       refuse_if("target_modules", !m.is_string(), "names must be strings");
       const std::string s = m.get<std::string>();
-      if (s != "q_proj" && s != "k_proj" && s != "v_proj" && s != "o_proj")
-        fail("{}: field 'target_modules': module '{}' is not one moetron adapts (valid: q_proj, k_proj, v_proj, o_proj)",
+      if (s != "q_proj" && s != "k_proj" && s != "v_proj" && s != "o_proj" && s != "gate_proj" && s != "up_proj" &&
+          s != "down_proj")
+        fail("{}: field 'target_modules': module '{}' is not one moetron adapts (valid: q_proj, k_proj, v_proj, o_proj, "
+             "gate_proj + up_proj + down_proj)",
              cpath, s);
-      names.push_back(s);
+      if (s == "gate_proj" || s == "up_proj" || s == "down_proj")
+        mlp_modules.insert(s);
+      else
+        names.push_back(s);
     }
+    if (!mlp_modules.empty() && mlp_modules.size() != 3)
+      fail("{}: field 'target_modules': gate_proj, up_proj and down_proj are adapted together (got {})", cpath,
+           fmt::join(mlp_modules, ", "));
+    if (!mlp_modules.empty()) names.push_back("mlp");
   }
   if (const json* v = field("target_parameters")) {
     refuse_if("target_parameters", !v->is_array(), "expected a list");
@@ -470,9 +538,9 @@ PeftAdapter read_peft_adapter_unchecked(const std::string& dir, const ModelConfi
     if (v->shape != t.shape)
       fail("{}: tensor '{}' has shape [{}], the base implies [{}] (an adapter for another model, or another rank)",
            wpath, t.name, fmt::join(v->shape, ", "), fmt::join(t.shape, ", "));
-    float* dst = out.values.data() + t.spec->offset;
+    float* dst = out.values.data() + t.offset;
     if (!t.expert_b) {
-      read_f32(*v, dst, t.spec->numel);
+      read_f32(*v, dst, t.numel);
     } else {
       const std::vector<float> tmp = to_f32(*v);
       expert_b_from_peft(tmp.data(), dst, t.spec->shape[0], t.spec->shape[1], t.spec->shape[2]);
@@ -495,8 +563,18 @@ void merge_lora(const ParamTable& base, float* base_values, const ParamTable& ad
     const ParamSpec* b = adapters.find_lora(a.target, a.layer, true);
     const ParamSpec& w = base.at(a.target, a.layer);
     const bool stacked = a.shape.size() == 3;
-    const int64_t E = stacked ? a.shape[0] : 1, r = stacked ? a.shape[1] : a.shape[0];
-    const int64_t in = a.shape.back(), out = stacked ? b->shape[1] : b->shape[0];
+    const int64_t E = stacked ? a.shape[0] : 1, in = a.shape.back();
+    if (stacked && !a.expert && (a.target == ParamKind::ffn_w13 || a.target == ParamKind::shared_w13)) {
+      // Split gate / up adapters (expert_ffn.h): W13[:I] += s Bg Ag, W13[I:] += s Bu Au.
+      const int64_t r = a.shape[1] / 2, I = b->shape[1] / 2;
+      for (int half = 0; half < 2; half++)
+        ops::sgemm(false, false, (int)I, (int)in, (int)r, s, adapter_values + b->offset + half * I * r, (int)r,
+                   adapter_values + a.offset + half * r * in, (int)in, 1.0f, base_values + w.offset + half * I * in,
+                   (int)in);
+      continue;
+    }
+    const int64_t r = stacked ? a.shape[1] : a.shape[0];
+    const int64_t out = stacked ? b->shape[1] : b->shape[0];
     for (int64_t e = 0; e < E; e++)  // W[e] [out, in] += s * B[e] [out, r] @ A[e] [r, in]
       ops::sgemm(false, false, (int)out, (int)in, (int)r, s, adapter_values + b->offset + e * out * r, (int)r,
                  adapter_values + a.offset + e * r * in, (int)in, 1.0f, base_values + w.offset + e * out * in,

@@ -40,7 +40,9 @@
 
 namespace moetron {
 
-enum class LoraTarget { q_proj, k_proj, v_proj, o_proj, experts_gate_up, experts_down };
+// mlp: the gate_proj, up_proj and down_proj of every dense FFN layer and every shared expert (PEFT's
+// target_modules names match both).
+enum class LoraTarget { q_proj, k_proj, v_proj, o_proj, experts_gate_up, experts_down, mlp };
 
 struct LoraSpec {
   int rank = 0;  // 0: no adapters

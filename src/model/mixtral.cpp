@@ -200,7 +200,8 @@ ExpertFfnWeights MixtralModel::ffn_weights(int l, bool shared) {
   w.w2 = Wg(k2, l);
   w.dw13 = G(k13, l);
   w.dw2 = G(k2, l);
-  if (shared || !lora_table_) return w;
+  if (!lora_table_) return w;
+  w.split13 = shared || !layer_moe(l);  // a dense FFN's gate and up adapters are PEFT's separate ones
   w.a13 = LW(k13, l, false);
   w.b13 = LW(k13, l, true);
   w.a2 = LW(k2, l, false);
@@ -503,15 +504,19 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
       a.dispatch.act = local_experts || !moe_l ? c.take(act, M * Il) : Tensor{};
       // LoRA: each adapted projection keeps u = x A^T [rows, r].
       const int64_t r = lora_.rank;
+      // (u's width: the A factor's rows -- r, or 2r for a dense FFN's split gate / up factors.)
       const auto lu = [&](ParamKind k, long rows) {
-        return lora_table_ && lora_table_->find_lora(k, layer_begin_ + l, false) ? c.take(act, rows * r) : Tensor{};
+        const ParamSpec* sp = lora_table_ ? lora_table_->find_lora(k, layer_begin_ + l, false) : nullptr;
+        return sp ? c.take(act, rows * sp->shape[sp->shape.size() - 2]) : Tensor{};
       };
       a.uq = lu(ParamKind::q_proj, N);
       a.uk = lu(ParamKind::k_proj, N);
       a.uv = lu(ParamKind::v_proj, N);
       a.uo = lu(ParamKind::o_proj, N);
-      a.dispatch.u13 = local_experts ? lu(ParamKind::ffn_w13, M) : Tensor{};
-      a.dispatch.u2 = local_experts ? lu(ParamKind::ffn_w2, M) : Tensor{};
+      a.dispatch.u13 = local_experts || !moe_l ? lu(ParamKind::ffn_w13, M) : Tensor{};
+      a.dispatch.u2 = local_experts || !moe_l ? lu(ParamKind::ffn_w2, M) : Tensor{};
+      a.shu13 = moe_l && shared ? lu(ParamKind::shared_w13, N) : Tensor{};
+      a.shu2 = moe_l && shared ? lu(ParamKind::shared_w2, N) : Tensor{};
       const bool sh = moe_l && shared;
       a.sh13 = sh ? c.take(act, N * 2 * Is) : Tensor{};
       a.shact = sh ? c.take(act, N * Is) : Tensor{};
@@ -906,7 +911,8 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
       // The shared expert (Qwen2-MoE): x_next += sigmoid(ln2 . w_gate) * FFN_shared(ln2), every token.
       Section t(be_, profile_, "fwd.shared_expert");
       const int Is = cfg_.shared_expert_intermediate_size / tp_size_;
-      ffn_.forward(be_, a.shy, ExpertFfnSaved{a.sh13, a.shact, {}, {}}, a.ln2, s.ident_pv, ffn_weights(l, true), C, Is);
+      ffn_.forward(be_, a.shy, ExpertFfnSaved{a.sh13, a.shact, a.shu13, a.shu2}, a.ln2, s.ident_pv, ffn_weights(l, true), C,
+                   Is);
       be_.matmul_forward(a.sgl, a.ln2f, W(ParamKind::shared_gate, l), (int)N, C, 1, false);
       be_.sigmoid_forward(a.sg, a.sgl, N);
       be_.moe_combine_forward(tmp_, a.shy, a.sg, s.ident_pv, C);
@@ -914,7 +920,8 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
     }
   } else {
     Section t(be_, profile_, "fwd.experts");
-    ffn_.forward(be_, x_next, ExpertFfnSaved{a.dispatch.h13, a.dispatch.act, {}, {}}, a.ln2, a.pv, fw, C, Il);
+    ffn_.forward(be_, x_next, ExpertFfnSaved{a.dispatch.h13, a.dispatch.act, a.dispatch.u13, a.dispatch.u2}, a.ln2, a.pv,
+                 fw, C, Il);
   }
   // Row-parallel w2: the FFN output is a partial sum on each tp rank.
   if (tp_on()) tp_all_reduce(x_next);
@@ -1047,15 +1054,15 @@ void MixtralModel::layer_backward(Activations& s, int l) {
       be_.sigmoid_backward(dsgl_, dsg_, a.sg, N);
       be_.matmul_backward(dln_, G(ParamKind::shared_gate, l), dsgl_, a.ln2f, W(ParamKind::shared_gate, l), (int)N, C,
                           1, true);
-      ffn_.backward(be_, dxs_, dshy_, ExpertFfnSaved{a.sh13, a.shact, {}, {}}, a.ln2, s.ident_pv, ffn_weights(l, true), C,
-                    Is);
+      ffn_.backward(be_, dxs_, dshy_, ExpertFfnSaved{a.sh13, a.shact, a.shu13, a.shu2}, a.ln2, s.ident_pv,
+                    ffn_weights(l, true), C, Is);
       if (tp_on()) tp_all_reduce(dxs_);
       be_.add(dln_, dxs_);
     }
   } else {
     Section t(be_, profile_, "bwd.experts");
-    ffn_.backward(be_, dln_, as_act(dres_, dres_act_), ExpertFfnSaved{a.dispatch.h13, a.dispatch.act, {}, {}}, a.ln2,
-                  a.pv, fw, C, Il);
+    ffn_.backward(be_, dln_, as_act(dres_, dres_act_),
+                  ExpertFfnSaved{a.dispatch.h13, a.dispatch.act, a.dispatch.u13, a.dispatch.u2}, a.ln2, a.pv, fw, C, Il);
     if (tp_on()) tp_all_reduce(dln_);
   }
   {

@@ -235,6 +235,7 @@ class MixtralModel {
     Tensor clipq, clipk, clipv;       // clip_qkv: u8 masks of the values kept (not clipped)
     Tensor sh13, shact, shy, sgl, sg;  // shared expert: its FFN rows, output [N,C], gate logit and sigmoid [N]
     Tensor uq, uk, uv, uo;             // LoRA: x A^T [N,r] of each adapted projection
+    Tensor shu13, shu2;                // LoRA on the shared expert: [N,2r], [N,r]
     Tensor rlogits, rprobs, topk_w, topk_idx, combine_w, xperm, yperm, row_token, row_of;
     ops::MoePlan plan;
     PlanView pv;

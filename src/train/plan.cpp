@@ -263,7 +263,8 @@ Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size,
     // moments.
     p.base_bytes_per_param = bf16 ? 2 : 4 + (p.activation_dtype_bytes == 2 ? 2 : 0);
     opt = 8;
-    for (const ParamSpec& s : ParamTable(model, lora).specs()) p.lora_params_total += (int64_t)s.numel;
+    const ParamTable adapters(model, lora);
+    for (const ParamSpec& s : adapters.specs()) p.lora_params_total += (int64_t)s.numel;
   }
   const int64_t dense_shards = p.zero1 ? p.dp : 1;
   const int64_t expert_shards = p.zero1 ? p.dp / (model.is_moe() ? p.ep : 1) : 1;
