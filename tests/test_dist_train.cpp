@@ -537,14 +537,14 @@ TEST_F(DistTrainArch, OlmoePipelineParallel2WithClipQkvMatchesOneProcess) {
 
 // LoRA (model/lora.h) on a frozen base under every parallel layout: the adapters follow their base's
 // split (A whole beside a column-parallel base, B whole beside a row-parallel one: their partial
-// gradients summed over tp; B of a replicated kv head summed over the ranks sharing it) and live
-// with their experts under ep; ZeRO-1 shards their optimizer state.  Each layout matches one
+// gradients summed over tp; B of a replicated kv head summed over the ranks sharing it; the router's
+// whole, with identical gradients) and live with their experts under ep; ZeRO-1 shards their optimizer state.  Each layout matches one
 // process: losses 1e-5 at every step, the final adapter tensors 1e-4.  A checkpoint written at
 // (tp 2) resumes at one process with the losses of continuing it.
 class DistTrainLora : public DistTrain {
  protected:
   static std::vector<std::string> lora() {
-    return {"lora.rank=4", "lora.alpha=8", "lora.targets=[attention, experts]", "train.lr=1.0e-2",
+    return {"lora.rank=4", "lora.alpha=8", "lora.targets=[attention, experts, router]", "train.lr=1.0e-2",
             "train.min_lr=1.0e-3"};
   }
   static const fs::path& lora_reference() {
@@ -563,6 +563,7 @@ class DistTrainLora : public DistTrain {
     ASSERT_FALSE(want.empty());
     ASSERT_EQ(got.size(), want.size()) << name;
     ASSERT_TRUE(want.count("base_model.model.model.layers.1.mlp.experts.lora_B.weight"));
+    ASSERT_TRUE(want.count("base_model.model.model.layers.1.mlp.gate.lora_B.weight"));
     for (const auto& [n, w] : want) {
       ASSERT_TRUE(got.count(n)) << name << ": " << n;
       EXPECT_LE(rel_max_diff(got.at(n), w), 1e-4) << name << ": " << n;
@@ -620,7 +621,7 @@ TEST_F(DistTrainLora, Bf16BaseUnderTensorPipelineAndExpertParallelMatchesOneProc
 TEST_F(DistTrainLora, Qwen2MoeWithDenseAndSharedExpertTargetsMatchesOneProcess) {
   std::vector<std::string> o = lora();
   o.back() = "train.min_lr=1.0e-3";
-  o[2] = "lora.targets=[attention, experts, mlp]";
+  o[2] = "lora.targets=[attention, experts, mlp, router]";
   const fs::path ref = train("lora_q2_ref", 0, o, 0, kQwen2Moe.model);
   const auto want = read_tensors(ref / "checkpoints" / "step-000010", "adapter_model");
   ASSERT_TRUE(want.count("base_model.model.model.layers.2.mlp.gate_proj.lora_B.weight"));

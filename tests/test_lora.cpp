@@ -228,7 +228,7 @@ TEST_P(LoraGolden, FrozenBf16BaseComputesBitwiseWhatTheFp32BaseDoes) {
   EXPECT_EQ(grads[0], grads[1]);
 }
 
-INSTANTIATE_TEST_SUITE_P(Peft, LoraGolden, ::testing::Values("mixtral", "qwen3_moe", "qwen2_moe"));
+INSTANTIATE_TEST_SUITE_P(Peft, LoraGolden, ::testing::Values("mixtral", "qwen3_moe", "qwen2_moe", "mixtral_router"));
 
 // A bf16 base takes 2 bytes a parameter plus one layer (and the embedding and head) in fp32: with 16
 // layers about 0.6 of the fp32 base's memory.

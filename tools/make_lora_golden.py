@@ -41,6 +41,10 @@ CASES = {
     # on the dense MLP and the shared experts too (gate_proj / up_proj / down_proj match both).
     "qwen2_moe": dict(base="qwen2_moe_shared", override=dict(seed=62), r=4, alpha=8, init_seed=103,
                       modules=TARGET_MODULES + ["gate_proj", "up_proj", "down_proj"]),
+    # The mixtral case's base with LoRA on the router as well (target_parameters mlp.gate.weight): the
+    # adapters move the routing probabilities (and their gradient is the aux loss's and the weights').
+    "mixtral_router": dict(base="mixtral_gqa", override=dict(seed=42), r=4, alpha=8, init_seed=104,
+                           parameters=["mlp.gate.weight"] + TARGET_PARAMETERS),
 }
 
 
@@ -82,7 +86,8 @@ def make_case(name, spec, out_root):
             base_logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
         lc = peft.LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=0.0,
                              target_modules=spec.get("modules", TARGET_MODULES),
-                             target_parameters=TARGET_PARAMETERS, bias="none", task_type="CAUSAL_LM")
+                             target_parameters=spec.get("parameters", TARGET_PARAMETERS), bias="none",
+                             task_type="CAUSAL_LM")
         torch.manual_seed(spec["init_seed"])
         pm = peft.get_peft_model(model, lc)
         trainable = [p for p in pm.parameters() if p.requires_grad]

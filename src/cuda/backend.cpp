@@ -281,22 +281,25 @@ void CudaBackend::moe_experts_backward(Tensor dxperm, Tensor dw13, Tensor dw2, T
                             scratch, b16(dy), b16(h13), b16(act), b16(xperm), b16(w13), b16(w2), device_plan(plan), C,
                             I);
 }
+// Operands in the act store (bf16), or all f32 (the router's adapters).
 void CudaBackend::grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, const PlanView& plan, int IC, int OC,
                                          float alpha, bool accumulate, int ld_in, int ld_out) {
-  expect(inp, Store::bf16, "grouped_matmul_forward", "inp");
-  expect(weight, Store::bf16, "grouped_matmul_forward", "weight");
-  gpu::grouped_matmul_forward(*ctx_, out.data, dtype_of(out, "grouped_matmul_forward"), b16(inp), b16(weight),
+  const DType ab = dtype_of(inp, "grouped_matmul_forward");
+  if (dtype_of(weight, "grouped_matmul_forward") != ab) fail("[cuda grouped_matmul_forward] input and weight stores differ");
+  gpu::grouped_matmul_forward(*ctx_, out.data, dtype_of(out, "grouped_matmul_forward"), inp.data, weight.data, ab,
                               plan.plan->expert_offsets, plan.plan->E - plan.plan->overflow, IC, OC, alpha, accumulate,
                               ld_in, ld_out);
 }
 void CudaBackend::grouped_matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight,
                                           const PlanView& plan, int IC, int OC, float alpha, bool accumulate, int ld_in,
                                           int ld_out) {
-  expect(dout, Store::bf16, "grouped_matmul_backward", "dout");
-  gpu::grouped_matmul_backward(*ctx_, dinp.data, dinp.empty() ? DType::BF16 : dtype_of(dinp, "grouped_matmul_backward"),
-                               dweight.empty() ? nullptr : f32p(dweight),
-                               b16(dout), b16(inp), b16(weight), plan.plan->expert_offsets,
-                               plan.plan->E - plan.plan->overflow, IC, OC, alpha, accumulate, ld_in, ld_out);
+  const DType ab = dtype_of(dout, "grouped_matmul_backward");
+  if (dtype_of(inp, "grouped_matmul_backward") != ab || dtype_of(weight, "grouped_matmul_backward") != ab)
+    fail("[cuda grouped_matmul_backward] dout, input and weight stores differ");
+  gpu::grouped_matmul_backward(*ctx_, dinp.data, dinp.empty() ? ab : dtype_of(dinp, "grouped_matmul_backward"),
+                               dweight.empty() ? nullptr : f32p(dweight), dout.data, inp.data, weight.data, ab,
+                               plan.plan->expert_offsets, plan.plan->E - plan.plan->overflow, IC, OC, alpha, accumulate,
+                               ld_in, ld_out);
 }
 void CudaBackend::swiglu_forward(Tensor act, Tensor h13, long M, int I) {
   if (M > 0) gpu::swiglu_forward(*ctx_, b16(act), b16(h13), M, I);

@@ -121,45 +121,50 @@ void matmul_backward(Context& ctx, Bf16* dinp, float* dweight, const Bf16* dout,
 }
 
 // The grouped linear (ops/grouped_matmul.h): one GEMM per expert over its rows, alpha in the GEMM.
-void grouped_matmul_forward(Context& ctx, void* out, DType out_dtype, const Bf16* inp, const Bf16* weight,
+void grouped_matmul_forward(Context& ctx, void* out, DType out_dtype, const void* inp, const void* weight, DType ab,
                             const std::vector<int64_t>& offsets, int E, int IC, int OC, float alpha, bool accumulate,
                             int ld_in, int ld_out) {
-  if (ld_in == 0) ld_in = IC;
-  if (ld_out == 0) ld_out = OC;
   MOETRON_OP_CHECK(out_dtype == DType::BF16 || out_dtype == DType::F32, "grouped_matmul_forward",
                    "output dtype must be BF16 or F32 (got {})", (int)out_dtype);
+  MOETRON_OP_CHECK(ab == DType::BF16 || ab == DType::F32, "grouped_matmul_forward", "operand dtype must be BF16 or F32");
   MOETRON_OP_CHECK((int)offsets.size() > E && IC > 0 && OC > 0, "grouped_matmul_forward",
                    "bad plan or dimensions (E={}, IC={}, OC={})", E, IC, OC);
-  const size_t os = out_dtype == DType::BF16 ? 2 : 4;
+  if (ld_in == 0) ld_in = IC;
+  if (ld_out == 0) ld_out = OC;
+  const size_t os = out_dtype == DType::BF16 ? 2 : 4, as = ab == DType::BF16 ? 2 : 4;
   const long W = (long)OC * IC;
   for (int e = 0; e < E; e++) {
     const long off = offsets[e], rows = offsets[e + 1] - off;
     if (rows == 0) continue;
-    gemm(ctx, false, true, (int)rows, OC, IC, alpha, inp + off * ld_in, ld_in, weight + e * W, IC,
-         accumulate ? 1.0f : 0.0f, static_cast<char*>(out) + off * ld_out * os, ld_out, DType::BF16, out_dtype);
+    gemm(ctx, false, true, (int)rows, OC, IC, alpha, static_cast<const char*>(inp) + off * ld_in * as, ld_in,
+         static_cast<const char*>(weight) + e * W * as, IC, accumulate ? 1.0f : 0.0f,
+         static_cast<char*>(out) + off * ld_out * os, ld_out, ab, out_dtype);
   }
 }
 
-void grouped_matmul_backward(Context& ctx, void* dinp, DType dinp_dtype, float* dweight, const Bf16* dout,
-                             const Bf16* inp, const Bf16* weight, const std::vector<int64_t>& offsets, int E, int IC,
-                             int OC, float alpha, bool accumulate, int ld_in, int ld_out) {
-  if (ld_in == 0) ld_in = IC;
-  if (ld_out == 0) ld_out = OC;
+void grouped_matmul_backward(Context& ctx, void* dinp, DType dinp_dtype, float* dweight, const void* dout,
+                             const void* inp, const void* weight, DType ab, const std::vector<int64_t>& offsets, int E,
+                             int IC, int OC, float alpha, bool accumulate, int ld_in, int ld_out) {
   MOETRON_OP_CHECK((int)offsets.size() > E && IC > 0 && OC > 0, "grouped_matmul_backward",
                    "bad plan or dimensions (E={}, IC={}, OC={})", E, IC, OC);
   MOETRON_OP_CHECK(dinp_dtype == DType::BF16 || dinp_dtype == DType::F32, "grouped_matmul_backward",
                    "input-gradient dtype must be BF16 or F32 (got {})", (int)dinp_dtype);
-  const size_t is = dinp_dtype == DType::BF16 ? 2 : 4;
+  MOETRON_OP_CHECK(ab == DType::BF16 || ab == DType::F32, "grouped_matmul_backward", "operand dtype must be BF16 or F32");
+  if (ld_in == 0) ld_in = IC;
+  if (ld_out == 0) ld_out = OC;
+  const size_t is = dinp_dtype == DType::BF16 ? 2 : 4, as = ab == DType::BF16 ? 2 : 4;
   const long W = (long)OC * IC;
+  const char* DOUT = static_cast<const char*>(dout);
   for (int e = 0; e < E; e++) {
     const long off = offsets[e], rows = offsets[e + 1] - off;
     if (rows == 0) continue;
     if (dweight)
-      gemm(ctx, true, false, OC, IC, (int)rows, alpha, dout + off * ld_out, ld_out, inp + off * ld_in, ld_in, 1.0f,
-           dweight + e * W, IC, DType::BF16, DType::F32);
+      gemm(ctx, true, false, OC, IC, (int)rows, alpha, DOUT + off * ld_out * as, ld_out,
+           static_cast<const char*>(inp) + off * ld_in * as, ld_in, 1.0f, dweight + e * W, IC, ab, DType::F32);
     if (dinp)
-      gemm(ctx, false, false, (int)rows, IC, OC, alpha, dout + off * ld_out, ld_out, weight + e * W, IC,
-           accumulate ? 1.0f : 0.0f, static_cast<char*>(dinp) + off * ld_in * is, ld_in, DType::BF16, dinp_dtype);
+      gemm(ctx, false, false, (int)rows, IC, OC, alpha, DOUT + off * ld_out * as, ld_out,
+           static_cast<const char*>(weight) + e * W * as, IC, accumulate ? 1.0f : 0.0f,
+           static_cast<char*>(dinp) + off * ld_in * is, ld_in, ab, dinp_dtype);
   }
 }
 

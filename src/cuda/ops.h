@@ -108,14 +108,15 @@ void attention_backward(Context& ctx, Bf16* dq, Bf16* dk, Bf16* dv, float* scrat
 // For experts e < E over rows [offsets[e], offsets[e+1]) (offsets on the HOST): out (out_dtype BF16
 // or F32; = or += when accumulate) = alpha * inp @ weight[e]^T, weight [E,OC,IC] bf16.
 // ld_in / ld_out: row strides of inp (dinp) and out (dout); 0: IC / OC.
-void grouped_matmul_forward(Context& ctx, void* out, DType out_dtype, const Bf16* inp, const Bf16* weight,
+// Operands (inp, weight; dout) in `ab`: BF16 (tensor cores) or F32 (the router's f32 adapters).
+void grouped_matmul_forward(Context& ctx, void* out, DType out_dtype, const void* inp, const void* weight, DType ab,
                             const std::vector<int64_t>& offsets, int E, int IC, int OC, float alpha, bool accumulate,
                             int ld_in, int ld_out);
 // dinp (dinp_dtype BF16 or F32; = or +=; skipped when null) = alpha * dout @ weight[e]; dweight[e]
 // (fp32, +=; skipped when null) += alpha * dout^T @ inp.
-void grouped_matmul_backward(Context& ctx, void* dinp, DType dinp_dtype, float* dweight, const Bf16* dout, const Bf16* inp,
-                             const Bf16* weight, const std::vector<int64_t>& offsets, int E, int IC, int OC,
-                             float alpha, bool accumulate, int ld_in, int ld_out);
+void grouped_matmul_backward(Context& ctx, void* dinp, DType dinp_dtype, float* dweight, const void* dout,
+                             const void* inp, const void* weight, DType ab, const std::vector<int64_t>& offsets, int E,
+                             int IC, int OC, float alpha, bool accumulate, int ld_in, int ld_out);
 
 void swiglu_forward(Context& ctx, Bf16* out, const Bf16* gate_up, long N, int I);
 // dgate_up[N,2I] (bf16, assign)

@@ -151,12 +151,12 @@ size_t grad_norm_scratch_doubles(size_t n) { return (n + (1 << 16) - 1) / (1 << 
 double global_grad_norm(Context&, double*, const float*, size_t) { no_cuda("global_grad_norm"); }
 void init_normal(Context&, float*, size_t, uint64_t, uint64_t, double, float) { no_cuda("init_normal"); }
 
-void grouped_matmul_forward(Context&, void*, DType, const Bf16*, const Bf16*, const std::vector<int64_t>&, int, int, int,
-                            float, bool, int, int) {
+void grouped_matmul_forward(Context&, void*, DType, const void*, const void*, DType, const std::vector<int64_t>&, int, int,
+                            int, float, bool, int, int) {
   no_cuda("grouped_matmul_forward");
 }
-void grouped_matmul_backward(Context&, void*, DType, float*, const Bf16*, const Bf16*, const Bf16*, const std::vector<int64_t>&,
-                             int, int, int, float, bool, int, int) {
+void grouped_matmul_backward(Context&, void*, DType, float*, const void*, const void*, const void*, DType,
+                             const std::vector<int64_t>&, int, int, int, float, bool, int, int) {
   no_cuda("grouped_matmul_backward");
 }
 

@@ -44,6 +44,7 @@ constexpr TargetInfo kTargets[] = {
     {LoraTarget::experts_gate_up, "experts.gate_up_proj", ParamKind::ffn_w13, true},
     {LoraTarget::experts_down, "experts.down_proj", ParamKind::ffn_w2, true},
     {LoraTarget::mlp, "mlp", ParamKind::ffn_w13, false},
+    {LoraTarget::router, "router", ParamKind::router, false},
 };
 
 const TargetInfo& info(LoraTarget t) {
@@ -77,8 +78,13 @@ std::string peft_expert_name(int l, int k, int n, const char* factor) {
   return s + factor + ".weight";
 }
 
+// The internal (and, with kPeftPrefix, PEFT's) name of a non-expert adapter's factor.
+std::string module_name(int l, LoraTarget t, const char* factor) {
+  if (t == LoraTarget::router) return layer_prefix(l) + "mlp.gate." + factor + ".weight";
+  return layer_prefix(l) + "self_attn." + info(t).name + "." + factor + ".weight";
+}
 std::string peft_module_name(int l, LoraTarget t, const char* factor) {
-  return std::string(kPeftPrefix) + layer_prefix(l) + "self_attn." + info(t).name + "." + factor + ".weight";
+  return std::string(kPeftPrefix) + module_name(l, t, factor);
 }
 
 std::vector<LoraTarget> expert_targets(const LoraSpec& spec) {
@@ -173,7 +179,7 @@ std::vector<LoraTarget> parse_lora_targets(const std::vector<std::string>& names
       if (these.empty()) fail("{}: unknown target '{}' (valid: {})", field, n, valid_names());
     }
     for (LoraTarget t : these) {
-      if (info(t).expert && !cfg.is_moe())
+      if ((info(t).expert || t == LoraTarget::router) && !cfg.is_moe())
         fail("{}: target '{}': the model ({}) has no routed experts", field, n, cfg.architecture);
       if (t == LoraTarget::mlp) {
         bool dense = cfg.has_shared_expert();
@@ -232,7 +238,7 @@ ParamTable::ParamTable(const ModelConfig& cfg, const LoraSpec& lora, const Param
   for (int l = lb; l < le; l++)
     for (LoraTarget tg : lora.targets) {
       const TargetInfo& ti = info(tg);
-      if (ti.expert && !cfg.is_moe_layer(l)) continue;
+      if ((ti.expert || tg == LoraTarget::router) && !cfg.is_moe_layer(l)) continue;
       const std::string p = layer_prefix(l);
       if (tg == LoraTarget::mlp) {
         // The dense FFN of a dense layer, or the shared expert of an MoE layer: PEFT's separate gate_proj,
@@ -272,16 +278,16 @@ ParamTable::ParamTable(const ModelConfig& cfg, const LoraSpec& lora, const Param
       if (!ti.expert) {
         // q/k/v: rows split (B follows, A whole); o: columns split (A follows, B whole).
         const HfTensorRef& br = ref_of(b);
+        // The router is whole on every rank (so are its adapters, with identical gradients).
         const bool row_parallel = ti.base == ParamKind::o_proj;
         const int64_t out = b.shape[0], in = b.shape[1];
-        const std::string n = p + "self_attn." + ti.name;
         const size_t ai = specs_.size();
-        ParamSpec& a = add_lora(ParamKind::lora_a, b, n + ".lora_A.weight", {r, in},
+        ParamSpec& a = add_lora(ParamKind::lora_a, b, module_name(l, tg, "lora_A"), {r, in},
                                 row_parallel ? b.tp_split : TpSplit::none, row_parallel ? b.tp_primary : tp_rank == 0);
         push_ref(ai, a.name, a.shape, a.offset, {r, br.full_shape[1]}, row_parallel ? br.slice_dim : -1,
                  br.slice_begin, br.slice_end, -1);
         const size_t bi = specs_.size();
-        ParamSpec& bb = add_lora(ParamKind::lora_b, b, n + ".lora_B.weight", {out, r},
+        ParamSpec& bb = add_lora(ParamKind::lora_b, b, module_name(l, tg, "lora_B"), {out, r},
                                  row_parallel ? TpSplit::none : b.tp_split, row_parallel ? tp_rank == 0 : b.tp_primary);
         push_ref(bi, bb.name, bb.shape, bb.offset, {br.full_shape[0], r}, row_parallel ? -1 : br.slice_dim,
                  br.slice_begin, br.slice_end, -1);
@@ -361,6 +367,8 @@ void write_peft_adapter(const std::string& dir, const ModelConfig& cfg, const Lo
   for (LoraTarget t : spec.targets) {
     if (t == LoraTarget::mlp)
       modules.insert(modules.end(), {"gate_proj", "up_proj", "down_proj"});
+    else if (t == LoraTarget::router)
+      params.push_back("mlp.gate.weight");
     else
       (info(t).expert ? params : modules).push_back(std::string(info(t).expert ? "mlp." : "") + info(t).name);
   }
@@ -505,9 +513,15 @@ PeftAdapter read_peft_adapter_unchecked(const std::string& dir, const ModelConfi
     for (const json& m : *v) {
       refuse_if("target_parameters", !m.is_string(), "names must be strings");
       const std::string s = m.get<std::string>();
+      if (s == "mlp.gate.weight") {
+        if (std::find(names.begin(), names.end(), "router") != names.end())
+          fail("{}: field 'target_parameters': '{}' is listed twice", cpath, s);
+        names.push_back("router");
+        continue;
+      }
       if (s != "mlp.experts.gate_up_proj" && s != "mlp.experts.down_proj")
         fail("{}: field 'target_parameters': parameter '{}' is not one moetron adapts (valid: "
-             "mlp.experts.gate_up_proj, mlp.experts.down_proj)",
+             "mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight)",
              cpath, s);
       const LoraTarget t = s == "mlp.experts.gate_up_proj" ? LoraTarget::experts_gate_up : LoraTarget::experts_down;
       if (std::find(param_order.begin(), param_order.end(), t) != param_order.end())

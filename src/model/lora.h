@@ -1,7 +1,8 @@
 // LoRA adapters (Hu et al.; PEFT's format): for a frozen base weight W [out, in] the layer computes
 //   y = x W^T + scale * (x A^T) B^T,   A [r, in], B [out, r], scale = alpha / r (alpha / sqrt(r): rsLoRA)
-// on the attention projections (q/k/v/o_proj) and on every routed expert's gate_up and down
-// projections, stacked per expert like the expert weights: A13 [E, r, C], B13 [E, 2I, r] (gate rows
+// on the attention projections (q/k/v/o_proj), the router, the dense FFN layers' and shared experts'
+// gate/up/down projections, and every routed expert's gate_up and down projections, stacked per
+// expert like the expert weights: A13 [E, r, C], B13 [E, 2I, r] (gate rows
 // then up rows, as w13), A2 [E, r, I], B2 [E, C, r].  PEFT's initialisation: A uniform in
 // +-1/sqrt(in) (kaiming_uniform with a = sqrt(5)), B zero, so the initial model is the base.
 //
@@ -42,7 +43,8 @@ namespace moetron {
 
 // mlp: the gate_proj, up_proj and down_proj of every dense FFN layer and every shared expert (PEFT's
 // target_modules names match both).
-enum class LoraTarget { q_proj, k_proj, v_proj, o_proj, experts_gate_up, experts_down, mlp };
+// router: the MoE router (PEFT target_parameters "mlp.gate.weight"), run in fp32 as the router is.
+enum class LoraTarget { q_proj, k_proj, v_proj, o_proj, experts_gate_up, experts_down, mlp, router };
 
 struct LoraSpec {
   int rank = 0;  // 0: no adapters

@@ -169,6 +169,10 @@ Tensor MixtralModel::LW(ParamKind target, int l, bool b) const {
   const ParamSpec* s = lora_table_ ? lora_table_->find_lora(target, l, b) : nullptr;
   return s ? lgemm_t_.part(s->offset, s->numel) : Tensor{};
 }
+Tensor MixtralModel::LW32(ParamKind target, int l, bool b) const {
+  const ParamSpec* s = lora_table_ ? lora_table_->find_lora(target, l, b) : nullptr;
+  return s ? lparams_t_.part(s->offset, s->numel) : Tensor{};
+}
 Tensor MixtralModel::LG(ParamKind target, int l, bool b) const {
   const ParamSpec* s = lora_table_ ? lora_table_->find_lora(target, l, b) : nullptr;
   return s ? lgrads_t_.part(s->offset, s->numel) : Tensor{};
@@ -404,6 +408,7 @@ void MixtralModel::reduce_replicated_grads() {
     // B factor of a replicated kv head sums over the ranks sharing the head, as k_proj does.
     for (const ParamSpec& ls : lora_table_->specs()) {
       const Tensor g = lgrads_t_.part(ls.offset, ls.numel);
+      if (ls.target == ParamKind::router) continue;  // replicated input and weights: identical gradients
       if (tp_on() && ls.tp_split == TpSplit::none)
         tp_->all_reduce(g.data, g.numel, dist::CommDType::f32, dist::ReduceOp::sum);
       else if (kv_comm_ && kv_comm_->size() > 1 && ls.kind == ParamKind::lora_b &&
@@ -515,6 +520,8 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
       a.uo = lu(ParamKind::o_proj, N);
       a.dispatch.u13 = local_experts || !moe_l ? lu(ParamKind::ffn_w13, M) : Tensor{};
       a.dispatch.u2 = local_experts || !moe_l ? lu(ParamKind::ffn_w2, M) : Tensor{};
+      const ParamSpec* ra = moe_l && lora_table_ ? lora_table_->find_lora(ParamKind::router, layer_begin_ + l, false) : nullptr;
+      a.ur = ra ? c.take(f32, N * (long)ra->shape[0]) : Tensor{};
       a.shu13 = moe_l && shared ? lu(ParamKind::shared_w13, N) : Tensor{};
       a.shu2 = moe_l && shared ? lu(ParamKind::shared_w2, N) : Tensor{};
       const bool sh = moe_l && shared;
@@ -592,6 +599,7 @@ void MixtralModel::allocate_scratch(int B, int T) {
     dsgl_ = shared ? c.take(f32, N) : Tensor{};
     dxs_ = shared ? c.take(f32, N * C) : Tensor{};
     du_ = lora_.on() ? c.take(act, N * (long)lora_.rank) : Tensor{};
+    dur_ = lora_.has(LoraTarget::router) ? c.take(f32, N * (long)lora_.rank) : Tensor{};
     dqraw_ = qkn ? c.take(f32, N * Q) : Tensor{};
     dkraw_ = qkn ? c.take(f32, N * KVd) : Tensor{};
     if (pass == 0) {
@@ -869,6 +877,11 @@ void MixtralModel::layer_forward(Activations& s, int l, Tensor x_next) {
     {
       Section t(be_, profile_, "fwd.router");
       be_.matmul_forward(a.rlogits, a.ln2f, W(ParamKind::router, l), (int)N, C, E, false);
+      if (!a.ur.empty()) {  // LoRA on the router, in f32 with the f32 masters
+        be_.grouped_matmul_forward(a.ur, a.ln2f, LW32(ParamKind::router, l, false), s.ident_pv, C, lora_.rank, 1.0f, false);
+        be_.grouped_matmul_forward(a.rlogits, a.ur, LW32(ParamKind::router, l, true), s.ident_pv, lora_.rank, E,
+                                   lora_.scale(), true);
+      }
       if (!router_bias_.empty()) be_.add_bias_rows(a.rlogits, router_bias_, N, E);
       be_.router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, N, E, K, cfg_.norm_topk_prob);
       be_.router_layer_stats(router_stats_[li], a.rlogits, a.rprobs, a.topk_idx, tmask, N, E, K);
@@ -1044,6 +1057,13 @@ void MixtralModel::layer_backward(Activations& s, int l) {
                                  s.prep.real_tokens);
     be_.matmul_backward(dln_, G(ParamKind::router, l), drlogits_, a.ln2f, W(ParamKind::router, l), (int)N, C, E,
                         true);
+    if (!a.ur.empty()) {
+      const int r = lora_.rank;
+      be_.grouped_matmul_backward(dur_, LG(ParamKind::router, l, true), drlogits_, a.ur, LW32(ParamKind::router, l, true),
+                                  s.ident_pv, r, E, lora_.scale(), false);
+      be_.grouped_matmul_backward(dln_, LG(ParamKind::router, l, false), dur_, a.ln2f,
+                                  LW32(ParamKind::router, l, false), s.ident_pv, C, r, 1.0f, true);
+    }
     if (!a.shy.empty()) {
       // The shared expert in reverse: d(shy) = sg * dres, d(sg) = <dres, shy> (a partial sum under tp,
       // like shy), through the sigmoid into the gate; the FFN's input gradient is partial too.

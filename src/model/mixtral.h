@@ -236,6 +236,7 @@ class MixtralModel {
     Tensor sh13, shact, shy, sgl, sg;  // shared expert: its FFN rows, output [N,C], gate logit and sigmoid [N]
     Tensor uq, uk, uv, uo;             // LoRA: x A^T [N,r] of each adapted projection
     Tensor shu13, shu2;                // LoRA on the shared expert: [N,2r], [N,r]
+    Tensor ur;                         // LoRA on the router: ln2f A^T [N,r] (f32)
     Tensor rlogits, rprobs, topk_w, topk_idx, combine_w, xperm, yperm, row_token, row_of;
     ops::MoePlan plan;
     PlanView pv;
@@ -370,6 +371,9 @@ class MixtralModel {
   // The window's view of a base tensor, widening its segment first when another one is there.
   Tensor window_view(const ParamSpec& s) const;
   Tensor du_;       // LoRA backward scratch [N,r]
+  Tensor dur_;      // the router's LoRA backward scratch [N,r] (f32)
+  // The f32 master of a LoRA factor (the router's adapters run in f32, as the router does).
+  Tensor LW32(ParamKind target, int l, bool b) const;
   ExpertFfn ffn_;   // the dense FFN layers and the shared expert (their backward scratch)
 
   std::vector<ops::RouterLayerStats> router_stats_;  // of the last forward
