@@ -360,6 +360,19 @@ OpCase permute_combine_case(const std::string& name, std::vector<int32_t> topk, 
 
 // The grouped expert FFN over a plan from fixed top-K choices; overflow: the last expert collects
 // assignments a capacity limit dropped and is never computed (their rows stay zero).
+// The plan of `topk` [N,K] over E experts (the last one the overflow expert when `overflow`), built
+// once per Env, and its view in the Env's backend.
+PlanView plan_view(Env& e, const std::vector<int32_t>& topk, long N, int E, int K, bool overflow) {
+  const long M = N * K;
+  ops::MoePlan& p = e.plan("plan");
+  if (p.expert_offsets.empty()) {
+    ops::moe_plan_build(p, topk.data(), N, E, K);
+    p.overflow = overflow ? 1 : 0;
+  }
+  return e.be().upload_plan(p, e.has("rt") ? e["rt"] : e.alloc("rt", Store::i32, M),
+                            e.has("ro") ? e["ro"] : e.alloc("ro", Store::i32, M));
+}
+
 OpCase experts_case(const std::string& name, std::vector<int32_t> topk, long N, int E, int K, bool overflow) {
   const int C = 16, I = 24;
   const long M = N * K;
@@ -373,15 +386,7 @@ OpCase experts_case(const std::string& name, std::vector<int32_t> topk, long N, 
   c.outputs = {"y"};
   c.cot = {{"y", rnd_bf16(M * C, 4)}};
   c.cot_act = {"y"};
-  auto view = [=](Env& e) {
-    ops::MoePlan& p = e.plan("plan");
-    if (p.expert_offsets.empty()) {
-      ops::moe_plan_build(p, topk.data(), N, E, K);
-      p.overflow = overflow ? 1 : 0;
-    }
-    return e.be().upload_plan(p, e.has("rt") ? e["rt"] : e.alloc("rt", Store::i32, M),
-                              e.has("ro") ? e["ro"] : e.alloc("ro", Store::i32, M));
-  };
+  auto view = [=](Env& e) { return plan_view(e, topk, N, E, K, overflow); };
   c.forward = [=](Env& e) {
     e.be().moe_experts_forward(e.act("y", M * C), e.act("h13", M * 2 * I), e.act("act", M * I), e["xperm"], e["w13"],
                                e["w2"], view(e), C, I);
@@ -408,15 +413,7 @@ OpCase grouped_matmul_case(const std::string& name, std::vector<int32_t> topk, l
   c.outputs = {"y"};
   c.cot = {{"y", rnd_bf16(M * OC, 4)}};
   c.cot_act = {"y"};
-  auto view = [=](Env& e) {
-    ops::MoePlan& p = e.plan("plan");
-    if (p.expert_offsets.empty()) {
-      ops::moe_plan_build(p, topk.data(), N, E, K);
-      p.overflow = overflow ? 1 : 0;
-    }
-    return e.be().upload_plan(p, e.has("rt") ? e["rt"] : e.alloc("rt", Store::i32, M),
-                              e.has("ro") ? e["ro"] : e.alloc("ro", Store::i32, M));
-  };
+  auto view = [=](Env& e) { return plan_view(e, topk, N, E, K, overflow); };
   c.forward = [=](Env& e) { e.be().grouped_matmul_forward(e["y"], e["x"], e["W"], view(e), IC, OC, alpha, true); };
   c.backward = [=](Env& e) {
     // The overflow rows get no gradient: zero them first so the comparison sees a defined value.
@@ -449,15 +446,7 @@ OpCase expert_ffn_lora_case(const std::string& name, std::vector<int32_t> topk, 
   c.outputs = {"y"};
   c.cot = {{"y", rnd_bf16(M * C, 4)}};
   c.cot_act = {"y"};
-  auto view = [=](Env& e) {
-    ops::MoePlan& p = e.plan("plan");
-    if (p.expert_offsets.empty()) {
-      ops::moe_plan_build(p, topk.data(), N, E, K);
-      p.overflow = overflow ? 1 : 0;
-    }
-    return e.be().upload_plan(p, e.has("rt") ? e["rt"] : e.alloc("rt", Store::i32, M),
-                              e.has("ro") ? e["ro"] : e.alloc("ro", Store::i32, M));
-  };
+  auto view = [=](Env& e) { return plan_view(e, topk, N, E, K, overflow); };
   auto weights = [=](Env& e, bool grads) {
     ExpertFfnWeights w;
     w.w13 = e["w13"];

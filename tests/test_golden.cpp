@@ -25,6 +25,7 @@
 #include "model/mixtral.h"
 #include "model/weights.h"
 #include "optim/adamw.h"
+#include "golden_case.h"
 
 namespace fs = std::filesystem;
 using namespace moetron;
@@ -33,43 +34,16 @@ namespace {
 
 const fs::path kGoldenDir = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden";
 
-// max|a-b| / max|b|
-double normalized_max_error(const float* a, const std::vector<float>& b) {
-  double max_err = 0.0, max_ref = 0.0;
-  for (size_t i = 0; i < b.size(); i++) {
-    max_err = std::max(max_err, std::fabs((double)a[i] - (double)b[i]));
-    max_ref = std::max(max_ref, std::fabs((double)b[i]));
-  }
-  return max_ref > 0 ? max_err / max_ref : max_err;
-}
+using moetron::testing::GoldenCase;
+using moetron::testing::meta_double;
+using moetron::testing::normalized_max_error;
 
 double scalar(const SafetensorsFile& f, const std::string& name) { return to_f32(f.get(name))[0]; }
 
-double meta_double(const SafetensorsFile& f, const std::string& key) {
-  auto it = f.metadata().find(key);
-  if (it == f.metadata().end()) throw std::runtime_error("expected.safetensors metadata lacks " + key);
-  return std::stod(it->second);
-}
-
-struct GoldenCase {
-  fs::path dir;
-  ModelConfig cfg;
-  Batch batch;
-  SafetensorsFile expected;
-};
-
-GoldenCase load_case(const std::string& name) {
-  const fs::path dir = kGoldenDir / name;
-  return GoldenCase{dir, load_model_config((dir / "config.json").string()),
-                    read_batch_safetensors((dir / "input.safetensors").string()),
-                    SafetensorsFile::open((dir / "expected.safetensors").string())};
-}
+GoldenCase load_case(const std::string& name) { return moetron::testing::load_golden_case(kGoldenDir / name); }
 
 LossWeights weights_for(const ModelConfig& cfg, const Batch& batch) {
-  LossWeights w;
-  w.ce_scale = 1.0 / (double)count_loss_tokens(batch);
-  w.aux_coef = cfg.router_aux_loss_coef;
-  return w;
+  return moetron::testing::golden_loss_weights(cfg, batch);
 }
 
 class Golden : public ::testing::TestWithParam<std::string> {};

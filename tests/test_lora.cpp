@@ -26,6 +26,7 @@
 #include "model/mixtral.h"
 #include "model/weights.h"
 #include "optim/adamw.h"
+#include "golden_case.h"
 #include "temp_dir.h"
 
 namespace fs = std::filesystem;
@@ -36,40 +37,14 @@ namespace {
 
 const fs::path kLoraDir = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "lora";
 
-double normalized_max_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double max_err = 0.0, max_ref = 0.0;
-  for (size_t i = 0; i < b.size(); i++) {
-    max_err = std::max(max_err, std::fabs((double)a[i] - (double)b[i]));
-    max_ref = std::max(max_ref, std::fabs((double)b[i]));
-  }
-  return max_ref > 0 ? max_err / max_ref : max_err;
-}
+using moetron::testing::meta_double;
+using moetron::testing::normalized_max_error;
+using LoraCase = moetron::testing::GoldenCase;
 
-double meta_double(const SafetensorsFile& f, const std::string& key) {
-  auto it = f.metadata().find(key);
-  if (it == f.metadata().end()) throw std::runtime_error("expected.safetensors metadata lacks " + key);
-  return std::stod(it->second);
-}
-
-struct LoraCase {
-  fs::path dir;
-  ModelConfig cfg;
-  Batch batch;
-  SafetensorsFile expected;
-};
-
-LoraCase load_case(const std::string& name) {
-  const fs::path dir = kLoraDir / name;
-  return LoraCase{dir, load_model_config((dir / "config.json").string()),
-                  read_batch_safetensors((dir / "input.safetensors").string()),
-                  SafetensorsFile::open((dir / "expected.safetensors").string())};
-}
+LoraCase load_case(const std::string& name) { return moetron::testing::load_golden_case(kLoraDir / name); }
 
 LossWeights weights_for(const ModelConfig& cfg, const Batch& batch) {
-  LossWeights w;
-  w.ce_scale = 1.0 / (double)count_loss_tokens(batch);
-  w.aux_coef = cfg.router_aux_loss_coef;
-  return w;
+  return moetron::testing::golden_loss_weights(cfg, batch);
 }
 
 // The base model with the adapter of `adapter_dir` (PEFT's directory).

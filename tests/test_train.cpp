@@ -764,13 +764,17 @@ TEST_F(TrainTest, LoraConfigErrorsNameTheField) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   }
-  try {
-    run_training(config("x", {"lora.rank=4", "lora.targets=[q_proj, mlp]"}));
-    ADD_FAILURE() << "accepted an unknown target";
-  } catch (const SetupError& e) {
-    EXPECT_NE(std::string(e.what()).find("lora.targets: unknown target 'mlp' (valid: attention, experts"),
-              std::string::npos)
-        << e.what();
+  const std::pair<std::string, std::string> setup_cases[] = {
+      {"lora.targets=[q_proj, lm_head]", "lora.targets: unknown target 'lm_head' (valid: attention, experts"},
+      {"lora.targets=[q_proj, mlp]", "lora.targets: target 'mlp': the model (MixtralForCausalLM) has no dense FFN"},
+  };
+  for (const auto& [o, needle] : setup_cases) {
+    try {
+      run_training(config("x", {"lora.rank=4", o}));
+      ADD_FAILURE() << "accepted " << o;
+    } catch (const SetupError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
   }
   EXPECT_FALSE(fs::exists(root_ / "x" / "checkpoints"));
 }

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -138,6 +139,29 @@ void fsync_file(const fs::path& p) {
   ::close(fd);
 }
 
+// Writes the output directory `out` atomically: `fill` writes into a fresh temporary directory beside
+// it, which is fsynced and renamed to `out`; on any error the temporary is removed and `out` is never
+// created.
+void write_directory_atomically(const fs::path& out, const std::string& output,
+                                const std::function<void(const fs::path& tmp)>& fill) {
+  std::error_code ec;
+  const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
+  fs::create_directories(parent, ec);
+  const fs::path tmp = parent / fmt::format(".{}.tmp-{}", out.filename().string(), ::getpid());
+  fs::remove_all(tmp, ec);
+  if (!fs::create_directory(tmp, ec)) fail("{}: cannot create directory: {}", tmp.string(), ec.message());
+  try {
+    fill(tmp);
+    fsync_directory(tmp.string());
+    if (::rename(tmp.c_str(), out.c_str()) != 0)
+      fail("--output {}: cannot rename {} into place: {}", output, tmp.string(), std::strerror(errno));
+    fsync_directory(parent.string());
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+}
+
 // --merge-lora: the base in --input with the adapter's W += scale B A, as a plain HF model directory
 // (the base's config and tokenizer files; dtype `target`, else the base's embedding's).  The output
 // is written into `tmp`.
@@ -232,21 +256,8 @@ int run_convert(int argc, char** argv) {
   }
 
   if (!merge_lora_dir.empty()) {
-    const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
-    fs::create_directories(parent, ec);
-    const fs::path tmp = parent / fmt::format(".{}.tmp-{}", out.filename().string(), ::getpid());
-    fs::remove_all(tmp, ec);
-    if (!fs::create_directory(tmp, ec)) fail("{}: cannot create directory: {}", tmp.string(), ec.message());
-    try {
-      write_merged(in, merge_lora_dir, target, max_shard, tmp);
-      fsync_directory(tmp.string());
-      if (::rename(tmp.c_str(), out.c_str()) != 0)
-        fail("--output {}: cannot rename {} into place: {}", output, tmp.string(), std::strerror(errno));
-      fsync_directory(parent.string());
-    } catch (...) {
-      fs::remove_all(tmp, ec);
-      throw;
-    }
+    write_directory_atomically(out, output,
+                               [&](const fs::path& tmp) { write_merged(in, merge_lora_dir, target, max_shard, tmp); });
     std::printf("wrote %s\n", output.c_str());
     return 0;
   }
@@ -260,14 +271,9 @@ int run_convert(int argc, char** argv) {
   }
   const bool has_optimizer = ShardedSafetensors::exists((in / "optimizer").string(), "optimizer");
 
-  const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
-  fs::create_directories(parent, ec);
-  const fs::path tmp = parent / fmt::format(".{}.tmp-{}", out.filename().string(), ::getpid());
-  fs::remove_all(tmp, ec);
-  if (!fs::create_directory(tmp, ec)) fail("{}: cannot create directory: {}", tmp.string(), ec.message());
   size_t n_tensors = 0, n_model_files = 0, n_opt_files = 0;
   std::vector<std::string> copied;
-  try {
+  write_directory_atomically(out, output, [&](const fs::path& tmp) {
     {
       const ModelTensors model = ModelTensors::open(in.string());
       std::vector<std::string> names = model.names();
@@ -315,14 +321,7 @@ int run_convert(int argc, char** argv) {
       fsync_directory((tmp / "optimizer").string());
     }
     if (is_checkpoint && !drop_optimizer) write_trainer_state(tmp.string(), state);
-    fsync_directory(tmp.string());
-    if (::rename(tmp.c_str(), out.c_str()) != 0)
-      fail("--output {}: cannot rename {} into place: {}", output, tmp.string(), std::strerror(errno));
-    fsync_directory(parent.string());
-  } catch (...) {
-    fs::remove_all(tmp, ec);
-    throw;
-  }
+  });
 
   std::printf("wrote %s: %zu tensors (%s) in %zu model file%s\n", output.c_str(), n_tensors,
               target ? torch_name(*target) : "dtypes kept", n_model_files, n_model_files == 1 ? "" : "s");

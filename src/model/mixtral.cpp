@@ -507,9 +507,8 @@ void MixtralModel::allocate(Activations& s, int B, int T) {
       a.row_of = c.take(i32, M);
       a.dispatch.h13 = local_experts || !moe_l ? c.take(act, 2 * M * Il) : Tensor{};
       a.dispatch.act = local_experts || !moe_l ? c.take(act, M * Il) : Tensor{};
-      // LoRA: each adapted projection keeps u = x A^T [rows, r].
-      const int64_t r = lora_.rank;
-      // (u's width: the A factor's rows -- r, or 2r for a dense FFN's split gate / up factors.)
+      // LoRA: each adapted projection keeps u = x A^T [rows, r] (2r for a dense FFN's split gate / up
+      // factors: the A factor's rows).
       const auto lu = [&](ParamKind k, long rows) {
         const ParamSpec* sp = lora_table_ ? lora_table_->find_lora(k, layer_begin_ + l, false) : nullptr;
         return sp ? c.take(act, rows * sp->shape[sp->shape.size() - 2]) : Tensor{};
