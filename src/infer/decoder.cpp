@@ -160,6 +160,31 @@ void Decoder::reserve_scratch(int n) {
   pos_.resize(N);
 }
 
+void Decoder::lora_add(float* out, int ld_out, const float* x, int ld_x, const float* A, const float* B, int n, int IC,
+                       int OC) {
+  if (A == nullptr) return;
+  const int r = m_.lora->spec.rank;
+  lora_u_.resize((size_t)n * r);
+  ops::sgemm(false, true, n, r, IC, 1.0f, x, ld_x, A, IC, 0.0f, lora_u_.data(), r);
+  ops::sgemm(false, true, n, OC, r, m_.lora->spec.scale(), lora_u_.data(), r, B, r, 1.0f, out, ld_out);
+}
+
+void Decoder::lora_linear(float* out, const float* x, ParamKind target, int layer, int e, int n, int IC, int OC) {
+  const float* A = m_.lora_factor(target, layer, false);
+  if (A == nullptr) return;
+  const size_t r = (size_t)m_.lora->spec.rank;
+  lora_add(out, OC, x, IC, A + (size_t)e * r * IC, m_.lora_factor(target, layer, true) + (size_t)e * OC * r, n, IC, OC);
+}
+
+void Decoder::lora_gate_up_split(float* h13, const float* ln, ParamKind target, int layer, int n, int I) {
+  const float* A = m_.lora_factor(target, layer, false);  // [2r, C]: gate, then up
+  if (A == nullptr) return;
+  const float* B = m_.lora_factor(target, layer, true);   // [2I, r]: gate rows, then up rows
+  const size_t r = (size_t)m_.lora->spec.rank;
+  for (int half = 0; half < 2; half++)
+    lora_add(h13 + (size_t)half * I, 2 * I, ln, C_, A + half * r * C_, B + half * (size_t)I * r, n, C_, I);
+}
+
 void DecodeSplitTuner::record(double seconds) {
   const int s = (int)(step_ % kPeriod);
   if (s < kTrial) serial_ = s == 0 ? seconds : std::min(serial_, seconds);
@@ -224,6 +249,11 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
       ops::matmul_forward(kdst, ln, wk, n, C_, KVd_);
       ops::matmul_forward(vdst, ln, wv, n, C_, KVd_);
     }
+    if (m_.lora) {  // unmerged adapters on the projections, before their biases and norms
+      lora_linear(q_.data(), ln, ParamKind::q_proj, l, 0, n, C_, Q_);
+      lora_linear(kdst, ln, ParamKind::k_proj, l, 0, n, C_, KVd_);
+      lora_linear(vdst, ln, ParamKind::v_proj, l, 0, n, C_, KVd_);
+    }
     if (m_.cfg.qkv_bias) {  // Qwen2-MoE: q/k/v biases, rows of the projections
       ThreadLimit lim(N * (Q_ + 2 * KVd_));
       add_bias(q_.data(), m_.weight(ParamKind::q_bias, l), n, Q_);
@@ -258,6 +288,7 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
       ThreadLimit lim(N * Q_ * C_);
       ops::matmul_forward_accumulate(x, att_.data(), wo, n, Q_, C_);
     }
+    if (m_.lora) lora_linear(x, att_.data(), ParamKind::o_proj, l, 0, n, Q_, C_);
     // FFN block: x += ffn(rmsnorm(x)).
     {
       ThreadLimit lim(N * C_);
@@ -346,14 +377,17 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
     if (n == 1) {
       const infer::GemvTask up = task(h13, ParamKind::ffn_w13, layer, 0, ln, 2 * I);
       infer::gemv_batch(&up, 1, C_, gemv_min_);
+      if (m_.lora) lora_gate_up_split(h13, ln, ParamKind::ffn_w13, layer, 1, I);
       ops::swiglu_forward(act, h13, 1, I);
       const infer::GemvTask down = task(x, ParamKind::ffn_w2, layer, 0, act, C_, true);
       infer::gemv_batch(&down, 1, I, gemv_min_);
     } else {
       ops::matmul_forward(h13, ln, w13, n, C_, 2 * I);
+      if (m_.lora) lora_gate_up_split(h13, ln, ParamKind::ffn_w13, layer, n, I);
       ops::swiglu_forward(act, h13, n, I);
       ops::matmul_forward_accumulate(x, act, w2, n, I, C_);
     }
+    if (m_.lora) lora_linear(x, act, ParamKind::ffn_w2, layer, 0, n, I, C_);
     return;
   }
   const float* wr = m_.weight(ParamKind::router, layer);  // [E, C]
@@ -363,6 +397,7 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
     // and their down products in another.
     const infer::GemvTask router = task(rlogits_.data(), ParamKind::router, layer, 0, ln, E_);
     infer::gemv_batch(&router, 1, C_, gemv_min_);
+    if (m_.lora) lora_linear(rlogits_.data(), ln, ParamKind::router, layer, 0, 1, C_, E_);
     route_one(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), E_, K_, m_.cfg.norm_topk_prob);
     MOETRON_ASSERT(K_ <= 16);
     infer::GemvTask up[16], down[16];
@@ -373,8 +408,14 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
       down[k] = task(y + (size_t)k * C_, ParamKind::ffn_w2, layer, (size_t)e * IC, act + (size_t)k * I, C_);
     }
     infer::gemv_batch(up, K_, C_, gemv_min_);
+    if (m_.lora)
+      for (int k = 0; k < K_; k++)
+        lora_linear(h13 + (size_t)k * 2 * I, ln, ParamKind::ffn_w13, layer, topk_idx_[k], 1, C_, 2 * I);
     ops::swiglu_forward(act, h13, K_, I);
     infer::gemv_batch(down, K_, I, gemv_min_);
+    if (m_.lora)
+      for (int k = 0; k < K_; k++)
+        lora_linear(y + (size_t)k * C_, act + (size_t)k * I, ParamKind::ffn_w2, layer, topk_idx_[k], 1, I, C_);
     std::fill(tmp, tmp + C_, 0.0f);
     for (int k = 0; k < K_; k++) infer::axpy(tmp, topk_w_[k], y + (size_t)k * C_, C_);
     add_inplace(x, tmp, C_);
@@ -382,11 +423,27 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
     return;
   }
   ops::matmul_forward(rlogits_.data(), ln, wr, n, C_, E_);
+  if (m_.lora) lora_linear(rlogits_.data(), ln, ParamKind::router, layer, 0, n, C_, E_);
   ops::router_forward(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), n, E_, K_,
                       m_.cfg.norm_topk_prob);
   ops::moe_plan_build(plan_, topk_idx_.data(), n, E_, K_);
   ops::moe_permute_forward(xperm_.data(), ln, plan_, C_);
-  ops::moe_experts_forward(yperm_.data(), h13, act, xperm_.data(), w13, w2, plan_, C_, I);
+  if (m_.lora && (m_.lora_factor(ParamKind::ffn_w13, layer, false) || m_.lora_factor(ParamKind::ffn_w2, layer, false))) {
+    // Per expert over its rows, with its adapters between the products.
+    for (int e = 0; e < E_; e++) {
+      const long off = plan_.expert_offsets[e], rows = plan_.expert_offsets[e + 1] - off;
+      if (rows == 0) continue;
+      float *he = h13 + off * 2 * I, *ae = act + off * I, *ye = yperm_.data() + off * C_;
+      const float* xe = xperm_.data() + off * C_;
+      ops::matmul_forward(he, xe, w13 + (size_t)e * 2 * IC, (int)rows, C_, 2 * I);
+      lora_linear(he, xe, ParamKind::ffn_w13, layer, e, (int)rows, C_, 2 * I);
+      ops::swiglu_forward(ae, he, rows, I);
+      ops::matmul_forward(ye, ae, w2 + (size_t)e * IC, (int)rows, I, C_);
+      lora_linear(ye, ae, ParamKind::ffn_w2, layer, e, (int)rows, I, C_);
+    }
+  } else {
+    ops::moe_experts_forward(yperm_.data(), h13, act, xperm_.data(), w13, w2, plan_, C_, I);
+  }
   ops::moe_combine_forward(tmp, yperm_.data(), topk_w_.data(), plan_, C_);
   add_inplace(x, tmp, (long)n * C_);
   shared_expert(x, ln, layer, n);
@@ -401,8 +458,10 @@ void Decoder::shared_expert(float* x, const float* ln, int layer, int n) {
   shared_y_.resize((size_t)n * C_);
   float gate_logit[1], gate[1];
   ops::matmul_forward(shared_h13_.data(), ln, m_.weight(ParamKind::shared_w13, layer), n, C_, 2 * Is);
+  if (m_.lora) lora_gate_up_split(shared_h13_.data(), ln, ParamKind::shared_w13, layer, n, Is);
   ops::swiglu_forward(shared_act_.data(), shared_h13_.data(), n, Is);
   ops::matmul_forward(shared_y_.data(), shared_act_.data(), m_.weight(ParamKind::shared_w2, layer), n, Is, C_);
+  if (m_.lora) lora_linear(shared_y_.data(), shared_act_.data(), ParamKind::shared_w2, layer, 0, n, Is, C_);
   const float* wg = m_.weight(ParamKind::shared_gate, layer);  // [1, C]
   for (int i = 0; i < n; i++) {
     const float* li = ln + (size_t)i * C_;

@@ -68,6 +68,13 @@ class Decoder {
   void ffn(float* x, const float* ln, int layer, int n);
   void shared_expert(float* x, const float* ln, int layer, int n);
   void reserve_scratch(int n);
+  // LoRA, unmerged: out[n, OC] (row stride ld_out) += scale * (x[n, IC] (row stride ld_x) A^T) B^T,
+  // A [r, IC], B [OC, r] (null A: not adapted, nothing to do).
+  void lora_add(float* out, int ld_out, const float* x, int ld_x, const float* A, const float* B, int n, int IC, int OC);
+  // The adapter of base tensor `target` (layer, expert e of a stacked one) added to out = x W^T.
+  void lora_linear(float* out, const float* x, ParamKind target, int layer, int e, int n, int IC, int OC);
+  // A dense FFN's (or shared expert's) split gate / up adapters on h13[n, 2I] from ln[n, C].
+  void lora_gate_up_split(float* h13, const float* ln, ParamKind target, int layer, int n, int I);
   // A decode-time product y = W x with the layer's weight in bf16 when available.
   infer::GemvTask task(float* y, ParamKind kind, int layer, size_t offset, const float* x, int OC,
                        bool accumulate = false) const;
@@ -83,6 +90,7 @@ class Decoder {
   std::vector<float> x_, ln_, rstd_, q_, att_, tmp_, rlogits_, rprobs_, topk_w_, xperm_, h13_, act_, yperm_, scores_;
   std::vector<float> shared_h13_, shared_act_, shared_y_;  // Qwen2-MoE's shared expert
   std::vector<int32_t> topk_idx_, pos_;
+  std::vector<float> lora_u_;  // LoRA's x A^T
   ops::MoePlan plan_;
   // Decode steps (n == 1) split products from this many multiply-adds (set per step by the tuner).
   long gemv_min_ = infer::kGemvParallelMin;

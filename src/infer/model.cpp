@@ -63,7 +63,10 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
   if (!lora_dir.empty()) adapter = read_peft_adapter(lora_dir, cfg);
   auto m = std::make_unique<InferenceModel>(cfg);
   load_hf_weights(files, m->table, m->params.data(), dir);
-  if (adapter) merge_lora(m->table, m->params.data(), ParamTable(cfg, adapter->spec), adapter->values.data(), adapter->spec);
+  if (adapter) {
+    ParamTable t(cfg, adapter->spec);
+    m->lora.reset(new InferenceModel::Adapter{adapter->spec, std::move(t), std::move(adapter->values)});
+  }
   m->keep_bf16_copy();
   return m;
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "io/hf_config.h"
+#include "model/lora.h"
 #include "model/params.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -26,7 +27,21 @@ struct InferenceModel {
   // using the fp32 values.  Empty otherwise.
   std::vector<uint16_t> params_bf16;
 
+  // A LoRA adapter applied unmerged at run time (load_inference_model's lora_dir): its spec, its whole
+  // adapter table and values (fp32).  Null: none.
+  struct Adapter {
+    LoraSpec spec;
+    ParamTable table;
+    std::vector<float> values;
+  };
+  std::unique_ptr<Adapter> lora;
+
   explicit InferenceModel(const ModelConfig& c) : cfg(c), table(c), params(table.total(), 0.0f) {}
+  // A LoRA factor (b: B, else A) adapting base tensor `target` of `layer`, or null.
+  const float* lora_factor(ParamKind target, int layer, bool b) const {
+    const ParamSpec* s = lora ? lora->table.find_lora(target, layer, b) : nullptr;
+    return s ? lora->values.data() + s->offset : nullptr;
+  }
   const float* weight(ParamKind kind, int layer = -1) const { return params.data() + table.at(kind, layer).offset; }
   const uint16_t* weight_bf16(ParamKind kind, int layer = -1) const {
     return params_bf16.empty() ? nullptr : params_bf16.data() + table.at(kind, layer).offset;
@@ -37,7 +52,8 @@ struct InferenceModel {
 
 // Reads DIR/config.json and DIR's safetensors (any float dtype; computed in fp32), and keeps a bf16
 // copy for decoding when the values allow it exactly (keep_bf16_copy).  lora_dir: a PEFT LoRA adapter
-// directory (model/lora.h) for this base, merged into the fp32 weights at load ("": none).
+// directory (model/lora.h) for this base ("": none), applied unmerged by the Decoder (the base's
+// weights stay as they are: its bf16 copy too).
 std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, const std::string& lora_dir = "");
 
 // How the chat template was chosen, for messages ("--template", "tokenizer_config.json", ...).
