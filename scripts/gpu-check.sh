@@ -2,7 +2,7 @@
 # The GPU check, one prepared run on one H100/H200, within 8 minutes: the one model (src/model) on
 # the CUDA backend (src/cuda/backend) beside the CPU backends.
 #   build (Release, CUDA on) -> device probe -> the op-case table and the CUDA kernel tests ->
-#   golden parity in bf16 -> 20 training steps beside the CPU (library and `moetron train` with
+#   golden parity in bf16 -> LoRA parity (PEFT's references, fp32 and bf16 bases) -> 20 training steps beside the CPU (library and `moetron train` with
 #   device: cuda) -> 2 ranks sharing the GPU (MPI staging) at dp 2, tp 2, ep 2, pp 2 beside one
 #   process -> a checkpoint resumed CPU -> GPU -> CPU -> `moetron forward --device cuda` ->
 #   `moetron bench train --device cuda` on the Mixtral-shaped model -> transformers' eager training
@@ -103,6 +103,7 @@ stage probe 60 1 "$BIN" bench train --device cuda --layers 1 --hidden 128 --head
 stage ops 120 1 "$BUILD_DIR/test_cuda_ops"
 stage optable 60 1 "$BUILD_DIR/test_backend_ops" --gtest_filter='*Cuda*:BackendOpsExact.*'
 stage golden 90 1 "$BUILD_DIR/test_cuda_model" --gtest_filter='Transformers/CudaGolden.*'
+stage lora 60 1 "$BUILD_DIR/test_cuda_model" --gtest_filter='Peft/CudaLoraGolden.*'
 stage train20 90 1 "$BUILD_DIR/test_cuda_model" --gtest_filter='CudaTraining.*:CudaTrain.TwentyStepsBesideTheCpu'
 stage dist2 150 1 "$BUILD_DIR/test_cuda_model" --gtest_filter='CudaTrain.TwoRanksSharingTheGpuMatchOneProcess'
 stage resume 90 1 "$BUILD_DIR/test_cuda_model" --gtest_filter='CudaTrain.CheckpointsResumeAcrossDevices'

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,6 +34,7 @@
 #include "io/model_files.h"
 #include "io/safetensors.h"
 #include "model/batch_io.h"
+#include "model/lora.h"
 #include "model/mixtral.h"
 #include "training_case.h"
 #include "model/params.h"
@@ -123,6 +125,74 @@ INSTANTIATE_TEST_SUITE_P(Transformers, CudaGolden,
                          ::testing::Values("mixtral_gqa", "mixtral_e3_k1", "mixtral_swa_padded", "mistral_dense",
                                            "llama_dense", "qwen3_moe_mixed", "qwen3_moe_norm_topk_padded",
                                            "qwen2_moe_shared", "olmoe_clip", "olmoe_plain", "qwen3_dense"));
+
+// LoRA on the GPU (tests/golden/lora/, PEFT's references): the adapters over the base kept in fp32
+// masters and over the base kept in bf16 (model.dtype bf16), against the naive bf16 CPU backend by the
+// bf16 rule -- the final adapter's logits (PEFT's logits_final), and step 0's loss and every adapter
+// gradient from the initial adapter (PEFT's grad.0.*).
+class CudaLoraGolden : public ::testing::TestWithParam<std::tuple<std::string, bool>> {};
+
+TEST_P(CudaLoraGolden, LogitsAndAdapterGradientsMeetTheBf16Rule) {
+  MOETRON_REQUIRE_GPU();
+  const auto [name, base_bf16] = GetParam();
+  const fs::path dir = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "lora" / name;
+  const ModelConfig cfg = load_model_config((dir / "config.json").string());
+  const Batch batch = read_batch_safetensors((dir / "input.safetensors").string());
+  const SafetensorsFile expected = SafetensorsFile::open((dir / "expected.safetensors").string());
+  std::vector<float> base(ParamTable(cfg).total(), 0.0f);
+  load_hf_weights(ModelTensors::open(dir.string()), ParamTable(cfg), base.data(), dir.string());
+  const LossWeights w = weights_for(cfg, batch);
+  struct Run {
+    Losses losses;
+    std::vector<float> logits, grads;
+  };
+  auto run = [&](Backend& be, const std::string& adapter, bool bf16) {
+    PeftAdapter a = read_peft_adapter((dir / adapter).string(), cfg);
+    a.spec.base_bf16 = bf16;
+    MixtralModel m(be, cfg, nullptr, nullptr, LayerRange{}, a.spec);
+    m.set_params(base.data());
+    m.set_train_params(a.values.data());
+    Run r;
+    r.losses = m.forward(batch, w);
+    r.logits.resize((size_t)batch.B * batch.T * cfg.vocab_size);
+    m.download_logits(r.logits.data());
+    m.zero_grads();
+    m.backward();
+    r.grads.resize(m.train_table().total());
+    be.download(r.grads.data(), m.train_grad_tensor());
+    return r;
+  };
+  Bf16CpuBackend naive_be;
+  gpu::CudaBackend cuda_be;
+  const Run naive_final = run(naive_be, "adapter_final", false), cuda_final = run(cuda_be, "adapter_final", base_bf16);
+  testing::expect_bf16_rule(cuda_final.logits, naive_final.logits, to_f32(expected.get("logits_final")), "logits");
+  const Run naive0 = run(naive_be, "adapter_init", false), cuda0 = run(cuda_be, "adapter_init", base_bf16);
+  expect_scalar_rule(cuda0.losses.loss, naive0.losses.loss, to_f32(expected.get("lora_loss"))[0], "loss");
+  // The gradients in PEFT's names (the adapter writer lays them out).
+  const PeftAdapter spec = read_peft_adapter((dir / "adapter_init").string(), cfg);
+  const ParamTable table(cfg, spec.spec);
+  auto named = [&](const std::vector<float>& g) {
+    const fs::path tmp = fs::temp_directory_path() / ("moetron_cuda_lora_" + std::to_string(::getpid()));
+    write_peft_adapter(tmp.string(), cfg, spec.spec, table, g.data(), "");
+    const SafetensorsFile f = SafetensorsFile::open((tmp / "adapter_model.safetensors").string());
+    std::map<std::string, std::vector<float>> out;
+    for (const std::string& n : f.names()) out[n] = to_f32(f.get(n));
+    fs::remove_all(tmp);
+    return out;
+  };
+  const auto c = named(cuda0.grads), n = named(naive0.grads);
+  size_t compared = 0;
+  for (const auto& [k, g] : c) {
+    const std::vector<float> ref = to_f32(expected.get("grad.0." + k));
+    testing::expect_bf16_rule(g, n.at(k), ref, "gradient of " + k);
+    compared++;
+  }
+  EXPECT_GT(compared, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Peft, CudaLoraGolden,
+                         ::testing::Combine(::testing::Values("mixtral", "qwen3_moe", "qwen2_moe", "mixtral_router"),
+                                            ::testing::Bool()));
 
 // 20 optimizer steps on GPU (bf16) and CPU (fp32) from the same weights on the same batches, each
 // with its backend's ShardedAdamW.
