@@ -12,9 +12,11 @@
 // which checks that the backend reports its absence cleanly.
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <numeric>
 #include <ostream>
+#include <sstream>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -47,6 +49,25 @@ using testing::round_bf16;
 
 // bf16-valued random data.
 std::vector<float> rnd(size_t n, uint32_t seed, float scale = 1.0f) { return round_bf16(random_vector(n, seed, scale)); }
+
+// cuBLASLt is opened at the first CUDA context, not at program start: linked, it costs every process
+// ~210 MB of resident memory before main() (src/cuda/cublaslt.cuh).  The first test of this file, so
+// no earlier test has made a context; needs no GPU (the library loads without one).
+TEST(CudaBackend, CublasLtLoadsOnFirstUseOnly) {
+  if (!gpu::cuda_compiled()) {
+    EXPECT_THROW(gpu::load_gpu_libraries(), Error);
+    GTEST_SKIP() << "built without CUDA";
+  }
+  auto mapped = [] {
+    std::ifstream maps("/proc/self/maps");
+    std::stringstream ss;
+    ss << maps.rdbuf();
+    return ss.str().find("libcublasLt") != std::string::npos;
+  };
+  EXPECT_FALSE(mapped()) << "libcublasLt is mapped before any CUDA context was made";
+  EXPECT_EQ(gpu::load_gpu_libraries(), "CUBLAS_STATUS_SUCCESS");
+  EXPECT_TRUE(mapped());
+}
 
 TEST(CudaBackend, ReportsWhetherItCanRun) {
   const std::string why = gpu::cuda_unavailable_reason();

@@ -2,7 +2,7 @@
 // Context's internals, bf16 pointer casts and small device helpers.
 #pragma once
 
-#include <cublasLt.h>
+#include "cuda/cublaslt.cuh"
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -63,30 +63,30 @@ void gemm(Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, float a
   if (it == cx.gemm_plans.end()) {
     if (cx.gemm_plans.size() >= kMaxPlans) cx.clear_gemm_plans();
     GemmPlan p;
-    CUBLAS_CALL(op, cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    CUBLAS_CALL(op, cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
-    CUBLAS_CALL(op, cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
-    CUBLAS_CALL(op, cublasLtMatrixLayoutCreate(&p.a, tab, a_rows, a_cols, ldb));
-    CUBLAS_CALL(op, cublasLtMatrixLayoutCreate(&p.b, tab, b_rows, b_cols, lda));
-    CUBLAS_CALL(op, cublasLtMatrixLayoutCreate(&p.c, tc, (uint64_t)m, (uint64_t)n, ldc));
+    CUBLAS_CALL(op, cublaslt().MatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CUBLAS_CALL(op, cublaslt().MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+    CUBLAS_CALL(op, cublaslt().MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+    CUBLAS_CALL(op, cublaslt().MatrixLayoutCreate(&p.a, tab, a_rows, a_cols, ldb));
+    CUBLAS_CALL(op, cublaslt().MatrixLayoutCreate(&p.b, tab, b_rows, b_cols, lda));
+    CUBLAS_CALL(op, cublaslt().MatrixLayoutCreate(&p.c, tc, (uint64_t)m, (uint64_t)n, ldc));
     cublasLtMatmulPreference_t pref = nullptr;
-    CUBLAS_CALL(op, cublasLtMatmulPreferenceCreate(&pref));
+    CUBLAS_CALL(op, cublaslt().MatmulPreferenceCreate(&pref));
     const uint32_t al = (uint32_t)align;
-    cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+    cublasStatus_t st = cublaslt().MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                              &cx.workspace_bytes, sizeof(cx.workspace_bytes));
     for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-      if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &al, sizeof(al));
+      if (st == CUBLAS_STATUS_SUCCESS) st = cublaslt().MatmulPreferenceSetAttribute(pref, attr, &al, sizeof(al));
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulAlgoGetHeuristic(cx.lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
+      st = cublaslt().MatmulAlgoGetHeuristic(cx.lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
+    cublaslt().MatmulPreferenceDestroy(pref);
     if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
-      cublasLtMatrixLayoutDestroy(p.a);
-      cublasLtMatrixLayoutDestroy(p.b);
-      cublasLtMatrixLayoutDestroy(p.c);
-      cublasLtMatmulDescDestroy(p.desc);
+      cublaslt().MatrixLayoutDestroy(p.a);
+      cublaslt().MatrixLayoutDestroy(p.b);
+      cublaslt().MatrixLayoutDestroy(p.c);
+      cublaslt().MatmulDescDestroy(p.desc);
       if (st != CUBLAS_STATUS_SUCCESS) fail_cublas(op, "cublasLtMatmulAlgoGetHeuristic", st);
       fail("[{}] cuBLASLt has no algorithm for M={} N={} K={} trans_a={} trans_b={} lda={} ldb={} ldc={} {}x{}->{} "
            "(alignment {} bytes)",
@@ -97,7 +97,7 @@ void gemm(Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, float a
   }
   const GemmPlan& p = it->second;
   // First cuBLASLt operand is B, second is A (column-major view).
-  CUBLAS_CALL(op, cublasLtMatmul(cx.lt, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
+  CUBLAS_CALL(op, cublaslt().Matmul(cx.lt, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
                                  cx.workspace, cx.workspace_bytes, cx.stream));
 }
 

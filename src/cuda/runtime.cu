@@ -36,10 +36,12 @@ void fail_cuda(const char* op, const char* call, cudaError_t err) {
 }
 
 void fail_cublas(const char* op, const char* call, cublasStatus_t status) {
-  fail("[{}] {} failed: {}: {}", op, call, cublasLtGetStatusName(status), cublasLtGetStatusString(status));
+  fail("[{}] {} failed: {}: {}", op, call, cublaslt().GetStatusName(status), cublaslt().GetStatusString(status));
 }
 
 bool cuda_compiled() { return true; }
+
+std::string load_gpu_libraries() { return cublaslt().GetStatusName(CUBLAS_STATUS_SUCCESS); }
 
 std::string cuda_unavailable_reason() {
   int n = 0;
@@ -90,10 +92,10 @@ DeviceInfo device_info() {
 
 void Context::Impl::clear_gemm_plans() {
   for (auto& [key, p] : gemm_plans) {
-    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
-    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
-    if (p.c) cublasLtMatrixLayoutDestroy(p.c);
-    if (p.desc) cublasLtMatmulDescDestroy(p.desc);
+    if (p.a) cublaslt().MatrixLayoutDestroy(p.a);
+    if (p.b) cublaslt().MatrixLayoutDestroy(p.b);
+    if (p.c) cublaslt().MatrixLayoutDestroy(p.c);
+    if (p.desc) cublaslt().MatmulDescDestroy(p.desc);
   }
   gemm_plans.clear();
 }
@@ -113,7 +115,7 @@ Context::Context() : impl_(std::make_unique<Impl>()) {
          prop.name, prop.major, prop.minor);
   CUDA_CALL("cuda context", cudaSetDevice(m.device));
   CUDA_CALL("cuda context", cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
-  CUBLAS_CALL("cuda context", cublasLtCreate(&m.lt));
+  CUBLAS_CALL("cuda context", cublaslt().Create(&m.lt));
   m.workspace_bytes = kWorkspaceBytes;
   CUDA_CALL("cuda context", cudaMalloc(&m.workspace, m.workspace_bytes));
 }
@@ -124,7 +126,7 @@ Context::~Context() {
   if (m.stream) cudaStreamSynchronize(m.stream);
   m.clear_gemm_plans();
   if (m.workspace) cudaFree(m.workspace);
-  if (m.lt) cublasLtDestroy(m.lt);
+  if (m.lt) cublaslt().Destroy(m.lt);
   if (m.stream) cudaStreamDestroy(m.stream);
 }
 

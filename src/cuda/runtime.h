@@ -25,6 +25,10 @@ struct Bf16 {
 
 // True when this binary contains the CUDA backend.
 bool cuda_compiled();
+// Loads the GPU libraries moetron opens at run time (cuBLASLt; a CUDA context does it first) and
+// returns the library's name for CUBLAS_STATUS_SUCCESS as a proof of the resolved table.  Error
+// naming the library when it cannot be loaded; built without CUDA: "built without CUDA".
+std::string load_gpu_libraries();
 // "" when a CUDA device can be used; otherwise why not ("built without CUDA", "no CUDA device",
 // the driver's error).  Never throws.
 std::string cuda_unavailable_reason();

@@ -16,6 +16,7 @@ namespace {
 struct Context::Impl {};
 
 bool cuda_compiled() { return false; }
+std::string load_gpu_libraries() { no_cuda("load_gpu_libraries"); }
 std::string cuda_unavailable_reason() { return "built without CUDA"; }
 int default_device() { return 0; }
 DeviceInfo device_info() { no_cuda("device_info"); }
