@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -136,21 +137,32 @@ TEST(Decoder, ChunkedPrefillAndCacheContinuation) {
   }
 }
 
-// A bf16 checkpoint keeps a bf16 copy for decoding: half the bytes per token, bitwise the same logits.
-TEST(Decoder, Bf16CopyDecodesBitwiseLikeFp32) {
-  EXPECT_TRUE(load_inference_model((kGolden / "mixtral_gqa").string())->params_bf16.empty());  // fp32 values
-  for (const char* name : {"mixtral_gqa", "llama_dense"}) {
+// A bf16 checkpoint is used in place from the mapped file (no fp32 copy): prefill and decode give
+// bitwise the logits of the same model widened to fp32 (bf16 widens exactly; the kernels do the same
+// fp32 arithmetic on the same values).  An fp32 checkpoint is used in place too.
+TEST(Decoder, Bf16InPlaceComputesBitwiseWhatItsFp32WideningDoes) {
+  const auto fp32_file = load_inference_model((kGolden / "mixtral_gqa").string());
+  EXPECT_TRUE(fp32_file->owned.empty());
+  EXPECT_EQ(fp32_file->storage_dtype(), DType::F32);
+  for (const char* name : {"mixtral_gqa", "llama_dense", "qwen3_moe", "olmoe"}) {
     SCOPED_TRACE(name);
     const auto model = load_inference_model((kGenerate / name).string());
-    ASSERT_FALSE(model->params_bf16.empty());
+    const auto wide = load_inference_model((kGenerate / name).string(), "", /*widen_to_fp32=*/true);
+    ASSERT_TRUE(model->owned.empty());
+    ASSERT_EQ(model->storage_dtype(), DType::BF16);
+    ASSERT_EQ(wide->owned.size(), wide->table.total());
+    size_t small = 0;  // values of the norms, biases and router, copied to fp32 either way
+    for (const ParamSpec& p : model->table.specs()) small += InferenceModel::is_small(p.kind) ? p.numel : 0;
+    EXPECT_EQ(model->weight_bytes(), (wide->weight_bytes() - 4 * small) / 2 + 4 * small);
     const int V = model->cfg.vocab_size;
     const std::vector<int32_t> tokens = random_tokens(30, V, 3);
-    Decoder a(*model, 256, -1, true), b(*model, 256, -1, false);
+    Decoder a(*model), b(*wide);
     KvCache ca = a.new_cache(), cb = b.new_cache();
-    std::vector<float> la(V), lb(V);
-    a.forward(ca, std::span(tokens).first(5), la.data());
-    b.forward(cb, std::span(tokens).first(5), lb.data());
-    for (int t = 5; t < 30; t++) {
+    std::vector<float> la((size_t)9 * V), lb((size_t)9 * V);
+    a.forward(ca, std::span(tokens).first(9), la.data(), /*all_logits=*/true);  // prefill: 9 rows
+    b.forward(cb, std::span(tokens).first(9), lb.data(), true);
+    ASSERT_EQ(0, std::memcmp(la.data(), lb.data(), sizeof(float) * la.size())) << "prefill";
+    for (int t = 9; t < 30; t++) {
       a.forward(ca, std::span(tokens).subspan(t, 1), la.data());
       b.forward(cb, std::span(tokens).subspan(t, 1), lb.data());
       ASSERT_EQ(0, std::memcmp(la.data(), lb.data(), sizeof(float) * V)) << "position " << t;
@@ -202,7 +214,8 @@ TEST(DecodeKernels, GemvBatchIsBitwiseTheSameSplitOrNot) {
   for (const bool bf16 : {false, true}) {
     std::vector<float> ref(OC), y(OC);
     omp_set_num_threads(1);
-    infer::GemvTask t{ref.data(), bf16 ? nullptr : W.data(), bf16 ? Wh.data() : nullptr, x.data(), OC};
+    const infer::WeightRef w = bf16 ? infer::WeightRef{Wh.data(), DType::BF16} : infer::WeightRef{W.data(), DType::F32};
+    infer::GemvTask t{ref.data(), w, x.data(), OC};
     infer::gemv_batch(&t, 1, IC);
     for (const int threads : {2, 3}) {
       omp_set_num_threads(threads);
@@ -215,6 +228,47 @@ TEST(DecodeKernels, GemvBatchIsBitwiseTheSameSplitOrNot) {
     }
   }
   omp_set_num_threads(saved);
+}
+
+// Every SIMD level this CPU has (generic, AVX2, AVX-512): bf16 and f16 weights give bitwise the
+// product of their fp32 widening, for widths with and without tails; each level is within
+// 2^-20 * sum_c |w x| of the exact (double) product (so the levels agree within twice that).
+TEST(DecodeKernels, EverySimdLevelMeetsTheFp32WideningAndTheExactProduct) {
+  std::vector<infer::SimdLevel> levels = {infer::SimdLevel::generic};
+  if ((int)infer::simd_level() >= (int)infer::SimdLevel::avx2) levels.push_back(infer::SimdLevel::avx2);
+  if (infer::simd_level() == infer::SimdLevel::avx512) levels.push_back(infer::SimdLevel::avx512);
+  if (levels.size() < 3) std::printf("note: this CPU runs only %zu of the 3 SIMD levels\n", levels.size());
+  for (const int IC : {7, 16, 24, 40, 64, 100, 1031}) {
+    const int OC = 37;
+    std::vector<uint16_t> wb((size_t)OC * IC), wh((size_t)OC * IC);
+    std::vector<float> fb(wb.size()), fh(wh.size()), x(IC);
+    for (size_t i = 0; i < wb.size(); i++) {
+      const float v = (float)((mix64(i * 3 + 1) % 20001) / 10000.0 - 1.0);
+      wb[i] = f32_to_bf16(v);
+      fb[i] = bf16_to_f32(wb[i]);
+      wh[i] = f32_to_f16(v);
+      fh[i] = f16_to_f32(wh[i]);
+    }
+    for (int c = 0; c < IC; c++) x[c] = (float)((mix64(77 + c) % 2001) / 1000.0 - 1.0);
+    for (const infer::SimdLevel level : levels) {
+      SCOPED_TRACE(::testing::Message() << infer::simd_name(level) << " IC " << IC);
+      std::vector<float> yb(OC), yfb(OC), yh(OC), yfh(OC);
+      infer::gemv_at(level, yb.data(), {wb.data(), DType::BF16}, x.data(), OC, IC);
+      infer::gemv_at(level, yfb.data(), {fb.data(), DType::F32}, x.data(), OC, IC);
+      infer::gemv_at(level, yh.data(), {wh.data(), DType::F16}, x.data(), OC, IC);
+      infer::gemv_at(level, yfh.data(), {fh.data(), DType::F32}, x.data(), OC, IC);
+      EXPECT_EQ(0, std::memcmp(yb.data(), yfb.data(), sizeof(float) * OC)) << "bf16 vs its fp32 widening";
+      EXPECT_EQ(0, std::memcmp(yh.data(), yfh.data(), sizeof(float) * OC)) << "f16 vs its fp32 widening";
+      for (int r = 0; r < OC; r++) {
+        double exact = 0, mag = 0;
+        for (int c = 0; c < IC; c++) {
+          exact += (double)fb[(size_t)r * IC + c] * x[c];
+          mag += std::fabs((double)fb[(size_t)r * IC + c] * x[c]);
+        }
+        ASSERT_LE(std::fabs(yb[r] - exact), std::ldexp(mag, -20)) << "row " << r;
+      }
+    }
+  }
 }
 
 TEST(Decoder, RejectsBadTokensWithoutChangingTheCache) {
@@ -345,7 +399,6 @@ TEST(Generate, PositionLimitAndZeroTokens) {
 // changed in memory) stop generation with an Error instead of streaming token after garbage token.
 TEST(Generate, NonFiniteLogitsStopWithAnError) {
   auto model = load_inference_model((kGenerate / "llama_dense").string());
-  model->params_bf16.clear();  // decode from the fp32 values edited below
   const ParamSpec& norm = model->table.at(ParamKind::final_norm);
   Decoder dec(*model);
   const std::vector<int32_t> prompt = {1, 4, 5, 6};
@@ -353,7 +406,7 @@ TEST(Generate, NonFiniteLogitsStopWithAnError) {
   o.max_new_tokens = 8;
   for (float poison : {std::nanf(""), 3.0e38f /* finite: the logits overflow to infinity */}) {
     SCOPED_TRACE(poison);
-    std::fill(model->params.begin() + norm.offset, model->params.begin() + norm.offset + norm.numel, poison);
+    std::fill(model->vec_mut(ParamKind::final_norm), model->vec_mut(ParamKind::final_norm) + norm.numel, poison);
     KvCache cache = dec.new_cache();
     int tokens = 0;
     GenerateCallbacks cb;

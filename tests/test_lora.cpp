@@ -209,22 +209,22 @@ TEST_P(LoraGolden, FrozenBf16BaseComputesBitwiseWhatTheFp32BaseDoes) {
 // for the first sequence equal PEFT's, prefilled at once and fed token by token.
 TEST_P(LoraGolden, DecoderWithTheAdapterUnmergedGivesPeftsLogits) {
   const LoraCase c = load_case(GetParam());
-  const std::unique_ptr<InferenceModel> m =
-      load_inference_model(c.dir.string(), (c.dir / "adapter_final").string());
-  ASSERT_TRUE(m->lora);
   const int T = c.batch.T, V = c.cfg.vocab_size;
   const std::vector<int32_t> tokens(c.batch.input_ids.begin(), c.batch.input_ids.begin() + T);  // row 0: no padding
   const std::vector<float> all = to_f32(c.expected.get("logits_final"));
   const std::vector<float> want(all.begin(), all.begin() + (size_t)T * V);
-  for (bool bf16 : {false, true}) {
-    Decoder d(*m, 256, -1, bf16);
+  for (bool widen : {false, true}) {  // in place (the file's dtype), and widened to fp32
+    const std::unique_ptr<InferenceModel> m =
+        load_inference_model(c.dir.string(), (c.dir / "adapter_final").string(), widen);
+    ASSERT_TRUE(m->lora);
+    Decoder d(*m);
     KvCache prefill = d.new_cache();
     std::vector<float> got((size_t)T * V);
     d.forward(prefill, tokens, got.data(), true);
-    EXPECT_LE(normalized_max_error(got, want), 1e-5) << "prefill, bf16 copy " << bf16;
+    EXPECT_LE(normalized_max_error(got, want), 1e-5) << "prefill, widened " << widen;
     KvCache step = d.new_cache();
     for (int t = 0; t < T; t++) d.forward(step, std::span<const int32_t>(&tokens[t], 1), got.data() + (size_t)t * V);
-    EXPECT_LE(normalized_max_error(got, want), 1e-5) << "token by token, bf16 copy " << bf16;
+    EXPECT_LE(normalized_max_error(got, want), 1e-5) << "token by token, widened " << widen;
   }
 }
 

@@ -67,13 +67,14 @@ int run_bench_generate(int argc, char** argv) {
     model = load_inference_model(model_dir);
   } else {
     model = std::make_unique<InferenceModel>(bench_model_config(shape, "bench generate flags"));
-    init_parameters(model->table, model->cfg, 1234, model->params.data());
+    init_parameters(model->table, model->cfg, 1234, model->owned.data());
   }
   const ModelConfig& cfg = model->cfg;
   std::printf("bench generate: %s; prompt %d, new tokens %d, %d threads\n", describe_model_shape(cfg).c_str(),
               prompt_tokens, new_tokens, omp_get_max_threads());
-  std::printf("weights: fp32%s\n", model->params_bf16.empty() ? ""
-                                                               : " (a bf16 checkpoint: decoding reads the bf16 copy)");
+  std::printf("weights: %s, %.1f MB, %s (kernels: %s)\n", dtype_name(model->storage_dtype()),
+              model->weight_bytes() / 1e6, model->owned.empty() ? "used in place from the mapped files" : "in memory",
+              infer::simd_name(infer::simd_level()));
   // The prompt bench/hf_generate.py uses: BOS, then ids 3 + mix64(i * 7919 + 17) % (V - 3).
   std::vector<int32_t> prompt(prompt_tokens);
   prompt[0] = 1;

@@ -11,7 +11,6 @@
 
 #include "core/error.h"
 #include "infer/kernels.h"
-#include "ops/embedding.h"
 #include "ops/matmul.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
@@ -111,10 +110,9 @@ void route_one(float* p, int32_t* idx, float* w, const float* l, int E, int K, b
 
 }  // namespace
 
-Decoder::Decoder(const InferenceModel& model, int prefill_chunk, long row_attention_max_pairs, bool use_bf16)
+Decoder::Decoder(const InferenceModel& model, int prefill_chunk, long row_attention_max_pairs)
     : m_(model), chunk_(std::max(1, prefill_chunk)),
-      row_pairs_(row_attention_max_pairs < 0 ? kRowAttentionMaxPairs : row_attention_max_pairs),
-      bf16_(use_bf16 && !model.params_bf16.empty()) {
+      row_pairs_(row_attention_max_pairs < 0 ? kRowAttentionMaxPairs : row_attention_max_pairs) {
   const ModelConfig& c = m_.cfg;
   moe_ = c.is_moe();
   C_ = c.hidden_size;
@@ -132,11 +130,22 @@ Decoder::Decoder(const InferenceModel& model, int prefill_chunk, long row_attent
   MOETRON_ASSERT(NKV_ > 0 && NH_ % NKV_ == 0 && HD_ > 0);
 }
 
-infer::GemvTask Decoder::task(float* y, ParamKind kind, int layer, size_t offset, const float* x, int OC,
+infer::GemvTask Decoder::task(float* y, ParamKind kind, int layer, size_t offset, const float* x, int OC, int IC,
                               bool accumulate) const {
-  infer::GemvTask t{y, m_.weight(kind, layer) + offset, nullptr, x, OC, accumulate};
-  if (bf16_) t.Wh = m_.weight_bf16(kind, layer) + offset;
-  return t;
+  const infer::WeightRef W = InferenceModel::is_small(kind) ? infer::WeightRef{m_.vec(kind, layer) + offset, DType::F32}
+                                                            : m_.mat(kind, layer, offset, (size_t)OC * IC);
+  return {y, W, x, OC, accumulate};
+}
+
+void Decoder::linear(float* out, int ld_out, const float* x, int ld_x, ParamKind kind, int layer, size_t offset, int n,
+                     int IC, int OC, bool accumulate) {
+  const infer::GemvTask t = task(out, kind, layer, offset, x, OC, IC, accumulate);
+  if (n == 1) {
+    infer::gemv_batch(&t, 1, IC, gemv_min_);
+    return;
+  }
+  ThreadLimit lim((long)n * IC * OC);
+  infer::matmul(out, ld_out, x, ld_x, t.W, n, IC, OC, accumulate, widen_);
 }
 
 void Decoder::reserve_scratch(int n) {
@@ -225,7 +234,8 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
   const long N = n;
   {
     ThreadLimit lim(N * C_);
-    ops::embedding_forward(x, tokens, m_.weight(ParamKind::embedding), n, C_, V_);
+    const infer::WeightRef emb = m_.mat(ParamKind::embedding, -1, 0, (size_t)V_ * C_);
+    for (int i = 0; i < n; i++) infer::widen_row(x + (size_t)i * C_, emb, (size_t)tokens[i], C_);
   }
   cache.grow(n);
   for (int l = 0; l < L_; l++) {
@@ -234,20 +244,17 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
     // Attention block: x += o_proj(attn(rope(q), rope(k), v)) with k, v written straight into the cache.
     {
       ThreadLimit lim(N * C_);
-      ops::rmsnorm_forward(ln, rstd_.data(), x, m_.weight(ParamKind::input_norm, l), n, C_, eps);
+      ops::rmsnorm_forward(ln, rstd_.data(), x, m_.vec(ParamKind::input_norm, l), n, C_, eps);
     }
-    const float *wq = m_.weight(ParamKind::q_proj, l), *wk = m_.weight(ParamKind::k_proj, l),
-                *wv = m_.weight(ParamKind::v_proj, l);
     if (n == 1) {
-      const infer::GemvTask qkv[3] = {task(q_.data(), ParamKind::q_proj, l, 0, ln, Q_),
-                                      task(kdst, ParamKind::k_proj, l, 0, ln, KVd_),
-                                      task(vdst, ParamKind::v_proj, l, 0, ln, KVd_)};
+      const infer::GemvTask qkv[3] = {task(q_.data(), ParamKind::q_proj, l, 0, ln, Q_, C_),
+                                      task(kdst, ParamKind::k_proj, l, 0, ln, KVd_, C_),
+                                      task(vdst, ParamKind::v_proj, l, 0, ln, KVd_, C_)};
       infer::gemv_batch(qkv, 3, C_, gemv_min_);
     } else {
-      ThreadLimit lim(N * C_ * Q_);  // per product
-      ops::matmul_forward(q_.data(), ln, wq, n, C_, Q_);
-      ops::matmul_forward(kdst, ln, wk, n, C_, KVd_);
-      ops::matmul_forward(vdst, ln, wv, n, C_, KVd_);
+      linear(q_.data(), Q_, ln, C_, ParamKind::q_proj, l, 0, n, C_, Q_);
+      linear(kdst, KVd_, ln, C_, ParamKind::k_proj, l, 0, n, C_, KVd_);
+      linear(vdst, KVd_, ln, C_, ParamKind::v_proj, l, 0, n, C_, KVd_);
     }
     if (m_.lora) {  // unmerged adapters on the projections, before their biases and norms
       lora_linear(q_.data(), ln, ParamKind::q_proj, l, 0, n, C_, Q_);
@@ -256,16 +263,16 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
     }
     if (m_.cfg.qkv_bias) {  // Qwen2-MoE: q/k/v biases, rows of the projections
       ThreadLimit lim(N * (Q_ + 2 * KVd_));
-      add_bias(q_.data(), m_.weight(ParamKind::q_bias, l), n, Q_);
-      add_bias(kdst, m_.weight(ParamKind::k_bias, l), n, KVd_);
-      add_bias(vdst, m_.weight(ParamKind::v_bias, l), n, KVd_);
+      add_bias(q_.data(), m_.vec(ParamKind::q_bias, l), n, Q_);
+      add_bias(kdst, m_.vec(ParamKind::k_bias, l), n, KVd_);
+      add_bias(vdst, m_.vec(ParamKind::v_bias, l), n, KVd_);
     }
     if (m_.cfg.qk_norm) {  // RMSNorm over each head of q and k (OLMoE: over all of q, k), in place, before RoPE
       ThreadLimit lim(N * (Q_ + KVd_));
       const bool full = m_.cfg.qk_norm_full;
-      ops::rmsnorm_forward(q_.data(), rstd_.data(), q_.data(), m_.weight(ParamKind::q_norm, l), full ? N : N * NH_,
+      ops::rmsnorm_forward(q_.data(), rstd_.data(), q_.data(), m_.vec(ParamKind::q_norm, l), full ? N : N * NH_,
                            full ? Q_ : HD_, eps);
-      ops::rmsnorm_forward(kdst, rstd_.data(), kdst, m_.weight(ParamKind::k_norm, l), full ? N : N * NKV_,
+      ops::rmsnorm_forward(kdst, rstd_.data(), kdst, m_.vec(ParamKind::k_norm, l), full ? N : N * NKV_,
                            full ? KVd_ : HD_, eps);
     }
     if (m_.cfg.clip_qkv > 0) {  // OLMoE clip_qkv
@@ -280,19 +287,12 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
       ops::rope_forward(kdst, kdst, pos_.data(), n, NKV_, HD_, theta);
     }
     attention(att_.data(), q_.data(), cache.keys(l), cache.values(l), pos0, n);
-    const float* wo = m_.weight(ParamKind::o_proj, l);
-    if (n == 1) {
-      const infer::GemvTask o = task(x, ParamKind::o_proj, l, 0, att_.data(), C_, true);
-      infer::gemv_batch(&o, 1, Q_, gemv_min_);
-    } else {
-      ThreadLimit lim(N * Q_ * C_);
-      ops::matmul_forward_accumulate(x, att_.data(), wo, n, Q_, C_);
-    }
+    linear(x, C_, att_.data(), Q_, ParamKind::o_proj, l, 0, n, Q_, C_, /*accumulate=*/true);
     if (m_.lora) lora_linear(x, att_.data(), ParamKind::o_proj, l, 0, n, Q_, C_);
     // FFN block: x += ffn(rmsnorm(x)).
     {
       ThreadLimit lim(N * C_);
-      ops::rmsnorm_forward(ln, rstd_.data(), x, m_.weight(ParamKind::post_norm, l), n, C_, eps);
+      ops::rmsnorm_forward(ln, rstd_.data(), x, m_.vec(ParamKind::post_norm, l), n, C_, eps);
     }
     {
       // One expert's gate/up product over its share of the rows (decode: the kernels decide).
@@ -307,15 +307,9 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
   const float* xin = all_logits ? x : x + (size_t)(n - 1) * C_;
   {
     ThreadLimit lim((long)rows * C_);
-    ops::rmsnorm_forward(ln, rstd_.data(), xin, m_.weight(ParamKind::final_norm), rows, C_, eps);
+    ops::rmsnorm_forward(ln, rstd_.data(), xin, m_.vec(ParamKind::final_norm), rows, C_, eps);
   }
-  if (rows == 1) {
-    const infer::GemvTask head = task(logits, m_.table.head_kind(), -1, 0, ln, V_);
-    infer::gemv_batch(&head, 1, C_, gemv_min_);
-  } else {
-    ThreadLimit lim((long)rows * C_ * V_);
-    ops::matmul_forward(logits, ln, m_.weight(m_.table.head_kind()), rows, C_, V_);
-  }
+  linear(logits, V_, ln, C_, m_.table.head_kind(), -1, 0, rows, C_, V_);
 }
 
 // out[n, Q] for queries at positions pos0..pos0+n-1 over cached keys/values [0, pos0+n).
@@ -366,48 +360,45 @@ void Decoder::attention(float* out, const float* q, const float* keys, const flo
 }
 
 // x[n, C] += FFN(ln[n, C]) for layer `layer`: the routed experts (MoE) or the dense SwiGLU MLP.
+// Gate and up rows are separate tensors in the files, so they are two products into h13's halves.
 void Decoder::ffn(float* x, const float* ln, int layer, int n) {
-  const float* w13 = m_.weight(ParamKind::ffn_w13, layer);  // [E, 2I, C]
-  const float* w2 = m_.weight(ParamKind::ffn_w2, layer);    // [E, C, I]
-  const int I = m_.cfg.ffn_size(layer);                     // this layer's width
+  const int I = m_.cfg.ffn_size(layer);  // this layer's width
   const size_t IC = (size_t)I * C_;
   float* h13 = h13_.data();
   float* act = act_.data();
   if (!m_.cfg.is_moe_layer(layer)) {
     if (n == 1) {
-      const infer::GemvTask up = task(h13, ParamKind::ffn_w13, layer, 0, ln, 2 * I);
-      infer::gemv_batch(&up, 1, C_, gemv_min_);
-      if (m_.lora) lora_gate_up_split(h13, ln, ParamKind::ffn_w13, layer, 1, I);
-      ops::swiglu_forward(act, h13, 1, I);
-      const infer::GemvTask down = task(x, ParamKind::ffn_w2, layer, 0, act, C_, true);
-      infer::gemv_batch(&down, 1, I, gemv_min_);
+      const infer::GemvTask up[2] = {task(h13, ParamKind::ffn_w13, layer, 0, ln, I, C_),
+                                     task(h13 + I, ParamKind::ffn_w13, layer, IC, ln, I, C_)};
+      infer::gemv_batch(up, 2, C_, gemv_min_);
     } else {
-      ops::matmul_forward(h13, ln, w13, n, C_, 2 * I);
-      if (m_.lora) lora_gate_up_split(h13, ln, ParamKind::ffn_w13, layer, n, I);
-      ops::swiglu_forward(act, h13, n, I);
-      ops::matmul_forward_accumulate(x, act, w2, n, I, C_);
+      linear(h13, 2 * I, ln, C_, ParamKind::ffn_w13, layer, 0, n, C_, I);
+      linear(h13 + I, 2 * I, ln, C_, ParamKind::ffn_w13, layer, IC, n, C_, I);
     }
+    if (m_.lora) lora_gate_up_split(h13, ln, ParamKind::ffn_w13, layer, n, I);
+    ops::swiglu_forward(act, h13, n, I);
+    linear(x, C_, act, I, ParamKind::ffn_w2, layer, 0, n, I, C_, /*accumulate=*/true);
     if (m_.lora) lora_linear(x, act, ParamKind::ffn_w2, layer, 0, n, I, C_);
     return;
   }
-  const float* wr = m_.weight(ParamKind::router, layer);  // [E, C]
   float* tmp = tmp_.data();
   if (n == 1) {
     // One token: the router serially, then the K experts' gate/up products in one parallel region
     // and their down products in another.
-    const infer::GemvTask router = task(rlogits_.data(), ParamKind::router, layer, 0, ln, E_);
+    const infer::GemvTask router = task(rlogits_.data(), ParamKind::router, layer, 0, ln, E_, C_);
     infer::gemv_batch(&router, 1, C_, gemv_min_);
     if (m_.lora) lora_linear(rlogits_.data(), ln, ParamKind::router, layer, 0, 1, C_, E_);
     route_one(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), E_, K_, m_.cfg.norm_topk_prob);
-    MOETRON_ASSERT(K_ <= 16);
-    infer::GemvTask up[16], down[16];
+    MOETRON_ASSERT(2 * K_ <= infer::kMaxGemvTasks);
+    infer::GemvTask up[infer::kMaxGemvTasks], down[infer::kMaxGemvTasks];
     float* y = yperm_.data();  // [K, C]
     for (int k = 0; k < K_; k++) {
-      const int e = topk_idx_[k];
-      up[k] = task(h13 + (size_t)k * 2 * I, ParamKind::ffn_w13, layer, (size_t)e * 2 * IC, ln, 2 * I);
-      down[k] = task(y + (size_t)k * C_, ParamKind::ffn_w2, layer, (size_t)e * IC, act + (size_t)k * I, C_);
+      const size_t e = (size_t)topk_idx_[k];
+      up[2 * k] = task(h13 + (size_t)k * 2 * I, ParamKind::ffn_w13, layer, e * 2 * IC, ln, I, C_);
+      up[2 * k + 1] = task(h13 + (size_t)k * 2 * I + I, ParamKind::ffn_w13, layer, e * 2 * IC + IC, ln, I, C_);
+      down[k] = task(y + (size_t)k * C_, ParamKind::ffn_w2, layer, e * IC, act + (size_t)k * I, C_, I);
     }
-    infer::gemv_batch(up, K_, C_, gemv_min_);
+    infer::gemv_batch(up, 2 * K_, C_, gemv_min_);
     if (m_.lora)
       for (int k = 0; k < K_; k++)
         lora_linear(h13 + (size_t)k * 2 * I, ln, ParamKind::ffn_w13, layer, topk_idx_[k], 1, C_, 2 * I);
@@ -422,27 +413,26 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
     shared_expert(x, ln, layer, 1);
     return;
   }
-  ops::matmul_forward(rlogits_.data(), ln, wr, n, C_, E_);
+  ops::matmul_forward(rlogits_.data(), ln, m_.vec(ParamKind::router, layer), n, C_, E_);
   if (m_.lora) lora_linear(rlogits_.data(), ln, ParamKind::router, layer, 0, n, C_, E_);
   ops::router_forward(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), n, E_, K_,
                       m_.cfg.norm_topk_prob);
   ops::moe_plan_build(plan_, topk_idx_.data(), n, E_, K_);
   ops::moe_permute_forward(xperm_.data(), ln, plan_, C_);
-  if (m_.lora && (m_.lora_factor(ParamKind::ffn_w13, layer, false) || m_.lora_factor(ParamKind::ffn_w2, layer, false))) {
-    // Per expert over its rows, with its adapters between the products.
-    for (int e = 0; e < E_; e++) {
-      const long off = plan_.expert_offsets[e], rows = plan_.expert_offsets[e + 1] - off;
-      if (rows == 0) continue;
-      float *he = h13 + off * 2 * I, *ae = act + off * I, *ye = yperm_.data() + off * C_;
-      const float* xe = xperm_.data() + off * C_;
-      ops::matmul_forward(he, xe, w13 + (size_t)e * 2 * IC, (int)rows, C_, 2 * I);
-      lora_linear(he, xe, ParamKind::ffn_w13, layer, e, (int)rows, C_, 2 * I);
-      ops::swiglu_forward(ae, he, rows, I);
-      ops::matmul_forward(ye, ae, w2 + (size_t)e * IC, (int)rows, I, C_);
-      lora_linear(ye, ae, ParamKind::ffn_w2, layer, e, (int)rows, I, C_);
-    }
-  } else {
-    ops::moe_experts_forward(yperm_.data(), h13, act, xperm_.data(), w13, w2, plan_, C_, I);
+  // Expert-major: each expert's rows gathered (the plan) and run as one product per weight, with its
+  // adapters between the products.
+  for (int e = 0; e < E_; e++) {
+    const long off = plan_.expert_offsets[e], rows = plan_.expert_offsets[e + 1] - off;
+    if (rows == 0) continue;
+    float *he = h13 + off * 2 * I, *ae = act + off * I, *ye = yperm_.data() + off * C_;
+    const float* xe = xperm_.data() + off * C_;
+    const int r = (int)rows;
+    linear(he, 2 * I, xe, C_, ParamKind::ffn_w13, layer, (size_t)e * 2 * IC, r, C_, I);
+    linear(he + I, 2 * I, xe, C_, ParamKind::ffn_w13, layer, (size_t)e * 2 * IC + IC, r, C_, I);
+    if (m_.lora) lora_linear(he, xe, ParamKind::ffn_w13, layer, e, r, C_, 2 * I);
+    ops::swiglu_forward(ae, he, rows, I);
+    linear(ye, C_, ae, I, ParamKind::ffn_w2, layer, (size_t)e * IC, r, I, C_);
+    if (m_.lora) lora_linear(ye, ae, ParamKind::ffn_w2, layer, e, r, I, C_);
   }
   ops::moe_combine_forward(tmp, yperm_.data(), topk_w_.data(), plan_, C_);
   add_inplace(x, tmp, (long)n * C_);
@@ -453,16 +443,18 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
 void Decoder::shared_expert(float* x, const float* ln, int layer, int n) {
   if (!m_.cfg.has_shared_expert()) return;
   const int Is = m_.cfg.shared_expert_intermediate_size;
+  const size_t IsC = (size_t)Is * C_;
   shared_h13_.resize((size_t)n * 2 * Is);
   shared_act_.resize((size_t)n * Is);
   shared_y_.resize((size_t)n * C_);
   float gate_logit[1], gate[1];
-  ops::matmul_forward(shared_h13_.data(), ln, m_.weight(ParamKind::shared_w13, layer), n, C_, 2 * Is);
+  linear(shared_h13_.data(), 2 * Is, ln, C_, ParamKind::shared_w13, layer, 0, n, C_, Is);
+  linear(shared_h13_.data() + Is, 2 * Is, ln, C_, ParamKind::shared_w13, layer, IsC, n, C_, Is);
   if (m_.lora) lora_gate_up_split(shared_h13_.data(), ln, ParamKind::shared_w13, layer, n, Is);
   ops::swiglu_forward(shared_act_.data(), shared_h13_.data(), n, Is);
-  ops::matmul_forward(shared_y_.data(), shared_act_.data(), m_.weight(ParamKind::shared_w2, layer), n, Is, C_);
+  linear(shared_y_.data(), C_, shared_act_.data(), Is, ParamKind::shared_w2, layer, 0, n, Is, C_);
   if (m_.lora) lora_linear(shared_y_.data(), shared_act_.data(), ParamKind::shared_w2, layer, 0, n, Is, C_);
-  const float* wg = m_.weight(ParamKind::shared_gate, layer);  // [1, C]
+  const float* wg = m_.vec(ParamKind::shared_gate, layer);  // [1, C]
   for (int i = 0; i < n; i++) {
     const float* li = ln + (size_t)i * C_;
     double dot = 0.0;  // as the model's [N,C] x [1,C] product, in fp32 pieces summed in double

@@ -48,10 +48,8 @@ class Decoder {
   // prefill_chunk: the most tokens computed in one pass (bounds the scratch memory of long prompts).
   // row_attention_max_pairs: attention runs per (query row, head) with dot products up to this many
   // (query, key) pairs per head and pass, beyond as two GEMMs per head (-1: the default, 2^18).
-  // use_bf16: decode from the model's bf16 copy when it has one (bitwise the same logits; false: the
-  // fp32 values, for tests).
-  explicit Decoder(const InferenceModel& model, int prefill_chunk = 256, long row_attention_max_pairs = -1,
-                   bool use_bf16 = true);
+  // The weights are read where the model holds them, in their dtype (infer/kernels.h).
+  explicit Decoder(const InferenceModel& model, int prefill_chunk = 256, long row_attention_max_pairs = -1);
 
   const ModelConfig& config() const { return m_.cfg; }
   int vocab_size() const { return m_.cfg.vocab_size; }
@@ -75,14 +73,17 @@ class Decoder {
   void lora_linear(float* out, const float* x, ParamKind target, int layer, int e, int n, int IC, int OC);
   // A dense FFN's (or shared expert's) split gate / up adapters on h13[n, 2I] from ln[n, C].
   void lora_gate_up_split(float* h13, const float* ln, ParamKind target, int layer, int n, int I);
-  // A decode-time product y = W x with the layer's weight in bf16 when available.
-  infer::GemvTask task(float* y, ParamKind kind, int layer, size_t offset, const float* x, int OC,
+  // A decode-time product y[OC] (=, or +=) W x[IC], W the OC rows of `kind` from element `offset`.
+  infer::GemvTask task(float* y, ParamKind kind, int layer, size_t offset, const float* x, int OC, int IC,
                        bool accumulate = false) const;
+  // out[n, OC] (row stride ld_out; =, or +=) x[n, IC] (row stride ld_x) W^T, W as in task(); n == 1 as
+  // a decode step (gemv with the tuned split), more as a prefill product.
+  void linear(float* out, int ld_out, const float* x, int ld_x, ParamKind kind, int layer, size_t offset, int n,
+              int IC, int OC, bool accumulate = false);
 
   const InferenceModel& m_;
   int chunk_;
   long row_pairs_;
-  bool bf16_;
   int C_, V_, I_, NH_, NKV_, HD_, Q_, KVd_, E_, K_, L_;
   bool moe_;
   // Scratch, sized for the largest chunk seen.
@@ -91,6 +92,7 @@ class Decoder {
   std::vector<float> shared_h13_, shared_act_, shared_y_;  // Qwen2-MoE's shared expert
   std::vector<int32_t> topk_idx_, pos_;
   std::vector<float> lora_u_;  // LoRA's x A^T
+  std::vector<float> widen_;  // prefill: a block of weight rows widened to fp32 (infer::matmul)
   ops::MoePlan plan_;
   // Decode steps (n == 1) split products from this many multiply-adds (set per step by the tuner).
   long gemv_min_ = infer::kGemvParallelMin;

@@ -1,24 +1,45 @@
-// Small-batch kernels for decoding, where one token's activations meet each weight matrix once and
-// the time goes into streaming the weights: matrix-vector products (HF nn.Linear layout, weight
-// [OC, IC]) and dot products, register-blocked, OpenMP over output rows when the matrix is large.
-// Weights come as fp32 or as bf16 (exactly the values of a bf16 checkpoint): bf16 widens to fp32
-// exactly and the arithmetic is the same, so both give bitwise the same results, bf16 from half the bytes.
+// Inference kernels over weights used in place: matrix-vector products for decoding (one token's
+// activations meet each weight matrix once, and the time goes into streaming the weights) and
+// products of a few rows of activations for prefill, HF nn.Linear layout (weight [OC, IC]).
+//
+// Weights are fp32, bf16 or f16 wherever they lie -- a mapped safetensors file, an owned buffer -- and
+// are widened to fp32 in registers: the arithmetic is fp32 FMA on exactly the stored values, so a
+// bf16 matrix and its fp32 widening give bitwise the same results (bf16 and f16 widen exactly).
+// The SIMD path is chosen at run time from the CPU's features (simd_level()): AVX-512, AVX2+FMA, or
+// portable code; each output row is computed by one thread in a fixed order, so results do not depend
+// on the thread count (they may differ in the last bits between SIMD levels, whose sums are ordered
+// differently).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <vector>
+
+#include "core/dtype.h"
 
 namespace moetron::infer {
 
-// y[OC] = W[OC,IC] x[IC]   (accumulate: y += ...)
-void gemv(float* y, const float* W, const float* x, int OC, int IC, bool accumulate = false);
-void gemv_bf16(float* y, const uint16_t* W, const float* x, int OC, int IC, bool accumulate = false);
+// A weight matrix (or vector), row-major, in F32, BF16 or F16 (unaligned is fine).
+struct WeightRef {
+  const void* data = nullptr;
+  DType dtype = DType::F32;
+  // The same storage advanced by `elements` values.
+  WeightRef at(size_t elements) const {
+    return {static_cast<const uint8_t*>(data) + elements * dtype_size(dtype), dtype};
+  }
+};
+
+enum class SimdLevel { generic, avx2, avx512 };
+// The level used (the best this CPU has; MOETRON_SIMD=generic|avx2|avx512 lowers it, for tests and
+// benchmarks).  Read once.
+SimdLevel simd_level();
+const char* simd_name(SimdLevel level);
 
 // Several products with the same input width in one parallel region (fewer fork/join points per
 // token): y_t[OC_t] (=, or += when accumulate) W_t[OC_t, IC] x_t[IC] for each task t.
 struct GemvTask {
   float* y;
-  const float* W;     // fp32 weights, or
-  const uint16_t* Wh;  // bf16 weights (used when not null)
+  WeightRef W;
   const float* x;
   int OC;
   bool accumulate = false;
@@ -31,12 +52,23 @@ struct GemvTask {
 // holds and lowers the threshold to kGemvSplitMin when splitting pays.
 constexpr long kGemvParallelMin = 1L << 24;
 constexpr long kGemvSplitMin = 1L << 21;
+constexpr int kMaxGemvTasks = 32;
 // The result is bitwise the same whatever the threshold and thread count (rows are independent).
 void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_macs = kGemvParallelMin);
+// y[OC] (=, or +=) W[OC, IC] x[IC]
+void gemv(float* y, WeightRef W, const float* x, int OC, int IC, bool accumulate = false);
+// The same on one thread with the kernels of `level` (at most simd_level()), for tests and benchmarks.
+void gemv_at(SimdLevel level, float* y, WeightRef W, const float* x, int OC, int IC);
 
-// Three products of one input in one parallel region: ya = Wa x, yb = Wb x, yc = Wc x.
-void gemv3(float* ya, const float* Wa, int OCa, float* yb, const float* Wb, int OCb, float* yc, const float* Wc,
-           int OCc, const float* x, int IC);
+// out[n, OC] (row stride ld_out; =, or += when accumulate) = x[n, IC] (row stride ld_x) W[OC, IC]^T.
+// Few rows run as matrix-vector products; more as BLAS GEMMs over blocks of W's rows widened to fp32
+// in `scratch` (so a bf16 matrix is never copied whole).  For a given n, a bf16 matrix and its fp32
+// widening give bitwise the same result.  OpenMP threads follow the caller's omp_get_max_threads().
+void matmul(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n, int IC, int OC, bool accumulate,
+            std::vector<float>& scratch);
+
+// out[n] = W[row, 0..n) as fp32 (an embedding row).
+void widen_row(float* out, WeightRef W, size_t row, int n);
 
 // sum_i a[i] b[i]
 float dot(const float* a, const float* b, int n);

@@ -54,37 +54,159 @@ std::optional<ChatTemplate> template_from_jinja(const std::string& jinja) {
 
 }  // namespace
 
-std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, const std::string& lora_dir) {
+InferenceModel::InferenceModel(const ModelConfig& c, bool allocate_owned) : cfg(c), table(c) {
+  spec_refs_.resize(table.specs().size());
+  const auto& hf = table.hf_tensors();
+  for (size_t i = 0; i < hf.size(); i++) spec_refs_[hf[i].spec_index].push_back(i);
+  for (auto& v : spec_refs_)
+    std::sort(v.begin(), v.end(), [&](size_t a, size_t b) { return hf[a].offset < hf[b].offset; });
+  if (!allocate_owned) return;
+  owned.assign(table.total(), 0.0f);
+  for (const HfTensorRef& r : hf) refs_.push_back({owned.data() + r.offset, DType::F32});
+}
+
+bool InferenceModel::is_small(ParamKind kind) {
+  switch (kind) {
+    case ParamKind::input_norm:
+    case ParamKind::post_norm:
+    case ParamKind::final_norm:
+    case ParamKind::q_norm:
+    case ParamKind::k_norm:
+    case ParamKind::q_bias:
+    case ParamKind::k_bias:
+    case ParamKind::v_bias:
+    case ParamKind::router:
+    case ParamKind::shared_gate:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void InferenceModel::set_weights(std::vector<infer::WeightRef> refs, std::shared_ptr<const void> keep_alive,
+                                 std::vector<float> small, std::vector<size_t> small_offset) {
+  MOETRON_ASSERT(refs.size() == table.hf_tensors().size() && small_offset.size() == table.specs().size());
+  refs_ = std::move(refs);
+  files_ = std::move(keep_alive);
+  small_ = std::move(small);
+  small_offset_ = std::move(small_offset);
+}
+
+const float* InferenceModel::vec(ParamKind kind, int layer) const {
+  return const_cast<InferenceModel*>(this)->vec_mut(kind, layer);
+}
+
+float* InferenceModel::vec_mut(ParamKind kind, int layer) {
+  const ParamSpec& s = table.at(kind, layer);
+  MOETRON_ASSERT(is_small(kind));
+  if (!owned.empty()) return owned.data() + s.offset;
+  const size_t i = (size_t)(&s - table.specs().data());
+  return small_.data() + small_offset_[i];
+}
+
+infer::WeightRef InferenceModel::mat(ParamKind kind, int layer, size_t offset, size_t count) const {
+  const ParamSpec& s = table.at(kind, layer);
+  const size_t i = (size_t)(&s - table.specs().data());
+  const auto& hf = table.hf_tensors();
+  const size_t at = s.offset + offset;
+  for (size_t r : spec_refs_[i]) {
+    const HfTensorRef& ref = hf[r];
+    if (at >= ref.offset && at < ref.offset + ref.numel) {
+      MOETRON_ASSERT(at + count <= ref.offset + ref.numel);  // within one tensor
+      return refs_[r].at(at - ref.offset);
+    }
+  }
+  fail("[InferenceModel::mat] element {} of {} is outside its tensors", offset, s.name);
+}
+
+DType InferenceModel::storage_dtype() const {
+  size_t by[3] = {0, 0, 0};  // F32, BF16, F16 elements
+  const auto& hf = table.hf_tensors();
+  for (size_t i = 0; i < hf.size(); i++)
+    by[refs_[i].dtype == DType::BF16 ? 1 : refs_[i].dtype == DType::F16 ? 2 : 0] += hf[i].numel;
+  return by[1] >= by[0] && by[1] >= by[2] ? DType::BF16 : by[2] >= by[0] ? DType::F16 : DType::F32;
+}
+
+size_t InferenceModel::weight_bytes() const {
+  size_t b = 0;
+  const auto& hf = table.hf_tensors();
+  for (size_t i = 0; i < hf.size(); i++)
+    b += hf[i].numel * (is_small(table.spec_of(hf[i]).kind) ? sizeof(float) : dtype_size(refs_[i].dtype));
+  return b;
+}
+
+namespace {
+
+// First non-finite value of a stored tensor (numel values), or numel.  bf16 and f16 by their exponent
+// bits, so nothing is converted.
+size_t first_non_finite_stored(const TensorView& t, size_t numel) {
+  if (t.dtype == DType::F32) {
+    for (size_t i = 0; i < numel; i++) {
+      uint32_t b;
+      std::memcpy(&b, t.data + 4 * i, 4);
+      if ((b & 0x7f800000u) == 0x7f800000u) return i;
+    }
+    return numel;
+  }
+  const uint16_t mask = t.dtype == DType::BF16 ? 0x7f80 : 0x7c00;
+  for (size_t i = 0; i < numel; i++) {
+    uint16_t h;
+    std::memcpy(&h, t.data + 2 * i, 2);
+    if ((h & mask) == mask) return i;
+  }
+  return numel;
+}
+
+}  // namespace
+
+std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, const std::string& lora_dir,
+                                                     bool widen_to_fp32) {
   const ModelConfig cfg = load_model_config((fs::path(dir) / "config.json").string());
-  const ModelTensors files = ModelTensors::open(dir);
-  check_weights_size(files, ParamTable(cfg), dir);  // before allocating what config.json asks for
+  auto files = std::make_shared<ModelTensors>(ModelTensors::open(dir));
+  check_weights_size(*files, ParamTable(cfg), dir);  // before allocating what config.json asks for
   // The adapter is read (and checked against the base) before the base's memory is allocated.
   std::optional<PeftAdapter> adapter;
   if (!lora_dir.empty()) adapter = read_peft_adapter(lora_dir, cfg);
-  auto m = std::make_unique<InferenceModel>(cfg);
-  load_hf_weights(files, m->table, m->params.data(), dir);
+  auto m = std::make_unique<InferenceModel>(cfg, widen_to_fp32);
+  if (widen_to_fp32) {
+    load_hf_weights(*files, m->table, m->owned.data(), dir);
+  } else {
+    const ParamTable& t = m->table;
+    std::vector<infer::WeightRef> refs;
+    std::vector<float> small;
+    std::vector<size_t> small_offset(t.specs().size(), 0);
+    for (size_t i = 0; i < t.specs().size(); i++)
+      if (InferenceModel::is_small(t.specs()[i].kind)) {
+        small_offset[i] = small.size();
+        small.resize(small.size() + t.specs()[i].numel);
+      }
+    for (const HfTensorRef& ref : t.hf_tensors()) {
+      const ParamSpec& spec = t.spec_of(ref);
+      const size_t si = ref.spec_index;
+      if (InferenceModel::is_small(spec.kind)) {
+        HfTensorSlice whole;
+        whole.ref = &ref;
+        read_hf_slice(*files, t, whole, small.data() + small_offset[si] + (ref.offset - spec.offset), dir);
+        refs.push_back({nullptr, DType::F32});
+        continue;
+      }
+      const TensorView v = hf_tensor_view(*files, t, ref, dir);
+      if (v.dtype != DType::F32 && v.dtype != DType::BF16 && v.dtype != DType::F16)
+        fail("{}: tensor '{}' in {} has dtype {}; moetron reads weights in F32, BF16 or F16", dir, v.name, v.file,
+             dtype_name(v.dtype));
+      if (const size_t bad = first_non_finite_stored(v, ref.numel); bad < ref.numel)
+        fail("{}: tensor '{}' holds a non-finite value (NaN or Inf) at element {}: the weights are corrupt, and a "
+             "model computed from them would give NaN logits",
+             v.file, v.name, bad);
+      refs.push_back({v.data, v.dtype});
+    }
+    m->set_weights(std::move(refs), files, std::move(small), std::move(small_offset));
+  }
   if (adapter) {
     ParamTable t(cfg, adapter->spec);
     m->lora.reset(new InferenceModel::Adapter{adapter->spec, std::move(t), std::move(adapter->values)});
   }
-  m->keep_bf16_copy();
   return m;
-}
-
-bool InferenceModel::keep_bf16_copy() {
-  params_bf16.clear();
-  for (float v : params) {
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    if ((bits & 0xFFFFu) != 0) return false;
-  }
-  params_bf16.resize(params.size());
-  for (size_t i = 0; i < params.size(); i++) {
-    uint32_t bits;
-    std::memcpy(&bits, &params[i], sizeof bits);
-    params_bf16[i] = (uint16_t)(bits >> 16);
-  }
-  return true;
 }
 
 TemplateChoice choose_chat_template(const std::string& model_dir, const std::string& explicit_name) {

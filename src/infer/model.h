@@ -1,7 +1,7 @@
-// An inference model: the config, the parameter table and the fp32 parameters of an HF Mixtral /
-// Mistral / Llama directory -- and, beside them, what generation needs from the directory: the
+// An inference model: the config, the parameter table and the weights of an HF model directory, used
+// in place from the mapped files -- and, beside them, what generation needs from the directory: the
 // tokenizer, the chat template and the end-of-sequence ids.  Unlike MixtralModel (training) it holds
-// no gradients or activations.
+// no gradients or activations, and no fp32 copy of a bf16 checkpoint.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "infer/kernels.h"
 #include "io/hf_config.h"
 #include "model/lora.h"
 #include "model/params.h"
@@ -20,12 +21,10 @@ namespace moetron {
 struct InferenceModel {
   ModelConfig cfg;
   ParamTable table;
-  std::vector<float> params;  // table.total() floats
-  // A bf16 copy of `params` (same offsets), made by keep_bf16_copy() when every value is exactly a
-  // bf16 value -- a bf16 checkpoint, as most published ones are.  Decoding then streams half the
-  // bytes per token with bitwise the same results (bf16 widens to fp32 exactly); prefill GEMMs keep
-  // using the fp32 values.  Empty otherwise.
-  std::vector<uint16_t> params_bf16;
+  // The model made in memory (this constructor): fp32 values of every parameter in table layout, for
+  // the caller to fill (random init, tests) -- the weights below point into it.  Empty for a model
+  // read in place by load_inference_model.
+  std::vector<float> owned;
 
   // A LoRA adapter applied unmerged at run time (load_inference_model's lora_dir): its spec, its whole
   // adapter table and values (fp32).  Null: none.
@@ -36,25 +35,52 @@ struct InferenceModel {
   };
   std::unique_ptr<Adapter> lora;
 
-  explicit InferenceModel(const ModelConfig& c) : cfg(c), table(c), params(table.total(), 0.0f) {}
+  // allocate_owned: owned is table.total() zeros and the weights point into it; otherwise the caller
+  // (load_inference_model) gives the weights with set_weights.
+  explicit InferenceModel(const ModelConfig& c, bool allocate_owned = true);
+  InferenceModel(const InferenceModel&) = delete;
+  InferenceModel& operator=(const InferenceModel&) = delete;
+
   // A LoRA factor (b: B, else A) adapting base tensor `target` of `layer`, or null.
   const float* lora_factor(ParamKind target, int layer, bool b) const {
     const ParamSpec* s = lora ? lora->table.find_lora(target, layer, b) : nullptr;
     return s ? lora->values.data() + s->offset : nullptr;
   }
-  const float* weight(ParamKind kind, int layer = -1) const { return params.data() + table.at(kind, layer).offset; }
-  const uint16_t* weight_bf16(ParamKind kind, int layer = -1) const {
-    return params_bf16.empty() ? nullptr : params_bf16.data() + table.at(kind, layer).offset;
-  }
-  // Fills params_bf16 when every parameter is exactly representable in bf16; returns whether it did.
-  bool keep_bf16_copy();
+  // A small parameter as fp32: a norm, a bias, the router [E, C] or the shared expert's gate.
+  const float* vec(ParamKind kind, int layer = -1) const;
+  float* vec_mut(ParamKind kind, int layer = -1);  // (tests poison values through it)
+  // `count` values of a matrix parameter from element `offset` of its table storage (e.g. expert e's
+  // gate rows of ffn_w13: offset e * 2IC, count IC), where they lie: in the mapped file, in the
+  // file's dtype, or in `owned`.  The range must lie within one HF tensor (gate and up rows are two).
+  infer::WeightRef mat(ParamKind kind, int layer, size_t offset, size_t count) const;
+  // The dtype the matrices are stored in (mixed files: the most common one), and the bytes of the
+  // weights as held (the matrices in their dtype, the small parameters as fp32).
+  DType storage_dtype() const;
+  size_t weight_bytes() const;
+
+  // A model used in place: where each table.hf_tensors() entry lies, what holds them (the mapped
+  // files, kept open), and the small parameters as fp32 (spec i at small[small_offset[i]]).
+  void set_weights(std::vector<infer::WeightRef> refs, std::shared_ptr<const void> keep_alive, std::vector<float> small,
+                   std::vector<size_t> small_offset);
+  // Whether a parameter kind is copied to fp32 (vec) rather than used in place (mat).
+  static bool is_small(ParamKind kind);
+
+ private:
+  std::vector<infer::WeightRef> refs_;          // per table.hf_tensors() entry
+  std::vector<std::vector<size_t>> spec_refs_;  // per spec: its hf_tensors() indices, by offset
+  std::shared_ptr<const void> files_;           // what refs_ point into (the mapped files), when not owned
+  std::vector<float> small_;
+  std::vector<size_t> small_offset_;            // per spec
 };
 
-// Reads DIR/config.json and DIR's safetensors (any float dtype; computed in fp32), and keeps a bf16
-// copy for decoding when the values allow it exactly (keep_bf16_copy).  lora_dir: a PEFT LoRA adapter
-// directory (model/lora.h) for this base ("": none), applied unmerged by the Decoder (the base's
-// weights stay as they are: its bf16 copy too).
-std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, const std::string& lora_dir = "");
+// Reads DIR/config.json and maps DIR's safetensors: the matrices are used where they lie, in the
+// file's dtype (F32, BF16 or F16; computed in fp32), with no fp32 copy; the small parameters (norms,
+// biases, router) are copied to fp32.  Every value is checked finite (Error naming the tensor).
+// widen_to_fp32: instead read everything into `owned` as fp32 (tests compare the two).
+// lora_dir: a PEFT LoRA adapter directory (model/lora.h) for this base ("": none), applied unmerged by
+// the Decoder (the base's weights stay as they are).
+std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, const std::string& lora_dir = "",
+                                                     bool widen_to_fp32 = false);
 
 // How the chat template was chosen, for messages ("--template", "tokenizer_config.json", ...).
 struct TemplateChoice {

@@ -161,6 +161,22 @@ std::string read_hf_slice(const ModelTensors& files, const ParamTable& table, co
   return t.name;
 }
 
+TensorView hf_tensor_view(const ModelTensors& files, const ParamTable& table, const HfTensorRef& ref,
+                          const std::string& source) {
+  const TensorView& t = locate(files, table, ref, source);
+  if (t.name == ref.name || table.spec_of(ref).kind == ParamKind::router) return t;
+  // A packed expert tensor: expert `stacked_index`, and for gate_up_proj the gate or the up half.
+  const ParamSpec& spec = table.spec_of(ref);
+  const bool up = spec.kind == ParamKind::ffn_w13 && (ref.offset - spec.offset) / ref.numel % 2 == 1;
+  TensorView v = select_index(t, ref.stacked_index);
+  const size_t bytes = ref.numel * dtype_size(v.dtype);
+  v.data += up ? bytes : 0;
+  v.nbytes = bytes;
+  v.shape = ref.shape;
+  v.name = ref.name;
+  return v;
+}
+
 void check_weights_size(const ModelTensors& files, const ParamTable& table, const std::string& source) {
   std::set<std::string> used;
   for (const HfTensorRef& ref : table.hf_tensors()) used.insert(locate(files, table, ref, source).name);

@@ -66,6 +66,13 @@ std::vector<HfTensorSlice> shard_slices(const ModelConfig& cfg, const ParamTable
 std::string read_hf_slice(const ModelTensors& files, const ParamTable& table, const HfTensorSlice& slice,
                           float* out, const std::string& source);
 
+// Where the values of one HF tensor lie in the files, without reading them: its Hub-named tensor, or
+// its part of a transformers-5 packed one (expert e's gate or up rows of gate_up_proj, ...).  The view
+// has the ref's name and shape, the file's dtype and a pointer into the mapping.  Error (naming
+// `source`) as read_hf_slice when neither exists or a shape differs from what config.json implies.
+TensorView hf_tensor_view(const ModelTensors& files, const ParamTable& table, const HfTensorRef& ref,
+                          const std::string& source);
+
 // Adds every HF tensor of `values` (params or grads, laid out by `table`) to a writer under the
 // Hub names, with `prefix` prepended (e.g. "grad.").  The writer references `values`.
 void add_hf_tensors(SafetensorsWriter& writer, const ParamTable& table, const float* values, DType storage,
