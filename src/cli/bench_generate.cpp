@@ -84,6 +84,7 @@ int run_bench_generate(int argc, char** argv) {
   Decoder dec(*model);
   std::vector<float> logits(cfg.vocab_size);
   std::vector<double> prefill, decode;
+  size_t kv_bytes = 0;
   for (int run = 0; run <= runs; run++) {
     KvCache cache = dec.new_cache();
     cache.reserve(prompt_tokens + new_tokens);
@@ -97,6 +98,7 @@ int run_bench_generate(int argc, char** argv) {
       next = sampler.next(logits.data(), {}, {});
     }
     const auto t2 = Clock::now();
+    kv_bytes = cache.bytes();
     const double pf = std::chrono::duration<double>(t1 - t0).count();
     const double dc = std::chrono::duration<double>(t2 - t1).count();
     std::printf("  run %d: prefill %.4f s, decode %.4f s%s\n", run, pf, dc, run == 0 ? "  (warm-up)" : "");
@@ -110,10 +112,14 @@ int run_bench_generate(int argc, char** argv) {
   const double p = median(prefill), d = median(decode);
   std::printf("prefill tokens/s: %.1f\n", p);
   std::printf("decode tokens/s: %.1f\n", d);
-  std::printf("peak RSS: %.0f MiB\n", ru.ru_maxrss / 1024.0);
+  std::printf("peak RSS: %.0f MiB (weights %.1f MiB, KV cache %.1f MiB)\n", ru.ru_maxrss / 1024.0,
+              model->weight_bytes() / 1048576.0, kv_bytes / 1048576.0);
   if (json)
-    std::printf("{\"prefill_tokens_per_s\": %.2f, \"decode_tokens_per_s\": %.2f, \"threads\": %d}\n", p, d,
-                omp_get_max_threads());
+    std::printf("{\"prefill_tokens_per_s\": %.2f, \"decode_tokens_per_s\": %.2f, \"threads\": %d, "
+                "\"peak_rss_bytes\": %ld, \"weight_bytes\": %zu, \"kv_cache_bytes\": %zu, \"weights\": \"%s\", "
+                "\"simd\": \"%s\"}\n",
+                p, d, omp_get_max_threads(), (long)ru.ru_maxrss * 1024, model->weight_bytes(), kv_bytes,
+                dtype_name(model->storage_dtype()), infer::simd_name(infer::simd_level()));
   return 0;
 }
 
