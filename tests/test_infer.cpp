@@ -271,6 +271,34 @@ TEST(DecodeKernels, EverySimdLevelMeetsTheFp32WideningAndTheExactProduct) {
   }
 }
 
+// gemv_rows (W read once for up to 8 inputs: batched decoding, an expert's few prefill rows) gives
+// each input bitwise what gemv gives it alone, for every weight dtype, with row strides and +=.
+TEST(DecodeKernels, GemvRowsIsBitwiseGemvPerInput) {
+  const int OC = 70;
+  for (const int IC : {7, 24, 40, 100, 1031}) {
+    std::vector<uint16_t> wb((size_t)OC * IC), wh((size_t)OC * IC);
+    std::vector<float> wf((size_t)OC * IC);
+    for (size_t i = 0; i < wf.size(); i++) {
+      wf[i] = (float)((mix64(i * 5 + 3) % 20001) / 10000.0 - 1.0);
+      wb[i] = f32_to_bf16(wf[i]);
+      wh[i] = f32_to_f16(wf[i]);
+    }
+    const int ld_x = IC + 3, ld_out = OC + 5;
+    std::vector<float> x((size_t)infer::kMaxGemvInputs * ld_x);
+    for (size_t i = 0; i < x.size(); i++) x[i] = (float)((mix64(31 + i) % 2001) / 1000.0 - 1.0);
+    for (const infer::WeightRef w : {infer::WeightRef{wf.data(), DType::F32}, infer::WeightRef{wb.data(), DType::BF16},
+                                     infer::WeightRef{wh.data(), DType::F16}})
+      for (int n = 1; n <= infer::kMaxGemvInputs; n++)
+        for (const bool acc : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << dtype_name(w.dtype) << " IC " << IC << " n " << n << " acc " << acc);
+          std::vector<float> out((size_t)n * ld_out, 0.25f), want(out);
+          infer::gemv_rows(out.data(), ld_out, x.data(), ld_x, w, n, IC, OC, acc, 1);  // split at any size
+          for (int j = 0; j < n; j++) infer::gemv(want.data() + (size_t)j * ld_out, w, x.data() + (size_t)j * ld_x, OC, IC, acc);
+          ASSERT_EQ(0, std::memcmp(out.data(), want.data(), sizeof(float) * out.size()));
+        }
+  }
+}
+
 TEST(Decoder, RejectsBadTokensWithoutChangingTheCache) {
   const auto model = load_inference_model((kGenerate / "llama_dense").string());
   Decoder dec(*model);

@@ -1,6 +1,7 @@
 // Inference kernels; see kernels.h.  Each SIMD level is compiled with a target attribute (whatever
 // the build's -march) and chosen at run time.  Per row: two accumulators over the columns in steps of
-// 2 vectors, then one vector, then a scalar tail, then one fixed-order horizontal sum -- the same
+// 2 vectors (in the lane order described below), then one vector, then a scalar tail, then one
+// fixed-order horizontal sum -- the same
 // operations whether the row is computed alone or in a block of four (blocks share the loads of x),
 // so a row's result depends only on its values.  Weight rows are prefetched kPrefetch values ahead:
 // a matrix-vector product streams the weights once, and the hardware prefetchers alone left a core
@@ -68,10 +69,35 @@ void rows_generic(float* y, const void* W, const float* x, int r0, int r1, int I
   }
 }
 
+// ---- the lane order of the main loop --------------------------------------------------------------
+//
+// bf16 widens to fp32 by interleaving zero halves below it (unpacklo/hi_epi16 with zero): one load
+// and two shuffles per 2 vectors instead of 2 loads, 2 zero-extensions and 2 shifts -- enough to keep
+// a core at its read bandwidth.  Interleaving works within 128-bit lanes, so each block of 2V
+// columns (V = 8 for AVX2, 16 for AVX-512) lands in the accumulators in the order
+//   lo = {c0..3, c8..11, c16..19, ...},  hi = {c4..7, c12..15, ...}   (per 8 columns: 4 in lo, 4 in hi)
+// x is permuted the same way once per call (permute_x), and fp32 and f16 weights are permuted into
+// the same lanes (so all three dtypes do the same arithmetic on the same values: bitwise equal).
+
+// xp[0, 2V*blocks) = x in the lane order above, for blocks of 2V columns.
+void permute_x(float* xp, const float* x, int blocks, int V) {
+  for (int b = 0; b < blocks; b++) {
+    const float* xb = x + (size_t)b * 2 * V;
+    float* lo = xp + (size_t)b * 2 * V;
+    float* hi = lo + V;
+    for (int q = 0; q < V / 4; q++)
+      for (int j = 0; j < 4; j++) {
+        lo[4 * q + j] = xb[8 * q + j];
+        hi[4 * q + j] = xb[8 * q + 4 + j];
+      }
+  }
+}
+
 // ---- AVX2 + FMA (+ F16C) ----------------------------------------------------------------------------
 
 #define MOETRON_AVX2 __attribute__((target("avx2,fma,f16c")))
 
+// 8 contiguous values as fp32.
 template <DType DT>
 MOETRON_AVX2 inline __m256 w8(const void* W, size_t i) {
   if constexpr (DT == DType::F32) {
@@ -85,6 +111,21 @@ MOETRON_AVX2 inline __m256 w8(const void* W, size_t i) {
   }
 }
 
+// 16 values from i in the lane order: lo = {0..3, 8..11}, hi = {4..7, 12..15}.
+template <DType DT>
+MOETRON_AVX2 inline void w16_lanes(const void* W, size_t i, __m256& lo, __m256& hi) {
+  if constexpr (DT == DType::BF16) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(W) + i));
+    const __m256i z = _mm256_setzero_si256();
+    lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, w));
+    hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, w));
+  } else {
+    const __m256 a = w8<DT>(W, i), b = w8<DT>(W, i + 8);
+    lo = _mm256_permute2f128_ps(a, b, 0x20);
+    hi = _mm256_permute2f128_ps(a, b, 0x31);
+  }
+}
+
 MOETRON_AVX2 inline float hsum8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -92,18 +133,20 @@ MOETRON_AVX2 inline float hsum8(__m256 v) {
 }
 
 template <DType DT, int R>
-MOETRON_AVX2 void block_avx2(float* y, const void* W, const float* x, int r, int IC, bool acc) {
+MOETRON_AVX2 void block_avx2(float* y, const void* W, const float* x, const float* xp, int r, int IC, bool acc) {
   constexpr size_t vbytes = DT == DType::F32 ? 4 : 2;
   __m256 a[R][2];
   for (int k = 0; k < R; k++) a[k][0] = a[k][1] = _mm256_setzero_ps();
   int c = 0;
   for (; c + 16 <= IC; c += 16) {
-    const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
+    const __m256 x0 = _mm256_loadu_ps(xp + c), x1 = _mm256_loadu_ps(xp + c + 8);
     for (int k = 0; k < R; k++) {
       const size_t i = (size_t)(r + k) * IC + c;
       _mm_prefetch(static_cast<const char*>(W) + (i + kPrefetch) * vbytes, _MM_HINT_T0);
-      a[k][0] = _mm256_fmadd_ps(w8<DT>(W, i), x0, a[k][0]);
-      a[k][1] = _mm256_fmadd_ps(w8<DT>(W, i + 8), x1, a[k][1]);
+      __m256 lo, hi;
+      w16_lanes<DT>(W, i, lo, hi);
+      a[k][0] = _mm256_fmadd_ps(lo, x0, a[k][0]);
+      a[k][1] = _mm256_fmadd_ps(hi, x1, a[k][1]);
     }
   }
   for (; c + 8 <= IC; c += 8) {
@@ -119,15 +162,50 @@ MOETRON_AVX2 void block_avx2(float* y, const void* W, const float* x, int r, int
 
 template <DType DT>
 MOETRON_AVX2 void rows_avx2(float* y, const void* W, const float* x, int r0, int r1, int IC, bool acc) {
+  std::vector<float> xp((size_t)IC);
+  permute_x(xp.data(), x, IC / 16, 8);
   int r = r0;
-  for (; r + 4 <= r1; r += 4) block_avx2<DT, 4>(y, W, x, r, IC, acc);
-  for (; r < r1; r++) block_avx2<DT, 1>(y, W, x, r, IC, acc);
+  for (; r + 4 <= r1; r += 4) block_avx2<DT, 4>(y, W, x, xp.data(), r, IC, acc);
+  for (; r < r1; r++) block_avx2<DT, 1>(y, W, x, xp.data(), r, IC, acc);
+}
+
+// One weight row r against N inputs x_j (row stride ld_x; xp: their permuted copies, stride IC):
+// the operations of block_avx2<DT, 1> for each input, with the weights loaded once.
+template <DType DT, int N>
+MOETRON_AVX2 void multi_avx2(float* out, int ld_out, const void* W, const float* x, int ld_x, const float* xp, int r,
+                             int IC, bool acc) {
+  constexpr size_t vbytes = DT == DType::F32 ? 4 : 2;
+  __m256 a[N][2];
+  for (int j = 0; j < N; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
+  const size_t row = (size_t)r * IC;
+  int c = 0;
+  for (; c + 16 <= IC; c += 16) {
+    _mm_prefetch(static_cast<const char*>(W) + (row + c + kPrefetch) * vbytes, _MM_HINT_T0);
+    __m256 lo, hi;
+    w16_lanes<DT>(W, row + c, lo, hi);
+    for (int j = 0; j < N; j++) {
+      a[j][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xp + (size_t)j * IC + c), a[j][0]);
+      a[j][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xp + (size_t)j * IC + c + 8), a[j][1]);
+    }
+  }
+  for (; c + 8 <= IC; c += 8) {
+    const __m256 w = w8<DT>(W, row + c);
+    for (int j = 0; j < N; j++) a[j][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (size_t)j * ld_x + c), a[j][0]);
+  }
+  for (int j = 0; j < N; j++) {
+    const float* xj = x + (size_t)j * ld_x;
+    float s = hsum8(_mm256_add_ps(a[j][0], a[j][1]));
+    for (int t = c; t < IC; t++) s += wscalar<DT>(W, row + t) * xj[t];
+    float& o = out[(size_t)j * ld_out + r];
+    o = acc ? o + s : s;
+  }
 }
 
 // ---- AVX-512 ----------------------------------------------------------------------------------------
 
 #define MOETRON_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
 
+// 16 contiguous values as fp32.
 template <DType DT>
 MOETRON_AVX512 inline __m512 w16(const void* W, size_t i) {
   if constexpr (DT == DType::F32) {
@@ -141,21 +219,40 @@ MOETRON_AVX512 inline __m512 w16(const void* W, size_t i) {
   }
 }
 
+// 32 values from i in the lane order: lo = {0..3, 8..11, 16..19, 24..27}, hi = {4..7, 12..15, ...}.
+template <DType DT>
+MOETRON_AVX512 inline void w32_lanes(const void* W, size_t i, __m512& lo, __m512& hi) {
+  if constexpr (DT == DType::BF16) {
+    const __m512i w = _mm512_loadu_si512(static_cast<const uint16_t*>(W) + i);
+    const __m512i z = _mm512_setzero_si512();
+    lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w));
+    hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w));
+  } else {
+    const __m512 a = w16<DT>(W, i), b = w16<DT>(W, i + 16);
+    const __m512i ilo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i ihi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    lo = _mm512_permutex2var_ps(a, ilo, b);
+    hi = _mm512_permutex2var_ps(a, ihi, b);
+  }
+}
+
 template <DType DT, int R>
-MOETRON_AVX512 void block_avx512(float* y, const void* W, const float* x, int r, int IC, bool acc) {
+MOETRON_AVX512 void block_avx512(float* y, const void* W, const float* x, const float* xp, int r, int IC, bool acc) {
   constexpr size_t vbytes = DT == DType::F32 ? 4 : 2;
   __m512 a[R][2];
   for (int k = 0; k < R; k++) a[k][0] = a[k][1] = _mm512_setzero_ps();
   int c = 0;
   for (; c + 32 <= IC; c += 32) {
-    const __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
+    const __m512 x0 = _mm512_loadu_ps(xp + c), x1 = _mm512_loadu_ps(xp + c + 16);
     for (int k = 0; k < R; k++) {
       const size_t i = (size_t)(r + k) * IC + c;
       const char* p = static_cast<const char*>(W) + (i + kPrefetch) * vbytes;
       _mm_prefetch(p, _MM_HINT_T0);
       if constexpr (vbytes == 4) _mm_prefetch(p + 64, _MM_HINT_T0);
-      a[k][0] = _mm512_fmadd_ps(w16<DT>(W, i), x0, a[k][0]);
-      a[k][1] = _mm512_fmadd_ps(w16<DT>(W, i + 16), x1, a[k][1]);
+      __m512 lo, hi;
+      w32_lanes<DT>(W, i, lo, hi);
+      a[k][0] = _mm512_fmadd_ps(lo, x0, a[k][0]);
+      a[k][1] = _mm512_fmadd_ps(hi, x1, a[k][1]);
     }
   }
   for (; c + 16 <= IC; c += 16) {
@@ -171,9 +268,78 @@ MOETRON_AVX512 void block_avx512(float* y, const void* W, const float* x, int r,
 
 template <DType DT>
 MOETRON_AVX512 void rows_avx512(float* y, const void* W, const float* x, int r0, int r1, int IC, bool acc) {
+  std::vector<float> xp((size_t)IC);
+  permute_x(xp.data(), x, IC / 32, 16);
   int r = r0;
-  for (; r + 4 <= r1; r += 4) block_avx512<DT, 4>(y, W, x, r, IC, acc);
-  for (; r < r1; r++) block_avx512<DT, 1>(y, W, x, r, IC, acc);
+  for (; r + 4 <= r1; r += 4) block_avx512<DT, 4>(y, W, x, xp.data(), r, IC, acc);
+  for (; r < r1; r++) block_avx512<DT, 1>(y, W, x, xp.data(), r, IC, acc);
+}
+
+// One weight row r against N inputs (see multi_avx2): block_avx512<DT, 1>'s operations per input.
+template <DType DT, int N>
+MOETRON_AVX512 void multi_avx512(float* out, int ld_out, const void* W, const float* x, int ld_x, const float* xp,
+                                 int r, int IC, bool acc) {
+  constexpr size_t vbytes = DT == DType::F32 ? 4 : 2;
+  __m512 a[N][2];
+  for (int j = 0; j < N; j++) a[j][0] = a[j][1] = _mm512_setzero_ps();
+  const size_t row = (size_t)r * IC;
+  int c = 0;
+  for (; c + 32 <= IC; c += 32) {
+    const char* p = static_cast<const char*>(W) + (row + c + kPrefetch) * vbytes;
+    _mm_prefetch(p, _MM_HINT_T0);
+    if constexpr (vbytes == 4) _mm_prefetch(p + 64, _MM_HINT_T0);
+    __m512 lo, hi;
+    w32_lanes<DT>(W, row + c, lo, hi);
+    for (int j = 0; j < N; j++) {
+      a[j][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp + (size_t)j * IC + c), a[j][0]);
+      a[j][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + (size_t)j * IC + c + 16), a[j][1]);
+    }
+  }
+  for (; c + 16 <= IC; c += 16) {
+    const __m512 w = w16<DT>(W, row + c);
+    for (int j = 0; j < N; j++) a[j][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + (size_t)j * ld_x + c), a[j][0]);
+  }
+  for (int j = 0; j < N; j++) {
+    const float* xj = x + (size_t)j * ld_x;
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(a[j][0], a[j][1]));
+    for (int t = c; t < IC; t++) s += wscalar<DT>(W, row + t) * xj[t];
+    float& o = out[(size_t)j * ld_out + r];
+    o = acc ? o + s : s;
+  }
+}
+
+// Rows [r0, r1) of W against n <= kMaxGemvInputs inputs, each weight row read once.
+using MultiFn = void (*)(float*, int, const void*, const float*, int, const float*, int, int, bool);
+
+#define MOETRON_MULTI_TABLE(NAME, FN)                                                                          \
+  template <DType DT>                                                                                          \
+  MultiFn NAME(int n) {                                                                                        \
+    static constexpr MultiFn t[kMaxGemvInputs] = {FN<DT, 1>, FN<DT, 2>, FN<DT, 3>, FN<DT, 4>,                \
+                                                  FN<DT, 5>, FN<DT, 6>, FN<DT, 7>, FN<DT, 8>};               \
+    return t[n - 1];                                                                                           \
+  }
+MOETRON_MULTI_TABLE(multi_fn_avx2, multi_avx2)
+MOETRON_MULTI_TABLE(multi_fn_avx512, multi_avx512)
+#undef MOETRON_MULTI_TABLE
+
+template <DType DT>
+void mrows_generic(float* out, int ld_out, const void* W, const float* x, int ld_x, int n, int r0, int r1, int IC,
+                   bool acc) {
+  for (int r = r0; r < r1; r++)
+    for (int j = 0; j < n; j++) {
+      float* o = out + (size_t)j * ld_out;
+      rows_generic<DT>(o, W, x + (size_t)j * ld_x, r, r + 1, IC, acc);
+    }
+}
+
+template <DType DT>
+void mrows_simd(SimdLevel level, float* out, int ld_out, const void* W, const float* x, int ld_x, int n, int r0, int r1,
+                int IC, bool acc) {
+  const int V = level == SimdLevel::avx512 ? 16 : 8;
+  std::vector<float> xp((size_t)n * IC);
+  for (int j = 0; j < n; j++) permute_x(xp.data() + (size_t)j * IC, x + (size_t)j * ld_x, IC / (2 * V), V);
+  const MultiFn f = level == SimdLevel::avx512 ? multi_fn_avx512<DT>(n) : multi_fn_avx2<DT>(n);
+  for (int r = r0; r < r1; r++) f(out, ld_out, W, x, ld_x, xp.data(), r, IC, acc);
 }
 
 // ---- dispatch ---------------------------------------------------------------------------------------
@@ -228,7 +394,34 @@ RowsFn rows_fn(DType dt, SimdLevel s = simd_level()) {
   }
 }
 
+void mrows(float* out, int ld_out, WeightRef W, const float* x, int ld_x, int n, int r0, int r1, int IC, bool acc) {
+  const SimdLevel level = simd_level();
+  switch (W.dtype) {
+    case DType::F32:
+      return level == SimdLevel::generic ? mrows_generic<DType::F32>(out, ld_out, W.data, x, ld_x, n, r0, r1, IC, acc)
+                                         : mrows_simd<DType::F32>(level, out, ld_out, W.data, x, ld_x, n, r0, r1, IC, acc);
+    case DType::BF16:
+      return level == SimdLevel::generic
+                 ? mrows_generic<DType::BF16>(out, ld_out, W.data, x, ld_x, n, r0, r1, IC, acc)
+                 : mrows_simd<DType::BF16>(level, out, ld_out, W.data, x, ld_x, n, r0, r1, IC, acc);
+    case DType::F16:
+      return level == SimdLevel::generic ? mrows_generic<DType::F16>(out, ld_out, W.data, x, ld_x, n, r0, r1, IC, acc)
+                                         : mrows_simd<DType::F16>(level, out, ld_out, W.data, x, ld_x, n, r0, r1, IC, acc);
+    default:
+      fail("[infer kernels] weights of dtype {} are not supported (F32, BF16, F16)", dtype_name(W.dtype));
+  }
+}
+
 }  // namespace
+
+void gemv_rows(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n, int IC, int OC, bool accumulate,
+               long parallel_min_macs) {
+  MOETRON_ASSERT(n >= 1 && n <= kMaxGemvInputs);
+  const int blocks = (OC + 63) / 64;
+  const long macs = (long)n * OC * IC;
+#pragma omp parallel for schedule(static) if (macs >= parallel_min_macs)
+  for (int b = 0; b < blocks; b++) mrows(out, ld_out, W, x, ld_x, n, b * 64, std::min(OC, b * 64 + 64), IC, accumulate);
+}
 
 SimdLevel simd_level() {
   static const SimdLevel s = detect_simd();  // read-only after the first call
@@ -320,13 +513,10 @@ void widen_row(float* out, WeightRef W, size_t row, int n) {
 
 void matmul(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n, int IC, int OC, bool accumulate,
             std::vector<float>& scratch) {
-  // Up to this many rows, one matrix-vector product per row (streaming W once per row beats widening
-  // it for a GEMM).
-  constexpr int kGemvRows = 4;
-  if (n <= kGemvRows) {
-    GemvTask t[kGemvRows];
-    for (int i = 0; i < n; i++) t[i] = {out + (size_t)i * ld_out, W, x + (size_t)i * ld_x, OC, accumulate};
-    gemv_batch(t, n, IC, omp_get_max_threads() > 1 ? kGemvSplitMin : kGemvParallelMin);
+  // Up to kMaxGemvInputs rows: the matrix-vector kernels, W streamed once for all of them (beats
+  // widening W for a GEMM of so few rows).
+  if (n <= kMaxGemvInputs) {
+    gemv_rows(out, ld_out, x, ld_x, W, n, IC, OC, accumulate, omp_get_max_threads() > 1 ? kGemvSplitMin : kGemvParallelMin);
     return;
   }
   // Blocks of ~1 MiB of fp32 weights (at least 64 rows): widened, then one GEMM each.  fp32 weights

@@ -60,8 +60,15 @@ void gemv(float* y, WeightRef W, const float* x, int OC, int IC, bool accumulate
 // The same on one thread with the kernels of `level` (at most simd_level()), for tests and benchmarks.
 void gemv_at(SimdLevel level, float* y, WeightRef W, const float* x, int OC, int IC);
 
+// out_j[OC] (=, or +=) W x_j for n <= kMaxGemvInputs inputs x_j = x + j * ld_x, out_j = out + j * ld_out:
+// W is read once for all of them (a batch of decoding sequences, an expert's few prefill rows), and
+// each out_j is bitwise what gemv gives for x_j alone.
+constexpr int kMaxGemvInputs = 8;
+void gemv_rows(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n, int IC, int OC, bool accumulate,
+               long parallel_min_macs = kGemvParallelMin);
+
 // out[n, OC] (row stride ld_out; =, or += when accumulate) = x[n, IC] (row stride ld_x) W[OC, IC]^T.
-// Few rows run as matrix-vector products; more as BLAS GEMMs over blocks of W's rows widened to fp32
+// Up to kMaxGemvInputs rows run as gemv_rows; more as BLAS GEMMs over blocks of W's rows widened to fp32
 // in `scratch` (so a bf16 matrix is never copied whole).  For a given n, a bf16 matrix and its fp32
 // widening give bitwise the same result.  OpenMP threads follow the caller's omp_get_max_threads().
 void matmul(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n, int IC, int OC, bool accumulate,
