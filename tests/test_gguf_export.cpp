@@ -7,7 +7,6 @@
 // tokenizer.json); configs llama.cpp would compute differently and bad input are refused with exit 2,
 // naming the field or file, and nothing is written. No network and no llama.cpp needed
 // (tools/check_gguf_llama.sh runs the files in llama.cpp).
-#include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,10 +16,12 @@
 #include <fstream>
 #include <functional>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
 #include "core/error.h"

@@ -47,18 +47,19 @@
 // (gguf::write_file). Exit 2, nothing written: bad input found before writing (a missing file, an
 // unsupported architecture or field, an --output that exists without --force, is a directory or
 // is one of the input files). Exit 1: a failure while writing (corrupt weights, I/O).
-#include <fmt/format.h>
-
-#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <nlohmann/json.hpp>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
 #include "core/error.h"

@@ -1,7 +1,6 @@
 #include "io/gguf.h"
 
 #include <fcntl.h>
-#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +10,8 @@
 #include <filesystem>
 #include <limits>
 #include <set>
+
+#include <fmt/format.h>
 
 #include "core/dtype.h"
 #include "core/error.h"
