@@ -17,6 +17,7 @@ int run_tokenizer(int argc, char** argv);  // src/cli/tokenizer.cpp
 int run_data(int argc, char** argv);       // src/cli/data.cpp
 int run_data_synthetic(int argc, char** argv);  // src/cli/data_synthetic.cpp (moetron data synthetic)
 int run_convert(int argc, char** argv);    // src/cli/convert.cpp
+int run_export(int argc, char** argv);     // src/cli/export.cpp (moetron export gguf)
 int run_report(int argc, char** argv);     // src/cli/report.cpp
 int run_plan(int argc, char** argv);       // src/cli/plan.cpp
 

@@ -23,6 +23,7 @@ void print_usage(FILE* f) {
                "  eval      validation loss and perplexity of a checkpoint (eval -c CONFIG [--model DIR])\n"
                "  plan      validate a parallel layout; per-rank memory, FLOPs, communication (plan C.yaml -n N)\n"
                "  convert   re-encode a model / checkpoint directory: dtype, shard size, optimizer state\n"
+               "  export    a model directory as a GGUF file for llama.cpp / ollama (export gguf --model DIR --output F)\n"
                "  report    an HTML page of a run's curves and expert-load heatmaps (report RUN_DIR)\n"
                "  bench     benchmarks (bench train | data | checkpoint | generate)\n"
                "\n"
@@ -52,6 +53,7 @@ int main(int argc, char** argv) {
     if (cmd == "tokenizer") return moetron::cli::run_tokenizer(argc - 1, argv + 1);
     if (cmd == "data") return moetron::cli::run_data(argc - 1, argv + 1);
     if (cmd == "convert") return moetron::cli::run_convert(argc - 1, argv + 1);
+    if (cmd == "export") return moetron::cli::run_export(argc - 1, argv + 1);
     if (cmd == "report") return moetron::cli::run_report(argc - 1, argv + 1);
     if (cmd == "plan") return moetron::cli::run_plan(argc - 1, argv + 1);
   } catch (const moetron::InputError& e) {
