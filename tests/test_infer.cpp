@@ -299,6 +299,64 @@ TEST(DecodeKernels, GemvRowsIsBitwiseGemvPerInput) {
   }
 }
 
+// Continuous batching: sequences of different lengths decoded together, joining and leaving the batch
+// between steps, get bitwise the logits and caches each gets alone -- for every architecture (routed
+// experts read once for all the rows routed to them), with batches up to 11 rows (more than one
+// gemv_rows group of 8).
+TEST(Decoder, BatchedDecodingIsBitwiseEachSequenceAlone) {
+  for (const std::string& dir : model_dirs()) {
+    SCOPED_TRACE(dir);
+    const auto model = load_inference_model(dir);
+    const int V = model->cfg.vocab_size, S = 11;
+    Decoder batched(*model), alone(*model);
+    std::vector<KvCache> bc, ac;
+    std::vector<int32_t> next(S);
+    for (int s = 0; s < S; s++) {
+      bc.push_back(batched.new_cache());
+      ac.push_back(alone.new_cache());
+      const std::vector<int32_t> prompt = random_tokens(2 + 3 * s % 13, V, 100 + s);
+      std::vector<float> l(V);
+      batched.forward(bc[s], prompt, l.data());
+      alone.forward(ac[s], prompt, l.data());
+      next[s] = (int32_t)(mix64(s) % V);
+    }
+    std::vector<float> lb((size_t)S * V), la(V);
+    for (int step = 0; step < 12; step++) {
+      std::vector<KvCache*> caches;
+      std::vector<int32_t> toks;
+      std::vector<int> who;
+      for (int s = 0; s < S; s++)
+        if ((s + step) % 4 != 0 || step == 5) {  // a changing subset; at step 5 all of them
+          caches.push_back(&bc[s]);
+          toks.push_back(next[s]);
+          who.push_back(s);
+        }
+      batched.forward_batch(caches, toks, lb.data());
+      for (size_t j = 0; j < who.size(); j++) {
+        const int s = who[j];
+        alone.forward(ac[s], std::span<const int32_t>(&next[s], 1), la.data());
+        ASSERT_EQ(0, std::memcmp(lb.data() + j * V, la.data(), sizeof(float) * V)) << "step " << step << " seq " << s;
+        next[s] = (int32_t)(std::max_element(la.begin(), la.end()) - la.begin());
+      }
+    }
+    for (int s = 0; s < S; s++) {
+      ASSERT_EQ(bc[s].tokens(), ac[s].tokens());
+      for (int l = 0; l < bc[s].layers(); l++)
+        ASSERT_EQ(0, std::memcmp(bc[s].keys(l), ac[s].keys(l), sizeof(float) * bc[s].len() * bc[s].kv_dim()));
+    }
+    // Bad input: nothing fed, nothing changed.
+    std::vector<KvCache*> twice = {&bc[0], &bc[0]};
+    const std::vector<int32_t> two = {1, 2}, bad = {V};
+    std::vector<KvCache*> one = {&bc[1]};
+    const int len0 = bc[0].len(), len1 = bc[1].len();
+    EXPECT_THROW(batched.forward_batch(twice, two, lb.data()), Error);
+    EXPECT_THROW(batched.forward_batch(one, bad, lb.data()), Error);
+    EXPECT_THROW(batched.forward_batch(one, two, lb.data()), Error);
+    EXPECT_EQ(bc[0].len(), len0);
+    EXPECT_EQ(bc[1].len(), len1);
+  }
+}
+
 TEST(Decoder, RejectsBadTokensWithoutChangingTheCache) {
   const auto model = load_inference_model((kGenerate / "llama_dense").string());
   Decoder dec(*model);

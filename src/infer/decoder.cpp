@@ -167,6 +167,7 @@ void Decoder::reserve_scratch(int n) {
   act_.resize(M * I_);
   yperm_.resize(M * C_);
   pos_.resize(N);
+  kv_.resize(2 * N * KVd_);
 }
 
 void Decoder::lora_add(float* out, int ld_out, const float* x, int ld_x, const float* A, const float* B, int n, int IC,
@@ -219,16 +220,55 @@ void Decoder::forward(KvCache& cache, std::span<const int32_t> tokens, float* lo
     const bool tune = n == 1 && omp_get_max_threads() > 1;
     gemv_min_ = tune && tuner_.split_next() ? infer::kGemvSplitMin : infer::kGemvParallelMin;
     const auto t0 = std::chrono::steady_clock::now();
-    forward_chunk(cache, tokens.data() + s, n, out, all_logits);
+    KvCache* const one[1] = {&cache};
+    forward_chunk(one, tokens.data() + s, n, out, all_logits, /*decode=*/n == 1);
     if (tune) tuner_.record(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
 }
 
-void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float* logits, bool all_logits) {
+void Decoder::forward_batch(std::span<KvCache* const> caches, std::span<const int32_t> tokens, float* logits) {
+  if (tokens.empty() || caches.size() != tokens.size())
+    fail("[Decoder::forward_batch] {} caches for {} tokens (one token per sequence, at least one)", caches.size(),
+         tokens.size());
+  for (size_t i = 0; i < caches.size(); i++) {
+    if (caches[i]->layers() != L_ || caches[i]->kv_dim() != KVd_)
+      fail("[Decoder::forward_batch] KV cache {} has {} layers of width {}, the model {} of width {}", i,
+           caches[i]->layers(), caches[i]->kv_dim(), L_, KVd_);
+    if (tokens[i] < 0 || tokens[i] >= V_)
+      fail("[Decoder::forward_batch] token id {} of sequence {} is outside the vocabulary [0, {})", tokens[i], i, V_);
+    for (size_t j = 0; j < i; j++)
+      if (caches[j] == caches[i]) fail("[Decoder::forward_batch] sequences {} and {} share a KV cache", j, i);
+  }
+  gemv_min_ = omp_get_max_threads() > 1 ? infer::kGemvSplitMin : infer::kGemvParallelMin;
+  forward_chunk(caches.data(), tokens.data(), (int)tokens.size(), logits, true, /*decode=*/true);
+}
+
+void Decoder::run_tasks(std::vector<infer::GemvTask>& tasks, int IC) {
+  for (size_t t = 0; t < tasks.size(); t += infer::kMaxGemvTasks)
+    infer::gemv_batch(tasks.data() + t, (int)std::min<size_t>(infer::kMaxGemvTasks, tasks.size() - t), IC, gemv_min_);
+  tasks.clear();
+}
+
+void Decoder::add_row_tasks(std::vector<infer::GemvTask>& tasks, float* y, int ld_y, ParamKind kind, int layer,
+                            size_t offset, const float* x, int ld_x, int n, int OC, int IC, bool accumulate) const {
+  for (int j = 0; j < n; j += infer::kMaxGemvInputs) {
+    infer::GemvTask t = task(y + (size_t)j * ld_y, kind, layer, offset, x + (size_t)j * ld_x, OC, IC, accumulate);
+    t.n = std::min(infer::kMaxGemvInputs, n - j);
+    t.ld_x = ld_x;
+    t.ld_y = ld_y;
+    tasks.push_back(t);
+  }
+}
+
+void Decoder::forward_chunk(KvCache* const* caches, const int32_t* tokens, int n, float* logits, bool all_logits,
+                            bool decode) {
+  // decode: row i is one token of sequence caches[i] (n == 1: a decode step of one sequence); else the
+  // n rows are consecutive tokens of caches[0] (prefill).
   reserve_scratch(n);
-  const int pos0 = cache.len();
+  KvCache& cache0 = *caches[0];
+  const int pos0 = cache0.len();
   const float eps = (float)m_.cfg.rms_norm_eps, theta = (float)m_.cfg.rope_theta;
-  for (int i = 0; i < n; i++) pos_[i] = pos0 + i;
+  for (int i = 0; i < n; i++) pos_[i] = decode ? caches[i]->len() : pos0 + i;
   float* x = x_.data();
   float* ln = ln_.data();
   const long N = n;
@@ -237,29 +277,35 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
     const infer::WeightRef emb = m_.mat(ParamKind::embedding, -1, 0, (size_t)V_ * C_);
     for (int i = 0; i < n; i++) infer::widen_row(x + (size_t)i * C_, emb, (size_t)tokens[i], C_);
   }
-  cache.grow(n);
+  if (decode)
+    for (int i = 0; i < n; i++) caches[i]->grow(1);
+  else
+    cache0.grow(n);
+  std::vector<infer::GemvTask>& tasks = tasks_;
   for (int l = 0; l < L_; l++) {
-    float* kdst = cache.keys(l) + (size_t)pos0 * KVd_;  // [n, KV]
-    float* vdst = cache.values(l) + (size_t)pos0 * KVd_;
-    // Attention block: x += o_proj(attn(rope(q), rope(k), v)) with k, v written straight into the cache.
+    // Prefill writes k, v straight into the cache; a decode batch into kv_ first, then each row into
+    // its sequence's cache.
+    float* kdst = decode ? kv_.data() : cache0.keys(l) + (size_t)pos0 * KVd_;  // [n, KV]
+    float* vdst = decode ? kv_.data() + (size_t)n * KVd_ : cache0.values(l) + (size_t)pos0 * KVd_;
+    // Attention block: x += o_proj(attn(rope(q), rope(k), v)).
     {
       ThreadLimit lim(N * C_);
       ops::rmsnorm_forward(ln, rstd_.data(), x, m_.vec(ParamKind::input_norm, l), n, C_, eps);
     }
-    if (n == 1) {
-      const infer::GemvTask qkv[3] = {task(q_.data(), ParamKind::q_proj, l, 0, ln, Q_, C_),
-                                      task(kdst, ParamKind::k_proj, l, 0, ln, KVd_, C_),
-                                      task(vdst, ParamKind::v_proj, l, 0, ln, KVd_, C_)};
-      infer::gemv_batch(qkv, 3, C_, gemv_min_);
+    if (decode) {
+      add_row_tasks(tasks, q_.data(), Q_, ParamKind::q_proj, l, 0, ln, C_, n, Q_, C_);
+      add_row_tasks(tasks, kdst, KVd_, ParamKind::k_proj, l, 0, ln, C_, n, KVd_, C_);
+      add_row_tasks(tasks, vdst, KVd_, ParamKind::v_proj, l, 0, ln, C_, n, KVd_, C_);
+      run_tasks(tasks, C_);
     } else {
       linear(q_.data(), Q_, ln, C_, ParamKind::q_proj, l, 0, n, C_, Q_);
       linear(kdst, KVd_, ln, C_, ParamKind::k_proj, l, 0, n, C_, KVd_);
       linear(vdst, KVd_, ln, C_, ParamKind::v_proj, l, 0, n, C_, KVd_);
     }
     if (m_.lora) {  // unmerged adapters on the projections, before their biases and norms
-      lora_linear(q_.data(), ln, ParamKind::q_proj, l, 0, n, C_, Q_);
-      lora_linear(kdst, ln, ParamKind::k_proj, l, 0, n, C_, KVd_);
-      lora_linear(vdst, ln, ParamKind::v_proj, l, 0, n, C_, KVd_);
+      lora_rows(q_.data(), ln, ParamKind::q_proj, l, n, C_, Q_, decode);
+      lora_rows(kdst, ln, ParamKind::k_proj, l, n, C_, KVd_, decode);
+      lora_rows(vdst, ln, ParamKind::v_proj, l, n, C_, KVd_, decode);
     }
     if (m_.cfg.qkv_bias) {  // Qwen2-MoE: q/k/v biases, rows of the projections
       ThreadLimit lim(N * (Q_ + 2 * KVd_));
@@ -286,21 +332,37 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
       ops::rope_forward(q_.data(), q_.data(), pos_.data(), n, NH_, HD_, theta);
       ops::rope_forward(kdst, kdst, pos_.data(), n, NKV_, HD_, theta);
     }
-    attention(att_.data(), q_.data(), cache.keys(l), cache.values(l), pos0, n);
-    linear(x, C_, att_.data(), Q_, ParamKind::o_proj, l, 0, n, Q_, C_, /*accumulate=*/true);
-    if (m_.lora) lora_linear(x, att_.data(), ParamKind::o_proj, l, 0, n, Q_, C_);
+    if (decode) {
+      for (int i = 0; i < n; i++) {
+        KvCache& c = *caches[i];
+        std::memcpy(c.keys(l) + (size_t)pos_[i] * KVd_, kdst + (size_t)i * KVd_, sizeof(float) * KVd_);
+        std::memcpy(c.values(l) + (size_t)pos_[i] * KVd_, vdst + (size_t)i * KVd_, sizeof(float) * KVd_);
+        attention(att_.data() + (size_t)i * Q_, q_.data() + (size_t)i * Q_, c.keys(l), c.values(l), pos_[i], 1);
+      }
+      add_row_tasks(tasks, x, C_, ParamKind::o_proj, l, 0, att_.data(), Q_, n, C_, Q_, /*accumulate=*/true);
+      run_tasks(tasks, Q_);
+    } else {
+      attention(att_.data(), q_.data(), cache0.keys(l), cache0.values(l), pos0, n);
+      linear(x, C_, att_.data(), Q_, ParamKind::o_proj, l, 0, n, Q_, C_, /*accumulate=*/true);
+    }
+    if (m_.lora) lora_rows(x, att_.data(), ParamKind::o_proj, l, n, Q_, C_, decode);
     // FFN block: x += ffn(rmsnorm(x)).
     {
       ThreadLimit lim(N * C_);
       ops::rmsnorm_forward(ln, rstd_.data(), x, m_.vec(ParamKind::post_norm, l), n, C_, eps);
     }
-    {
-      // One expert's gate/up product over its share of the rows (decode: the kernels decide).
-      ThreadLimit lim(n == 1 ? kParallelMin : std::max(1L, N * K_ / E_) * 2 * I_ * C_);
+    if (decode) {
+      ffn_decode(x, ln, l, n);
+    } else {
+      // One expert's gate/up product over its share of the rows.
+      ThreadLimit lim(std::max(1L, N * K_ / E_) * 2 * I_ * C_);
       ffn(x, ln, l, n);
     }
   }
-  cache.commit(std::span<const int32_t>(tokens, n));
+  if (decode)
+    for (int i = 0; i < n; i++) caches[i]->commit(std::span<const int32_t>(tokens + i, 1));
+  else
+    cache0.commit(std::span<const int32_t>(tokens, n));
   if (!logits) return;
   // Final norm and head: every row, or the last one.
   const int rows = all_logits ? n : 1;
@@ -309,7 +371,17 @@ void Decoder::forward_chunk(KvCache& cache, const int32_t* tokens, int n, float*
     ThreadLimit lim((long)rows * C_);
     ops::rmsnorm_forward(ln, rstd_.data(), xin, m_.vec(ParamKind::final_norm), rows, C_, eps);
   }
-  linear(logits, V_, ln, C_, m_.table.head_kind(), -1, 0, rows, C_, V_);
+  if (decode) {
+    add_row_tasks(tasks, logits, V_, m_.table.head_kind(), -1, 0, ln, C_, rows, V_, C_);
+    run_tasks(tasks, C_);
+  } else {
+    linear(logits, V_, ln, C_, m_.table.head_kind(), -1, 0, rows, C_, V_);
+  }
+}
+
+void Decoder::lora_rows(float* out, const float* x, ParamKind target, int layer, int n, int IC, int OC, bool decode) {
+  if (!decode) return lora_linear(out, x, target, layer, 0, n, IC, OC);
+  for (int i = 0; i < n; i++) lora_linear(out + (size_t)i * OC, x + (size_t)i * IC, target, layer, 0, 1, IC, OC);
 }
 
 // out[n, Q] for queries at positions pos0..pos0+n-1 over cached keys/values [0, pos0+n).
@@ -359,22 +431,17 @@ void Decoder::attention(float* out, const float* q, const float* keys, const flo
   }
 }
 
-// x[n, C] += FFN(ln[n, C]) for layer `layer`: the routed experts (MoE) or the dense SwiGLU MLP.
-// Gate and up rows are separate tensors in the files, so they are two products into h13's halves.
+// Prefill: x[n, C] += FFN(ln[n, C]) for layer `layer` (n consecutive tokens of one sequence): the
+// routed experts (MoE) or the dense SwiGLU MLP.  Gate and up rows are separate tensors in the files,
+// so they are two products into h13's halves.
 void Decoder::ffn(float* x, const float* ln, int layer, int n) {
   const int I = m_.cfg.ffn_size(layer);  // this layer's width
   const size_t IC = (size_t)I * C_;
   float* h13 = h13_.data();
   float* act = act_.data();
   if (!m_.cfg.is_moe_layer(layer)) {
-    if (n == 1) {
-      const infer::GemvTask up[2] = {task(h13, ParamKind::ffn_w13, layer, 0, ln, I, C_),
-                                     task(h13 + I, ParamKind::ffn_w13, layer, IC, ln, I, C_)};
-      infer::gemv_batch(up, 2, C_, gemv_min_);
-    } else {
-      linear(h13, 2 * I, ln, C_, ParamKind::ffn_w13, layer, 0, n, C_, I);
-      linear(h13 + I, 2 * I, ln, C_, ParamKind::ffn_w13, layer, IC, n, C_, I);
-    }
+    linear(h13, 2 * I, ln, C_, ParamKind::ffn_w13, layer, 0, n, C_, I);
+    linear(h13 + I, 2 * I, ln, C_, ParamKind::ffn_w13, layer, IC, n, C_, I);
     if (m_.lora) lora_gate_up_split(h13, ln, ParamKind::ffn_w13, layer, n, I);
     ops::swiglu_forward(act, h13, n, I);
     linear(x, C_, act, I, ParamKind::ffn_w2, layer, 0, n, I, C_, /*accumulate=*/true);
@@ -382,37 +449,6 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
     return;
   }
   float* tmp = tmp_.data();
-  if (n == 1) {
-    // One token: the router serially, then the K experts' gate/up products in one parallel region
-    // and their down products in another.
-    const infer::GemvTask router = task(rlogits_.data(), ParamKind::router, layer, 0, ln, E_, C_);
-    infer::gemv_batch(&router, 1, C_, gemv_min_);
-    if (m_.lora) lora_linear(rlogits_.data(), ln, ParamKind::router, layer, 0, 1, C_, E_);
-    route_one(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), E_, K_, m_.cfg.norm_topk_prob);
-    MOETRON_ASSERT(2 * K_ <= infer::kMaxGemvTasks);
-    infer::GemvTask up[infer::kMaxGemvTasks], down[infer::kMaxGemvTasks];
-    float* y = yperm_.data();  // [K, C]
-    for (int k = 0; k < K_; k++) {
-      const size_t e = (size_t)topk_idx_[k];
-      up[2 * k] = task(h13 + (size_t)k * 2 * I, ParamKind::ffn_w13, layer, e * 2 * IC, ln, I, C_);
-      up[2 * k + 1] = task(h13 + (size_t)k * 2 * I + I, ParamKind::ffn_w13, layer, e * 2 * IC + IC, ln, I, C_);
-      down[k] = task(y + (size_t)k * C_, ParamKind::ffn_w2, layer, e * IC, act + (size_t)k * I, C_, I);
-    }
-    infer::gemv_batch(up, 2 * K_, C_, gemv_min_);
-    if (m_.lora)
-      for (int k = 0; k < K_; k++)
-        lora_linear(h13 + (size_t)k * 2 * I, ln, ParamKind::ffn_w13, layer, topk_idx_[k], 1, C_, 2 * I);
-    ops::swiglu_forward(act, h13, K_, I);
-    infer::gemv_batch(down, K_, I, gemv_min_);
-    if (m_.lora)
-      for (int k = 0; k < K_; k++)
-        lora_linear(y + (size_t)k * C_, act + (size_t)k * I, ParamKind::ffn_w2, layer, topk_idx_[k], 1, I, C_);
-    std::fill(tmp, tmp + C_, 0.0f);
-    for (int k = 0; k < K_; k++) infer::axpy(tmp, topk_w_[k], y + (size_t)k * C_, C_);
-    add_inplace(x, tmp, C_);
-    shared_expert(x, ln, layer, 1);
-    return;
-  }
   ops::matmul_forward(rlogits_.data(), ln, m_.vec(ParamKind::router, layer), n, C_, E_);
   if (m_.lora) lora_linear(rlogits_.data(), ln, ParamKind::router, layer, 0, n, C_, E_);
   ops::router_forward(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), n, E_, K_,
@@ -436,25 +472,126 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
   }
   ops::moe_combine_forward(tmp, yperm_.data(), topk_w_.data(), plan_, C_);
   add_inplace(x, tmp, (long)n * C_);
-  shared_expert(x, ln, layer, n);
+  shared_expert(x, ln, layer, n, /*decode=*/false);
+}
+
+// Decode: x[n, C] += FFN(ln[n, C]) where each row is one token of its own sequence.  Each row gets
+// bitwise what it gets alone (n == 1): the matrix-vector kernels (gemv_rows = gemv per input), the
+// router, adapters and combination per row -- while each weight, an expert's included, is read once
+// for all the rows that use it (expert-major), in two parallel regions (gate/up, down).
+void Decoder::ffn_decode(float* x, const float* ln, int layer, int n) {
+  const int I = m_.cfg.ffn_size(layer);
+  const size_t IC = (size_t)I * C_;
+  float* h13 = h13_.data();
+  float* act = act_.data();
+  std::vector<infer::GemvTask>& tasks = tasks_;
+  if (!m_.cfg.is_moe_layer(layer)) {
+    add_row_tasks(tasks, h13, 2 * I, ParamKind::ffn_w13, layer, 0, ln, C_, n, I, C_);
+    add_row_tasks(tasks, h13 + I, 2 * I, ParamKind::ffn_w13, layer, IC, ln, C_, n, I, C_);
+    run_tasks(tasks, C_);
+    if (m_.lora)
+      for (int i = 0; i < n; i++)
+        lora_gate_up_split(h13 + (size_t)i * 2 * I, ln + (size_t)i * C_, ParamKind::ffn_w13, layer, 1, I);
+    ops::swiglu_forward(act, h13, n, I);
+    add_row_tasks(tasks, x, C_, ParamKind::ffn_w2, layer, 0, act, I, n, C_, I, /*accumulate=*/true);
+    run_tasks(tasks, I);
+    if (m_.lora) lora_rows(x, act, ParamKind::ffn_w2, layer, n, I, C_, true);
+    return;
+  }
+  add_row_tasks(tasks, rlogits_.data(), E_, ParamKind::router, layer, 0, ln, C_, n, E_, C_);
+  run_tasks(tasks, C_);
+  if (m_.lora) lora_rows(rlogits_.data(), ln, ParamKind::router, layer, n, C_, E_, true);
+  for (int i = 0; i < n; i++)
+    route_one(rprobs_.data() + (size_t)i * E_, topk_idx_.data() + (size_t)i * K_, topk_w_.data() + (size_t)i * K_,
+              rlogits_.data() + (size_t)i * E_, E_, K_, m_.cfg.norm_topk_prob);
+  // Slots s = i * K + k, gathered expert by expert (rows in order) at slot_row_[s].
+  const int S = n * K_;
+  slot_row_.resize(S);
+  expert_start_.assign(E_ + 1, 0);
+  for (int s = 0; s < S; s++) expert_start_[topk_idx_[s] + 1]++;
+  for (int e = 0; e < E_; e++) expert_start_[e + 1] += expert_start_[e];
+  std::vector<int>& fill = expert_fill_;
+  fill.assign(expert_start_.begin(), expert_start_.end() - 1);
+  float* xg = xperm_.data();  // [S, C] gathered inputs
+  for (int s = 0; s < S; s++) {
+    const int g = fill[topk_idx_[s]]++;
+    slot_row_[s] = g;
+    std::memcpy(xg + (size_t)g * C_, ln + (size_t)(s / K_) * C_, sizeof(float) * C_);
+  }
+  for (int e = 0; e < E_; e++) {
+    const int g0 = expert_start_[e], m = expert_start_[e + 1] - g0;
+    if (m == 0) continue;
+    add_row_tasks(tasks, h13 + (size_t)g0 * 2 * I, 2 * I, ParamKind::ffn_w13, layer, (size_t)e * 2 * IC,
+                  xg + (size_t)g0 * C_, C_, m, I, C_);
+    add_row_tasks(tasks, h13 + (size_t)g0 * 2 * I + I, 2 * I, ParamKind::ffn_w13, layer, (size_t)e * 2 * IC + IC,
+                  xg + (size_t)g0 * C_, C_, m, I, C_);
+  }
+  run_tasks(tasks, C_);
+  if (m_.lora)
+    for (int s = 0; s < S; s++) {
+      const int g = slot_row_[s];
+      lora_linear(h13 + (size_t)g * 2 * I, xg + (size_t)g * C_, ParamKind::ffn_w13, layer, topk_idx_[s], 1, C_, 2 * I);
+    }
+  ops::swiglu_forward(act, h13, S, I);
+  float* y = yperm_.data();  // [S, C], gathered order
+  for (int e = 0; e < E_; e++) {
+    const int g0 = expert_start_[e], m = expert_start_[e + 1] - g0;
+    if (m == 0) continue;
+    add_row_tasks(tasks, y + (size_t)g0 * C_, C_, ParamKind::ffn_w2, layer, (size_t)e * IC, act + (size_t)g0 * I, I, m,
+                  C_, I);
+  }
+  run_tasks(tasks, I);
+  if (m_.lora)
+    for (int s = 0; s < S; s++) {
+      const int g = slot_row_[s];
+      lora_linear(y + (size_t)g * C_, act + (size_t)g * I, ParamKind::ffn_w2, layer, topk_idx_[s], 1, I, C_);
+    }
+  float* tmp = tmp_.data();
+  for (int i = 0; i < n; i++) {  // per row: its K experts in k order, then added to x
+    std::fill(tmp, tmp + C_, 0.0f);
+    for (int k = 0; k < K_; k++) {
+      const int s = i * K_ + k;
+      infer::axpy(tmp, topk_w_[s], y + (size_t)slot_row_[s] * C_, C_);
+    }
+    add_inplace(x + (size_t)i * C_, tmp, C_);
+  }
+  shared_expert(x, ln, layer, n, /*decode=*/true);
 }
 
 // Qwen2-MoE: x[n, C] += sigmoid(ln . w_gate) * FFN_shared(ln), every token (MoE layers only).
-void Decoder::shared_expert(float* x, const float* ln, int layer, int n) {
+void Decoder::shared_expert(float* x, const float* ln, int layer, int n, bool decode) {
   if (!m_.cfg.has_shared_expert()) return;
   const int Is = m_.cfg.shared_expert_intermediate_size;
   const size_t IsC = (size_t)Is * C_;
   shared_h13_.resize((size_t)n * 2 * Is);
   shared_act_.resize((size_t)n * Is);
   shared_y_.resize((size_t)n * C_);
-  float gate_logit[1], gate[1];
-  linear(shared_h13_.data(), 2 * Is, ln, C_, ParamKind::shared_w13, layer, 0, n, C_, Is);
-  linear(shared_h13_.data() + Is, 2 * Is, ln, C_, ParamKind::shared_w13, layer, IsC, n, C_, Is);
-  if (m_.lora) lora_gate_up_split(shared_h13_.data(), ln, ParamKind::shared_w13, layer, n, Is);
-  ops::swiglu_forward(shared_act_.data(), shared_h13_.data(), n, Is);
-  linear(shared_y_.data(), C_, shared_act_.data(), Is, ParamKind::shared_w2, layer, 0, n, Is, C_);
-  if (m_.lora) lora_linear(shared_y_.data(), shared_act_.data(), ParamKind::shared_w2, layer, 0, n, Is, C_);
+  float* h = shared_h13_.data();
+  if (decode) {
+    add_row_tasks(tasks_, h, 2 * Is, ParamKind::shared_w13, layer, 0, ln, C_, n, Is, C_);
+    add_row_tasks(tasks_, h + Is, 2 * Is, ParamKind::shared_w13, layer, IsC, ln, C_, n, Is, C_);
+    run_tasks(tasks_, C_);
+  } else {
+    linear(h, 2 * Is, ln, C_, ParamKind::shared_w13, layer, 0, n, C_, Is);
+    linear(h + Is, 2 * Is, ln, C_, ParamKind::shared_w13, layer, IsC, n, C_, Is);
+  }
+  if (m_.lora) {
+    if (decode)
+      for (int i = 0; i < n; i++)
+        lora_gate_up_split(h + (size_t)i * 2 * Is, ln + (size_t)i * C_, ParamKind::shared_w13, layer, 1, Is);
+    else
+      lora_gate_up_split(h, ln, ParamKind::shared_w13, layer, n, Is);
+  }
+  ops::swiglu_forward(shared_act_.data(), h, n, Is);
+  if (decode) {
+    add_row_tasks(tasks_, shared_y_.data(), C_, ParamKind::shared_w2, layer, 0, shared_act_.data(), Is, n, C_, Is);
+    run_tasks(tasks_, Is);
+  } else {
+    linear(shared_y_.data(), C_, shared_act_.data(), Is, ParamKind::shared_w2, layer, 0, n, Is, C_);
+  }
+  if (m_.lora) lora_rows(shared_y_.data(), shared_act_.data(), ParamKind::shared_w2, layer, n, Is, C_, decode);
   const float* wg = m_.vec(ParamKind::shared_gate, layer);  // [1, C]
+  float gate_logit[1], gate[1];
   for (int i = 0; i < n; i++) {
     const float* li = ln + (size_t)i * C_;
     double dot = 0.0;  // as the model's [N,C] x [1,C] product, in fp32 pieces summed in double

@@ -60,11 +60,29 @@ class Decoder {
   // Error for an empty span or a token outside the vocabulary (the cache is then unchanged).
   void forward(KvCache& cache, std::span<const int32_t> tokens, float* logits, bool all_logits = false);
 
+  // One decoding step of several sequences at once (continuous batching): tokens[i] is fed to
+  // *caches[i] at its next position; logits [n, V].  Each weight is read once for the step -- an
+  // expert once for all the sequences routed to it -- and row i's logits and cache are bitwise what
+  // forward(*caches[i], {tokens[i]}) gives alone.  Error (nothing changed) for a count mismatch, a
+  // token outside the vocabulary, a cache of another shape or one cache given twice.
+  void forward_batch(std::span<KvCache* const> caches, std::span<const int32_t> tokens, float* logits);
+
  private:
-  void forward_chunk(KvCache& cache, const int32_t* tokens, int n, float* logits, bool all_logits);
+  // decode: row i is one token of sequence *caches[i]; else n consecutive tokens of *caches[0].
+  void forward_chunk(KvCache* const* caches, const int32_t* tokens, int n, float* logits, bool all_logits,
+                     bool decode);
   void attention(float* out, const float* q, const float* keys, const float* values, int pos0, int n);
   void ffn(float* x, const float* ln, int layer, int n);
-  void shared_expert(float* x, const float* ln, int layer, int n);
+  void ffn_decode(float* x, const float* ln, int layer, int n);
+  void shared_expert(float* x, const float* ln, int layer, int n, bool decode);
+  // A LoRA adapter's product added to n rows: as one product (prefill) or row by row (decode, so a
+  // row's result does not depend on the batch).
+  void lora_rows(float* out, const float* x, ParamKind target, int layer, int n, int IC, int OC, bool decode);
+  // Tasks y_j (row stride ld_y) (=, or +=) W x_j for the n rows of x (stride ld_x), up to
+  // kMaxGemvInputs per task; run_tasks runs (and clears) them, kMaxGemvTasks per parallel region.
+  void add_row_tasks(std::vector<infer::GemvTask>& tasks, float* y, int ld_y, ParamKind kind, int layer, size_t offset,
+                     const float* x, int ld_x, int n, int OC, int IC, bool accumulate = false) const;
+  void run_tasks(std::vector<infer::GemvTask>& tasks, int IC);
   void reserve_scratch(int n);
   // LoRA, unmerged: out[n, OC] (row stride ld_out) += scale * (x[n, IC] (row stride ld_x) A^T) B^T,
   // A [r, IC], B [OC, r] (null A: not adapted, nothing to do).
@@ -93,6 +111,9 @@ class Decoder {
   std::vector<int32_t> topk_idx_, pos_;
   std::vector<float> lora_u_;  // LoRA's x A^T
   std::vector<float> widen_;  // prefill: a block of weight rows widened to fp32 (infer::matmul)
+  std::vector<float> kv_;     // a decode batch's new keys and values [2][n, KV]
+  std::vector<infer::GemvTask> tasks_;
+  std::vector<int> slot_row_, expert_start_, expert_fill_;  // decode: expert-major gathering
   ops::MoePlan plan_;
   // Decode steps (n == 1) split products from this many multiply-adds (set per step by the tuner).
   long gemv_min_ = infer::kGemvParallelMin;

@@ -480,8 +480,9 @@ void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_ma
   long macs = 0;
   first_block[0] = 0;
   for (int t = 0; t < n_tasks; t++) {
+    MOETRON_ASSERT(tasks[t].n >= 1 && tasks[t].n <= kMaxGemvInputs);
     first_block[t + 1] = first_block[t] + (tasks[t].OC + 63) / 64;
-    macs += (long)tasks[t].OC * IC;
+    macs += (long)tasks[t].OC * IC * tasks[t].n;
     fn[t] = rows_fn(tasks[t].W.dtype);
   }
 #pragma omp parallel for schedule(static) if (macs >= parallel_min_macs)
@@ -490,7 +491,10 @@ void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_ma
     while (b >= first_block[t + 1]) t++;
     const GemvTask& k = tasks[t];
     const int r0 = (b - first_block[t]) * 64, r1 = r0 + 64 < k.OC ? r0 + 64 : k.OC;
-    fn[t](k.y, k.W.data, k.x, r0, r1, IC, k.accumulate);
+    if (k.n == 1)
+      fn[t](k.y, k.W.data, k.x, r0, r1, IC, k.accumulate);
+    else
+      mrows(k.y, k.ld_y, k.W, k.x, k.ld_x, k.n, r0, r1, IC, k.accumulate);
   }
 }
 

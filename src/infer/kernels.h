@@ -36,13 +36,16 @@ SimdLevel simd_level();
 const char* simd_name(SimdLevel level);
 
 // Several products with the same input width in one parallel region (fewer fork/join points per
-// token): y_t[OC_t] (=, or += when accumulate) W_t[OC_t, IC] x_t[IC] for each task t.
+// token): y_t[OC_t] (=, or += when accumulate) W_t[OC_t, IC] x_t[IC] for each task t -- or, with
+// n > 1 (at most kMaxGemvInputs), the same for inputs x_t + j * ld_x into y_t + j * ld_y, j < n, W_t
+// read once (as gemv_rows).
 struct GemvTask {
   float* y;
   WeightRef W;
   const float* x;
   int OC;
   bool accumulate = false;
+  int n = 1, ld_x = 0, ld_y = 0;
 };
 // Multiply-adds from which a gemv_batch is split across the OpenMP threads.  The default, 16M (64 MiB of
 // fp32 weights, milliseconds of one core), gains even when other processes share the cores, where a
@@ -53,6 +56,7 @@ struct GemvTask {
 constexpr long kGemvParallelMin = 1L << 24;
 constexpr long kGemvSplitMin = 1L << 21;
 constexpr int kMaxGemvTasks = 32;
+constexpr int kMaxGemvInputs = 8;
 // The result is bitwise the same whatever the threshold and thread count (rows are independent).
 void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_macs = kGemvParallelMin);
 // y[OC] (=, or +=) W[OC, IC] x[IC]
@@ -60,10 +64,9 @@ void gemv(float* y, WeightRef W, const float* x, int OC, int IC, bool accumulate
 // The same on one thread with the kernels of `level` (at most simd_level()), for tests and benchmarks.
 void gemv_at(SimdLevel level, float* y, WeightRef W, const float* x, int OC, int IC);
 
-// out_j[OC] (=, or +=) W x_j for n <= kMaxGemvInputs inputs x_j = x + j * ld_x, out_j = out + j * ld_out:
+// out_j[OC] (=, or +=) W x_j for n <= kMaxGemvInputs (8) inputs x_j = x + j * ld_x, out_j = out + j * ld_out:
 // W is read once for all of them (a batch of decoding sequences, an expert's few prefill rows), and
 // each out_j is bitwise what gemv gives for x_j alone.
-constexpr int kMaxGemvInputs = 8;
 void gemv_rows(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n, int IC, int OC, bool accumulate,
                long parallel_min_macs = kGemvParallelMin);
 
