@@ -357,6 +357,46 @@ TEST(Decoder, BatchedDecodingIsBitwiseEachSequenceAlone) {
   }
 }
 
+// prefill_rows (serve's prefill of short prompts, several at once): each sequence's last logits and
+// its cache are bitwise those of feeding its tokens one at a time, whatever the other sequences and
+// however the passes split them (chunk 7: sequences straddle passes); a sequence with cached tokens
+// continues after them.
+TEST(Decoder, RowPrefillOfSeveralSequencesIsBitwiseTokenByToken) {
+  for (const std::string& dir : model_dirs()) {
+    SCOPED_TRACE(dir);
+    const auto model = load_inference_model(dir);
+    const int V = model->cfg.vocab_size;
+    for (const int chunk : {256, 7}) {
+      Decoder rows(*model, chunk), alone(*model);
+      std::vector<KvCache> rc, ac;
+      std::vector<std::vector<int32_t>> prompts;
+      for (int s = 0; s < 4; s++) {
+        rc.push_back(rows.new_cache());
+        ac.push_back(alone.new_cache());
+        prompts.push_back(random_tokens(1 + 5 * s, V, 300 + s));
+      }
+      std::vector<float> la(V), lb((size_t)4 * V);
+      rows.forward(rc[2], std::span<const int32_t>(prompts[2]).first(1), la.data());  // one token cached already
+      alone.forward(ac[2], std::span<const int32_t>(prompts[2]).first(1), la.data());
+      std::vector<KvCache*> caches;
+      std::vector<std::span<const int32_t>> feed;
+      for (int s = 0; s < 4; s++) {
+        caches.push_back(&rc[s]);
+        feed.push_back(std::span<const int32_t>(prompts[s]).subspan(s == 2 ? 1 : 0));
+      }
+      rows.prefill_rows(caches, feed, lb.data());
+      for (int s = 0; s < 4; s++) {
+        for (size_t t = s == 2 ? 1 : 0; t < prompts[s].size(); t++)
+          alone.forward(ac[s], std::span<const int32_t>(prompts[s]).subspan(t, 1), la.data());
+        ASSERT_EQ(0, std::memcmp(lb.data() + (size_t)s * V, la.data(), sizeof(float) * V)) << "chunk " << chunk << " seq " << s;
+        ASSERT_EQ(rc[s].tokens(), ac[s].tokens());
+        for (int l = 0; l < rc[s].layers(); l++)
+          ASSERT_EQ(0, std::memcmp(rc[s].values(l), ac[s].values(l), sizeof(float) * rc[s].len() * rc[s].kv_dim()));
+      }
+    }
+  }
+}
+
 TEST(Decoder, RejectsBadTokensWithoutChangingTheCache) {
   const auto model = load_inference_model((kGenerate / "llama_dense").string());
   Decoder dec(*model);

@@ -41,7 +41,7 @@ int run_bench_generate(int argc, char** argv) {
   BenchModelShape shape;
   shape.hidden = 256;
   shape.intermediate = 512;
-  int prompt_tokens = 128, new_tokens = 64, runs = 3, threads = 0;
+  int prompt_tokens = 128, new_tokens = 64, runs = 3, threads = 0, batch = 0;
   bool json = false;
   app.add_option("--model", model_dir, "HF model directory (default: a random model of the shape below)");
   add_model_shape_options(app, shape);
@@ -50,6 +50,9 @@ int run_bench_generate(int argc, char** argv) {
   app.add_option("--runs", runs, "timed runs (after one warm-up)");
   app.add_option("--threads", threads, "threads for OpenMP and BLAS (default: all)");
   app.add_flag("--json", json, "also print one JSON line with the figures");
+  app.add_option("--batch", batch,
+                 "also time B sequences decoded together (Decoder::forward_batch, as serve's continuous batching): "
+                 "total decode tokens/s");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -107,6 +110,34 @@ int run_bench_generate(int argc, char** argv) {
       decode.push_back((new_tokens - 1) / dc);
     }
   }
+  double batch_tps = 0;
+  if (batch > 0) {
+    // B sequences, each prefilled with its own prompt, then new_tokens steps of all B at once.
+    std::vector<KvCache> caches;
+    std::vector<int32_t> next(batch);
+    for (int b = 0; b < batch; b++) {
+      caches.push_back(dec.new_cache());
+      caches.back().reserve(prompt_tokens + new_tokens);
+      std::vector<int32_t> p = prompt;
+      for (int i = 1; i < prompt_tokens; i++) p[i] = (int32_t)(3 + mix64((uint64_t)(i + 7 * b) * 7919) % (cfg.vocab_size - 3));
+      dec.forward(caches.back(), p, logits.data());
+      next[b] = (int32_t)(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    }
+    std::vector<KvCache*> ptrs;
+    for (auto& c : caches) ptrs.push_back(&c);
+    std::vector<float> bl((size_t)batch * cfg.vocab_size);
+    const auto t0 = Clock::now();
+    for (int i = 1; i < new_tokens; i++) {
+      dec.forward_batch(ptrs, next, bl.data());
+      for (int b = 0; b < batch; b++) {
+        const float* l = bl.data() + (size_t)b * cfg.vocab_size;
+        next[b] = (int32_t)(std::max_element(l, l + cfg.vocab_size) - l);
+      }
+    }
+    batch_tps = (double)batch * (new_tokens - 1) / std::chrono::duration<double>(Clock::now() - t0).count();
+    std::printf("decode tokens/s with %d sequences decoded together: %.1f (%.2fx one sequence)\n", batch, batch_tps,
+                batch_tps / median(decode));
+  }
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
   const double p = median(prefill), d = median(decode);
@@ -117,9 +148,9 @@ int run_bench_generate(int argc, char** argv) {
   if (json)
     std::printf("{\"prefill_tokens_per_s\": %.2f, \"decode_tokens_per_s\": %.2f, \"threads\": %d, "
                 "\"peak_rss_bytes\": %ld, \"weight_bytes\": %zu, \"kv_cache_bytes\": %zu, \"weights\": \"%s\", "
-                "\"simd\": \"%s\"}\n",
+                "\"simd\": \"%s\", \"batch\": %d, \"batch_decode_tokens_per_s\": %.2f}\n",
                 p, d, omp_get_max_threads(), (long)ru.ru_maxrss * 1024, model->weight_bytes(), kv_bytes,
-                dtype_name(model->storage_dtype()), infer::simd_name(infer::simd_level()));
+                dtype_name(model->storage_dtype()), infer::simd_name(infer::simd_level()), batch, batch_tps);
   return 0;
 }
 

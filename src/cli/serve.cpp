@@ -24,8 +24,8 @@ namespace moetron::cli {
 
 int run_serve(int argc, char** argv) {
   CLI::App app{"OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (plain or streaming\n"
-               "with \"stream\": true), GET /v1/models and /health.  One generation at a time; up to --queue-size\n"
-               "requests wait, more get HTTP 429.",
+               "with \"stream\": true), GET /v1/models and /health.  Up to --max-batch requests are decoded together\n"
+               "(continuous batching: new ones join at token boundaries); up to --queue-size more wait, more get HTTP 429.",
                "moetron serve"};
   std::string model_dir, tokenizer_path, template_name = "auto";
   server::ServerOptions o;
@@ -43,8 +43,11 @@ int run_serve(int argc, char** argv) {
   app.add_option("--max-body-bytes", o.max_body_bytes, "largest request body; larger ones get 413");
   app.add_option("--max-prompt-tokens", o.max_prompt_tokens, "longest prompt in tokens (0: the model's positions - 1)");
   app.add_option("--max-tokens-limit", o.max_tokens_limit, "largest max_tokens a request may ask for");
-  app.add_option("--queue-size", o.queue_size, "requests that may wait behind the running one");
-  app.add_option("--http-threads", o.http_threads, "threads running requests (0: queue size + 8; at most 4096); slow clients hold none");
+  app.add_option("--queue-size", o.queue_size, "requests that may wait behind the running batch");
+  app.add_option("--max-batch", o.max_batch,
+                 "requests decoded together (0, the default: 4 per compute thread, from 4 to 16; at most 256)");
+  app.add_option("--http-threads", o.http_threads,
+                 "threads running requests (0: queue size + max batch + 8; at most 4096); slow clients hold none");
   app.add_option("--read-timeout-ms", o.read_timeout_ms, "close a connection that sends nothing for this long");
   app.add_option("--request-timeout-ms", o.request_timeout_ms,
                  "a request (head and body) must arrive within this long of its first byte, else 408");
@@ -91,9 +94,9 @@ int run_serve(int argc, char** argv) {
     signalled = true;
     srv.stop();
   });
-  std::fprintf(stderr, "moetron serve: model %s (%s, %d layers), chat template %s (%s), queue %zu\n",
+  std::fprintf(stderr, "moetron serve: model %s (%s, %d layers), chat template %s (%s), batch %d, queue %zu\n",
                o.model_name.c_str(), model->cfg.architecture.c_str(), model->cfg.num_hidden_layers,
-               chat_template_name(tc.tmpl), tc.source.c_str(), o.queue_size);
+               chat_template_name(tc.tmpl), tc.source.c_str(), srv.max_batch(), o.queue_size);
   std::printf("moetron serve: listening on http://%s:%d\n", o.host.c_str(), port);
   std::fflush(stdout);
   srv.run();

@@ -243,6 +243,53 @@ void Decoder::forward_batch(std::span<KvCache* const> caches, std::span<const in
   forward_chunk(caches.data(), tokens.data(), (int)tokens.size(), logits, true, /*decode=*/true);
 }
 
+void Decoder::prefill_rows(std::span<KvCache* const> caches, std::span<const std::span<const int32_t>> tokens,
+                           float* logits) {
+  if (caches.empty() || caches.size() != tokens.size())
+    fail("[Decoder::prefill_rows] {} caches for {} token lists", caches.size(), tokens.size());
+  std::vector<KvCache*> row_cache;
+  std::vector<int32_t> row_token;
+  logit_rows_.clear();
+  for (size_t s = 0; s < caches.size(); s++) {
+    if (tokens[s].empty()) fail("[Decoder::prefill_rows] sequence {} has no tokens to feed", s);
+    if (caches[s]->layers() != L_ || caches[s]->kv_dim() != KVd_)
+      fail("[Decoder::prefill_rows] KV cache {} has {} layers of width {}, the model {} of width {}", s,
+           caches[s]->layers(), caches[s]->kv_dim(), L_, KVd_);
+    for (size_t j = 0; j < s; j++)
+      if (caches[j] == caches[s]) fail("[Decoder::prefill_rows] sequences {} and {} share a KV cache", j, s);
+    for (size_t i = 0; i < tokens[s].size(); i++)
+      if (tokens[s][i] < 0 || tokens[s][i] >= V_)
+        fail("[Decoder::prefill_rows] token id {} at position {} of sequence {} is outside the vocabulary [0, {})",
+             tokens[s][i], i, s, V_);
+  }
+  for (size_t s = 0; s < caches.size(); s++) {
+    for (int32_t t : tokens[s]) {
+      row_cache.push_back(caches[s]);
+      row_token.push_back(t);
+    }
+  }
+  gemv_min_ = omp_get_max_threads() > 1 ? infer::kGemvSplitMin : infer::kGemvParallelMin;
+  // In passes of at most chunk_ rows (the scratch bound), each ending its sequences' rows where it
+  // ends; logits for the rows that end a sequence.
+  const int total = (int)row_token.size();
+  for (int s0 = 0; s0 < total; s0 += chunk_) {
+    const int n = std::min(chunk_, total - s0);
+    logit_rows_.clear();
+    for (int i = 0; i < n; i++)
+      if (s0 + i + 1 == total || row_cache[s0 + i + 1] != row_cache[s0 + i]) logit_rows_.push_back(i);
+    std::vector<float> out((size_t)logit_rows_.size() * V_);
+    const std::vector<int> ends = logit_rows_;
+    forward_chunk(row_cache.data() + s0, row_token.data() + s0, n, out.data(), true, /*decode=*/true);
+    // Row r of `out` is the last row of its sequence in this pass; a sequence's final one wins.
+    for (size_t r = 0; r < ends.size(); r++) {
+      const KvCache* c = row_cache[s0 + ends[r]];
+      const size_t seq = (size_t)(std::find(caches.begin(), caches.end(), c) - caches.begin());
+      std::memcpy(logits + seq * V_, out.data() + r * V_, sizeof(float) * V_);
+    }
+  }
+  logit_rows_.clear();
+}
+
 void Decoder::run_tasks(std::vector<infer::GemvTask>& tasks, int IC) {
   for (size_t t = 0; t < tasks.size(); t += infer::kMaxGemvTasks)
     infer::gemv_batch(tasks.data() + t, (int)std::min<size_t>(infer::kMaxGemvTasks, tasks.size() - t), IC, gemv_min_);
@@ -268,7 +315,13 @@ void Decoder::forward_chunk(KvCache* const* caches, const int32_t* tokens, int n
   KvCache& cache0 = *caches[0];
   const int pos0 = cache0.len();
   const float eps = (float)m_.cfg.rms_norm_eps, theta = (float)m_.cfg.rope_theta;
-  for (int i = 0; i < n; i++) pos_[i] = decode ? caches[i]->len() : pos0 + i;
+  // decode: a sequence may have several consecutive rows (a batched prefill): row i's position is its
+  // cache's length plus its earlier rows in this pass.
+  for (int i = 0; i < n; i++) {
+    pos_[i] = decode ? caches[i]->len() : pos0 + i;
+    if (decode)
+      for (int j = i - 1; j >= 0 && caches[j] == caches[i]; j--) pos_[i]++;
+  }
   float* x = x_.data();
   float* ln = ln_.data();
   const long N = n;
@@ -277,10 +330,12 @@ void Decoder::forward_chunk(KvCache* const* caches, const int32_t* tokens, int n
     const infer::WeightRef emb = m_.mat(ParamKind::embedding, -1, 0, (size_t)V_ * C_);
     for (int i = 0; i < n; i++) infer::widen_row(x + (size_t)i * C_, emb, (size_t)tokens[i], C_);
   }
-  if (decode)
-    for (int i = 0; i < n; i++) caches[i]->grow(1);
-  else
+  if (decode) {
+    for (int i = 0; i < n; i++)
+      if (i + 1 == n || caches[i + 1] != caches[i]) caches[i]->grow(pos_[i] - caches[i]->len() + 1);  // its last row
+  } else {
     cache0.grow(n);
+  }
   std::vector<infer::GemvTask>& tasks = tasks_;
   for (int l = 0; l < L_; l++) {
     // Prefill writes k, v straight into the cache; a decode batch into kv_ first, then each row into
@@ -364,9 +419,15 @@ void Decoder::forward_chunk(KvCache* const* caches, const int32_t* tokens, int n
   else
     cache0.commit(std::span<const int32_t>(tokens, n));
   if (!logits) return;
-  // Final norm and head: every row, or the last one.
-  const int rows = all_logits ? n : 1;
+  // Final norm and head: every row, the last one, or (logit_rows_ set) the rows it names.
+  int rows = all_logits ? n : 1;
   const float* xin = all_logits ? x : x + (size_t)(n - 1) * C_;
+  if (!logit_rows_.empty()) {
+    rows = (int)logit_rows_.size();
+    for (int r = 0; r < rows; r++)
+      std::memcpy(tmp_.data() + (size_t)r * C_, x + (size_t)logit_rows_[r] * C_, sizeof(float) * C_);
+    xin = tmp_.data();
+  }
   {
     ThreadLimit lim((long)rows * C_);
     ops::rmsnorm_forward(ln, rstd_.data(), xin, m_.vec(ParamKind::final_norm), rows, C_, eps);

@@ -67,6 +67,15 @@ class Decoder {
   // token outside the vocabulary, a cache of another shape or one cache given twice.
   void forward_batch(std::span<KvCache* const> caches, std::span<const int32_t> tokens, float* logits);
 
+  // Feeds several sequences' tokens at once, row by row with the decoding kernels (each weight read once
+  // per pass of up to prefill_chunk rows): tokens[s] into *caches[s] at its next positions; logits
+  // [caches.size(), V]: each sequence's last token's.  Row for row the arithmetic of forward_batch, so
+  // a sequence's logits and cache are bitwise those of feeding its tokens one at a time -- whatever
+  // else is in the pass (serve prefills short prompts this way, alone or together).  Error as
+  // forward_batch (nothing changed).
+  void prefill_rows(std::span<KvCache* const> caches, std::span<const std::span<const int32_t>> tokens,
+                    float* logits);
+
  private:
   // decode: row i is one token of sequence *caches[i]; else n consecutive tokens of *caches[0].
   void forward_chunk(KvCache* const* caches, const int32_t* tokens, int n, float* logits, bool all_logits,
@@ -114,6 +123,7 @@ class Decoder {
   std::vector<float> kv_;     // a decode batch's new keys and values [2][n, KV]
   std::vector<infer::GemvTask> tasks_;
   std::vector<int> slot_row_, expert_start_, expert_fill_;  // decode: expert-major gathering
+  std::vector<int> logit_rows_;  // prefill_rows: the rows whose logits a pass computes (empty: as asked)
   ops::MoePlan plan_;
   // Decode steps (n == 1) split products from this many multiply-adds (set per step by the tuner).
   long gemv_min_ = infer::kGemvParallelMin;

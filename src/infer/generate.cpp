@@ -53,29 +53,32 @@ const char* finish_reason_name(FinishReason r) {
   return "?";
 }
 
-GenerateResult generate(Decoder& decoder, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
-                        const Tokenizer* tok, const GenerateCallbacks& cb) {
+namespace {
+
+void check_options(std::span<const int32_t> prompt, const GenerateOptions& opts, const Tokenizer* tok) {
   if (prompt.empty()) fail("[generate] the prompt has no tokens");
   if (opts.max_new_tokens < 0) fail("[generate] max_new_tokens must be >= 0, got {}", opts.max_new_tokens);
   if (!tok && !opts.stop.empty()) fail("[generate] stop strings need a tokenizer");
   if (opts.max_positions > 0 && (int)prompt.size() > opts.max_positions)
     fail("[generate] the prompt has {} tokens, more than the model's {} positions", prompt.size(), opts.max_positions);
-  const int V = decoder.vocab_size();
-  GenerateResult r;
-  r.prompt_tokens = (int)prompt.size();
-  r.reused_tokens = reusable_prefix(cache, prompt);
-  cache.truncate(r.reused_tokens);
+}
 
-  std::vector<float> logits(V);
-  const auto t0 = Clock::now();
-  decoder.forward(cache, prompt.subspan(r.reused_tokens), logits.data());
-  check_logits(logits.data(), V, cache.len() - 1);
-  r.prefill_seconds = seconds_since(t0);
-  const auto t1 = Clock::now();
+}  // namespace
 
-  Sampler sampler(opts.sampling, V);
-  std::vector<int32_t> context(prompt.begin(), prompt.end());
-  std::optional<TextStream> text;
+Generation::Generation(Decoder& decoder, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
+                       const Tokenizer* tok, GenerateCallbacks callbacks, bool prefill)
+    : cache_(cache), opts_((check_options(prompt, opts, tok), opts)), tok_(tok), cb_(std::move(callbacks)),
+      V_(decoder.vocab_size()), logits_(V_), sampler_(opts.sampling, V_) {
+  r_.prompt_tokens = (int)prompt.size();
+  r_.reused_tokens = reusable_prefix(cache, prompt);
+  cache.truncate(r_.reused_tokens);
+  to_prefill_ = prompt.subspan(r_.reused_tokens);
+  t0_ = Clock::now();
+  if (prefill) {
+    decoder.forward(cache, to_prefill_, logits_.data());
+    prefilled();
+  }
+  context_.assign(prompt.begin(), prompt.end());
   if (tok) {
     std::vector<int32_t> ctx;  // completions: decode from the prompt's last non-control token
     if (!opts.chat_reply)
@@ -84,45 +87,71 @@ GenerateResult generate(Decoder& decoder, KvCache& cache, std::span<const int32_
           ctx.push_back(prompt[i]);
           break;
         }
-    text.emplace(*tok, ctx, opts.stop);
+    text_.emplace(*tok, ctx, opts.stop);
   }
-  auto emit = [&](const std::string& piece) { return piece.empty() || !cb.on_text || cb.on_text(piece); };
+  r_.finish = FinishReason::length;
+  done_ = opts.max_new_tokens == 0;
+}
 
-  r.finish = FinishReason::length;
-  bool done = opts.max_new_tokens == 0;
-  while (!done) {
-    const int32_t next = sampler.next(logits.data(), context, r.tokens);
-    if (std::find(opts.eos_ids.begin(), opts.eos_ids.end(), next) != opts.eos_ids.end()) {
-      r.finish = FinishReason::stop;
-      break;
-    }
-    r.tokens.push_back(next);
-    context.push_back(next);
-    if (cb.on_token && !cb.on_token(next)) {
-      r.finish = FinishReason::cancelled;
-      break;
-    }
-    if (text) {
-      if (!emit(text->push(next))) {
-        r.finish = FinishReason::cancelled;
-        break;
-      }
-      if (text->stopped()) {
-        r.finish = FinishReason::stop;
-        break;
-      }
-    }
-    if ((int)r.tokens.size() >= opts.max_new_tokens) break;
-    if (opts.max_positions > 0 && cache.len() + 1 >= opts.max_positions) break;  // no room for another token
-    decoder.forward(cache, std::span<const int32_t>(&next, 1), logits.data());
-    check_logits(logits.data(), V, cache.len() - 1);
+void Generation::prefilled() {
+  check_logits(logits_.data(), V_, cache_.len() - 1);
+  r_.prefill_seconds = seconds_since(t0_);
+  t1_ = Clock::now();
+}
+
+bool Generation::emit(const std::string& piece) { return piece.empty() || !cb_.on_text || cb_.on_text(piece); }
+
+bool Generation::advance() {
+  if (done_) return false;
+  done_ = true;  // unless every check below lets it go on
+  const int32_t next = sampler_.next(logits_.data(), context_, r_.tokens);
+  if (std::find(opts_.eos_ids.begin(), opts_.eos_ids.end(), next) != opts_.eos_ids.end()) {
+    r_.finish = FinishReason::stop;
+    return false;
   }
-  if (text) {
-    if (r.finish != FinishReason::cancelled && !emit(text->finish())) r.finish = FinishReason::cancelled;
-    r.text = text->text();
+  r_.tokens.push_back(next);
+  context_.push_back(next);
+  if (cb_.on_token && !cb_.on_token(next)) {
+    r_.finish = FinishReason::cancelled;
+    return false;
   }
-  r.decode_seconds = seconds_since(t1);
-  return r;
+  if (text_) {
+    if (!emit(text_->push(next))) {
+      r_.finish = FinishReason::cancelled;
+      return false;
+    }
+    if (text_->stopped()) {
+      r_.finish = FinishReason::stop;
+      return false;
+    }
+  }
+  if ((int)r_.tokens.size() >= opts_.max_new_tokens) return false;
+  if (opts_.max_positions > 0 && cache_.len() + 1 >= opts_.max_positions) return false;  // no room for another
+  next_ = next;
+  done_ = false;
+  return true;
+}
+
+void Generation::fed() { check_logits(logits_.data(), V_, cache_.len() - 1); }
+
+GenerateResult Generation::finish() {
+  if (text_) {
+    if (r_.finish != FinishReason::cancelled && !emit(text_->finish())) r_.finish = FinishReason::cancelled;
+    r_.text = text_->text();
+  }
+  r_.decode_seconds = seconds_since(t1_);
+  return std::move(r_);
+}
+
+GenerateResult generate(Decoder& decoder, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
+                        const Tokenizer* tok, const GenerateCallbacks& cb) {
+  Generation g(decoder, cache, prompt, opts, tok, cb);
+  while (g.advance()) {
+    const int32_t next = g.next_token();
+    decoder.forward(cache, std::span<const int32_t>(&next, 1), g.logits());
+    g.fed();
+  }
+  return g.finish();
 }
 
 std::vector<int32_t> generate_greedy(Decoder& decoder, KvCache& cache, std::span<const int32_t> prompt,

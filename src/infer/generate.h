@@ -3,14 +3,17 @@
 // max_new_tokens, the model's position limit, or the caller cancels.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "infer/decoder.h"
 #include "infer/sampler.h"
+#include "infer/text_stream.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -44,6 +47,50 @@ struct GenerateCallbacks {
   std::function<bool(int32_t)> on_token;
   // Each piece of final text (never empty); return false to stop (cancelled).
   std::function<bool(const std::string&)> on_text;
+};
+
+// One generation, step by step, so a server can run several in one batch (Decoder::forward_batch):
+//   Generation g(decoder, cache, prompt, opts, tok, cb);      // validates, prefills
+//   while (g.advance()) { <logits of g.next_token() at g.cache()'s next position into g.logits()>; g.fed(); }
+//   GenerateResult r = g.finish();
+// generate() below is exactly this loop with Decoder::forward.  Errors (bad options, non-finite
+// logits) are Errors thrown by the constructor, advance() or fed().
+class Generation {
+ public:
+  // prefill false: the caller feeds to_prefill() into cache() itself (e.g. several prompts at once with
+  // Decoder::prefill_rows), writes the last token's logits into logits(), then calls prefilled().
+  Generation(Decoder& decoder, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
+             const Tokenizer* tok, GenerateCallbacks callbacks = {}, bool prefill = true);
+  // The prompt tokens not already in the cache (never empty).
+  std::span<const int32_t> to_prefill() const { return to_prefill_; }
+  void prefilled();
+  // Samples a token from the current logits and hands it out (callbacks, text, stop checks): true when
+  // generation goes on and next_token() must be fed, false when it has finished.
+  bool advance();
+  int32_t next_token() const { return next_; }
+  KvCache& cache() { return cache_; }
+  float* logits() { return logits_.data(); }
+  // The logits of next_token() are in logits() (and the cache holds its keys and values).
+  void fed();
+  // Flushes the text and returns the result (once, after advance() returned false).
+  GenerateResult finish();
+
+ private:
+  KvCache& cache_;
+  const GenerateOptions& opts_;
+  const Tokenizer* tok_;
+  GenerateCallbacks cb_;
+  int V_;
+  GenerateResult r_;
+  std::vector<float> logits_;
+  Sampler sampler_;
+  std::vector<int32_t> context_;
+  std::optional<TextStream> text_;
+  std::chrono::steady_clock::time_point t0_, t1_;
+  std::span<const int32_t> to_prefill_;
+  int32_t next_ = -1;
+  bool done_ = false;
+  bool emit(const std::string& piece);
 };
 
 // `tok` may be null for token-only generation (then `stop` must be empty).  The cache holds the

@@ -52,7 +52,7 @@ float wscalar(const void* W, size_t i) {
 }
 
 template <DType DT>
-void rows_generic(float* y, const void* W, const float* x, int r0, int r1, int IC, bool acc) {
+void rows_generic(float* y, const void* W, const float* x, const float* /*xp*/, int r0, int r1, int IC, bool acc) {
   for (int r = r0; r < r1; r++) {
     const size_t base = (size_t)r * IC;
     float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
@@ -161,12 +161,11 @@ MOETRON_AVX2 void block_avx2(float* y, const void* W, const float* x, const floa
 }
 
 template <DType DT>
-MOETRON_AVX2 void rows_avx2(float* y, const void* W, const float* x, int r0, int r1, int IC, bool acc) {
-  std::vector<float> xp((size_t)IC);
-  permute_x(xp.data(), x, IC / 16, 8);
+MOETRON_AVX2 void rows_avx2(float* y, const void* W, const float* x, const float* xp, int r0, int r1, int IC,
+                            bool acc) {
   int r = r0;
-  for (; r + 4 <= r1; r += 4) block_avx2<DT, 4>(y, W, x, xp.data(), r, IC, acc);
-  for (; r < r1; r++) block_avx2<DT, 1>(y, W, x, xp.data(), r, IC, acc);
+  for (; r + 4 <= r1; r += 4) block_avx2<DT, 4>(y, W, x, xp, r, IC, acc);
+  for (; r < r1; r++) block_avx2<DT, 1>(y, W, x, xp, r, IC, acc);
 }
 
 // One weight row r against N inputs x_j (row stride ld_x; xp: their permuted copies, stride IC):
@@ -267,12 +266,11 @@ MOETRON_AVX512 void block_avx512(float* y, const void* W, const float* x, const 
 }
 
 template <DType DT>
-MOETRON_AVX512 void rows_avx512(float* y, const void* W, const float* x, int r0, int r1, int IC, bool acc) {
-  std::vector<float> xp((size_t)IC);
-  permute_x(xp.data(), x, IC / 32, 16);
+MOETRON_AVX512 void rows_avx512(float* y, const void* W, const float* x, const float* xp, int r0, int r1, int IC,
+                                bool acc) {
   int r = r0;
-  for (; r + 4 <= r1; r += 4) block_avx512<DT, 4>(y, W, x, xp.data(), r, IC, acc);
-  for (; r < r1; r++) block_avx512<DT, 1>(y, W, x, xp.data(), r, IC, acc);
+  for (; r + 4 <= r1; r += 4) block_avx512<DT, 4>(y, W, x, xp, r, IC, acc);
+  for (; r < r1; r++) block_avx512<DT, 1>(y, W, x, xp, r, IC, acc);
 }
 
 // One weight row r against N inputs (see multi_avx2): block_avx512<DT, 1>'s operations per input.
@@ -328,18 +326,15 @@ void mrows_generic(float* out, int ld_out, const void* W, const float* x, int ld
   for (int r = r0; r < r1; r++)
     for (int j = 0; j < n; j++) {
       float* o = out + (size_t)j * ld_out;
-      rows_generic<DT>(o, W, x + (size_t)j * ld_x, r, r + 1, IC, acc);
+      rows_generic<DT>(o, W, x + (size_t)j * ld_x, nullptr, r, r + 1, IC, acc);
     }
 }
 
 template <DType DT>
-void mrows_simd(SimdLevel level, float* out, int ld_out, const void* W, const float* x, int ld_x, int n, int r0, int r1,
-                int IC, bool acc) {
-  const int V = level == SimdLevel::avx512 ? 16 : 8;
-  std::vector<float> xp((size_t)n * IC);
-  for (int j = 0; j < n; j++) permute_x(xp.data() + (size_t)j * IC, x + (size_t)j * ld_x, IC / (2 * V), V);
+void mrows_simd(SimdLevel level, float* out, int ld_out, const void* W, const float* x, int ld_x, const float* xp, int n,
+                int r0, int r1, int IC, bool acc) {
   const MultiFn f = level == SimdLevel::avx512 ? multi_fn_avx512<DT>(n) : multi_fn_avx2<DT>(n);
-  for (int r = r0; r < r1; r++) f(out, ld_out, W, x, ld_x, xp.data(), r, IC, acc);
+  for (int r = r0; r < r1; r++) f(out, ld_out, W, x, ld_x, xp, r, IC, acc);
 }
 
 // ---- dispatch ---------------------------------------------------------------------------------------
@@ -367,7 +362,7 @@ SimdLevel detect_simd() {
   return best;
 }
 
-using RowsFn = void (*)(float*, const void*, const float*, int, int, int, bool);
+using RowsFn = void (*)(float*, const void*, const float*, const float*, int, int, int, bool);
 
 template <DType DT>
 RowsFn rows_for(SimdLevel s) {
@@ -394,22 +389,34 @@ RowsFn rows_fn(DType dt, SimdLevel s = simd_level()) {
   }
 }
 
-void mrows(float* out, int ld_out, WeightRef W, const float* x, int ld_x, int n, int r0, int r1, int IC, bool acc) {
+// xp: the n inputs permuted (permute_inputs), n * IC floats.
+void mrows(float* out, int ld_out, WeightRef W, const float* x, int ld_x, const float* xp, int n, int r0, int r1,
+           int IC, bool acc) {
   const SimdLevel level = simd_level();
   switch (W.dtype) {
     case DType::F32:
-      return level == SimdLevel::generic ? mrows_generic<DType::F32>(out, ld_out, W.data, x, ld_x, n, r0, r1, IC, acc)
-                                         : mrows_simd<DType::F32>(level, out, ld_out, W.data, x, ld_x, n, r0, r1, IC, acc);
+      return level == SimdLevel::generic
+                 ? mrows_generic<DType::F32>(out, ld_out, W.data, x, ld_x, n, r0, r1, IC, acc)
+                 : mrows_simd<DType::F32>(level, out, ld_out, W.data, x, ld_x, xp, n, r0, r1, IC, acc);
     case DType::BF16:
       return level == SimdLevel::generic
                  ? mrows_generic<DType::BF16>(out, ld_out, W.data, x, ld_x, n, r0, r1, IC, acc)
-                 : mrows_simd<DType::BF16>(level, out, ld_out, W.data, x, ld_x, n, r0, r1, IC, acc);
+                 : mrows_simd<DType::BF16>(level, out, ld_out, W.data, x, ld_x, xp, n, r0, r1, IC, acc);
     case DType::F16:
-      return level == SimdLevel::generic ? mrows_generic<DType::F16>(out, ld_out, W.data, x, ld_x, n, r0, r1, IC, acc)
-                                         : mrows_simd<DType::F16>(level, out, ld_out, W.data, x, ld_x, n, r0, r1, IC, acc);
+      return level == SimdLevel::generic
+                 ? mrows_generic<DType::F16>(out, ld_out, W.data, x, ld_x, n, r0, r1, IC, acc)
+                 : mrows_simd<DType::F16>(level, out, ld_out, W.data, x, ld_x, xp, n, r0, r1, IC, acc);
     default:
       fail("[infer kernels] weights of dtype {} are not supported (F32, BF16, F16)", dtype_name(W.dtype));
   }
+}
+
+// The n inputs x + j * ld_x in the lane order of `level` (nothing for the portable kernels), into
+// out[n * IC]: once per product, not per block of rows.
+void permute_inputs(SimdLevel level, const float* x, int ld_x, int n, int IC, float* out) {
+  if (level == SimdLevel::generic) return;
+  const int V = level == SimdLevel::avx512 ? 16 : 8;
+  for (int j = 0; j < n; j++) permute_x(out + (size_t)j * IC, x + (size_t)j * ld_x, IC / (2 * V), V);
 }
 
 }  // namespace
@@ -417,10 +424,8 @@ void mrows(float* out, int ld_out, WeightRef W, const float* x, int ld_x, int n,
 void gemv_rows(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n, int IC, int OC, bool accumulate,
                long parallel_min_macs) {
   MOETRON_ASSERT(n >= 1 && n <= kMaxGemvInputs);
-  const int blocks = (OC + 63) / 64;
-  const long macs = (long)n * OC * IC;
-#pragma omp parallel for schedule(static) if (macs >= parallel_min_macs)
-  for (int b = 0; b < blocks; b++) mrows(out, ld_out, W, x, ld_x, n, b * 64, std::min(OC, b * 64 + 64), IC, accumulate);
+  GemvTask t{out, W, x, OC, accumulate, n, ld_x, ld_out};
+  gemv_batch(&t, 1, IC, parallel_min_macs);
 }
 
 SimdLevel simd_level() {
@@ -470,31 +475,41 @@ void gemv_at(SimdLevel level, float* y, WeightRef W, const float* x, int OC, int
   if ((int)level > (int)simd_level())
     fail("[infer kernels] {} kernels asked for; this CPU (or MOETRON_SIMD) allows {}", simd_name(level),
          simd_name(simd_level()));
-  rows_fn(W.dtype, level)(y, W.data, x, 0, OC, IC, false);
+  std::vector<float> xp((size_t)IC);
+  permute_inputs(level, x, 0, 1, IC, xp.data());
+  rows_fn(W.dtype, level)(y, W.data, x, xp.data(), 0, OC, IC, false);
 }
 
 void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_macs) {
   MOETRON_ASSERT(n_tasks >= 0 && n_tasks <= kMaxGemvTasks);
   int first_block[kMaxGemvTasks + 1];  // blocks of 64 rows, numbered across the tasks
   RowsFn fn[kMaxGemvTasks];
+  size_t xp_at[kMaxGemvTasks + 1];  // each task's permuted inputs in xp
   long macs = 0;
   first_block[0] = 0;
+  xp_at[0] = 0;
   for (int t = 0; t < n_tasks; t++) {
     MOETRON_ASSERT(tasks[t].n >= 1 && tasks[t].n <= kMaxGemvInputs);
     first_block[t + 1] = first_block[t] + (tasks[t].OC + 63) / 64;
     macs += (long)tasks[t].OC * IC * tasks[t].n;
     fn[t] = rows_fn(tasks[t].W.dtype);
+    xp_at[t + 1] = xp_at[t] + (size_t)tasks[t].n * IC;
   }
+  const SimdLevel level = simd_level();
+  std::vector<float> xp(level == SimdLevel::generic ? 0 : xp_at[n_tasks]);
+  for (int t = 0; t < n_tasks && !xp.empty(); t++)
+    permute_inputs(level, tasks[t].x, tasks[t].ld_x, tasks[t].n, IC, xp.data() + xp_at[t]);
 #pragma omp parallel for schedule(static) if (macs >= parallel_min_macs)
   for (int b = 0; b < first_block[n_tasks]; b++) {
     int t = 0;
     while (b >= first_block[t + 1]) t++;
     const GemvTask& k = tasks[t];
     const int r0 = (b - first_block[t]) * 64, r1 = r0 + 64 < k.OC ? r0 + 64 : k.OC;
+    const float* kxp = xp.empty() ? nullptr : xp.data() + xp_at[t];
     if (k.n == 1)
-      fn[t](k.y, k.W.data, k.x, r0, r1, IC, k.accumulate);
+      fn[t](k.y, k.W.data, k.x, kxp, r0, r1, IC, k.accumulate);
     else
-      mrows(k.y, k.ld_y, k.W, k.x, k.ld_x, k.n, r0, r1, IC, k.accumulate);
+      mrows(k.y, k.ld_y, k.W, k.x, k.ld_x, kxp, k.n, r0, r1, IC, k.accumulate);
   }
 }
 

@@ -1,8 +1,11 @@
 #include "server/engine.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include <omp.h>
+
+#include "core/error.h"
 
 namespace moetron::server {
 
@@ -38,8 +41,17 @@ void Job::finish(GenerateResult result, std::string error) {
   cv_.notify_all();
 }
 
-Engine::Engine(const InferenceModel& model, const Tokenizer& tok, size_t queue_capacity)
-    : decoder_(model), cache_(decoder_.new_cache()), tok_(tok), capacity_(queue_capacity) {
+// A running request: its job, its cache (index into caches_) and its generation.
+struct Engine::Active {
+  std::shared_ptr<Job> job;
+  size_t cache;
+  std::unique_ptr<Generation> gen;
+};
+
+Engine::Engine(const InferenceModel& model, const Tokenizer& tok, size_t queue_capacity, int max_batch)
+    : decoder_(model), tok_(tok), capacity_(queue_capacity), max_batch_(std::max(1, max_batch)) {
+  for (int i = 0; i < max_batch_; i++) caches_.push_back(decoder_.new_cache());
+  cache_busy_.assign(caches_.size(), false);
   // OpenMP's thread count is per thread: the worker takes the constructing thread's (--threads).
   const int threads = omp_get_max_threads();
   worker_ = std::thread([this, threads] {
@@ -65,51 +77,194 @@ size_t Engine::waiting() const {
   return queue_.size();
 }
 
+size_t Engine::running() const {
+  std::lock_guard lock(mu_);
+  return running_.size();
+}
+
 void Engine::stop() {
   {
     std::lock_guard lock(mu_);
     stopping_ = true;
     for (auto& j : queue_) j->cancel();
-    if (running_) running_->cancel();
+    for (auto& j : running_) j->cancel();
   }
   cv_.notify_all();
   if (worker_.joinable()) worker_.join();
 }
 
-void Engine::worker_loop() {
-  for (;;) {
-    std::shared_ptr<Job> job;
-    {
-      std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping with nothing left
-      job = std::move(queue_.front());
-      queue_.pop_front();
-      running_ = job;
-    }
-    GenerateResult result;
-    std::string error;
+void Engine::admit(std::vector<std::shared_ptr<Job>> jobs, std::vector<std::unique_ptr<Active>>& active) {
+  std::vector<std::unique_ptr<Active>> group;
+  auto release = [&](Active& a, GenerateResult r, std::string error) {
+    if (!error.empty()) caches_[a.cache].clear();  // whatever state the failure left behind
+    cache_busy_[a.cache] = false;
+    a.job->finish(std::move(r), std::move(error));
+  };
+  for (auto& job : jobs) {
     if (job->cancelled()) {
-      result.finish = FinishReason::cancelled;
-    } else {
-      GenerateCallbacks cb;
-      cb.on_token = [&](int32_t) { return !job->cancelled(); };
-      cb.on_text = [&](const std::string& piece) {
-        job->push_text(piece);
-        return !job->cancelled();
-      };
-      try {
-        result = generate(decoder_, cache_, job->prompt(), job->options(), &tok_, cb);
-      } catch (const std::exception& e) {
-        error = e.what();
-        cache_.clear();  // whatever state the failure left behind
+      GenerateResult r;
+      r.finish = FinishReason::cancelled;
+      job->finish(std::move(r), "");
+      continue;
+    }
+    // The free cache sharing the longest prefix with the prompt (a chat's earlier turns).
+    size_t best = caches_.size();
+    int best_len = -1;
+    for (size_t c = 0; c < caches_.size(); c++)
+      if (!cache_busy_[c]) {
+        const int len = reusable_prefix(caches_[c], job->prompt());
+        if (len > best_len) best = c, best_len = len;
       }
+    MOETRON_ASSERT(best < caches_.size());
+    auto a = std::make_unique<Active>();
+    a->job = job;
+    a->cache = best;
+    cache_busy_[best] = true;
+    GenerateCallbacks cb;
+    Job* j = job.get();
+    cb.on_token = [j](int32_t) { return !j->cancelled(); };
+    cb.on_text = [j](const std::string& piece) {
+      j->push_text(piece);
+      return !j->cancelled();
+    };
+    try {
+      a->gen = std::make_unique<Generation>(decoder_, caches_[best], job->prompt(), job->options(), &tok_, cb,
+                                            /*prefill=*/false);
+    } catch (const std::exception& e) {
+      release(*a, GenerateResult{}, e.what());
+      continue;
+    }
+    group.push_back(std::move(a));
+  }
+  // Prefill: short prompts together, row by row (each weight read once for all of them, and a
+  // prompt's arithmetic the same alone or not); long ones alone, with GEMMs.  Either way a request's
+  // arithmetic depends only on itself, so its reply is what it gets alone.
+  std::vector<Active*> rows;
+  for (auto& a : group) {
+    if ((int)a->gen->to_prefill().size() <= kRowPrefillMax) {
+      rows.push_back(a.get());
+      continue;
+    }
+    try {
+      decoder_.forward(caches_[a->cache], a->gen->to_prefill(), a->gen->logits());
+    } catch (const std::exception& e) {
+      release(*a, GenerateResult{}, e.what());
+      a.reset();
+    }
+  }
+  if (!rows.empty()) {
+    std::vector<KvCache*> caches;
+    std::vector<std::span<const int32_t>> feed;
+    for (Active* a : rows) {
+      caches.push_back(&caches_[a->cache]);
+      feed.push_back(a->gen->to_prefill());
+    }
+    const size_t V = (size_t)decoder_.vocab_size();
+    batch_logits_.resize(rows.size() * V);
+    std::string error;
+    try {
+      decoder_.prefill_rows(caches, feed, batch_logits_.data());
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    for (size_t r = 0; r < rows.size(); r++)
+      if (error.empty()) std::copy(batch_logits_.begin() + r * V, batch_logits_.begin() + (r + 1) * V, rows[r]->gen->logits());
+    if (!error.empty())
+      for (auto& a : group)
+        if (a && (int)a->gen->to_prefill().size() <= kRowPrefillMax) {
+          release(*a, GenerateResult{}, error);
+          a.reset();
+        }
+  }
+  for (auto& a : group) {
+    if (!a) continue;
+    try {
+      a->gen->prefilled();
+      if (!a->gen->advance()) {
+        release(*a, a->gen->finish(), "");
+        continue;
+      }
+    } catch (const std::exception& e) {
+      release(*a, GenerateResult{}, e.what());
+      continue;
     }
     {
       std::lock_guard lock(mu_);
-      running_.reset();
+      running_.push_back(a->job);
     }
-    job->finish(std::move(result), std::move(error));
+    active.push_back(std::move(a));
+  }
+}
+
+void Engine::step(std::vector<std::unique_ptr<Active>>& active) {
+  const int n = (int)active.size();
+  peak_batch_ = std::max(peak_batch_.load(), n);
+  std::string batch_error;
+  try {
+    if (n == 1) {
+      Active& a = *active[0];
+      const int32_t t = a.gen->next_token();
+      decoder_.forward(caches_[a.cache], std::span<const int32_t>(&t, 1), a.gen->logits());
+    } else {
+      std::vector<KvCache*> caches(n);
+      std::vector<int32_t> tokens(n);
+      for (int i = 0; i < n; i++) {
+        caches[i] = &caches_[active[i]->cache];
+        tokens[i] = active[i]->gen->next_token();
+      }
+      const size_t V = (size_t)decoder_.vocab_size();
+      batch_logits_.resize((size_t)n * V);
+      decoder_.forward_batch(caches, tokens, batch_logits_.data());
+      for (int i = 0; i < n; i++)
+        std::copy(batch_logits_.begin() + i * V, batch_logits_.begin() + (i + 1) * V, active[i]->gen->logits());
+    }
+  } catch (const std::exception& e) {
+    batch_error = e.what();  // the step failed for every running request
+  }
+  std::vector<std::unique_ptr<Active>> still;
+  for (auto& a : active) {
+    bool more = false;
+    std::string error = batch_error;
+    if (error.empty()) {
+      try {
+        a->gen->fed();
+        more = a->gen->advance();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
+    if (more) {
+      still.push_back(std::move(a));
+      continue;
+    }
+    if (!error.empty()) caches_[a->cache].clear();
+    GenerateResult r = error.empty() ? a->gen->finish() : GenerateResult{};
+    cache_busy_[a->cache] = false;
+    {
+      std::lock_guard lock(mu_);
+      running_.erase(std::find(running_.begin(), running_.end(), a->job));
+    }
+    a->job->finish(std::move(r), std::move(error));
+  }
+  active = std::move(still);
+}
+
+void Engine::worker_loop() {
+  std::vector<std::unique_ptr<Active>> active;
+  for (;;) {
+    std::vector<std::shared_ptr<Job>> admitted;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !active.empty(); });
+      if (stopping_ && queue_.empty() && active.empty()) return;
+      // New requests join at this token boundary, as many as the batch has room for.
+      while (!queue_.empty() && (int)(active.size() + admitted.size()) < max_batch_) {
+        admitted.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+      }
+    }
+    if (!admitted.empty()) admit(std::move(admitted), active);
+    if (!active.empty()) step(active);
   }
 }
 

@@ -1,13 +1,19 @@
-// The generation engine behind moetron serve: one worker thread owns the decoder and one KV cache and
-// runs requests one at a time, first come first served, from a bounded queue.
+// The generation engine behind moetron serve: one worker thread owns the decoder and max_batch KV
+// caches and runs up to max_batch requests at once by continuous batching, first come first served,
+// from a bounded queue.
 //
 // Concurrency model (documented in README "moetron serve"): HTTP threads parse and validate requests
-// and tokenize prompts concurrently; generation itself is sequential, each request using all compute
-// threads (on a CPU, one sequence at a time already keeps every core busy in its matrix products).
-// At most `queue_capacity` requests wait behind the running one; a request that finds the queue full
-// is refused at once (HTTP 429), so memory and latency stay bounded under load.  The single KV cache
-// keeps the previous sequence, so a follow-up request that repeats the conversation so far (a chat
-// client sending its history) only computes the new turn.
+// and tokenize prompts concurrently.  The worker admits waiting requests into the running batch at
+// token boundaries (each prefilled on its own, then joining), and decodes one token of every running
+// request per step with Decoder::forward_batch: each weight -- each routed expert -- is read once per
+// step for all the sequences that use it, which is where batching gains on a CPU, where one sequence
+// spends its time streaming weights.  Each request keeps its own cache, sampling settings and stream;
+// a request's tokens are bitwise what it gets alone (greedy replies are equal).  At most
+// `queue_capacity` requests wait behind the running batch; a request that finds the queue full is
+// refused at once (HTTP 429), so memory and latency stay bounded under load.  A finished request's
+// cache keeps its sequence, and a new request takes the free cache sharing the longest prefix with its
+// prompt, so a follow-up that repeats the conversation so far (a chat client sending its history)
+// only computes the new turn.
 #pragma once
 
 #include <atomic>
@@ -63,8 +69,8 @@ class Job {
 
 class Engine {
  public:
-  // Borrows the model and tokenizer; starts the worker.
-  Engine(const InferenceModel& model, const Tokenizer& tok, size_t queue_capacity);
+  // Borrows the model and tokenizer; starts the worker.  max_batch >= 1 requests run at once.
+  Engine(const InferenceModel& model, const Tokenizer& tok, size_t queue_capacity, int max_batch = 1);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -75,20 +81,35 @@ class Engine {
   // Cancels the running and queued jobs and joins the worker.  Idempotent.
   void stop();
   size_t waiting() const;
+  size_t running() const;
+  // The largest number of requests decoded in one step so far (tests, /health).
+  int peak_batch() const { return peak_batch_; }
 
  private:
+  struct Active;
   void worker_loop();
+  // Prefills `jobs` into free caches and adds them to the batch, or finishes them (an error, nothing
+  // to generate).
+  void admit(std::vector<std::shared_ptr<Job>> jobs, std::vector<std::unique_ptr<Active>>& active);
+  // Prompts (their uncached part) up to this many tokens are prefilled row by row, together.
+  static constexpr int kRowPrefillMax = 32;
+  // One decoding step of every running request; finished ones leave the batch.
+  void step(std::vector<std::unique_ptr<Active>>& active);
 
   Decoder decoder_;
-  KvCache cache_;
+  std::vector<KvCache> caches_;
+  std::vector<bool> cache_busy_;
   const Tokenizer& tok_;
   size_t capacity_;
+  int max_batch_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Job>> queue_;
-  std::shared_ptr<Job> running_;
+  std::vector<std::shared_ptr<Job>> running_;
+  std::atomic<int> peak_batch_{0};
   bool stopping_ = false;
   std::thread worker_;
+  std::vector<float> batch_logits_;
 };
 
 }  // namespace moetron::server

@@ -1,5 +1,6 @@
 #include "server/server.h"
 
+#include <algorithm>
 #include <csignal>
 #include <chrono>
 #include <climits>
@@ -7,6 +8,7 @@
 #include <random>
 
 #include <fmt/format.h>
+#include <omp.h>
 
 #include "core/error.h"
 #include "infer/generate.h"
@@ -94,6 +96,8 @@ std::string http_error_body(int status, const std::string& message) {
 
 }  // namespace
 
+int auto_max_batch(int compute_threads) { return std::clamp(4 * compute_threads, 4, 16); }
+
 Server::Server(const InferenceModel& model, const Tokenizer& tok, ChatTemplate tmpl, std::vector<int32_t> eos_ids,
                ServerOptions opts)
     : model_(model), tok_(tok), tmpl_(tmpl), eos_ids_(std::move(eos_ids)), opts_(std::move(opts)) {
@@ -104,10 +108,12 @@ Server::Server(const InferenceModel& model, const Tokenizer& tok, ChatTemplate t
   if (opts_.keep_alive_timeout_s < 0) fail("serve: the keep-alive timeout must not be negative");
   if (opts_.max_connections < 1 || opts_.max_connections_per_client < 1)
     fail("serve: connection limits must be at least 1");
+  if (opts_.max_batch < 0 || opts_.max_batch > 256) fail("serve: the batch size must be in [0, 256] (0: auto)");
+  if (opts_.max_batch == 0) opts_.max_batch = auto_max_batch(omp_get_max_threads());
   created_ = unix_now();
-  engine_ = std::make_unique<Engine>(model_, tok_, opts_.queue_size);
+  engine_ = std::make_unique<Engine>(model_, tok_, opts_.queue_size, opts_.max_batch);
   http::Options h;
-  h.threads = opts_.http_threads > 0 ? opts_.http_threads : (int)opts_.queue_size + 8;
+  h.threads = opts_.http_threads > 0 ? opts_.http_threads : (int)opts_.queue_size + opts_.max_batch + 8;
   h.max_body_bytes = opts_.max_body_bytes;
   h.read_timeout_ms = opts_.read_timeout_ms;
   h.request_timeout_ms = opts_.request_timeout_ms;
@@ -147,7 +153,8 @@ void Server::routes() {
   const int positions = model_.cfg.max_position_embeddings > 0 ? model_.cfg.max_position_embeddings : INT_MAX;
 
   http_->route("GET", "/health", [this](const http::Request&, http::Response& res) {
-    send_json(res, json{{"status", "ok"}, {"model", opts_.model_name}, {"waiting", engine_->waiting()}});
+    send_json(res, json{{"status", "ok"}, {"model", opts_.model_name}, {"waiting", engine_->waiting()},
+                        {"running", engine_->running()}, {"max_batch", opts_.max_batch}});
   });
   auto model_object = [this] {
     return json{{"id", opts_.model_name}, {"object", "model"}, {"created", created_}, {"owned_by", "moetron"}};

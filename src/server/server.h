@@ -43,8 +43,9 @@ struct ServerOptions {
   size_t max_body_bytes = 1 << 20;  // 1 MiB
   int max_prompt_tokens = 0;        // 0: the model's positions - 1
   int max_tokens_limit = 4096;      // the largest max_tokens a request may ask for (also the default cap)
-  size_t queue_size = 8;            // requests waiting behind the running one
-  int http_threads = 0;             // threads running handlers; 0: queue_size + 8
+  size_t queue_size = 8;            // requests waiting behind the running batch
+  int max_batch = 0;                // requests decoded together (continuous batching); 0: auto_max_batch()
+  int http_threads = 0;             // threads running handlers; 0: queue_size + max_batch + 8
   int read_timeout_ms = 10000;      // silence allowed inside a request (and before a connection's first)
   int request_timeout_ms = 30000;   // a whole request (head and body) from its first byte
   int write_timeout_ms = 10000;
@@ -53,6 +54,10 @@ struct ServerOptions {
   int max_connections = 1024;           // open connections in all
   bool log_requests = false;        // one line per request on stderr
 };
+
+// The default batch: 4 sequences per compute thread, 4 to 16 (a step of B sequences reads each
+// weight once; beyond ~16 on a CPU the step's arithmetic, not its weight reads, sets the pace).
+int auto_max_batch(int compute_threads);
 
 class Server {
  public:
@@ -71,6 +76,7 @@ class Server {
   // Stops accepting, cancels generation and makes run() return.  Thread-safe; idempotent.
   void stop();
   int port() const { return port_; }
+  int max_batch() const { return opts_.max_batch; }  // as resolved (auto: auto_max_batch)
 
  private:
   void routes();
