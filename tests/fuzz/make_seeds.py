@@ -251,8 +251,40 @@ def seeds_http():
         put("fuzz_http_request", name, data)
 
 
+def gguf(kvs, tensors, alignment=32):
+    """A GGUF v3 file: kvs [(key, type, payload bytes)], tensors [(name, ne, type, data bytes)]."""
+    st = lambda x: struct.pack("<Q", len(x)) + x.encode()
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kvs))
+    for k, t, v in kvs:
+        out += st(k) + struct.pack("<I", t) + v
+    off, datas = 0, b""
+    for name, ne, t, data in tensors:
+        out += st(name) + struct.pack("<I", len(ne)) + b"".join(struct.pack("<Q", d) for d in ne) + struct.pack("<IQ", t, off)
+        pad = (-len(data)) % alignment
+        datas += data + b"\0" * pad
+        off += len(data) + pad
+    out += b"\0" * ((-len(out)) % alignment)
+    return out + datas
+
+
+def seeds_gguf():
+    st = lambda x: struct.pack("<Q", len(x)) + x.encode()
+    kvs = [("general.architecture", 8, st("llama")), ("llama.block_count", 4, struct.pack("<I", 1)),
+           ("llama.rope.freq_base", 6, struct.pack("<f", 10000.0)),
+           ("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 2) + st("<s>") + st("a"))]
+    f32 = struct.pack("<4f", 1, 2, 3, 4)
+    bf16 = struct.pack("<4H", 0x3F80, 0x4000, 0x4040, 0x4080)
+    put("fuzz_gguf", "valid", gguf(kvs, [("w", [2, 2], 0, f32), ("b", [4], 30, bf16), ("h", [2], 1, struct.pack("<2H", 0x3C00, 0x4000))]))
+    put("fuzz_gguf", "truncated", gguf(kvs, [("w", [2, 2], 0, f32)])[:-5])
+    put("fuzz_gguf", "huge_dims", gguf(kvs, [("w", [2**40, 2**30], 0, f32)]))
+    put("fuzz_gguf", "unknown_type", gguf(kvs, [("w", [4], 77, f32)]))
+    put("fuzz_gguf", "bad_alignment", gguf(kvs + [("general.alignment", 4, struct.pack("<I", 24))], [("w", [4], 0, f32)]))
+    put("fuzz_gguf", "huge_string", b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 2**62) + b"k")
+
+
 if __name__ == "__main__":
     for f in [seeds_safetensors, seeds_index, seeds_hf_config, seeds_train_config, seeds_jsonl, seeds_indexed,
-              seeds_checkpoint, seeds_openai, seeds_tokenizer, seeds_tokenizer_json, seeds_peft_adapter, seeds_http]:
+              seeds_checkpoint, seeds_openai, seeds_tokenizer, seeds_tokenizer_json, seeds_peft_adapter, seeds_http,
+              seeds_gguf]:
         f()
     print("seeds written under", OUT, file=sys.stderr)
