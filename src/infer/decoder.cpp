@@ -26,11 +26,13 @@ namespace {
 // many (query, key) pairs per head; beyond, as two GEMMs per head (2 * NH BLAS calls: faster for long
 // prompts on an idle machine, but each call is a fork/join, which is slow when the cores are shared).
 constexpr long kRowAttentionMaxPairs = 1L << 18;
-// Work (multiply-adds, or elements) below which a step runs on one thread: 16M, as kernels.h's kGemvParallelMin,
-// which explains why (each fork/join may cost a scheduler time slice on a shared machine).  Prefill
-// steps are limited with ThreadLimit, which the OpenMP regions inside the ops and the OpenMP build of
-// OpenBLAS follow (it takes its thread count from omp_get_max_threads() at each call).
-constexpr long kParallelMin = 1L << 24;
+// Work (multiply-adds, or elements) below which a prefill step runs on one thread: 2M, as kernels.h's
+// kGemvSplitMin (a fork/join may cost a scheduler time slice on a shared machine, see kernels.h; at
+// 16M, the earlier threshold, a small model's prefill ran almost all on one thread: 2 threads gave
+// 5400 prompt tokens/s, at 2M 6860, on the 2-core VM with hidden 256).  Prefill steps are limited
+// with ThreadLimit, which the OpenMP regions inside the ops and the OpenMP build of OpenBLAS follow
+// (it takes its thread count from omp_get_max_threads() at each call).
+constexpr long kParallelMin = 1L << 21;
 
 class ThreadLimit {
  public:
