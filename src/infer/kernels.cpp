@@ -550,7 +550,7 @@ void matmul(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n
     if (W.dtype == DType::F32) {
       Wb = static_cast<const float*>(W.data) + (size_t)r0 * IC;
     } else {
-#pragma omp parallel for schedule(static) if ((long)rows * IC >= (1L << 20))
+#pragma omp parallel for schedule(static) if ((long)rows * IC >= (1L << 16))  // 64K values: 2 threads gave the 0.49B model 10% more prefill than at 1M
       for (int r = 0; r < rows; r++) widen_row(scratch.data() + (size_t)r * IC, W, (size_t)(r0 + r), IC);
       Wb = scratch.data();
     }
