@@ -331,7 +331,8 @@ long prepare_peak_rss_kib(const std::vector<std::string>& args) {
 
 // The default limit through the command: a 24 MB line is passed over in a few MB of memory.  The
 // bound is relative to the same command on a small file, since the binary's own footprint differs
-// between builds (the CUDA runtime alone is ~200 MB of RSS).
+// between builds.  (Until cuBLASLt was loaded lazily, its ~210 MB in this test process -- a forked
+// child's ru_maxrss starts at its parent's RSS -- hid that the first 16 MiB of the line were held.)
 TEST_F(DataPrepare, AnOverlongLineIsNeverHeldInMemory) {
 #if defined(__SANITIZE_ADDRESS__)
   // ASan keeps freed memory in quarantine (up to 256 MB), so peak RSS follows the bytes allocated

@@ -191,9 +191,36 @@ bool LineReader::fill() {
   }
 }
 
+bool LineReader::longer_than_limit() {
+  // The line runs past the buffer: its length is found by reading ahead with pread (into scan_, not
+  // stored), up to its '\n' or one byte past the limit, so a line over the limit is never held --
+  // not even its first max_line bytes.  Lines that fit the buffer (nearly all) skip this.
+  uint64_t n = len_ - pos_;
+  off_t at = (off_t)(bytes_read_ + (len_ - pos_));  // the file offset of the buffer's end
+  scan_.resize(buf_.size());
+  while (n <= max_line_) {
+    const ssize_t got = ::pread(fd_, scan_.data(), scan_.size(), at);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      fail("{}: read error after line {}: {}", path_, line_number_, std::strerror(errno));
+    }
+    if (got == 0) break;  // the file ends the line
+    const char* nl = static_cast<const char*>(std::memchr(scan_.data(), '\n', (size_t)got));
+    n += nl ? (uint64_t)(nl - scan_.data()) : (uint64_t)got;
+    if (nl) break;
+    at += got;
+  }
+  return n > max_line_;
+}
+
 bool LineReader::next(std::string& line) {
   line.clear();
   too_long_ = false;
+  if (pos_ == len_ && !fill()) return false;
+  if (!std::memchr(buf_.data() + pos_, '\n', len_ - pos_) && longer_than_limit()) {
+    too_long_ = true;
+    std::string().swap(line);
+  }
   uint64_t n = 0;
   bool any = false;
   for (;;) {

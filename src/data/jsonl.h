@@ -69,7 +69,8 @@ RecordFormat detect_file_format(const std::string& path, size_t max_lines = 1000
                                 size_t max_line_bytes = kDefaultMaxLineBytes);
 
 // Reads a text file line by line ('\n' separated; the '\n' is dropped, a final line without one is
-// still a line).  Memory: the current line (at most max_line_bytes) and a 1 MiB read buffer.
+// still a line).  Memory: the current line (at most max_line_bytes; a longer one is measured by
+// reading ahead and never stored) and two 1 MiB buffers.
 class LineReader {
  public:
   // Error naming the file if it cannot be opened or is a directory.
@@ -92,10 +93,12 @@ class LineReader {
 
  private:
   bool fill();  // refills buf_; false at the end of the file
+  bool longer_than_limit();  // whether the line starting at pos_ (past the buffer) exceeds max_line_
 
   std::string path_;
   int fd_ = -1;
   std::vector<char> buf_;
+  std::vector<char> scan_;  // longer_than_limit's read-ahead (allocated on first use)
   size_t pos_ = 0, len_ = 0;
   size_t max_line_;
   bool too_long_ = false;
