@@ -11,8 +11,9 @@ read from wait4().  Prints medians and the median of per-round ratios (moetron /
   python3 bench/llama_cpp.py --model DIR [--types bf16,q8_0] [--threads 1,2] [--rounds 5]
   python3 bench/llama_cpp.py --make-small DIR   # the issue's small model (hidden 256, 4 layers, 8 experts)
 
-moetron runs the model's own files for bf16/f16 (the weights used in place) and, for q8_0, with
---quantize q8_0 (when this build has it).  A benchmark and reference tool only: nothing in moetron's
+moetron runs, like for like: for bf16 the model's own (bf16) files, for f16 an f16 copy of them
+(`moetron convert --dtype fp16`, made once in --work), both used in place; for q8_0 the bf16 files with
+--quantize q8_0 (quantized at load, as llama.cpp's Q8_0).  A benchmark and reference tool only: nothing in moetron's
 build or tests needs llama.cpp.
 """
 import argparse
@@ -81,12 +82,26 @@ def build_llama(work):
     return tree
 
 
-def to_gguf(tree, model, typ, work):
+def to_gguf(tree, model, typ, work, moetron):
+    """The model as a GGUF of `typ`, made once: by llama.cpp's convert_hf_to_gguf.py when torch (which it
+    imports) is installed; otherwise by `moetron export gguf` for bf16 / f16 and, for q8_0, by
+    llama.cpp's own llama-quantize from that bf16 file."""
     out = os.path.join(work, f"{os.path.basename(os.path.normpath(model))}-{typ}.gguf")
-    if not os.path.exists(out):
+    if os.path.exists(out):
+        return out
+    try:
+        import torch  # noqa: F401
         env = dict(os.environ, PYTHONPATH=os.path.join(tree, "gguf-py"))
         subprocess.check_call([sys.executable, os.path.join(tree, "convert_hf_to_gguf.py"), model, "--outtype", typ,
                                "--outfile", out], env=env, stdout=subprocess.DEVNULL)
+    except ImportError:
+        if typ == "q8_0":
+            src = to_gguf(tree, model, "bf16", work, moetron)
+            subprocess.check_call([os.path.join(tree, "build", "bin", "llama-quantize"), src, out, "q8_0"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        else:
+            subprocess.check_call([moetron, "export", "gguf", "--model", model, "--output", out, "--type", typ],
+                                  stdout=subprocess.DEVNULL)
     return out
 
 
@@ -118,7 +133,16 @@ def main():
     tree = build_llama(a.work)
     bench = os.path.join(tree, "build", "bin", "llama-bench")
     types = a.types.split(",")
-    ggufs = {t: to_gguf(tree, a.model, t, a.work) for t in types}
+    for t in types:
+        if t not in ("bf16", "f16", "q8_0"):
+            sys.exit(f"--types: {t} is not one of bf16, f16, q8_0")
+    ggufs = {t: to_gguf(tree, a.model, t, a.work, a.moetron) for t in types}
+    moetron_dirs = {t: a.model for t in types}
+    if "f16" in types:  # moetron's f16 run reads f16 files, as llama.cpp's f16 GGUF
+        f16_dir = os.path.join(a.work, os.path.basename(os.path.normpath(a.model)) + "-f16")
+        if not os.path.exists(os.path.join(f16_dir, "config.json")):
+            subprocess.check_call([a.moetron, "convert", "--input", a.model, "--output", f16_dir, "--dtype", "fp16", "--drop-optimizer"])
+        moetron_dirs["f16"] = f16_dir
     threads = [int(t) for t in a.threads.split(",")]
     rows = []
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
@@ -126,7 +150,7 @@ def main():
     for rnd in range(1, a.rounds + 1):
         for t in threads:
             for typ in types:
-                cmd = [a.moetron, "bench", "generate", "--model", a.model, "--threads", str(t), "--prompt-tokens",
+                cmd = [a.moetron, "bench", "generate", "--model", moetron_dirs[typ], "--threads", str(t), "--prompt-tokens",
                        str(a.prompt), "--new-tokens", str(a.new), "--runs", "3", "--json"]
                 if typ == "q8_0":
                     cmd += ["--quantize", "q8_0"]

@@ -235,6 +235,16 @@ struct Want {
 };
 
 std::vector<uint8_t> encode(TensorType t, const std::vector<float>& v) {
+  if (t == TensorType::Q8_0) {  // llama.cpp's block_q8_0: f16 scale, 32 int8 (core/dtype.h's rule)
+    std::vector<uint8_t> out(v.size() / 32 * 34);
+    for (size_t b = 0; b < v.size() / 32; b++) {
+      float d;
+      quantize_q8_0_block(v.data() + b * 32, reinterpret_cast<int8_t*>(&out[b * 34 + 2]), d);
+      const uint16_t h = f32_to_f16(d);
+      std::memcpy(&out[b * 34], &h, 2);
+    }
+    return out;
+  }
   const size_t es = t == TensorType::F32 ? 4 : 2;
   std::vector<uint8_t> out(v.size() * es);
   for (size_t i = 0; i < v.size(); i++) {
@@ -260,6 +270,8 @@ std::map<std::string, Want> want_tensors(const ModelConfig& cfg, const ParamTabl
   auto whole = [&](ParamKind k, int l) { return vals(k, l, 0, t.at(k, l).numel); };
   auto put = [&](const std::string& name, std::vector<int64_t> ne, TensorType type, std::vector<float> v,
                  int64_t heads = 0) {
+    // Q8_0 rows must be whole 32-value blocks: other matrices are written in bf16.
+    if (type == TensorType::Q8_0 && ne[0] % 32 != 0) type = TensorType::BF16;
     w[name] = Want{std::move(ne), type, std::move(v), heads};
   };
   const bool llama = arch == "llama";
@@ -355,7 +367,10 @@ void check_gguf(const fs::path& path, const fs::path& model_dir, const Expect& x
   EXPECT_EQ(f.alignment(), 32u);
   EXPECT_EQ(f.data_offset() % 32, 0u);
   EXPECT_EQ(kv_str(f, "general.architecture"), A);
-  EXPECT_EQ(kv_u32(f, "general.file_type"), x.type == TensorType::F32 ? 0u : x.type == TensorType::F16 ? 1u : 32u);
+  EXPECT_EQ(kv_u32(f, "general.file_type"), x.type == TensorType::F32    ? 0u
+                                             : x.type == TensorType::F16  ? 1u
+                                             : x.type == TensorType::Q8_0 ? 7u
+                                                                          : 32u);
   EXPECT_EQ(kv_u32(f, A + ".context_length"), (uint64_t)(x.context ? x.context : cfg.max_position_embeddings));
   EXPECT_EQ(kv_u32(f, A + ".embedding_length"), (uint64_t)cfg.hidden_size);
   EXPECT_EQ(kv_u32(f, A + ".block_count"), (uint64_t)cfg.num_hidden_layers);
@@ -659,7 +674,7 @@ TEST(GgufExport, MixtralWithSentencePieceInEveryType) {
   Dir d;
   const fs::path model = kGolden / "generate" / "mixtral_gqa";
   for (const auto& [flag, type] : std::vector<std::pair<std::string, TensorType>>{
-           {"bf16", TensorType::BF16}, {"f16", TensorType::F16}, {"f32", TensorType::F32}}) {
+           {"bf16", TensorType::BF16}, {"f16", TensorType::F16}, {"f32", TensorType::F32}, {"q8_0", TensorType::Q8_0}}) {
     const fs::path out = d.path / ("mixtral-" + flag + ".gguf");
     const CliRun r = run_export(
         d, "--model " + q(model) + " --output " + q(out) + " --type " + flag + " --sliding-window-as-context");
@@ -729,6 +744,12 @@ TEST(GgufExport, Qwen3MoeWithByteLevelBpeAndChatTemplate) {
   const CliRun r = run_export(d, "--model " + q(model) + " --output " + q(out) + " --type f16");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   check_gguf(out, model, {"qwen3moe", TensorType::F16, 0, ""});
+  // Q8_0: the rows of 32 values (q, k, v: hidden 32) in Q8_0, the others (o_proj 48, experts 24) bf16.
+  const fs::path out8 = d.path / "q8.gguf";
+  ASSERT_EQ(run_export(d, "--model " + q(model) + " --output " + q(out8) + " --type q8_0").exit_code, 0);
+  check_gguf(out8, model, {"qwen3moe", TensorType::Q8_0, 0, ""});
+  EXPECT_EQ(gguf::File::open(out8.string()).find_tensor("blk.0.attn_q.weight")->type, TensorType::Q8_0);
+  EXPECT_EQ(gguf::File::open(out8.string()).find_tensor("blk.0.attn_output.weight")->type, TensorType::BF16);
   const gguf::File f = gguf::File::open(out.string());
   const json tc = json::parse(read_text(src / "tokenizer_config.json"));
   EXPECT_EQ(kv_str(f, "tokenizer.chat_template"), tc["chat_template"].get<std::string>());

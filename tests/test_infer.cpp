@@ -143,13 +143,13 @@ TEST(Decoder, ChunkedPrefillAndCacheContinuation) {
 TEST(Decoder, Bf16InPlaceComputesBitwiseWhatItsFp32WideningDoes) {
   const auto fp32_file = load_inference_model((kGolden / "mixtral_gqa").string());
   EXPECT_TRUE(fp32_file->owned.empty());
-  EXPECT_EQ(fp32_file->storage_dtype(), DType::F32);
+  EXPECT_EQ(fp32_file->storage_name(), "F32");
   for (const char* name : {"mixtral_gqa", "llama_dense", "qwen3_moe", "olmoe"}) {
     SCOPED_TRACE(name);
     const auto model = load_inference_model((kGenerate / name).string());
     const auto wide = load_inference_model((kGenerate / name).string(), "", /*widen_to_fp32=*/true);
     ASSERT_TRUE(model->owned.empty());
-    ASSERT_EQ(model->storage_dtype(), DType::BF16);
+    ASSERT_EQ(model->storage_name(), "BF16");
     ASSERT_EQ(wide->owned.size(), wide->table.total());
     size_t small = 0;  // values of the norms, biases and router, copied to fp32 either way
     for (const ParamSpec& p : model->table.specs()) small += InferenceModel::is_small(p.kind) ? p.numel : 0;

@@ -17,6 +17,7 @@
 
 #include "cli/bench_model_shape.h"
 #include "cli/commands.h"
+#include "cli/generation_options.h"
 #include "cli/threads.h"
 #include "core/error.h"
 #include "core/stats.h"
@@ -49,6 +50,8 @@ int run_bench_generate(int argc, char** argv) {
   app.add_option("--new-tokens", new_tokens, "tokens generated per run");
   app.add_option("--runs", runs, "timed runs (after one warm-up)");
   app.add_option("--threads", threads, "threads for OpenMP and BLAS (default: all)");
+  std::string quantize = "none";
+  add_quantize_option(app, quantize);
   app.add_flag("--json", json, "also print one JSON line with the figures");
   app.add_option("--batch", batch,
                  "also time B sequences decoded together (Decoder::forward_batch, as serve's continuous batching): "
@@ -65,9 +68,11 @@ int run_bench_generate(int argc, char** argv) {
     omp_set_num_threads(threads);
     ops::blas_set_num_threads(threads);
   }
+  const WeightQuant quant = parse_weight_quant(quantize, "--quantize");
+  if (quant != WeightQuant::none && model_dir.empty()) fail("--quantize needs --model (a model read from files)");
   std::unique_ptr<InferenceModel> model;
   if (!model_dir.empty()) {
-    model = load_inference_model(model_dir);
+    model = load_inference_model(model_dir, "", false, quant);
   } else {
     model = std::make_unique<InferenceModel>(bench_model_config(shape, "bench generate flags"));
     init_parameters(model->table, model->cfg, 1234, model->owned.data());
@@ -75,7 +80,7 @@ int run_bench_generate(int argc, char** argv) {
   const ModelConfig& cfg = model->cfg;
   std::printf("bench generate: %s; prompt %d, new tokens %d, %d threads\n", describe_model_shape(cfg).c_str(),
               prompt_tokens, new_tokens, omp_get_max_threads());
-  std::printf("weights: %s, %.1f MB, %s (kernels: %s)\n", dtype_name(model->storage_dtype()),
+  std::printf("weights: %s, %.1f MB, %s (kernels: %s)\n", model->storage_name().c_str(),
               model->weight_bytes() / 1e6, model->owned.empty() ? "used in place from the mapped files" : "in memory",
               infer::simd_name(infer::simd_level()));
   // The prompt bench/hf_generate.py uses: BOS, then ids 3 + mix64(i * 7919 + 17) % (V - 3).
@@ -150,7 +155,7 @@ int run_bench_generate(int argc, char** argv) {
                 "\"peak_rss_bytes\": %ld, \"weight_bytes\": %zu, \"kv_cache_bytes\": %zu, \"weights\": \"%s\", "
                 "\"simd\": \"%s\", \"batch\": %d, \"batch_decode_tokens_per_s\": %.2f}\n",
                 p, d, omp_get_max_threads(), (long)ru.ru_maxrss * 1024, model->weight_bytes(), kv_bytes,
-                dtype_name(model->storage_dtype()), infer::simd_name(infer::simd_level()), batch, batch_tps);
+                model->storage_name().c_str(), infer::simd_name(infer::simd_level()), batch, batch_tps);
   return 0;
 }
 

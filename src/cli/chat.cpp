@@ -29,6 +29,8 @@ int run_chat(int argc, char** argv) {
   app.add_option("--model", model_dir, "model directory")->required();
   std::string lora_dir;
   app.add_option("--lora", lora_dir, "a PEFT LoRA adapter directory for the model (e.g. a LoRA run's checkpoint)");
+  std::string quantize = "none";
+  add_quantize_option(app, quantize);
   app.add_option("--tokenizer", tokenizer_path, "tokenizer.model or tokenizer.json (default: MODEL/tokenizer.model, else MODEL/tokenizer.json)");
   app.add_option("--template", template_name, "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
   app.add_option("--system", system, "a system message at the start of the conversation");
@@ -41,7 +43,7 @@ int run_chat(int argc, char** argv) {
   }
   if (max_new_tokens < 1) fail("--max-new-tokens must be >= 1, got {}", max_new_tokens);
   apply_generation_options(g);
-  const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir, lora_dir);
+  const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir, lora_dir, false, parse_weight_quant(quantize, "--quantize"));
   const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(model_dir, tokenizer_path, model->cfg, true);
   const TemplateChoice tc = choose_chat_template(model_dir, template_name);
   Decoder decoder(*model);

@@ -2,7 +2,7 @@
 // tokenizer) as one GGUF file (llama.cpp's format, version 3, io/gguf.h), so a model moetron
 // trained or fine-tuned runs in llama.cpp / ollama.
 //
-//   moetron export gguf --model DIR --output F.gguf [--type bf16|f16|f32] [--tokenizer FILE]
+//   moetron export gguf --model DIR --output F.gguf [--type bf16|f16|f32|q8_0] [--tokenizer FILE]
 //                       [--name NAME] [--sliding-window-as-context] [--force]
 //
 // What is written follows llama.cpp's convert_hf_to_gguf.py and the loaders of its architectures
@@ -240,6 +240,9 @@ std::vector<Planned> plan_tensors(const ModelConfig& cfg, const ParamTable& tabl
     p.name = std::move(name);
     p.ne.assign(shape.rbegin(), shape.rend());
     p.type = f32 || shape.size() == 1 ? TensorType::F32 : matrix_type;
+    // Q8_0 needs rows of whole blocks; other matrices stay bf16 (exact for a bf16 model).
+    if (p.type == TensorType::Q8_0 && shape.back() % gguf::tensor_type_traits(TensorType::Q8_0).block_elems != 0)
+      p.type = TensorType::BF16;
     p.parts = std::move(parts);
     p.permute_head_dim = permute;
     out.push_back(std::move(p));
@@ -468,11 +471,23 @@ TensorType parse_type(const std::string& s) {
   if (s == "bf16") return TensorType::BF16;
   if (s == "f16") return TensorType::F16;
   if (s == "f32") return TensorType::F32;
-  refuse(fmt::format("--type: '{}' is not supported (expected bf16, f16 or f32)", s));
+  if (s == "q8_0") return TensorType::Q8_0;
+  refuse(fmt::format("--type: '{}' is not supported (expected bf16, f16, f32 or q8_0)", s));
 }
 
 // llama.cpp's general.file_type (llama_ftype): what most tensors are.
-uint32_t file_type(TensorType t) { return t == TensorType::F32 ? 0 : t == TensorType::F16 ? 1 : 32; }
+uint32_t file_type(TensorType t) {
+  switch (t) {
+    case TensorType::F32:
+      return 0;
+    case TensorType::F16:
+      return 1;
+    case TensorType::Q8_0:
+      return 7;
+    default:
+      return 32;  // bf16
+  }
+}
 
 void check_output(const Options& o, const fs::path& model) {
   const fs::path out(o.output);
@@ -500,7 +515,8 @@ int run_export_gguf(int argc, char** argv) {
   app.add_option("--model", o.model_dir, "model directory (config.json + safetensors + tokenizer)")->required();
   app.add_option("--output", o.output, "the GGUF file to write")->required();
   app.add_option("--type", o.type,
-                 "tensor type of the matrices: bf16 (default), f16 or f32 (norms, biases, routers: f32)");
+                 "tensor type of the matrices: bf16 (default), f16, f32 or q8_0 (norms, biases, routers: f32; q8_0: "
+                 "matrices whose rows are not whole 32-value blocks stay bf16)");
   app.add_option("--tokenizer", o.tokenizer,
                  "tokenizer.model or tokenizer.json (default: MODEL/tokenizer.model, else "
                  "MODEL/tokenizer.json)");
@@ -610,7 +626,7 @@ int run_export_gguf(int argc, char** argv) {
 int run_export(int argc, char** argv) {
   if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
     std::fprintf(argc < 2 ? stderr : stdout,
-                 "usage: moetron export gguf --model DIR --output F.gguf [--type bf16|f16|f32] [--tokenizer FILE]\n");
+                 "usage: moetron export gguf --model DIR --output F.gguf [--type bf16|f16|f32|q8_0] [--tokenizer FILE]\n");
     return argc < 2 ? 2 : 0;
   }
   const std::string what = argv[1];

@@ -3,6 +3,7 @@
 // out; --eval-chat for the exact-answer accuracy over a chat JSONL file.
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <string>
 
@@ -13,6 +14,7 @@
 #include "core/error.h"
 #include "infer/generate.h"
 #include "infer/model.h"
+#include "infer/perplexity.h"
 
 namespace moetron::cli {
 
@@ -38,6 +40,22 @@ std::vector<int32_t> parse_ids(const std::string& s) {
   return ids;
 }
 
+// A text file for --perplexity, whole: at most kMaxPerplexityBytes (Error naming the file otherwise).
+constexpr uintmax_t kMaxPerplexityBytes = 64u << 20;
+
+std::string read_text(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) fail("--perplexity: {} is not a readable file", path);
+  const uintmax_t size = std::filesystem::file_size(path, ec);
+  if (ec) fail("--perplexity: {}: {}", path, ec.message());
+  if (size > kMaxPerplexityBytes)
+    fail("--perplexity: {} is {} bytes; at most {} MiB of text is scored", path, size, kMaxPerplexityBytes >> 20);
+  std::ifstream in(path, std::ios::binary);
+  std::string text((size_t)size, '\0');
+  if (!in.read(text.data(), (std::streamsize)size)) fail("--perplexity: could not read {}", path);
+  return text;
+}
+
 }  // namespace
 
 int run_generate(int argc, char** argv) {
@@ -52,6 +70,8 @@ int run_generate(int argc, char** argv) {
   app.add_option("--model", model_dir, "model directory")->required();
   std::string lora_dir;
   app.add_option("--lora", lora_dir, "a PEFT LoRA adapter directory for the model (e.g. a LoRA run's checkpoint)");
+  std::string quantize = "none";
+  add_quantize_option(app, quantize);
   app.add_option("--prompt", prompt, "the prompt text");
   app.add_option("--prompt-ids", prompt_ids, "the prompt as comma-separated token ids; prints the reply's ids");
   app.add_flag("--chat", chat, "treat the prompt as a user turn and apply the chat template");
@@ -65,19 +85,33 @@ int run_generate(int argc, char** argv) {
   app.add_option("--eval-chat", eval_chat,
                  "JSONL of conversations: report the exact-answer accuracy of the last assistant turn (greedy)");
   app.add_option("--limit", limit, "with --eval-chat: at most this many conversations (0: all)");
+  std::string ppl_file;
+  PerplexityOptions ppl;
+  app.add_option("--perplexity", ppl_file,
+                 "a text file: print the model's perplexity on it (BOS, then the text; windows of --ppl-ctx tokens)");
+  app.add_option("--ppl-ctx", ppl.ctx, "with --perplexity: tokens per window, each from a fresh cache");
+  app.add_option("--ppl-step", ppl.step,
+                 "with --perplexity: tokens per forward call (1: one at a time, with the decoding kernels)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  if ((int)!prompt.empty() + (int)!prompt_ids.empty() + (int)!eval_chat.empty() != 1)
-    fail("give exactly one of --prompt, --prompt-ids or --eval-chat");
+  if ((int)!prompt.empty() + (int)!prompt_ids.empty() + (int)!eval_chat.empty() + (int)!ppl_file.empty() != 1)
+    fail("give exactly one of --prompt, --prompt-ids, --eval-chat or --perplexity");
   if (max_new_tokens < 0) fail("--max-new-tokens must be >= 0, got {}", max_new_tokens);
   apply_generation_options(g);
-  const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir, lora_dir);
+  const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir, lora_dir, false, parse_weight_quant(quantize, "--quantize"));
   const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(model_dir, tokenizer_path, model->cfg,
                                                               /*required=*/prompt_ids.empty());
   Decoder decoder(*model);
+  if (!ppl_file.empty()) {
+    const std::vector<int32_t> ids = completion_prompt_tokens(*tok, read_text(ppl_file));
+    const PerplexityResult r = perplexity(decoder, ids, ppl);
+    std::printf("perplexity: %.4f (%ld tokens scored in %d windows of up to %d; weights %s)\n", r.perplexity(),
+                r.scored, r.windows, ppl.ctx, model->storage_name().c_str());
+    return 0;
+  }
   KvCache cache = decoder.new_cache();
   GenerateOptions o;
   o.max_new_tokens = max_new_tokens;

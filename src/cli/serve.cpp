@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include "cli/commands.h"
+#include "cli/generation_options.h"
 #include "cli/threads.h"
 #include "core/error.h"
 #include "infer/model.h"
@@ -35,6 +36,8 @@ int run_serve(int argc, char** argv) {
   app.add_option("--model", model_dir, "model directory")->required();
   std::string lora_dir;
   app.add_option("--lora", lora_dir, "a PEFT LoRA adapter directory for the model (e.g. a LoRA run's checkpoint)");
+  std::string quantize = "none";
+  add_quantize_option(app, quantize);
   app.add_option("--tokenizer", tokenizer_path, "tokenizer.model or tokenizer.json (default: MODEL/tokenizer.model, else MODEL/tokenizer.json)");
   app.add_option("--template", template_name, "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
   app.add_option("--host", o.host, "address to bind (default 127.0.0.1: this machine only; 0.0.0.0: everyone)");
@@ -72,7 +75,7 @@ int run_serve(int argc, char** argv) {
   o.log_requests = !quiet;
   if (o.model_name.empty()) o.model_name = std::filesystem::path(model_dir).lexically_normal().filename().string();
   if (o.model_name.empty()) o.model_name = std::filesystem::absolute(model_dir).parent_path().filename().string();
-  const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir, lora_dir);
+  const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir, lora_dir, false, parse_weight_quant(quantize, "--quantize"));
   const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(model_dir, tokenizer_path, model->cfg, true);
   const TemplateChoice tc = choose_chat_template(model_dir, template_name);
   std::vector<int32_t> eos = model_eos_ids(model_dir, model->cfg, tok.get());

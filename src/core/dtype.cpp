@@ -1,5 +1,10 @@
 #include "core/dtype.h"
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
 #include "core/error.h"
 
 namespace moetron {
@@ -176,6 +181,23 @@ size_t first_non_finite(const float* p, size_t n) {
   for (size_t i = 0; i < n; ++i)
     if (bad(p[i]) && i < first) first = i;
   return first;
+}
+
+void quantize_q8_0_block(const float* x, int8_t* q, float& d) {
+  float amax = 0;
+  bool finite = true;
+  for (int i = 0; i < kQ8_0Block; i++) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  if (!finite) {
+    d = std::numeric_limits<float>::quiet_NaN();
+    std::memset(q, 0, kQ8_0Block);
+    return;
+  }
+  d = amax / 127.0f;
+  const float id = d != 0 ? 1.0f / d : 0.0f;
+  for (int i = 0; i < kQ8_0Block; i++) q[i] = (int8_t)std::roundf(x[i] * id);
 }
 
 }  // namespace moetron

@@ -50,6 +50,13 @@ inline uint16_t f32_to_bf16(float f) {
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);
 
+// Q8_0 (llama.cpp's 8-bit format): blocks of kQ8_0Block values, each w ~ d * q with d = max|w| / 127
+// and q = roundf(w * (1 / d)) in [-127, 127] (llama.cpp's rule: the reciprocal, then roundf).  One
+// block here; a non-finite value makes d NaN and every q 0.  d is returned in fp32: llama.cpp stores
+// it as f16 (refuse d > 65504, which f16 cannot hold).
+constexpr int kQ8_0Block = 32;
+void quantize_q8_0_block(const float* x, int8_t* q, float& d);
+
 // out[i] = src[i] as fp32 for n elements of `dtype` (any DType; integers convert by value, BOOL to
 // 0/1). `src` need not be aligned.
 void convert_to_f32(float* out, const void* src, DType dtype, size_t n);

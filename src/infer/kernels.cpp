@@ -20,7 +20,9 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <cstring>
 #include <string>
 
@@ -339,6 +341,168 @@ void mrows_simd(SimdLevel level, float* out, int ld_out, const void* W, const fl
   for (int r = r0; r < r1; r++) f(out, ld_out, W, x, ld_x, xp, r, IC, acc);
 }
 
+// ---- Q8_0 ---------------------------------------------------------------------------------------------
+//
+// A row's product with an input, both in Q8_0: per block b, eight exact int32 lane sums (lane k: the
+// block's values 4k..4k+3), each added to its lane's fp32 accumulator as fma(dw_b * dx_b, sum, acc);
+// then the eight lanes summed in hsum8's order.  The portable and the AVX2 code do exactly these
+// operations (the AVX-512 level uses the AVX2 code: 256 bits is a block), so results are bitwise
+// equal across levels.  The u8 x s8 instruction (maddubs) takes one unsigned operand: the inputs are
+// kept as |x| beside x, and x's signs move onto the weights (sign_epi8), as llama.cpp does.
+
+// One product's inputs in Q8_0: input j's values at q + j * IC (int8) and a + j * IC (|q|, uint8), its
+// block scales at d + j * IC / kQ8Block (fp32).
+struct Q8Inputs {
+  const int8_t* q;
+  const uint8_t* a;
+  const float* d;
+};
+
+// Bytes q8_quantize_inputs needs for n inputs of IC values (IC a multiple of kQ8Block).
+size_t q8_input_bytes(int n, int IC) { return (size_t)n * IC * 2 + (size_t)n * (IC / kQ8Block) * sizeof(float); }
+
+Q8Inputs q8_view(const uint8_t* buf, int n, int IC) {
+  return {reinterpret_cast<const int8_t*>(buf), buf + (size_t)n * IC,
+          reinterpret_cast<const float*>(buf + (size_t)n * IC * 2)};
+}
+
+// The n inputs x + j * ld_x in Q8_0 into buf (q8_input_bytes(n, IC)).
+void q8_quantize_inputs(const float* x, int ld_x, int n, int IC, uint8_t* buf) {
+  const int nb = IC / kQ8Block;
+  int8_t* q = reinterpret_cast<int8_t*>(buf);
+  uint8_t* a = buf + (size_t)n * IC;
+  float* d = reinterpret_cast<float*>(buf + (size_t)n * IC * 2);
+  for (int j = 0; j < n; j++)
+    for (int b = 0; b < nb; b++) {
+      const size_t at = (size_t)j * IC + (size_t)b * kQ8Block;
+      quantize_q8_0_block(x + (size_t)j * ld_x + (size_t)b * kQ8Block, q + at, d[(size_t)j * nb + b]);
+      for (int i = 0; i < kQ8Block; i++) a[at + i] = (uint8_t)std::abs((int)q[at + i]);
+    }
+}
+
+inline float f16_at(const uint16_t* s, size_t i) {
+  uint16_t h;
+  std::memcpy(&h, s + i, sizeof h);
+  return f16_to_f32(h);
+}
+
+// Row r of W against input j of x (see the section comment).
+float q8_dot_generic(const int8_t* W, const uint16_t* S, const Q8Inputs& x, int j, int r, int IC) {
+  const int nb = IC / kQ8Block;
+  const int8_t* w = W + (size_t)r * IC;
+  const int8_t* q = x.q + (size_t)j * IC;
+  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int b = 0; b < nb; b++) {
+    const float d = f16_at(S, (size_t)r * nb + b) * x.d[(size_t)j * nb + b];
+    for (int k = 0; k < 8; k++) {
+      int32_t s = 0;
+      for (int t = 0; t < 4; t++) {
+        const int i = b * kQ8Block + 4 * k + t;
+        s += (int32_t)w[i] * (int32_t)q[i];
+      }
+      a[k] = std::fma(d, (float)s, a[k]);
+    }
+  }
+  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+void q8_rows_generic(float* out, int ld_out, const int8_t* W, const uint16_t* S, const Q8Inputs& x, int n, int r0,
+                     int r1, int IC, bool acc) {
+  for (int r = r0; r < r1; r++)
+    for (int j = 0; j < n; j++) {
+      const float s = q8_dot_generic(W, S, x, j, r, IC);
+      float& o = out[(size_t)j * ld_out + r];
+      o = acc ? o + s : s;
+    }
+}
+
+MOETRON_AVX2 inline float f16_at_avx2(const uint16_t* s, size_t i) {
+  uint16_t h;
+  std::memcpy(&h, s + i, sizeof h);
+  return _cvtsh_ss(h);  // exact, as f16_to_f32
+}
+
+// The eight int32 lane sums of one block: |x| (u8) times the weights carrying x's signs.
+MOETRON_AVX2 inline __m256i q8_lanes(__m256i xa, __m256i xq, __m256i w) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w, xq)), _mm256_set1_epi16(1));
+}
+
+// R rows from r against input 0 (the x loads shared).
+template <int R>
+MOETRON_AVX2 void q8_block_avx2(float* y, const int8_t* W, const uint16_t* S, const Q8Inputs& x, int r, int IC,
+                                bool acc) {
+  const int nb = IC / kQ8Block;
+  __m256 a[R];
+  for (int k = 0; k < R; k++) a[k] = _mm256_setzero_ps();
+  for (int b = 0; b < nb; b++) {
+    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (size_t)b * kQ8Block));
+    const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.a + (size_t)b * kQ8Block));
+    const float dx = x.d[b];
+    for (int k = 0; k < R; k++) {
+      const size_t i = (size_t)(r + k) * IC + (size_t)b * kQ8Block;
+      _mm_prefetch(reinterpret_cast<const char*>(W + i + kPrefetch), _MM_HINT_T0);
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + i));
+      const float d = f16_at_avx2(S, (size_t)(r + k) * nb + b) * dx;
+      a[k] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q8_lanes(xa, xq, w)), a[k]);
+    }
+  }
+  for (int k = 0; k < R; k++) {
+    const float s = hsum8(a[k]);
+    y[r + k] = acc ? y[r + k] + s : s;
+  }
+}
+
+// One row r against N inputs (the weight loads shared): q8_block_avx2<1>'s operations per input.
+template <int N>
+MOETRON_AVX2 void q8_multi_avx2(float* out, int ld_out, const int8_t* W, const uint16_t* S, const Q8Inputs& x, int r,
+                                int IC, bool acc) {
+  const int nb = IC / kQ8Block;
+  __m256 a[N];
+  for (int j = 0; j < N; j++) a[j] = _mm256_setzero_ps();
+  for (int b = 0; b < nb; b++) {
+    const size_t i = (size_t)r * IC + (size_t)b * kQ8Block;
+    _mm_prefetch(reinterpret_cast<const char*>(W + i + kPrefetch), _MM_HINT_T0);
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + i));
+    const float dw = f16_at_avx2(S, (size_t)r * nb + b);
+    for (int j = 0; j < N; j++) {
+      const size_t at = (size_t)j * IC + (size_t)b * kQ8Block;
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at));
+      const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.a + at));
+      const float d = dw * x.d[(size_t)j * nb + b];
+      a[j] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q8_lanes(xa, xq, w)), a[j]);
+    }
+  }
+  for (int j = 0; j < N; j++) {
+    const float s = hsum8(a[j]);
+    float& o = out[(size_t)j * ld_out + r];
+    o = acc ? o + s : s;
+  }
+}
+
+using Q8MultiFn = void (*)(float*, int, const int8_t*, const uint16_t*, const Q8Inputs&, int, int, bool);
+
+Q8MultiFn q8_multi_fn(int n) {
+  static constexpr Q8MultiFn t[kMaxGemvInputs] = {q8_multi_avx2<1>, q8_multi_avx2<2>, q8_multi_avx2<3>,
+                                                 q8_multi_avx2<4>, q8_multi_avx2<5>, q8_multi_avx2<6>,
+                                                 q8_multi_avx2<7>, q8_multi_avx2<8>};
+  return t[n - 1];
+}
+
+// Rows [r0, r1) of a Q8_0 matrix against n inputs (q8_quantize_inputs), out_j = out + j * ld_out.
+void q8_rows(SimdLevel level, float* out, int ld_out, WeightRef Wr, const Q8Inputs& x, int n, int r0, int r1, int IC,
+             bool acc) {
+  const int8_t* W = static_cast<const int8_t*>(Wr.data);
+  if (level == SimdLevel::generic) return q8_rows_generic(out, ld_out, W, Wr.scales, x, n, r0, r1, IC, acc);
+  if (n == 1) {
+    int r = r0;
+    for (; r + 2 <= r1; r += 2) q8_block_avx2<2>(out, W, Wr.scales, x, r, IC, acc);
+    for (; r < r1; r++) q8_block_avx2<1>(out, W, Wr.scales, x, r, IC, acc);
+    return;
+  }
+  const Q8MultiFn f = q8_multi_fn(n);
+  for (int r = r0; r < r1; r++) f(out, ld_out, W, Wr.scales, x, r, IC, acc);
+}
+
 // ---- dispatch ---------------------------------------------------------------------------------------
 
 SimdLevel detect_simd() {
@@ -477,6 +641,13 @@ void gemv_at(SimdLevel level, float* y, WeightRef W, const float* x, int OC, int
   if ((int)level > (int)simd_level())
     fail("[infer kernels] {} kernels asked for; this CPU (or MOETRON_SIMD) allows {}", simd_name(level),
          simd_name(simd_level()));
+  if (W.q8()) {
+    MOETRON_ASSERT(IC % kQ8Block == 0);
+    std::vector<uint8_t> xq(q8_input_bytes(1, IC));
+    q8_quantize_inputs(x, IC, 1, IC, xq.data());
+    q8_rows(level, y, 0, W, q8_view(xq.data(), 1, IC), 1, 0, OC, IC, false);
+    return;
+  }
   std::vector<float> xp((size_t)IC);
   permute_inputs(level, x, 0, 1, IC, xp.data());
   rows_fn(W.dtype, level)(y, W.data, x, xp.data(), 0, OC, IC, false);
@@ -486,28 +657,42 @@ void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_ma
   MOETRON_ASSERT(n_tasks >= 0 && n_tasks <= kMaxGemvTasks);
   int first_block[kMaxGemvTasks + 1];  // blocks of 64 rows, numbered across the tasks
   RowsFn fn[kMaxGemvTasks];
-  size_t xp_at[kMaxGemvTasks + 1];  // each task's permuted inputs in xp
+  size_t xp_at[kMaxGemvTasks + 1];  // each task's permuted inputs in xp (fp32, bf16, f16 weights)
+  size_t xq_at[kMaxGemvTasks + 1];  // each task's quantized inputs in xq (Q8_0 weights)
   long macs = 0;
   first_block[0] = 0;
-  xp_at[0] = 0;
-  for (int t = 0; t < n_tasks; t++) {
-    MOETRON_ASSERT(tasks[t].n >= 1 && tasks[t].n <= kMaxGemvInputs);
-    first_block[t + 1] = first_block[t] + (tasks[t].OC + 63) / 64;
-    macs += (long)tasks[t].OC * IC * tasks[t].n;
-    fn[t] = rows_fn(tasks[t].W.dtype);
-    xp_at[t + 1] = xp_at[t] + (size_t)tasks[t].n * IC;
-  }
+  xp_at[0] = xq_at[0] = 0;
   const SimdLevel level = simd_level();
-  std::vector<float> xp(level == SimdLevel::generic ? 0 : xp_at[n_tasks]);
-  for (int t = 0; t < n_tasks && !xp.empty(); t++)
-    permute_inputs(level, tasks[t].x, tasks[t].ld_x, tasks[t].n, IC, xp.data() + xp_at[t]);
+  for (int t = 0; t < n_tasks; t++) {
+    const GemvTask& k = tasks[t];
+    MOETRON_ASSERT(k.n >= 1 && k.n <= kMaxGemvInputs);
+    MOETRON_ASSERT(!k.W.q8() || IC % kQ8Block == 0);
+    first_block[t + 1] = first_block[t] + (k.OC + 63) / 64;
+    macs += (long)k.OC * IC * k.n;
+    fn[t] = k.W.q8() ? nullptr : rows_fn(k.W.dtype);
+    xp_at[t + 1] = xp_at[t] + (k.W.q8() || level == SimdLevel::generic ? 0 : (size_t)k.n * IC);
+    xq_at[t + 1] = xq_at[t] + (k.W.q8() ? q8_input_bytes(k.n, IC) : 0);
+  }
+  std::vector<float> xp(xp_at[n_tasks]);
+  std::vector<uint8_t> xq(xq_at[n_tasks]);  // offsets are multiples of 64 bytes (IC % 32 == 0): floats aligned
+  for (int t = 0; t < n_tasks; t++) {
+    const GemvTask& k = tasks[t];
+    if (k.W.q8())
+      q8_quantize_inputs(k.x, k.n == 1 ? IC : k.ld_x, k.n, IC, xq.data() + xq_at[t]);
+    else if (xp_at[t + 1] > xp_at[t])
+      permute_inputs(level, k.x, k.ld_x, k.n, IC, xp.data() + xp_at[t]);
+  }
 #pragma omp parallel for schedule(static) if (macs >= parallel_min_macs)
   for (int b = 0; b < first_block[n_tasks]; b++) {
     int t = 0;
     while (b >= first_block[t + 1]) t++;
     const GemvTask& k = tasks[t];
     const int r0 = (b - first_block[t]) * 64, r1 = r0 + 64 < k.OC ? r0 + 64 : k.OC;
-    const float* kxp = xp.empty() ? nullptr : xp.data() + xp_at[t];
+    if (k.W.q8()) {
+      q8_rows(level, k.y, k.ld_y, k.W, q8_view(xq.data() + xq_at[t], k.n, IC), k.n, r0, r1, IC, k.accumulate);
+      continue;
+    }
+    const float* kxp = xp_at[t + 1] > xp_at[t] ? xp.data() + xp_at[t] : nullptr;
     if (k.n == 1)
       fn[t](k.y, k.W.data, k.x, kxp, r0, r1, IC, k.accumulate);
     else
@@ -515,8 +700,38 @@ void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_ma
   }
 }
 
+bool quantize_q8_0(WeightRef W, size_t rows, int IC, int8_t* q, uint16_t* d) {
+  MOETRON_ASSERT(IC % kQ8Block == 0 && !W.q8());
+  const int nb = IC / kQ8Block;
+  bool ok = true;
+#pragma omp parallel reduction(&& : ok)
+  {
+    std::vector<float> row((size_t)IC);
+#pragma omp for schedule(static)
+    for (size_t r = 0; r < rows; r++) {
+      widen_row(row.data(), W, r, IC);
+      for (int b = 0; b < nb; b++) {
+        float s;
+        quantize_q8_0_block(row.data() + (size_t)b * kQ8Block, q + r * IC + (size_t)b * kQ8Block, s);
+        ok = ok && s <= 65504.0f;  // NaN (non-finite weights) fails too
+        d[r * nb + b] = f32_to_f16(s);
+      }
+    }
+  }
+  return ok;
+}
+
 void widen_row(float* out, WeightRef W, size_t row, int n) {
   const size_t base = row * (size_t)n;
+  if (W.q8()) {  // rows are whole blocks
+    const int8_t* q = static_cast<const int8_t*>(W.data) + base;
+    const uint16_t* d = W.scales + base / kQ8Block;
+    for (int b = 0; b < n / kQ8Block; b++) {
+      const float s = f16_at(d, b);
+      for (int i = 0; i < kQ8Block; i++) out[b * kQ8Block + i] = (float)q[b * kQ8Block + i] * s;
+    }
+    return;
+  }
   switch (W.dtype) {
     case DType::F32:
       std::memcpy(out, static_cast<const float*>(W.data) + base, sizeof(float) * n);

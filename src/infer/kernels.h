@@ -5,6 +5,11 @@
 // Weights are fp32, bf16 or f16 wherever they lie -- a mapped safetensors file, an owned buffer -- and
 // are widened to fp32 in registers: the arithmetic is fp32 FMA on exactly the stored values, so a
 // bf16 matrix and its fp32 widening give bitwise the same results (bf16 and f16 widen exactly).
+// Q8_0 weights (made at load time, quantize_q8_0) meet inputs quantized the same way, per block of
+// 32 (as llama.cpp's q8_0 x q8_0 product): exact int8 dot products per block, scaled and summed in
+// fp32 -- the same operations at every SIMD level, so Q8_0 results are bitwise equal across levels.
+// Products of more than kMaxGemvInputs rows (matmul: prefill) widen Q8_0 blocks to fp32 instead
+// and leave the inputs unquantized.
 // The SIMD path is chosen at run time from the CPU's features (simd_level()): AVX-512, AVX2+FMA, or
 // portable code; each output row is computed by one thread in a fixed order, so results do not depend
 // on the thread count (they may differ in the last bits between SIMD levels, whose sums are ordered
@@ -19,15 +24,29 @@
 
 namespace moetron::infer {
 
-// A weight matrix (or vector), row-major, in F32, BF16 or F16 (unaligned is fine).
+// Q8_0, llama.cpp's 8-bit layout with the scales apart: blocks of kQ8Block consecutive values of a row
+// w[i] ~ d * q[i], d = max|w| / 127 (stored f16), q = round(w / d) in [-127, 127].  Rows must hold
+// whole blocks.
+constexpr int kQ8Block = kQ8_0Block;  // core/dtype.h: the rule
+
+// A weight matrix (or vector), row-major, in F32, BF16 or F16 (unaligned is fine) -- or Q8_0: int8
+// values at `data` (dtype U8, one byte a value) and one f16 scale per kQ8Block values at `scales`.
 struct WeightRef {
   const void* data = nullptr;
   DType dtype = DType::F32;
-  // The same storage advanced by `elements` values.
+  const uint16_t* scales = nullptr;  // Q8_0 only
+  bool q8() const { return scales != nullptr; }
+  // The same storage advanced by `elements` values (for Q8_0 a multiple of kQ8Block).
   WeightRef at(size_t elements) const {
-    return {static_cast<const uint8_t*>(data) + elements * dtype_size(dtype), dtype};
+    return {static_cast<const uint8_t*>(data) + elements * dtype_size(dtype), dtype,
+            scales ? scales + elements / kQ8Block : nullptr};
   }
 };
+
+// Quantizes `rows` rows of IC values (IC a multiple of kQ8Block) of W (F32, BF16 or F16) to Q8_0:
+// q[rows * IC], d[rows * IC / kQ8Block].  Rows in parallel; the result does not depend on threads.
+// False when a block's scale is beyond f16 (|w| > 65504 * 127: not representable in Q8_0).
+bool quantize_q8_0(WeightRef W, size_t rows, int IC, int8_t* q, uint16_t* d);
 
 enum class SimdLevel { generic, avx2, avx512 };
 // The level used (the best this CPU has; MOETRON_SIMD=generic|avx2|avx512 lowers it, for tests and

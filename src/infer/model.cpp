@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/mmap.h"
 #include "io/model_files.h"
 #include "model/lora.h"
 #include "model/weights.h"
@@ -83,9 +84,18 @@ bool InferenceModel::is_small(ParamKind kind) {
   }
 }
 
+WeightQuant parse_weight_quant(const std::string& name, const char* what) {
+  if (name == "none") return WeightQuant::none;
+  if (name == "q8_0") return WeightQuant::q8_0;
+  fail("{}: '{}' is not a weight format (expected none or q8_0)", what, name);
+}
+
 void InferenceModel::set_weights(std::vector<infer::WeightRef> refs, std::shared_ptr<const void> keep_alive,
-                                 std::vector<float> small, std::vector<size_t> small_offset) {
+                                 std::vector<float> small, std::vector<size_t> small_offset,
+                                 std::vector<int8_t> quantized, std::vector<uint16_t> scales) {
   MOETRON_ASSERT(refs.size() == table.hf_tensors().size() && small_offset.size() == table.specs().size());
+  q8_ = std::move(quantized);  // a moved vector keeps its buffer: the refs into it stay valid
+  q8_scales_ = std::move(scales);
   refs_ = std::move(refs);
   files_ = std::move(keep_alive);
   small_ = std::move(small);
@@ -119,19 +129,27 @@ infer::WeightRef InferenceModel::mat(ParamKind kind, int layer, size_t offset, s
   fail("[InferenceModel::mat] element {} of {} is outside its tensors", offset, s.name);
 }
 
-DType InferenceModel::storage_dtype() const {
-  size_t by[3] = {0, 0, 0};  // F32, BF16, F16 elements
+std::string InferenceModel::storage_name() const {
+  const char* names[4] = {"F32", "BF16", "F16", "Q8_0"};
+  size_t by[4] = {0, 0, 0, 0};  // elements of each
   const auto& hf = table.hf_tensors();
   for (size_t i = 0; i < hf.size(); i++)
-    by[refs_[i].dtype == DType::BF16 ? 1 : refs_[i].dtype == DType::F16 ? 2 : 0] += hf[i].numel;
-  return by[1] >= by[0] && by[1] >= by[2] ? DType::BF16 : by[2] >= by[0] ? DType::F16 : DType::F32;
+    if (!is_small(table.spec_of(hf[i]).kind))
+      by[refs_[i].q8() ? 3 : refs_[i].dtype == DType::BF16 ? 1 : refs_[i].dtype == DType::F16 ? 2 : 0] += hf[i].numel;
+  return names[std::max_element(by, by + 4) - by];
 }
 
 size_t InferenceModel::weight_bytes() const {
   size_t b = 0;
   const auto& hf = table.hf_tensors();
-  for (size_t i = 0; i < hf.size(); i++)
-    b += hf[i].numel * (is_small(table.spec_of(hf[i]).kind) ? sizeof(float) : dtype_size(refs_[i].dtype));
+  for (size_t i = 0; i < hf.size(); i++) {
+    if (is_small(table.spec_of(hf[i]).kind))
+      b += hf[i].numel * sizeof(float);
+    else if (refs_[i].q8())
+      b += hf[i].numel + hf[i].numel / infer::kQ8Block * sizeof(uint16_t);
+    else
+      b += hf[i].numel * dtype_size(refs_[i].dtype);
+  }
   return b;
 }
 
@@ -160,7 +178,8 @@ size_t first_non_finite_stored(const TensorView& t, size_t numel) {
 }  // namespace
 
 std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, const std::string& lora_dir,
-                                                     bool widen_to_fp32) {
+                                                     bool widen_to_fp32, WeightQuant quant) {
+  MOETRON_ASSERT(!(widen_to_fp32 && quant != WeightQuant::none));
   const ModelConfig cfg = load_model_config((fs::path(dir) / "config.json").string());
   auto files = std::make_shared<ModelTensors>(ModelTensors::open(dir));
   check_weights_size(*files, ParamTable(cfg), dir);  // before allocating what config.json asks for
@@ -180,6 +199,18 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
         small_offset[i] = small.size();
         small.resize(small.size() + t.specs()[i].numel);
       }
+    // Q8_0: which matrices (rows of whole blocks) and where each goes in one allocation.
+    auto row_length = [&](const HfTensorRef& ref) { return (size_t)t.spec_of(ref).shape.back(); };
+    auto quantized = [&](const HfTensorRef& ref) {
+      return quant == WeightQuant::q8_0 && !InferenceModel::is_small(t.spec_of(ref).kind) &&
+             row_length(ref) % infer::kQ8Block == 0;
+    };
+    size_t q8_total = 0;
+    for (const HfTensorRef& ref : t.hf_tensors())
+      if (quantized(ref)) q8_total += ref.numel;
+    std::vector<int8_t> q8(q8_total);
+    std::vector<uint16_t> q8_scales(q8_total / infer::kQ8Block);
+    size_t q8_at = 0;
     for (const HfTensorRef& ref : t.hf_tensors()) {
       const ParamSpec& spec = t.spec_of(ref);
       const size_t si = ref.spec_index;
@@ -194,13 +225,38 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
       if (v.dtype != DType::F32 && v.dtype != DType::BF16 && v.dtype != DType::F16)
         fail("{}: tensor '{}' in {} has dtype {}; moetron reads weights in F32, BF16 or F16", dir, v.name, v.file,
              dtype_name(v.dtype));
-      if (const size_t bad = first_non_finite_stored(v, ref.numel); bad < ref.numel)
+      auto non_finite = [&](size_t at) {
         fail("{}: tensor '{}' holds a non-finite value (NaN or Inf) at element {}: the weights are corrupt, and a "
              "model computed from them would give NaN logits",
-             v.file, v.name, bad);
+             v.file, v.name, at);
+      };
+      if (quantized(ref)) {
+        // In pieces of ~4 MiB of the file, each checked, quantized and released before the next: the
+        // process never holds much of the file beside the Q8_0 copy (one tensor can be 10% of a model).
+        const size_t IC = row_length(ref), rows = ref.numel / IC, esize = dtype_size(v.dtype);
+        const size_t piece = std::max<size_t>(1, (4u << 20) / (IC * esize));
+        int8_t* q = q8.data() + q8_at;
+        uint16_t* d = q8_scales.data() + q8_at / infer::kQ8Block;
+        for (size_t r0 = 0; r0 < rows; r0 += piece) {
+          const size_t n = std::min(piece, rows - r0), at = r0 * IC;
+          TensorView part = v;
+          part.data = v.data + at * esize;
+          if (const size_t bad = first_non_finite_stored(part, n * IC); bad < n * IC) non_finite(at + bad);
+          if (!infer::quantize_q8_0({part.data, v.dtype}, n, (int)IC, q + at, d + at / infer::kQ8Block))
+            fail("{}: tensor '{}' holds a value beyond Q8_0's range (a block scale above f16's 65504): load it "
+                 "without --quantize",
+                 v.file, v.name);
+          release_mapped_pages(part.data, n * IC * esize);
+        }
+        refs.push_back({q, DType::U8, d});
+        q8_at += ref.numel;
+        continue;
+      }
+      if (const size_t bad = first_non_finite_stored(v, ref.numel); bad < ref.numel) non_finite(bad);
       refs.push_back({v.data, v.dtype});
     }
-    m->set_weights(std::move(refs), files, std::move(small), std::move(small_offset));
+    m->set_weights(std::move(refs), files, std::move(small), std::move(small_offset), std::move(q8),
+                   std::move(q8_scales));
   }
   if (adapter) {
     ParamTable t(cfg, adapter->spec);

@@ -18,6 +18,12 @@
 
 namespace moetron {
 
+// How load_inference_model holds the matrices: as stored, or quantized to Q8_0 at load
+// (infer::quantize_q8_0; rows that are not whole blocks of 32 stay as stored).
+enum class WeightQuant { none, q8_0 };
+// "none" | "q8_0"; Error naming `what` (the option) otherwise.
+WeightQuant parse_weight_quant(const std::string& name, const char* what);
+
 struct InferenceModel {
   ModelConfig cfg;
   ParamTable table;
@@ -53,15 +59,18 @@ struct InferenceModel {
   // gate rows of ffn_w13: offset e * 2IC, count IC), where they lie: in the mapped file, in the
   // file's dtype, or in `owned`.  The range must lie within one HF tensor (gate and up rows are two).
   infer::WeightRef mat(ParamKind kind, int layer, size_t offset, size_t count) const;
-  // The dtype the matrices are stored in (mixed files: the most common one), and the bytes of the
-  // weights as held (the matrices in their dtype, the small parameters as fp32).
-  DType storage_dtype() const;
+  // How the matrices are held (mixed: the most common): "F32", "BF16", "F16" or "Q8_0"; and the bytes
+  // of the weights as held (the matrices in their dtype or Q8_0 with its scales, the small parameters
+  // as fp32).
+  std::string storage_name() const;
   size_t weight_bytes() const;
 
   // A model used in place: where each table.hf_tensors() entry lies, what holds them (the mapped
   // files, kept open), and the small parameters as fp32 (spec i at small[small_offset[i]]).
+  // quantized / scales: what Q8_0 refs point into (empty when none).
   void set_weights(std::vector<infer::WeightRef> refs, std::shared_ptr<const void> keep_alive, std::vector<float> small,
-                   std::vector<size_t> small_offset);
+                   std::vector<size_t> small_offset, std::vector<int8_t> quantized = {},
+                   std::vector<uint16_t> scales = {});
   // Whether a parameter kind is copied to fp32 (vec) rather than used in place (mat).
   static bool is_small(ParamKind kind);
 
@@ -71,6 +80,8 @@ struct InferenceModel {
   std::shared_ptr<const void> files_;           // what refs_ point into (the mapped files), when not owned
   std::vector<float> small_;
   std::vector<size_t> small_offset_;            // per spec
+  std::vector<int8_t> q8_;                      // Q8_0 matrices (values), when quantized at load
+  std::vector<uint16_t> q8_scales_;             // and their f16 scales
 };
 
 // Reads DIR/config.json and maps DIR's safetensors: the matrices are used where they lie, in the
@@ -79,8 +90,11 @@ struct InferenceModel {
 // widen_to_fp32: instead read everything into `owned` as fp32 (tests compare the two).
 // lora_dir: a PEFT LoRA adapter directory (model/lora.h) for this base ("": none), applied unmerged by
 // the Decoder (the base's weights stay as they are).
+// quant q8_0: the matrices are quantized to Q8_0 as they are read, and each tensor's mapped pages are
+// released after it (release_mapped_pages), so the process holds the Q8_0 copy, not the file as well.
 std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, const std::string& lora_dir = "",
-                                                     bool widen_to_fp32 = false);
+                                                     bool widen_to_fp32 = false,
+                                                     WeightQuant quant = WeightQuant::none);
 
 // How the chat template was chosen, for messages ("--template", "tokenizer_config.json", ...).
 struct TemplateChoice {

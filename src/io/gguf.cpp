@@ -29,6 +29,7 @@ constexpr TensorTypeTraits kTypes[] = {
     {TensorType::F32, "f32", 1, 4},
     {TensorType::F16, "f16", 1, 2},
     {TensorType::BF16, "bf16", 1, 2},
+    {TensorType::Q8_0, "q8_0", kQ8_0Block, 2 + kQ8_0Block},  // block_q8_0: f16 d, then int8 qs[32]
 };
 
 bool is_signed(ValueType t) {
@@ -472,6 +473,19 @@ void encode_f32(TensorType type, const float* src, size_t n, void* dst) {
     case TensorType::BF16:
       convert_from_f32(dst, DType::BF16, src, n);
       return;
+    case TensorType::Q8_0: {
+      uint8_t* out = static_cast<uint8_t*>(dst);
+      for (size_t b = 0; b < n / kQ8_0Block; b++, out += 2 + kQ8_0Block) {
+        float d;
+        quantize_q8_0_block(src + b * kQ8_0Block, reinterpret_cast<int8_t*>(out + 2), d);
+        if (!(d <= 65504.0f))
+          fail("gguf: a Q8_0 block holds {} (its scale is beyond f16, or a value is not finite)",
+               std::isfinite(d) ? "values beyond 65504 * 127" : "a non-finite value");
+        const uint16_t h = f32_to_f16(d);
+        std::memcpy(out, &h, 2);
+      }
+      return;
+    }
   }
   fail("gguf: no encoder for tensor type {}", static_cast<uint32_t>(type));
 }
@@ -487,6 +501,16 @@ void decode_f32(TensorType type, const void* src, size_t n, float* out) {
     case TensorType::BF16:
       convert_to_f32(out, src, DType::BF16, n);
       return;
+    case TensorType::Q8_0: {
+      const uint8_t* in = static_cast<const uint8_t*>(src);
+      for (size_t b = 0; b < n / kQ8_0Block; b++, in += 2 + kQ8_0Block) {
+        uint16_t h;
+        std::memcpy(&h, in, 2);
+        const float d = f16_to_f32(h);
+        for (int i = 0; i < kQ8_0Block; i++) out[b * kQ8_0Block + i] = (float)static_cast<int8_t>(in[2 + i]) * d;
+      }
+      return;
+    }
   }
   fail("gguf: no decoder for tensor type {}", static_cast<uint32_t>(type));
 }

@@ -81,11 +81,11 @@ using KeyValues = std::vector<std::pair<std::string, Value>>;
 // values in `block_bytes` bytes (Q8_0: 32 values as one fp16 scale + 32 int8, 34 bytes); the plain
 // types are blocks of one. Adding such a type means a row in the traits table and an encoder /
 // decoder in gguf.cpp; ne[0] (a row) must then be a multiple of block_elems.
-enum class TensorType : uint32_t { F32 = 0, F16 = 1, BF16 = 30 };
+enum class TensorType : uint32_t { F32 = 0, F16 = 1, Q8_0 = 8, BF16 = 30 };
 
 struct TensorTypeTraits {
   TensorType type;
-  const char* name;  // as llama.cpp prints it: "f32", "f16", "bf16"
+  const char* name;  // as llama.cpp prints it: "f32", "f16", "bf16", "q8_0"
   int64_t block_elems;
   size_t block_bytes;
 };
@@ -94,7 +94,8 @@ const TensorTypeTraits& tensor_type_traits(uint32_t type);
 inline const TensorTypeTraits& tensor_type_traits(TensorType t) { return tensor_type_traits(static_cast<uint32_t>(t)); }
 // Bytes of a tensor of shape ne (Error when ne[0] is not a multiple of the block or the size overflows).
 uint64_t tensor_bytes(TensorType type, const std::vector<int64_t>& ne);
-// n fp32 values (n a multiple of the block) encoded into dst; round to nearest even for F16 / BF16.
+// n fp32 values (n a multiple of the block) encoded into dst; round to nearest even for F16 / BF16;
+// Q8_0 by core/dtype.h's rule (Error when a block's scale is beyond f16 or a value is not finite).
 void encode_f32(TensorType type, const float* src, size_t n, void* dst);
 // n encoded values back to fp32.
 void decode_f32(TensorType type, const void* src, size_t n, float* out);
