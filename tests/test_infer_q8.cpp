@@ -116,7 +116,7 @@ TEST(Q8Kernels, QuantizationIsLlamaCppsRule) {
 //   |sum w x - sum w' x'| <= sum_c |w_c| |x_c - x'_c| + |x'_c| |w_c - w'_c|,
 // each difference at most half a step plus the f16 rounding of a weight scale.
 TEST(Q8Kernels, EverySimdLevelIsBitwiseTheSameAndWithinTheQuantizationBound) {
-  for (const int IC : {32, 64, 96, 1024}) {
+  for (const int IC : {32, 64, 96, 672, 1024}) {
     const int OC = 37;
     std::vector<float> w((size_t)OC * IC), x(IC);
     for (size_t i = 0; i < w.size(); i++) w[i] = uniform(i * 3 + 1, i % 17 == 0 ? 4.0 : 0.5);

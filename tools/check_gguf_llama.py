@@ -22,6 +22,8 @@ The cases use the committed generation goldens (tests/golden/generate, prompts f
   shown); the case drops layer 1 and sets norm_topk_prob true, in bf16 and f32, 32 tokens.
 - llama_dense and olmoe (clip_qkv removed: llama.cpp does not clamp) with a small generated
   byte-level tokenizer (the goldens ship none), 32 tokens.
+- q8_0: mixtral_gqa without its window, and the trained model of tests/golden/perplexity, 32 tokens,
+  moetron with --quantize q8_0 (the same int8 weights as the exported file).
 """
 import argparse
 import json
@@ -181,7 +183,14 @@ def main():
             ("llama_dense", "bf16", os.path.join(GOLDEN, "llama_dense"), "llama_dense", 32, ["--tokenizer", tok],
              own_tok, True),
             ("olmoe, clip_qkv removed", "bf16", olmoe, "olmoe", 32, ["--tokenizer", tok], own_tok, False),
+            # Q8_0: the same int8 weights on both sides (moetron --quantize q8_0 quantizes at load by the
+            # rule the export writes); the inputs are quantized per block on both sides too.
+            ("mixtral_gqa, sliding_window removed", "q8_0", m_nowin, "mixtral_gqa", 32, [],
+             "moetron generate --quantize q8_0", False),
+            ("the trained model of tests/golden/perplexity", "q8_0", os.path.join(ROOT, "tests", "golden", "perplexity"),
+             "perplexity", 32, [], "moetron generate --quantize q8_0; prompt: BOS + 'This License'", False),
         ]
+        golden["perplexity"] = {"prompt_ids": [1, 312, 337, 321, 270, 294, 302]}
 
         # The golden Qwen3-MoE itself is refused: llama.cpp's qwen3moe graph cannot compute it.
         rc, _, err = run([args.moetron, "export", "gguf", "--model", os.path.join(GOLDEN, "qwen3_moe"),
@@ -202,7 +211,8 @@ def main():
             print("export    :", msg.splitlines()[0])
             ids = ",".join(map(str, prompt))
             rc1, ours, err1 = run([args.moetron, "generate", "--model", model, "--prompt-ids", ids,
-                                   "--max-new-tokens", str(n_new), "--threads", "1"])
+                                   "--max-new-tokens", str(n_new), "--threads", "1"]
+                                  + (["--quantize", "q8_0"] if typ == "q8_0" else []))
             rc2, theirs, err2 = run([greedy, out, ids, str(n_new)])
             print("prompt    :", ids)
             print("moetron   :", ours if rc1 == 0 else "error: " + err1)

@@ -7,7 +7,8 @@
 // a matrix-vector product streams the weights once, and the hardware prefetchers alone left a core
 // at ~60% of its read bandwidth here.  Measured on the 0.49B model, one thread, bf16 (2-core
 // Sapphire-Rapids-class VM): 4-row blocks, 512 ahead 33.4 tokens/s; 2-row, 1024 ahead 34.5; 2-row,
-// 2048 ahead 39.5; 4096 ahead the same; 4-row, 2048 ahead 34.6 (AVX2: 4-row 33.0, 2-row 36.9).
+// 2048 ahead 39.5; 4096 ahead the same; 4-row, 2048 ahead 34.6 (AVX2: 4-row 33.0, 2-row 36.9); and
+// see kPrefetch for an AMD EPYC.
 #include "infer/kernels.h"
 
 // GCC 12 reports the "undefined" pass-through operand inside its own AVX-512 intrinsics
@@ -33,7 +34,11 @@ namespace moetron::infer {
 
 namespace {
 
-constexpr int kPrefetch = 2048;  // values ahead of the position being read (4 KiB of bf16)
+// Values ahead of the position being read: 8 KiB of bf16 (4 KiB was as fast on the Xeon; on a 2-core
+// AVX-512 AMD EPYC VM the 0.49B model decoded 65.6 tokens/s with 4 KiB, 72 with 8, 63 with 16).
+constexpr int kPrefetch = 4096;
+// Q8_0: bytes ahead (same AMD VM, 0.49B model: 2 KiB 88 tokens/s, 4 KiB 109, 8 KiB 115, 16 KiB 110).
+constexpr int kQ8Prefetch = 8192;
 
 inline float load_scalar(const uint16_t* p, int c, DType dt) {
   uint16_t h;
@@ -343,40 +348,49 @@ void mrows_simd(SimdLevel level, float* out, int ld_out, const void* W, const fl
 
 // ---- Q8_0 ---------------------------------------------------------------------------------------------
 //
-// A row's product with an input, both in Q8_0: per block b, eight exact int32 lane sums (lane k: the
-// block's values 4k..4k+3), each added to its lane's fp32 accumulator as fma(dw_b * dx_b, sum, acc);
-// then the eight lanes summed in hsum8's order.  The portable and the AVX2 code do exactly these
-// operations (the AVX-512 level uses the AVX2 code: 256 bits is a block), so results are bitwise
-// equal across levels.  The u8 x s8 instruction (maddubs) takes one unsigned operand: the inputs are
-// kept as |x| beside x, and x's signs move onto the weights (sign_epi8), as llama.cpp does.
+// A row's product with an input, both in Q8_0: per block b, eight exact int32 lane sums s_b (lane k:
+// the block's values 4k..4k+3), added to the fp32 lanes of accumulator E (even b) or O (odd b) as
+// fma(dw_b * dx_b, s_b, acc); the result is E + O lane by lane, then summed in hsum8's order.  The
+// portable, AVX2 and AVX-512 code do exactly these operations (the integer sums are exact however
+// they are formed), so results are bitwise equal across levels.  Integer sums: AVX2 multiplies |x|
+// (u8) by the weights carrying x's signs (maddubs, as llama.cpp); AVX-512 VNNI 64 values at a time
+// (two blocks: E in the low half, O in the high) as (w + 128) (u8) times x minus 128 * sum(x).
 
 // One product's inputs in Q8_0: input j's values at q + j * IC (int8) and a + j * IC (|q|, uint8), its
-// block scales at d + j * IC / kQ8Block (fp32).
+// block scales at d + j * IC / kQ8Block (fp32), and 128 times its 4-value sums at off + j * IC / 4.
 struct Q8Inputs {
   const int8_t* q;
   const uint8_t* a;
   const float* d;
+  const int32_t* off;
 };
 
 // Bytes q8_quantize_inputs needs for n inputs of IC values (IC a multiple of kQ8Block).
-size_t q8_input_bytes(int n, int IC) { return (size_t)n * IC * 2 + (size_t)n * (IC / kQ8Block) * sizeof(float); }
+size_t q8_input_bytes(int n, int IC) {
+  return (size_t)n * IC * 2 + (size_t)n * (IC / kQ8Block) * sizeof(float) + (size_t)n * (IC / 4) * sizeof(int32_t);
+}
 
 Q8Inputs q8_view(const uint8_t* buf, int n, int IC) {
-  return {reinterpret_cast<const int8_t*>(buf), buf + (size_t)n * IC,
-          reinterpret_cast<const float*>(buf + (size_t)n * IC * 2)};
+  const size_t at_d = (size_t)n * IC * 2, at_off = at_d + (size_t)n * (IC / kQ8Block) * sizeof(float);
+  return {reinterpret_cast<const int8_t*>(buf), buf + (size_t)n * IC, reinterpret_cast<const float*>(buf + at_d),
+          reinterpret_cast<const int32_t*>(buf + at_off)};
 }
 
 // The n inputs x + j * ld_x in Q8_0 into buf (q8_input_bytes(n, IC)).
 void q8_quantize_inputs(const float* x, int ld_x, int n, int IC, uint8_t* buf) {
   const int nb = IC / kQ8Block;
-  int8_t* q = reinterpret_cast<int8_t*>(buf);
-  uint8_t* a = buf + (size_t)n * IC;
-  float* d = reinterpret_cast<float*>(buf + (size_t)n * IC * 2);
+  const Q8Inputs v = q8_view(buf, n, IC);
+  int8_t* q = const_cast<int8_t*>(v.q);
+  uint8_t* a = const_cast<uint8_t*>(v.a);
+  float* d = const_cast<float*>(v.d);
+  int32_t* off = const_cast<int32_t*>(v.off);
   for (int j = 0; j < n; j++)
     for (int b = 0; b < nb; b++) {
       const size_t at = (size_t)j * IC + (size_t)b * kQ8Block;
       quantize_q8_0_block(x + (size_t)j * ld_x + (size_t)b * kQ8Block, q + at, d[(size_t)j * nb + b]);
       for (int i = 0; i < kQ8Block; i++) a[at + i] = (uint8_t)std::abs((int)q[at + i]);
+      for (int k = 0; k < kQ8Block / 4; k++)
+        off[at / 4 + k] = 128 * ((int32_t)q[at + 4 * k] + q[at + 4 * k + 1] + q[at + 4 * k + 2] + q[at + 4 * k + 3]);
     }
 }
 
@@ -391,7 +405,7 @@ float q8_dot_generic(const int8_t* W, const uint16_t* S, const Q8Inputs& x, int 
   const int nb = IC / kQ8Block;
   const int8_t* w = W + (size_t)r * IC;
   const int8_t* q = x.q + (size_t)j * IC;
-  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float a[2][8] = {};  // E, O
   for (int b = 0; b < nb; b++) {
     const float d = f16_at(S, (size_t)r * nb + b) * x.d[(size_t)j * nb + b];
     for (int k = 0; k < 8; k++) {
@@ -400,10 +414,12 @@ float q8_dot_generic(const int8_t* W, const uint16_t* S, const Q8Inputs& x, int 
         const int i = b * kQ8Block + 4 * k + t;
         s += (int32_t)w[i] * (int32_t)q[i];
       }
-      a[k] = std::fma(d, (float)s, a[k]);
+      a[b & 1][k] = std::fma(d, (float)s, a[b & 1][k]);
     }
   }
-  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+  float t[8];
+  for (int k = 0; k < 8; k++) t[k] = a[0][k] + a[1][k];
+  return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
 }
 
 void q8_rows_generic(float* out, int ld_out, const int8_t* W, const uint16_t* S, const Q8Inputs& x, int n, int r0,
@@ -432,22 +448,22 @@ template <int R>
 MOETRON_AVX2 void q8_block_avx2(float* y, const int8_t* W, const uint16_t* S, const Q8Inputs& x, int r, int IC,
                                 bool acc) {
   const int nb = IC / kQ8Block;
-  __m256 a[R];
-  for (int k = 0; k < R; k++) a[k] = _mm256_setzero_ps();
+  __m256 a[R][2];  // E, O
+  for (int k = 0; k < R; k++) a[k][0] = a[k][1] = _mm256_setzero_ps();
   for (int b = 0; b < nb; b++) {
     const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (size_t)b * kQ8Block));
     const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.a + (size_t)b * kQ8Block));
     const float dx = x.d[b];
     for (int k = 0; k < R; k++) {
       const size_t i = (size_t)(r + k) * IC + (size_t)b * kQ8Block;
-      _mm_prefetch(reinterpret_cast<const char*>(W + i + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(W + i + kQ8Prefetch), _MM_HINT_T0);
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + i));
       const float d = f16_at_avx2(S, (size_t)(r + k) * nb + b) * dx;
-      a[k] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q8_lanes(xa, xq, w)), a[k]);
+      a[k][b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q8_lanes(xa, xq, w)), a[k][b & 1]);
     }
   }
   for (int k = 0; k < R; k++) {
-    const float s = hsum8(a[k]);
+    const float s = hsum8(_mm256_add_ps(a[k][0], a[k][1]));
     y[r + k] = acc ? y[r + k] + s : s;
   }
 }
@@ -457,11 +473,11 @@ template <int N>
 MOETRON_AVX2 void q8_multi_avx2(float* out, int ld_out, const int8_t* W, const uint16_t* S, const Q8Inputs& x, int r,
                                 int IC, bool acc) {
   const int nb = IC / kQ8Block;
-  __m256 a[N];
-  for (int j = 0; j < N; j++) a[j] = _mm256_setzero_ps();
+  __m256 a[N][2];
+  for (int j = 0; j < N; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
   for (int b = 0; b < nb; b++) {
     const size_t i = (size_t)r * IC + (size_t)b * kQ8Block;
-    _mm_prefetch(reinterpret_cast<const char*>(W + i + kPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(W + i + kQ8Prefetch), _MM_HINT_T0);
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + i));
     const float dw = f16_at_avx2(S, (size_t)r * nb + b);
     for (int j = 0; j < N; j++) {
@@ -469,11 +485,113 @@ MOETRON_AVX2 void q8_multi_avx2(float* out, int ld_out, const int8_t* W, const u
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at));
       const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.a + at));
       const float d = dw * x.d[(size_t)j * nb + b];
-      a[j] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q8_lanes(xa, xq, w)), a[j]);
+      a[j][b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q8_lanes(xa, xq, w)), a[j][b & 1]);
     }
   }
   for (int j = 0; j < N; j++) {
-    const float s = hsum8(a[j]);
+    const float s = hsum8(_mm256_add_ps(a[j][0], a[j][1]));
+    float& o = out[(size_t)j * ld_out + r];
+    o = acc ? o + s : s;
+  }
+}
+
+#define MOETRON_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+// The 16 int32 lane sums of blocks b, b+1 (64 weights) with input j: (w + 128) x - 128 sum(x).
+MOETRON_VNNI inline __m512i q8_pair_lanes(const int8_t* w, const Q8Inputs& x, size_t at) {
+  const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(w), _mm512_set1_epi8((char)0x80));
+  return _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512(x.q + at)),
+                          _mm512_loadu_si512(x.off + at / 4));
+}
+
+// The same for one block, 8 lanes.
+MOETRON_VNNI inline __m256i q8_one_lanes(const int8_t* w, const Q8Inputs& x, size_t at) {
+  const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)),
+                                      _mm256_set1_epi8((char)0x80));
+  return _mm256_sub_epi32(
+      _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.off + at / 4)));
+}
+
+// acc (E low, O high) += d_b, d_b+1 times the lane sums; dv holds 16 blocks' scales from g, p the pair.
+MOETRON_VNNI inline __m512 q8_pair_fma(__m512 acc, __m512 dv, int p, __m512i s) {
+  const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                       _mm512_set1_epi32(2 * p));
+  return _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, dv), _mm512_cvtepi32_ps(s), acc);
+}
+
+// An odd last block (an even index: E, the low half).
+MOETRON_VNNI inline __m512 q8_tail_fma(__m512 acc, __m512 dv, int p, __m256i s) {
+  const __m256 d = _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_set1_epi32(2 * p), dv));
+  const __m256 lo = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), _mm512_castps512_ps256(acc));
+  return _mm512_insertf32x8(acc, lo, 0);
+}
+
+MOETRON_VNNI inline float q8_finish(__m512 acc) {
+  return hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1)));
+}
+
+// 16 block scales from block g of row r (fewer at the row's end: mask m) times the input's.
+MOETRON_VNNI inline __m512 q8_scales(const uint16_t* S, size_t at, __mmask16 m, const float* dx) {
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, S + at)), _mm512_maskz_loadu_ps(m, dx));
+}
+
+template <int R>
+MOETRON_VNNI void q8_block_vnni(float* y, const int8_t* W, const uint16_t* S, const Q8Inputs& x, int r, int IC,
+                                bool acc) {
+  const int nb = IC / kQ8Block;
+  __m512 a[R];
+  for (int k = 0; k < R; k++) a[k] = _mm512_setzero_ps();
+  for (int g = 0; g < nb; g += 16) {
+    const int gn = std::min(16, nb - g);
+    const __mmask16 m = (__mmask16)((1u << gn) - 1);
+    __m512 dv[R];
+    for (int k = 0; k < R; k++) dv[k] = q8_scales(S, (size_t)(r + k) * nb + g, m, x.d + g);
+    int p = 0;
+    for (; 2 * p + 1 < gn; p++) {
+      const size_t at = (size_t)(g + 2 * p) * kQ8Block;
+      for (int k = 0; k < R; k++) {
+        const int8_t* w = W + (size_t)(r + k) * IC + at;
+        _mm_prefetch(reinterpret_cast<const char*>(w + kQ8Prefetch), _MM_HINT_T0);
+        a[k] = q8_pair_fma(a[k], dv[k], p, q8_pair_lanes(w, x, at));
+      }
+    }
+    if (2 * p < gn) {
+      const size_t at = (size_t)(g + 2 * p) * kQ8Block;
+      for (int k = 0; k < R; k++) a[k] = q8_tail_fma(a[k], dv[k], p, q8_one_lanes(W + (size_t)(r + k) * IC + at, x, at));
+    }
+  }
+  for (int k = 0; k < R; k++) {
+    const float s = q8_finish(a[k]);
+    y[r + k] = acc ? y[r + k] + s : s;
+  }
+}
+
+template <int N>
+MOETRON_VNNI void q8_multi_vnni(float* out, int ld_out, const int8_t* W, const uint16_t* S, const Q8Inputs& x, int r,
+                                int IC, bool acc) {
+  const int nb = IC / kQ8Block;
+  __m512 a[N];
+  for (int j = 0; j < N; j++) a[j] = _mm512_setzero_ps();
+  const int8_t* row = W + (size_t)r * IC;
+  for (int g = 0; g < nb; g += 16) {
+    const int gn = std::min(16, nb - g);
+    const __mmask16 m = (__mmask16)((1u << gn) - 1);
+    __m512 dv[N];
+    for (int j = 0; j < N; j++) dv[j] = q8_scales(S, (size_t)r * nb + g, m, x.d + (size_t)j * nb + g);
+    int p = 0;
+    for (; 2 * p + 1 < gn; p++) {
+      const size_t at = (size_t)(g + 2 * p) * kQ8Block;
+      _mm_prefetch(reinterpret_cast<const char*>(row + at + kQ8Prefetch), _MM_HINT_T0);
+      for (int j = 0; j < N; j++) a[j] = q8_pair_fma(a[j], dv[j], p, q8_pair_lanes(row + at, x, (size_t)j * IC + at));
+    }
+    if (2 * p < gn) {
+      const size_t at = (size_t)(g + 2 * p) * kQ8Block;
+      for (int j = 0; j < N; j++) a[j] = q8_tail_fma(a[j], dv[j], p, q8_one_lanes(row + at, x, (size_t)j * IC + at));
+    }
+  }
+  for (int j = 0; j < N; j++) {
+    const float s = q8_finish(a[j]);
     float& o = out[(size_t)j * ld_out + r];
     o = acc ? o + s : s;
   }
@@ -481,11 +599,23 @@ MOETRON_AVX2 void q8_multi_avx2(float* out, int ld_out, const int8_t* W, const u
 
 using Q8MultiFn = void (*)(float*, int, const int8_t*, const uint16_t*, const Q8Inputs&, int, int, bool);
 
-Q8MultiFn q8_multi_fn(int n) {
-  static constexpr Q8MultiFn t[kMaxGemvInputs] = {q8_multi_avx2<1>, q8_multi_avx2<2>, q8_multi_avx2<3>,
-                                                 q8_multi_avx2<4>, q8_multi_avx2<5>, q8_multi_avx2<6>,
-                                                 q8_multi_avx2<7>, q8_multi_avx2<8>};
-  return t[n - 1];
+#define MOETRON_Q8_TABLE(NAME, FN)                                                                             \
+  Q8MultiFn NAME(int n) {                                                                                      \
+    static constexpr Q8MultiFn t[kMaxGemvInputs] = {FN<1>, FN<2>, FN<3>, FN<4>, FN<5>, FN<6>, FN<7>, FN<8>};  \
+    return t[n - 1];                                                                                           \
+  }
+MOETRON_Q8_TABLE(q8_multi_fn_avx2, q8_multi_avx2)
+MOETRON_Q8_TABLE(q8_multi_fn_vnni, q8_multi_vnni)
+#undef MOETRON_Q8_TABLE
+
+// Whether the AVX-512 level has VNNI for the int8 products (else it runs the AVX2 ones: same results).
+bool has_avx512_vnni() {
+#if defined(__x86_64__)
+  static const bool v = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
+  return v;
+#else
+  return false;
+#endif
 }
 
 // Rows [r0, r1) of a Q8_0 matrix against n inputs (q8_quantize_inputs), out_j = out + j * ld_out.
@@ -493,13 +623,19 @@ void q8_rows(SimdLevel level, float* out, int ld_out, WeightRef Wr, const Q8Inpu
              bool acc) {
   const int8_t* W = static_cast<const int8_t*>(Wr.data);
   if (level == SimdLevel::generic) return q8_rows_generic(out, ld_out, W, Wr.scales, x, n, r0, r1, IC, acc);
+  const bool vnni = level == SimdLevel::avx512 && has_avx512_vnni();
   if (n == 1) {
     int r = r0;
-    for (; r + 2 <= r1; r += 2) q8_block_avx2<2>(out, W, Wr.scales, x, r, IC, acc);
-    for (; r < r1; r++) q8_block_avx2<1>(out, W, Wr.scales, x, r, IC, acc);
+    if (vnni) {
+      for (; r + 2 <= r1; r += 2) q8_block_vnni<2>(out, W, Wr.scales, x, r, IC, acc);
+      for (; r < r1; r++) q8_block_vnni<1>(out, W, Wr.scales, x, r, IC, acc);
+    } else {
+      for (; r + 2 <= r1; r += 2) q8_block_avx2<2>(out, W, Wr.scales, x, r, IC, acc);
+      for (; r < r1; r++) q8_block_avx2<1>(out, W, Wr.scales, x, r, IC, acc);
+    }
     return;
   }
-  const Q8MultiFn f = q8_multi_fn(n);
+  const Q8MultiFn f = vnni ? q8_multi_fn_vnni(n) : q8_multi_fn_avx2(n);
   for (int r = r0; r < r1; r++) f(out, ld_out, W, Wr.scales, x, r, IC, acc);
 }
 
