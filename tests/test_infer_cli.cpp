@@ -144,12 +144,32 @@ TEST(GenerateCli, BadInputFailsCleanly) {
       {"chat --model " + model + " --top-k -2", "top_k"},
       {"serve --model " + model + " --port 70000", "70000"},
       {"serve --model " + model + " --queue-size 0", "queue"},
+      {"generate --model " + model + " --prompt x --quantize int4", "--quantize: 'int4'"},
+      {"serve --model " + model + " --quantize q4", "--quantize: 'q4'"},
+      {"bench generate --quantize q8_0", "--quantize needs --model"},
+      {"generate --model " + model + " --perplexity /nonexistent.txt", "/nonexistent.txt"},
+      {"generate --model " + model + " --perplexity " + std::string(MOETRON_SOURCE_DIR) + "/tests/data/apache-2.0.txt --ppl-ctx 1",
+       "at least 2 tokens"},
+      {"generate --model " + model + " --perplexity " + std::string(MOETRON_SOURCE_DIR) + "/tests/data/apache-2.0.txt --ppl-ctx 100000",
+       "beyond the model's"},
   };
   for (const Case& c : cases) {
     const CliRun r = run(c.args);
     EXPECT_EQ(r.code, 1) << c.args << "\n" << r.err;
     EXPECT_NE(r.err.find(c.needle), std::string::npos) << c.args << "\n" << r.err;
   }
+}
+
+// --perplexity prints the library's perplexity; --quantize q8_0 loads Q8_0 (named in the line).
+TEST(GenerateCli, PerplexityOfATextWithAndWithoutQ8) {
+  const std::string base = "generate --model " + std::string(MOETRON_SOURCE_DIR) + "/tests/golden/perplexity --perplexity " +
+                           std::string(MOETRON_SOURCE_DIR) + "/tests/data/apache-2.0.txt --ppl-ctx 256";
+  const CliRun bf = run(base), q8 = run(base + " --quantize q8_0");
+  ASSERT_EQ(bf.code, 0) << bf.err;
+  ASSERT_EQ(q8.code, 0) << q8.err;
+  EXPECT_EQ(bf.out.rfind("perplexity: 36.5338 (7717 tokens scored in 31 windows of up to 256; weights BF16)", 0), 0u) << bf.out;
+  EXPECT_EQ(q8.out.rfind("perplexity: 36.60", 0), 0u) << q8.out;
+  EXPECT_NE(q8.out.find("weights Q8_0"), std::string::npos) << q8.out;
 }
 
 TEST(BenchGenerateCli, PrintsPrefillAndDecodeRates) {

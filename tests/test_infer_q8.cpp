@@ -103,6 +103,11 @@ TEST(Q8Kernels, QuantizationIsLlamaCppsRule) {
     }
   }
   EXPECT_EQ(m.d[0], 0);
+  // Halves round away from zero (roundf): a block with max 127 has d = 1 exactly.
+  std::vector<float> ties = {127, 2.5f, -3.5f, 0.5f, -0.5f, 1.4999999f, -126.5f, 0};
+  ties.resize(32, 0.25f);
+  const Q8Matrix t = quantized(ties, 1, 32);
+  EXPECT_EQ(std::vector<int>(t.q.begin(), t.q.begin() + 8), (std::vector<int>{127, 3, -4, 1, -1, 1, -127, 0}));
   // A scale beyond f16 (|w| > 65504 * 127) cannot be stored: refused, not written as infinity.
   std::vector<float> big(32, 1e7f);
   std::vector<int8_t> q(32);

@@ -2,7 +2,12 @@
 // and final adapters (written by PEFT) and, from PEFT in float64, the loss and every adapter gradient
 // of 5 AdamW steps (tools/make_lora_golden.py).  We run the same in fp32:
 //   the initial adapter leaves the logits bitwise the base's (B = 0);
-//   losses within 1e-5 relative per step, adapter gradients max|a-b| / max|b| <= 1e-4 per tensor;
+//   losses within 1e-5 relative per step, adapter gradients max|a-b| / max|b| <= 1e-4 per tensor at
+//   steps 0 and 1 and 1e-3 after: the gradients are computed at our fp32 parameters, which leave
+//   PEFT's float64 trajectory by ~15x a step through AdamW (mixtral, experts' lora_B of layer 1:
+//   3e-7, 7e-6, 1.05e-4, 1.05e-4, 8.8e-5 at steps 0..4 on an AVX-512 AMD EPYC, with no gradient sign
+//   different and every loss within the 1e-5 checked; a Xeon's BLAS stayed just under 1e-4), so a later step's
+//   difference measures that drift, not the gradient code -- which steps 0 and 1 check at 1e-4;
 //   PEFT's final adapter gives PEFT's logits within 1e-5 (normalised).
 // And the adapter table itself: sharded tables hold the whole table's values, PEFT's format round
 // trips, and bad adapters are refused naming the field.
@@ -118,7 +123,7 @@ TEST_P(LoraGolden, AdamWTrajectoryAndEveryAdapterGradientMatchPeft) {
     for (const auto& [name, g] : peft_named(*m, grads)) {
       const std::string key = "grad." + std::to_string(step) + "." + name;
       ASSERT_NE(c.expected.find(key), nullptr) << key;
-      EXPECT_LE(normalized_max_error(g, to_f32(c.expected.get(key))), 1e-4) << key;
+      EXPECT_LE(normalized_max_error(g, to_f32(c.expected.get(key))), step < 2 ? 1e-4 : 1e-3) << key;
       compared++;
     }
     const double norm = global_grad_norm(grads.data(), grads.size());

@@ -197,7 +197,15 @@ void quantize_q8_0_block(const float* x, int8_t* q, float& d) {
   }
   d = amax / 127.0f;
   const float id = d != 0 ? 1.0f / d : 0.0f;
-  for (int i = 0; i < kQ8_0Block; i++) q[i] = (int8_t)std::roundf(x[i] * id);
+  for (int i = 0; i < kQ8_0Block; i++) {
+    // roundf (half away from zero) without the library call: |v| <= 127 (+ rounding), so the integer
+    // part converts exactly and v - part is exact.
+    const float v = x[i] * id;
+    int r = (int)v;
+    const float frac = v - (float)r;
+    r += frac >= 0.5f ? 1 : frac <= -0.5f ? -1 : 0;
+    q[i] = (int8_t)r;
+  }
 }
 
 }  // namespace moetron
