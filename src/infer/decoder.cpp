@@ -519,8 +519,30 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
   ops::moe_plan_build(plan_, topk_idx_.data(), n, E_, K_);
   ops::moe_permute_forward(xperm_.data(), ln, plan_, C_);
   // Expert-major: each expert's rows gathered (the plan) and run as one product per weight, with its
-  // adapters between the products.
-  for (int e = 0; e < E_; e++) {
+  // adapters between the products.  Without adapters, experts run in parallel, one thread each with
+  // its own widening scratch and its products on that thread: a prompt's experts hold a few dozen rows
+  // each, too few for one GEMM to split well (0.49B model, 2 threads, AVX-512 AMD EPYC VM: prefill
+  // tokens/s 1.22x in bf16, 1.28x in Q8_0, medians of 3).
+  const bool expert_parallel = !m_.lora && omp_get_max_threads() > 1 && (long)n * K_ * 3 * C_ * I >= 4 * kParallelMin;
+  if (expert_parallel) {
+    expert_widen_.resize(omp_get_max_threads());
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int e = 0; e < E_; e++) {
+      const long off = plan_.expert_offsets[e], rows = plan_.expert_offsets[e + 1] - off;
+      if (rows == 0) continue;
+      std::vector<float>& scratch = expert_widen_[omp_get_thread_num()];
+      float *he = h13 + off * 2 * I, *ae = act + off * I, *ye = yperm_.data() + off * C_;
+      const float* xe = xperm_.data() + off * C_;
+      const int r = (int)rows;
+      const size_t base13 = (size_t)e * 2 * IC;
+      infer::matmul(he, 2 * I, xe, C_, m_.mat(ParamKind::ffn_w13, layer, base13, IC), r, C_, I, false, scratch);
+      infer::matmul(he + I, 2 * I, xe, C_, m_.mat(ParamKind::ffn_w13, layer, base13 + IC, IC), r, C_, I, false,
+                    scratch);
+      ops::swiglu_forward(ae, he, rows, I);
+      infer::matmul(ye, C_, ae, I, m_.mat(ParamKind::ffn_w2, layer, (size_t)e * IC, IC), r, I, C_, false, scratch);
+    }
+  }
+  for (int e = 0; e < E_ && !expert_parallel; e++) {
     const long off = plan_.expert_offsets[e], rows = plan_.expert_offsets[e + 1] - off;
     if (rows == 0) continue;
     float *he = h13 + off * 2 * I, *ae = act + off * I, *ye = yperm_.data() + off * C_;

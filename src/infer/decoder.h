@@ -120,6 +120,7 @@ class Decoder {
   std::vector<int32_t> topk_idx_, pos_;
   std::vector<float> lora_u_;  // LoRA's x A^T
   std::vector<float> widen_;  // prefill: a block of weight rows widened to fp32 (infer::matmul)
+  std::vector<std::vector<float>> expert_widen_;  // the same per thread, for experts run in parallel
   std::vector<float> kv_;     // a decode batch's new keys and values [2][n, KV]
   std::vector<infer::GemvTask> tasks_;
   std::vector<int> slot_row_, expert_start_, expert_fill_;  // decode: expert-major gathering
