@@ -2,7 +2,7 @@
 """`moetron serve` under 1, 4, 8, 16 concurrent streaming clients: total generated tokens/s, beside the
 same requests sent one at a time, and whether every reply equals what that request gets alone (greedy).
 
-  python3 bench/serve_concurrency.py --model DIR [--clients 1,4,8,16] [--tokens 64] [--rounds 3]
+  python3 bench/serve_concurrency.py --model DIR [--clients 1,4,8,16] [--tokens 64] [--rounds 3] [--quantize q8_0]
 
 Each client sends one streaming /v1/completions request (a different prompt per client, temperature
 0, max_tokens --tokens; the tokens counted are the usage the server reports); a round runs the
@@ -77,10 +77,12 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--quantize", default="none", help="the server's --quantize (none | q8_0)")
     ap.add_argument("--moetron", default=os.environ.get("MOETRON_BINARY", os.path.join(ROOT, "build", "moetron")))
     a = ap.parse_args()
     levels = [int(c) for c in a.clients.split(",")]
     cmd = [a.moetron, "serve", "--model", a.model, "--port", "0", "--quiet", "--max-batch", str(max(levels)),
+           "--quantize", a.quantize,
            "--queue-size", str(max(levels)), "--max-tokens-limit", str(a.tokens)]
     if a.threads:
         cmd += ["--threads", str(a.threads)]
