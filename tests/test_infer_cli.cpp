@@ -152,6 +152,8 @@ TEST(GenerateCli, BadInputFailsCleanly) {
        "at least 2 tokens"},
       {"generate --model " + model + " --perplexity " + std::string(MOETRON_SOURCE_DIR) + "/tests/data/apache-2.0.txt --ppl-ctx 100000",
        "beyond the model's"},
+      {"generate --model " + model + " --perplexity " + std::string(MOETRON_SOURCE_DIR) + "/tests/data/apache-2.0.txt --ppl-step 0",
+       "at least 1"},
   };
   for (const Case& c : cases) {
     const CliRun r = run(c.args);

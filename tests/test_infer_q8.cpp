@@ -285,6 +285,20 @@ TEST(Perplexity, EqualsTheTrainingForwardsLossPerWindow) {
   EXPECT_THROW(perplexity(dec, std::vector<int32_t>{1, V}, {}), Error);
   EXPECT_THROW(perplexity(dec, tokens, {1, 1}), Error);
   EXPECT_THROW(perplexity(dec, tokens, {cfg.max_position_embeddings + 1, 1}), Error);
+  EXPECT_THROW(perplexity(dec, tokens, {16, 0}), Error);
+  // 4095 rows a forward x a vocabulary of 32000 would be 500 MiB of logits: refused before allocating.
+  const nlohmann::json j = {{"architectures", {"MistralForCausalLM"}}, {"model_type", "mistral"},
+                            {"vocab_size", 32000}, {"hidden_size", 32}, {"intermediate_size", 32},
+                            {"num_hidden_layers", 1}, {"num_attention_heads", 2}, {"num_key_value_heads", 1},
+                            {"max_position_embeddings", 4096}, {"tie_word_embeddings", false}};
+  InferenceModel wide(model_config_from_json(j, "test"));
+  Decoder wdec(wide);
+  try {
+    perplexity(wdec, std::vector<int32_t>(4096, 5), {4096, 4096});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("MiB of logits"), std::string::npos) << e.what();
+  }
 }
 
 // The accuracy cost of Q8_0, measured: a small Mixtral trained by moetron on licence texts

@@ -23,8 +23,8 @@ struct PerplexityResult {
   double perplexity() const;
 };
 
-// Error when fewer than 2 tokens, ctx < 2, step < 1, ctx beyond the model's positions, or a token
-// outside the vocabulary.
+// Error when fewer than 2 tokens, ctx < 2, step < 1, ctx beyond the model's positions, a token
+// outside the vocabulary, or more than 256 MiB of logits per forward (step x vocabulary).
 PerplexityResult perplexity(Decoder& dec, std::span<const int32_t> tokens, const PerplexityOptions& o);
 
 }  // namespace moetron
