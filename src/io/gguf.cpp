@@ -445,7 +445,7 @@ size_t Value::size() const {
 const TensorTypeTraits& tensor_type_traits(uint32_t type) {
   for (const TensorTypeTraits& t : kTypes)
     if (static_cast<uint32_t>(t.type) == type) return t;
-  fail("gguf: tensor type {} is not supported (f32 = 0, f16 = 1, bf16 = 30)", type);
+  fail("gguf: tensor type {} is not supported (f32 = 0, f16 = 1, q8_0 = 8, bf16 = 30)", type);
 }
 
 uint64_t tensor_bytes(TensorType type, const std::vector<int64_t>& ne) {
@@ -459,7 +459,10 @@ uint64_t tensor_bytes(TensorType type, const std::vector<int64_t>& ne) {
   }
   if (ne[0] % tr.block_elems != 0)
     fail("gguf: a {} row of {} values is not a whole number of {}-value blocks", tr.name, ne[0], tr.block_elems);
-  return n / static_cast<uint64_t>(tr.block_elems) * tr.block_bytes;
+  const uint64_t blocks = n / static_cast<uint64_t>(tr.block_elems);
+  // The bytes too must stay far from 2^64 (a 2^62-value f32 tensor is 2^64 bytes: 0 when wrapped).
+  if (blocks > (uint64_t{1} << 62) / tr.block_bytes) fail("gguf: tensor size overflows");
+  return blocks * tr.block_bytes;
 }
 
 void encode_f32(TensorType type, const float* src, size_t n, void* dst) {
