@@ -120,8 +120,14 @@ def main():
     a = ap.parse_args()
     tokenizer = os.path.join(ROOT, "..", "shared", "data", "mixtral-tokenizer.model")
     if a.make_small:
-        subprocess.check_call([sys.executable, os.path.join(HERE, "hf_generate.py"), "--save-model", a.make_small,
-                               "--hidden", "256", "--layers", "4", "--experts", "8", "--vocab", "32000"])
+        shape = ["--hidden", "256", "--layers", "4", "--experts", "8", "--vocab", "32000"]
+        try:  # transformers' random init when torch is here; else moetron's (the same shape)
+            import torch  # noqa: F401
+            subprocess.check_call([sys.executable, os.path.join(HERE, "hf_generate.py"), "--save-model", a.make_small]
+                                  + shape)
+        except ImportError:
+            subprocess.check_call([a.moetron, "bench", "checkpoint", "--make-model", a.make_small, "--intermediate",
+                                   "512", "--heads", "8", "--kv-heads", "2"] + shape)
         shutil.copy(tokenizer, os.path.join(a.make_small, "tokenizer.model"))
         return
     if not a.model:

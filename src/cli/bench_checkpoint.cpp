@@ -120,11 +120,12 @@ class ScratchDir {
   fs::path path_;
 };
 
-int make_model(const std::string& dir, int hidden, int layers, int experts, int intermediate, int vocab) {
+int make_model(const std::string& dir, int hidden, int layers, int experts, int intermediate, int vocab, int heads,
+               int kv_heads) {
   const ModelConfig cfg = model_config_from_json(
       {{"architectures", {"MixtralForCausalLM"}}, {"model_type", "mixtral"}, {"vocab_size", vocab},
        {"hidden_size", hidden}, {"intermediate_size", intermediate}, {"num_hidden_layers", layers},
-       {"num_attention_heads", 16}, {"num_key_value_heads", 8}, {"num_local_experts", experts},
+       {"num_attention_heads", heads}, {"num_key_value_heads", kv_heads}, {"num_local_experts", experts},
        {"num_experts_per_tok", 2}, {"torch_dtype", "bfloat16"}},
       "bench checkpoint --make-model");
   // The directory is the command's output: it must be new or empty (nothing of the user's is
@@ -152,7 +153,7 @@ int run_bench_checkpoint(int argc, char** argv) {
   CLI::App app{"Load / save speed and load peak RSS of model weights, beside plain sequential I/O.",
                "moetron bench checkpoint"};
   std::string model_dir, make_dir, out_dir;
-  int repeats = 3, hidden = 1024, layers = 8, experts = 8, intermediate = 2048, vocab = 32000;
+  int repeats = 3, hidden = 1024, layers = 8, experts = 8, intermediate = 2048, vocab = 32000, heads = 16, kv_heads = 8;
   app.add_option("--model", model_dir, "HF model directory to load (safetensors, any float dtype)");
   app.add_option("--output", out_dir,
                  "where to make the scratch directory for the saves and copies: a fresh DIR/moetron-bench-XXXXXX, "
@@ -164,12 +165,15 @@ int run_bench_checkpoint(int argc, char** argv) {
   app.add_option("--experts", experts, "--make-model: num_local_experts")->check(CLI::PositiveNumber);
   app.add_option("--intermediate", intermediate, "--make-model: intermediate_size")->check(CLI::PositiveNumber);
   app.add_option("--vocab", vocab, "--make-model: vocab_size")->check(CLI::PositiveNumber);
+  app.add_option("--heads", heads, "--make-model: num_attention_heads (dividing hidden_size)")->check(CLI::PositiveNumber);
+  app.add_option("--kv-heads", kv_heads, "--make-model: num_key_value_heads (dividing --heads)")
+      ->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  if (!make_dir.empty()) return make_model(make_dir, hidden, layers, experts, intermediate, vocab);
+  if (!make_dir.empty()) return make_model(make_dir, hidden, layers, experts, intermediate, vocab, heads, kv_heads);
   if (model_dir.empty()) {
     std::fprintf(stderr, "moetron bench checkpoint: give --model DIR (or --make-model DIR to create one)\n");
     return 2;

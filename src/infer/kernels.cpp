@@ -37,8 +37,12 @@ namespace {
 // Values ahead of the position being read: 8 KiB of bf16 (4 KiB was as fast on the Xeon; on a 2-core
 // AVX-512 AMD EPYC VM the 0.49B model decoded 65.6 tokens/s with 4 KiB, 72 with 8, 63 with 16).
 constexpr int kPrefetch = 4096;
-// Q8_0: bytes ahead (same AMD VM, 0.49B model: 2 KiB 88 tokens/s, 4 KiB 109, 8 KiB 115, 16 KiB 110).
-constexpr int kQ8Prefetch = 8192;
+// Q8_0: bytes ahead, per kernel, each measured on the CPU it is chosen for (0.49B model, one thread).
+// AVX-512 VNNI (64 bytes a step), on the AVX-512 AMD EPYC VM: 2 KiB 88 tokens/s, 4 KiB 109, 8 KiB 115,
+// 16 KiB 110.  AVX2 (32 bytes a step), on a 2-core AVX2-only AMD EPYC VM, medians of 3, two sweeps:
+// 1 KiB 50, 2 KiB 57, 4 KiB 50, 8 KiB 49, 16 KiB 53 (2 threads: 2 KiB 89, 8 KiB 85).
+constexpr int kQ8PrefetchVnni = 8192;
+constexpr int kQ8PrefetchAvx2 = 2048;
 
 inline float load_scalar(const uint16_t* p, int c, DType dt) {
   uint16_t h;
@@ -456,7 +460,7 @@ MOETRON_AVX2 void q8_block_avx2(float* y, const int8_t* W, const uint16_t* S, co
     const float dx = x.d[b];
     for (int k = 0; k < R; k++) {
       const size_t i = (size_t)(r + k) * IC + (size_t)b * kQ8Block;
-      _mm_prefetch(reinterpret_cast<const char*>(W + i + kQ8Prefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(W + i + kQ8PrefetchAvx2), _MM_HINT_T0);
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + i));
       const float d = f16_at_avx2(S, (size_t)(r + k) * nb + b) * dx;
       a[k][b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q8_lanes(xa, xq, w)), a[k][b & 1]);
@@ -477,7 +481,7 @@ MOETRON_AVX2 void q8_multi_avx2(float* out, int ld_out, const int8_t* W, const u
   for (int j = 0; j < N; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
   for (int b = 0; b < nb; b++) {
     const size_t i = (size_t)r * IC + (size_t)b * kQ8Block;
-    _mm_prefetch(reinterpret_cast<const char*>(W + i + kQ8Prefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(W + i + kQ8PrefetchAvx2), _MM_HINT_T0);
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + i));
     const float dw = f16_at_avx2(S, (size_t)r * nb + b);
     for (int j = 0; j < N; j++) {
@@ -552,7 +556,7 @@ MOETRON_VNNI void q8_block_vnni(float* y, const int8_t* W, const uint16_t* S, co
       const size_t at = (size_t)(g + 2 * p) * kQ8Block;
       for (int k = 0; k < R; k++) {
         const int8_t* w = W + (size_t)(r + k) * IC + at;
-        _mm_prefetch(reinterpret_cast<const char*>(w + kQ8Prefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + kQ8PrefetchVnni), _MM_HINT_T0);
         a[k] = q8_pair_fma(a[k], dv[k], p, q8_pair_lanes(w, x, at));
       }
     }
@@ -582,7 +586,7 @@ MOETRON_VNNI void q8_multi_vnni(float* out, int ld_out, const int8_t* W, const u
     int p = 0;
     for (; 2 * p + 1 < gn; p++) {
       const size_t at = (size_t)(g + 2 * p) * kQ8Block;
-      _mm_prefetch(reinterpret_cast<const char*>(row + at + kQ8Prefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + at + kQ8PrefetchVnni), _MM_HINT_T0);
       for (int j = 0; j < N; j++) a[j] = q8_pair_fma(a[j], dv[j], p, q8_pair_lanes(row + at, x, (size_t)j * IC + at));
     }
     if (2 * p < gn) {
