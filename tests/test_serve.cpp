@@ -436,9 +436,9 @@ TEST(Engine, BoundedQueueRefusesWhenFull) {
 }
 
 // Continuous batching: jobs of different lengths, prompts and sampling settings (greedy, temperature
-// with seeds, a repetition penalty), running 4 at a time with more joining as others finish, each get
-// exactly the tokens and text they get alone; a job cancelled mid-batch stops without disturbing the
-// others.
+// with seeds, a repetition penalty), running 4 at a time with more joining as others finish (their
+// prompts prefilled in the pass that steps the running ones), each get exactly the tokens and text they
+// get alone; a job cancelled mid-batch stops without disturbing the others.
 TEST(Engine, BatchedJobsGetWhatEachGetsAlone) {
   const auto model = load_inference_model(kModel.string());
   const auto tok = load_model_tokenizer(kModel.string(), "", model->cfg, true);
@@ -499,6 +499,7 @@ TEST(Engine, BatchedJobsGetWhatEachGetsAlone) {
     EXPECT_EQ(jobs[i]->result().finish, alone[i].finish);
   }
   EXPECT_EQ(engine.peak_batch(), 4) << "the jobs were not decoded together";
+  EXPECT_GT(engine.shared_passes(), 0) << "no job joined in the running requests' pass";
 }
 
 // A Qwen-style model directory (tests/golden/generate/qwen3_moe: a tiny Qwen3-MoE with a byte-level

@@ -152,6 +152,9 @@ void Engine::admit(std::vector<std::shared_ptr<Job>> jobs, std::vector<std::uniq
       a.reset();
     }
   }
+  // The running requests' next tokens ride in the same pass, a row each (a decode step's arithmetic:
+  // prefill_rows), so one read of the weights serves the new prompts and the running requests' step.
+  bool stepped = false;
   if (!rows.empty()) {
     std::vector<KvCache*> caches;
     std::vector<std::span<const int32_t>> feed;
@@ -159,16 +162,41 @@ void Engine::admit(std::vector<std::shared_ptr<Job>> jobs, std::vector<std::uniq
       caches.push_back(&caches_[a->cache]);
       feed.push_back(a->gen->to_prefill());
     }
+    std::vector<int32_t> next(active.size());
+    for (size_t i = 0; i < active.size(); i++) {
+      next[i] = active[i]->gen->next_token();
+      caches.push_back(&caches_[active[i]->cache]);
+      feed.push_back(std::span<const int32_t>(&next[i], 1));
+    }
     const size_t V = (size_t)decoder_.vocab_size();
-    batch_logits_.resize(rows.size() * V);
+    batch_logits_.resize(caches.size() * V);
     std::string error;
     try {
       decoder_.prefill_rows(caches, feed, batch_logits_.data());
+      stepped = !active.empty();
+      if (stepped) shared_passes_++;
     } catch (const std::exception& e) {
       error = e.what();
     }
+    if (!error.empty() && !active.empty()) {  // nothing changed: the prompts alone, to give them the error
+      error.clear();
+      caches.resize(rows.size());
+      feed.resize(rows.size());
+      try {
+        decoder_.prefill_rows(caches, feed, batch_logits_.data());
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
     for (size_t r = 0; r < rows.size(); r++)
       if (error.empty()) std::copy(batch_logits_.begin() + r * V, batch_logits_.begin() + (r + 1) * V, rows[r]->gen->logits());
+    if (stepped) {
+      peak_batch_ = std::max(peak_batch_.load(), (int)active.size());
+      for (size_t i = 0; i < active.size(); i++)
+        std::copy(batch_logits_.begin() + (rows.size() + i) * V, batch_logits_.begin() + (rows.size() + i + 1) * V,
+                  active[i]->gen->logits());
+      conclude(active, "");
+    }
     if (!error.empty())
       for (auto& a : group)
         if (a && (int)a->gen->to_prefill().size() <= kRowPrefillMax) {
@@ -176,6 +204,7 @@ void Engine::admit(std::vector<std::shared_ptr<Job>> jobs, std::vector<std::uniq
           a.reset();
         }
   }
+  if (!stepped && !active.empty()) step(active);
   for (auto& a : group) {
     if (!a) continue;
     try {
@@ -221,6 +250,10 @@ void Engine::step(std::vector<std::unique_ptr<Active>>& active) {
   } catch (const std::exception& e) {
     batch_error = e.what();  // the step failed for every running request
   }
+  conclude(active, batch_error);
+}
+
+void Engine::conclude(std::vector<std::unique_ptr<Active>>& active, const std::string& batch_error) {
   std::vector<std::unique_ptr<Active>> still;
   for (auto& a : active) {
     bool more = false;
@@ -263,8 +296,10 @@ void Engine::worker_loop() {
         queue_.pop_front();
       }
     }
-    if (!admitted.empty()) admit(std::move(admitted), active);
-    if (!active.empty()) step(active);
+    if (!admitted.empty())
+      admit(std::move(admitted), active);  // steps the running requests too
+    else if (!active.empty())
+      step(active);
   }
 }
 

@@ -4,8 +4,9 @@
 //
 // Concurrency model (documented in README "moetron serve"): HTTP threads parse and validate requests
 // and tokenize prompts concurrently.  The worker admits waiting requests into the running batch at
-// token boundaries (each prefilled on its own, then joining), and decodes one token of every running
-// request per step with Decoder::forward_batch: each weight -- each routed expert -- is read once per
+// token boundaries (short prompts prefilled together, row by row, in the same pass as the running
+// requests' next step; long ones alone), and decodes one token of every running request per step with
+// Decoder::forward_batch: each weight -- each routed expert -- is read once per
 // step for all the sequences that use it, which is where batching gains on a CPU, where one sequence
 // spends its time streaming weights.  Each request keeps its own cache, sampling settings and stream;
 // a request's tokens are bitwise what it gets alone (greedy replies are equal).  At most
@@ -84,17 +85,23 @@ class Engine {
   size_t running() const;
   // The largest number of requests decoded in one step so far (tests, /health).
   int peak_batch() const { return peak_batch_; }
+  // Passes in which running requests took their step together with new prompts' prefill (tests).
+  int shared_passes() const { return shared_passes_; }
 
  private:
   struct Active;
   void worker_loop();
   // Prefills `jobs` into free caches and adds them to the batch, or finishes them (an error, nothing
-  // to generate).
+  // to generate); the requests already in `active` take one decoding step, in the same pass as the
+  // short prompts when there are any.
   void admit(std::vector<std::shared_ptr<Job>> jobs, std::vector<std::unique_ptr<Active>>& active);
   // Prompts (their uncached part) up to this many tokens are prefilled row by row, together.
   static constexpr int kRowPrefillMax = 32;
   // One decoding step of every running request; finished ones leave the batch.
   void step(std::vector<std::unique_ptr<Active>>& active);
+  // After a pass fed every request in `active` its next token (its logits in place), or failed with
+  // batch_error: each samples its next token, and finished or failed ones leave the batch.
+  void conclude(std::vector<std::unique_ptr<Active>>& active, const std::string& batch_error);
 
   Decoder decoder_;
   std::vector<KvCache> caches_;
@@ -107,6 +114,7 @@ class Engine {
   std::deque<std::shared_ptr<Job>> queue_;
   std::vector<std::shared_ptr<Job>> running_;
   std::atomic<int> peak_batch_{0};
+  std::atomic<int> shared_passes_{0};
   bool stopping_ = false;
   std::thread worker_;
   std::vector<float> batch_logits_;
