@@ -143,10 +143,11 @@ TEST(RouterBackward, FiniteDifferences) {
     const std::vector<uint8_t> mask = {1, 0, 1, 1, 0, 1, 1};
     Layers f{N, E, K, 1, renorm, {}, {}, {}, {}};
     f.forward(logits, mask.data());
-    if (!renorm)
+    if (!renorm) {
       for (long n = 0; n < N; n++)
         for (int k = 0; k < K; k++)
           ASSERT_EQ(f.weight[n * K + k], f.probs[n * E + f.idx[n * K + k]]) << "the weight is the probability";
+    }
     const auto idx0 = f.idx;
     std::vector<float> dlogits(N * E);
     ops::router_backward(dlogits.data(), r.data(), a.data(), mask.data(), f.probs.data(), f.idx.data(),
@@ -228,7 +229,7 @@ TEST(RouterAuxLoss, TinyCaseValues) {
   EXPECT_NEAR(got_per_layer, 2.18961188186014, 1e-6);
   EXPECT_NEAR(got_z, 9.3069484692061, 1e-6);
   // The mask matters: without it HF gives 1.98267924785614.
-  Layers u{N, E, K, L, {}, {}, {}, {}};
+  Layers u{N, E, K, L, true, {}, {}, {}, {}};
   u.forward(kTinyLogits, nullptr);
   EXPECT_NEAR(ops::load_balancing_loss_pooled(u.stats, E, K, nullptr), 1.98267924785614, 1e-6);
   // Pooled gradient on probs: E * assigned[e] / tokens^2, assigned = 5, 4, 3 over 6 real rows.

@@ -80,36 +80,6 @@ void softmax_inplace(float* s, int n) {
   for (int j = 0; j < n; j++) s[j] *= inv;
 }
 
-// ops::router_forward for one token, without its parallel region (same arithmetic): softmax in fp32
-// with a double sum, K argmax passes (strict '>': ties to the lower index), weights renormalised
-// (unless !renormalize: Qwen3-MoE's norm_topk_prob false).
-void route_one(float* p, int32_t* idx, float* w, const float* l, int E, int K, bool renormalize) {
-  float mx = l[0];
-  for (int e = 1; e < E; e++) mx = std::fmax(mx, l[e]);
-  double s = 0.0;
-  for (int e = 0; e < E; e++) {
-    p[e] = std::exp(l[e] - mx);
-    s += p[e];
-  }
-  const float inv = (float)(1.0 / s);
-  for (int e = 0; e < E; e++) p[e] *= inv;
-  float sum = 0.0f;
-  for (int k = 0; k < K; k++) {
-    int best = -1;
-    for (int e = 0; e < E; e++) {
-      bool taken = false;
-      for (int j = 0; j < k; j++) taken |= idx[j] == e;
-      if (taken) continue;
-      if (best < 0 || p[e] > p[best]) best = e;
-    }
-    idx[k] = best;
-    w[k] = p[best];
-    sum += p[best];
-  }
-  if (renormalize)
-    for (int k = 0; k < K; k++) w[k] /= sum;
-}
-
 }  // namespace
 
 Decoder::Decoder(const InferenceModel& model, int prefill_chunk, long row_attention_max_pairs)
@@ -585,8 +555,8 @@ void Decoder::ffn_decode(float* x, const float* ln, int layer, int n) {
   run_tasks(tasks, C_);
   if (m_.lora) lora_rows(rlogits_.data(), ln, ParamKind::router, layer, n, C_, E_, true);
   for (int i = 0; i < n; i++)
-    route_one(rprobs_.data() + (size_t)i * E_, topk_idx_.data() + (size_t)i * K_, topk_w_.data() + (size_t)i * K_,
-              rlogits_.data() + (size_t)i * E_, E_, K_, m_.cfg.norm_topk_prob);
+    ops::route_token(rprobs_.data() + (size_t)i * E_, topk_idx_.data() + (size_t)i * K_,
+                     topk_w_.data() + (size_t)i * K_, rlogits_.data() + (size_t)i * E_, E_, K_, m_.cfg.norm_topk_prob);
   // Slots s = i * K + k, gathered expert by expert (rows in order) at slot_row_[s].
   const int S = n * K_;
   slot_row_.resize(S);

@@ -34,47 +34,42 @@ void check_dims(const char* op, long N, int E, int K) {
 
 }  // namespace
 
+void route_token(float* p, int32_t* idx, float* w, const float* l, int E, int K, bool renormalize) {
+  // softmax in fp32 (the sum is accumulated in double, then rounded once)
+  float mx = l[0];
+  for (int e = 1; e < E; e++) mx = std::fmax(mx, l[e]);
+  double s = 0.0;
+  for (int e = 0; e < E; e++) {
+    p[e] = std::exp(l[e] - mx);
+    s += p[e];
+  }
+  const float inv = (float)(1.0 / s);
+  for (int e = 0; e < E; e++) p[e] *= inv;
+  // top-K: K passes of argmax over the experts not yet chosen (idx[0..k)); strict '>' keeps the lower
+  // index on ties, and a NaN row still yields K distinct valid indices (the NaN then propagates).
+  float sum = 0.0f;
+  for (int k = 0; k < K; k++) {
+    int best = -1;
+    for (int e = 0; e < E; e++) {
+      bool taken = false;
+      for (int j = 0; j < k; j++) taken |= idx[j] == e;
+      if (taken) continue;
+      if (best < 0 || p[e] > p[best]) best = e;
+    }
+    idx[k] = best;
+    w[k] = p[best];
+    sum += p[best];  // fp32, in descending order, as torch sums the top-K values
+  }
+  if (renormalize)
+    for (int k = 0; k < K; k++) w[k] /= sum;
+}
+
 void router_forward(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, long N,
                     int E, int K, bool renormalize) {
   check_dims("router_forward", N, E, K);
-#pragma omp parallel
-  {
-    std::vector<char> chosen(E);
-#pragma omp for schedule(static)
-    for (long n = 0; n < N; n++) {
-      const float* l = logits + n * E;
-      float* p = probs + n * E;
-      // softmax in fp32 (the sum is accumulated in double, then rounded once)
-      float mx = l[0];
-      for (int e = 1; e < E; e++) mx = std::fmax(mx, l[e]);
-      double s = 0.0;
-      for (int e = 0; e < E; e++) {
-        p[e] = std::exp(l[e] - mx);
-        s += p[e];
-      }
-      const float inv = (float)(1.0 / s);
-      for (int e = 0; e < E; e++) p[e] *= inv;
-      // top-K: K passes of argmax over the unchosen experts; strict '>' keeps the lower index on
-      // ties, and a NaN row still yields K distinct valid indices (the NaN then propagates).
-      std::fill(chosen.begin(), chosen.end(), 0);
-      int32_t* idx = topk_idx + n * K;
-      float* w = topk_weight + n * K;
-      float sum = 0.0f;
-      for (int k = 0; k < K; k++) {
-        int best = -1;
-        for (int e = 0; e < E; e++) {
-          if (chosen[e]) continue;
-          if (best < 0 || p[e] > p[best]) best = e;
-        }
-        chosen[best] = 1;
-        idx[k] = best;
-        w[k] = p[best];
-        sum += p[best];  // fp32, in descending order, as torch sums the top-K values
-      }
-      if (renormalize)
-        for (int k = 0; k < K; k++) w[k] /= sum;
-    }
-  }
+#pragma omp parallel for schedule(static)
+  for (long n = 0; n < N; n++)
+    route_token(probs + n * E, topk_idx + n * K, topk_weight + n * K, logits + n * E, E, K, renormalize);
 }
 
 void router_backward(float* dlogits, const float* dtopk_weight, const double* dprobs_per_expert,

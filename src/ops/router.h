@@ -24,7 +24,12 @@
 
 namespace moetron::ops {
 
-// probs[N,E], topk_idx[N,K], topk_weight[N,K] from logits[N,E].
+// One token: probs[E], topk_idx[K], topk_weight[K] from logits[E] (router_forward's per-token body;
+// no parallel region and no allocation, for the decoder's decode steps).
+void route_token(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, int E, int K,
+                 bool renormalize = true);
+
+// probs[N,E], topk_idx[N,K], topk_weight[N,K] from logits[N,E] (route_token per token, in parallel).
 void router_forward(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, long N,
                     int E, int K, bool renormalize = true);
 
