@@ -299,6 +299,42 @@ TEST(DecodeKernels, GemvRowsIsBitwiseGemvPerInput) {
   }
 }
 
+// Attention's kernels: dot follows its stated order exactly (eight fma lanes, the lanes' fixed sum,
+// the tail), written out here in scalar code; dot_rows and axpy_rows give, key for key,
+// bitwise what dot and axpy give (several keys run at once, and o is held in registers).
+TEST(DecodeKernels, AttentionDotAndWeightedSumFollowTheirStatedOrder) {
+  for (const int n : {1, 7, 8, 16, 64, 100, 128, 131})
+    for (const int count : {1, 3, 4, 5, 9, 17}) {
+      SCOPED_TRACE(::testing::Message() << "n " << n << " keys " << count);
+      const size_t ld = (size_t)n + 5;
+      std::vector<float> q(n), k(count * ld), w(count), o(n), want(n);
+      for (int i = 0; i < n; i++) q[i] = (float)((mix64(7 * i + 1) % 2001) / 1000.0 - 1.0);
+      for (size_t i = 0; i < k.size(); i++) k[i] = (float)((mix64(11 * i + 5) % 2001) / 1000.0 - 1.0);
+      for (int j = 0; j < count; j++) w[j] = (float)((mix64(13 * j + 9) % 1001) / 1000.0);
+      for (int i = 0; i < n; i++) o[i] = want[i] = (float)((mix64(17 * i + 3) % 2001) / 1000.0 - 1.0);
+      std::vector<float> s(count);
+      infer::dot_rows(s.data(), q.data(), k.data(), ld, count, n, 0.125f);
+      for (int j = 0; j < count; j++) {
+        const float* kj = k.data() + j * ld;
+        float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+          for (int t = 0; t < 8; t++) l[t] = std::fma(q[i + t], kj[i + t], l[t]);
+        float ref = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+        for (; i < n; i++) ref = std::fma(q[i], kj[i], ref);
+        ASSERT_EQ(infer::dot(q.data(), kj, n), ref) << "key " << j;
+        ASSERT_EQ(s[j], ref * 0.125f) << "key " << j;
+        infer::axpy(want.data(), w[j], kj, n);
+      }
+      infer::axpy_rows(o.data(), w.data(), k.data(), ld, count, n);
+      ASSERT_EQ(0, std::memcmp(o.data(), want.data(), sizeof(float) * n));
+      // axpy itself: one fma per value.
+      std::vector<float> y(q);
+      infer::axpy(y.data(), w[0], k.data(), n);
+      for (int i = 0; i < n; i++) ASSERT_EQ(y[i], std::fma(w[0], k[i], q[i])) << i;
+    }
+}
+
 // Continuous batching: sequences of different lengths decoded together, joining and leaving the batch
 // between steps, get bitwise the logits and caches each gets alone -- for every architecture (routed
 // experts read once for all the rows routed to them), with batches up to 11 rows (more than one

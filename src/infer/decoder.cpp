@@ -432,11 +432,11 @@ void Decoder::attention(float* out, const float* q, const float* keys, const flo
         const int i = ih / NH_, h = ih % NH_, g = h / G;
         const int p = pos0 + i, lo = first_key(p), cnt = p - lo + 1;
         const float* qi = q + (size_t)i * Q_ + (size_t)h * HD_;
-        for (int j = 0; j < cnt; j++) s[j] = infer::dot(qi, keys + (size_t)(lo + j) * KVd_ + (size_t)g * HD_, HD_) * scale;
+        infer::dot_rows(s.data(), qi, keys + (size_t)lo * KVd_ + (size_t)g * HD_, KVd_, cnt, HD_, scale);
         softmax_inplace(s.data(), cnt);
         float* o = out + (size_t)i * Q_ + (size_t)h * HD_;
         std::fill(o, o + HD_, 0.0f);
-        for (int j = 0; j < cnt; j++) infer::axpy(o, s[j], values + (size_t)(lo + j) * KVd_ + (size_t)g * HD_, HD_);
+        infer::axpy_rows(o, s.data(), values + (size_t)lo * KVd_ + (size_t)g * HD_, KVd_, cnt, HD_);
       }
     }
     return;

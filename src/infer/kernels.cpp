@@ -788,26 +788,109 @@ const char* simd_name(SimdLevel level) {
   }
 }
 
-float dot(const float* a, const float* b, int n) {
-  float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
+namespace {
+
+// ---- attention over a cache: dot products and weighted sums of short rows ---------------------------
+//
+// dot's arithmetic: lane k (k < 8) accumulates a[i] b[i] for i = k mod 8 by fma in i order, the lanes
+// are summed as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the tail is added by fma in
+// order.  axpy's: y[i] = fma(alpha, x[i], y[i]).  The portable code states the same operations (the
+// compiler contracts them to fma where the CPU has it); the AVX2 code runs several keys at once, as
+// a head's 64-value rows are too short for one dot product to fill the FMA units.
+
+float dot_generic(const float* a, const float* b, int n) {
+  float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    s0 += a[i] * b[i];
-    s1 += a[i + 1] * b[i + 1];
-    s2 += a[i + 2] * b[i + 2];
-    s3 += a[i + 3] * b[i + 3];
-    s4 += a[i + 4] * b[i + 4];
-    s5 += a[i + 5] * b[i + 5];
-    s6 += a[i + 6] * b[i + 6];
-    s7 += a[i + 7] * b[i + 7];
+  for (; i + 8 <= n; i += 8)
+    for (int k = 0; k < 8; k++) l[k] = std::fma(a[i + k], b[i + k], l[k]);
+  float s = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+  for (; i < n; i++) s = std::fma(a[i], b[i], s);
+  return s;
+}
+
+MOETRON_AVX2 inline float dot_finish(__m256 acc, const float* a, const float* b, int i, int n) {
+  const __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));  // l0+l4, l1+l5, ...
+  const __m128 u = _mm_hadd_ps(t, t);  // (l0+l4)+(l1+l5), (l2+l6)+(l3+l7)
+  float s = _mm_cvtss_f32(u) + _mm_cvtss_f32(_mm_shuffle_ps(u, u, 1));
+  for (; i < n; i++) s = std::fma(a[i], b[i], s);
+  return s;
+}
+
+// s[j] = scale * dot(q, k + j * ld) for j < count, four keys at a time.
+MOETRON_AVX2 void dot_rows_avx2(float* s, const float* q, const float* k, size_t ld, int count, int n, float scale) {
+  const int n8 = n & ~7;
+  int j = 0;
+  for (; j + 4 <= count; j += 4) {
+    const float* k0 = k + (size_t)j * ld;
+    const float *k1 = k0 + ld, *k2 = k1 + ld, *k3 = k2 + ld;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int i = 0; i < n8; i += 8) {
+      const __m256 x = _mm256_loadu_ps(q + i);
+      a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + i), a0);
+      a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1 + i), a1);
+      a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2 + i), a2);
+      a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3 + i), a3);
+    }
+    s[j] = dot_finish(a0, q, k0, n8, n) * scale;
+    s[j + 1] = dot_finish(a1, q, k1, n8, n) * scale;
+    s[j + 2] = dot_finish(a2, q, k2, n8, n) * scale;
+    s[j + 3] = dot_finish(a3, q, k3, n8, n) * scale;
   }
-  float s = ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7));
-  for (; i < n; i++) s += a[i] * b[i];
+  for (; j < count; j++) {
+    const float* kj = k + (size_t)j * ld;
+    __m256 a0 = _mm256_setzero_ps();
+    for (int i = 0; i < n8; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kj + i), a0);
+    s[j] = dot_finish(a0, q, kj, n8, n) * scale;
+  }
+}
+
+// o[n] += sum_j w[j] (v + j * ld), j in order; o is held in registers 64 values at a time.
+MOETRON_AVX2 void axpy_rows_avx2(float* o, const float* w, const float* v, size_t ld, int count, int n) {
+  int c = 0;
+  for (; c + 64 <= n; c += 64) {
+    __m256 r[8];
+    for (int t = 0; t < 8; t++) r[t] = _mm256_loadu_ps(o + c + 8 * t);
+    for (int j = 0; j < count; j++) {
+      const __m256 wj = _mm256_set1_ps(w[j]);
+      const float* vj = v + (size_t)j * ld + c;
+      for (int t = 0; t < 8; t++) r[t] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vj + 8 * t), r[t]);
+    }
+    for (int t = 0; t < 8; t++) _mm256_storeu_ps(o + c + 8 * t, r[t]);
+  }
+  for (; c + 8 <= n; c += 8) {
+    __m256 r = _mm256_loadu_ps(o + c);
+    for (int j = 0; j < count; j++) r = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(v + (size_t)j * ld + c), r);
+    _mm256_storeu_ps(o + c, r);
+  }
+  for (; c < n; c++)
+    for (int j = 0; j < count; j++) o[c] = std::fma(w[j], v[(size_t)j * ld + c], o[c]);
+}
+
+}  // namespace
+
+float dot(const float* a, const float* b, int n) {
+  if (simd_level() == SimdLevel::generic) return dot_generic(a, b, n);
+  float s;
+  dot_rows_avx2(&s, a, b, 0, 1, n, 1.0f);
   return s;
 }
 
 void axpy(float* y, float alpha, const float* x, int n) {
-  for (int i = 0; i < n; i++) y[i] += alpha * x[i];
+  if (simd_level() == SimdLevel::generic) {
+    for (int i = 0; i < n; i++) y[i] = std::fma(alpha, x[i], y[i]);
+    return;
+  }
+  axpy_rows_avx2(y, &alpha, x, 0, 1, n);
+}
+
+void dot_rows(float* s, const float* q, const float* k, size_t ld, int count, int n, float scale) {
+  if (simd_level() != SimdLevel::generic) return dot_rows_avx2(s, q, k, ld, count, n, scale);
+  for (int j = 0; j < count; j++) s[j] = dot_generic(q, k + (size_t)j * ld, n) * scale;
+}
+
+void axpy_rows(float* o, const float* w, const float* v, size_t ld, int count, int n) {
+  if (simd_level() != SimdLevel::generic) return axpy_rows_avx2(o, w, v, ld, count, n);
+  for (int j = 0; j < count; j++) axpy(o, w[j], v + (size_t)j * ld, n);
 }
 
 void gemv(float* y, WeightRef W, const float* x, int OC, int IC, bool accumulate) {

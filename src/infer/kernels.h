@@ -99,10 +99,17 @@ void matmul(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n
 // out[n] = W[row, 0..n) as fp32 (an embedding row).
 void widen_row(float* out, WeightRef W, size_t row, int n);
 
-// sum_i a[i] b[i]
+// sum_i a[i] b[i], in eight fma lanes (lane k: i = k mod 8), then ((l0 + l4) + (l1 + l5)) + ((l2 + l6) +
+// (l3 + l7)) and the tail in order: the same operations at every SIMD level.
 float dot(const float* a, const float* b, int n);
 
-// y[n] += alpha * x[n]
+// y[n] += alpha * x[n] (fma per value)
 void axpy(float* y, float alpha, const float* x, int n);
+
+// Attention over a KV cache, one query and head at a time (k_j = k + j * ld, j < count):
+// s[j] = dot(q, k_j, n) * scale, each bitwise what dot gives ...
+void dot_rows(float* s, const float* q, const float* k, size_t ld, int count, int n, float scale);
+// ... and o[n] += sum_j w[j] v_j (v_j = v + j * ld), j in order: bitwise `for j: axpy(o, w[j], v_j, n)`.
+void axpy_rows(float* o, const float* w, const float* v, size_t ld, int count, int n);
 
 }  // namespace moetron::infer
