@@ -794,9 +794,9 @@ namespace {
 //
 // dot's arithmetic: lane k (k < 8) accumulates a[i] b[i] for i = k mod 8 by fma in i order, the lanes
 // are summed as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the tail is added by fma in
-// order.  axpy's: y[i] = fma(alpha, x[i], y[i]).  The portable code states the same operations (the
-// compiler contracts them to fma where the CPU has it); the AVX2 code runs several keys at once, as
-// a head's 64-value rows are too short for one dot product to fill the FMA units.
+// order.  axpy's: y[i] = fma(alpha, x[i], y[i]).  fma rounds once, so the portable code (std::fma)
+// and the AVX2 code give the same bits; the AVX2 code runs several keys at once, as a head's 64-value
+// rows are too short for one dot product to fill the FMA units.
 
 float dot_generic(const float* a, const float* b, int n) {
   float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
