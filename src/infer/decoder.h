@@ -81,6 +81,10 @@ class Decoder {
   void forward_chunk(KvCache* const* caches, const int32_t* tokens, int n, float* logits, bool all_logits,
                      bool decode);
   void attention(float* out, const float* q, const float* keys, const float* values, int pos0, int n);
+  void attention_decode(KvCache* const* caches, int n, int l);
+  void attend_head(float* o, const float* q, const float* keys, const float* values, int lo, int p, int g,
+                   float* s) const;
+  int first_key(int p) const;  // the first key position visible from position p (sliding window)
   void ffn(float* x, const float* ln, int layer, int n);
   void ffn_decode(float* x, const float* ln, int layer, int n);
   void shared_expert(float* x, const float* ln, int layer, int n, bool decode);

@@ -943,7 +943,7 @@ void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_ma
     else if (xp_at[t + 1] > xp_at[t])
       permute_inputs(level, k.x, k.ld_x, k.n, IC, xp.data() + xp_at[t]);
   }
-#pragma omp parallel for schedule(static) if (macs >= parallel_min_macs)
+#pragma omp parallel for schedule(dynamic, 2) if (macs >= parallel_min_macs)
   for (int b = 0; b < first_block[n_tasks]; b++) {
     int t = 0;
     while (b >= first_block[t + 1]) t++;
