@@ -15,6 +15,7 @@
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 #include "ops/router.h"
+#include "ops/softmax.h"
 #include "ops/sigmoid.h"
 #include "ops/swiglu.h"
 
@@ -65,19 +66,6 @@ void add_bias(float* x, const float* bias, long n, int C) {
 void add_inplace(float* y, const float* x, long n) {
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (long i = 0; i < n; i++) y[i] += x[i];
-}
-
-// In place: row softmax of s[0..n), returns nothing; masked entries are not part of s.
-void softmax_inplace(float* s, int n) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int j = 0; j < n; j++) mx = std::max(mx, s[j]);
-  float sum = 0.0f;
-  for (int j = 0; j < n; j++) {
-    s[j] = std::exp(s[j] - mx);
-    sum += s[j];
-  }
-  const float inv = 1.0f / sum;
-  for (int j = 0; j < n; j++) s[j] *= inv;
 }
 
 }  // namespace
@@ -427,7 +415,7 @@ void Decoder::attend_head(float* o, const float* q, const float* keys, const flo
   const int cnt = p - lo + 1;
   const float scale = 1.0f / std::sqrt((float)HD_);
   infer::dot_rows(s, q, keys + (size_t)lo * KVd_ + (size_t)g * HD_, KVd_, cnt, HD_, scale);
-  softmax_inplace(s, cnt);
+  ops::softmax_inplace(s, cnt);
   std::fill(o, o + HD_, 0.0f);
   infer::axpy_rows(o, s, values + (size_t)lo * KVd_ + (size_t)g * HD_, KVd_, cnt, HD_);
 }
@@ -496,7 +484,7 @@ void Decoder::attention(float* out, const float* q, const float* keys, const flo
       const int p = pos0 + i, lo = first_key(p) - lo_all, hi = p - lo_all;  // visible columns [lo, hi]
       float* row = S + (size_t)i * cols;
       std::fill(row, row + lo, 0.0f);
-      softmax_inplace(row + lo, hi - lo + 1);
+      ops::softmax_inplace(row + lo, hi - lo + 1);
       std::fill(row + hi + 1, row + cols, 0.0f);
     }
     ops::sgemm(false, false, n, HD_, cols, 1.0f, S, cols, values + (size_t)lo_all * KVd_ + (size_t)g * HD_, KVd_, 0.0f,

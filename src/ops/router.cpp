@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "ops/softmax.h"
 
 namespace moetron::ops {
 
@@ -35,16 +36,8 @@ void check_dims(const char* op, long N, int E, int K) {
 }  // namespace
 
 void route_token(float* p, int32_t* idx, float* w, const float* l, int E, int K, bool renormalize) {
-  // softmax in fp32 (the sum is accumulated in double, then rounded once)
-  float mx = l[0];
-  for (int e = 1; e < E; e++) mx = std::fmax(mx, l[e]);
-  double s = 0.0;
-  for (int e = 0; e < E; e++) {
-    p[e] = std::exp(l[e] - mx);
-    s += p[e];
-  }
-  const float inv = (float)(1.0 / s);
-  for (int e = 0; e < E; e++) p[e] *= inv;
+  std::copy(l, l + E, p);
+  softmax_inplace(p, E);
   // top-K: K passes of argmax over the experts not yet chosen (idx[0..k)); strict '>' keeps the lower
   // index on ties, and a NaN row still yields K distinct valid indices (the NaN then propagates).
   float sum = 0.0f;
