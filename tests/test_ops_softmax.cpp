@@ -1,7 +1,9 @@
-// Tests for the shared row softmax (src/ops/softmax.h): against a long-double reference, its stated
-// arithmetic (double sum, one fp32 inverse), shift invariance without overflow, and that the router's
+// Tests for the shared row softmax (src/ops/softmax.h): its exp within 2^-23 (relative), the softmax against a
+// long-double reference, its stated arithmetic bitwise (the vectorised loop gives what one value at a
+// time gives), shift invariance without overflow, and that the router's
 // probabilities are exactly it.  Its gradient is the router's (test_ops_router checks that by finite
 // differences through router_backward).
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -44,16 +46,32 @@ TEST(Softmax, MatchesALongDoubleReferenceAndSumsToOne) {
   }
 }
 
+TEST(Softmax, ExpIsWithinTwoToTheMinus23OnNonPositiveValues) {
+  std::mt19937 g(5);
+  std::uniform_real_distribution<float> wide(-87.3f, 0.0f), near0(-1.0f, 0.0f);
+  double worst = 0;
+  for (int i = 0; i < 2000000; i++) {
+    const float x = i % 2 ? wide(g) : near0(g);
+    const double ref = std::exp((double)x);
+    worst = std::max(worst, std::fabs((double)ops::exp_nonpositive(x) - ref) / ref);
+  }
+  EXPECT_LT(worst, std::ldexp(1.0, -23));  // relative, as the softmax bound below assumes
+  EXPECT_EQ(ops::exp_nonpositive(0.0f), 1.0f);
+  EXPECT_EQ(ops::exp_nonpositive(-INFINITY), 0.0f);
+  EXPECT_EQ(ops::exp_nonpositive(-100.0f), 0.0f);
+  EXPECT_TRUE(std::isnan(ops::exp_nonpositive(NAN)));
+}
+
 TEST(Softmax, FollowsItsStatedArithmetic) {
   const int n = 50;
   const std::vector<float> x = random_row(n, 5.0f, 3u);
   std::vector<float> p = x;
   ops::softmax_inplace(p.data(), n);
   float mx = x[0];
-  for (float v : x) mx = std::fmax(mx, v);
+  for (float v : x) mx = std::max(mx, v);
   double sum = 0;
   std::vector<float> e(n);
-  for (int j = 0; j < n; j++) sum += (e[j] = std::exp(x[j] - mx));
+  for (int j = 0; j < n; j++) sum += (e[j] = ops::exp_nonpositive(x[j] - mx));
   const float inv = (float)(1.0 / sum);
   for (int j = 0; j < n; j++) EXPECT_EQ(p[j], e[j] * inv) << j;  // bitwise
 }
