@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <limits>
 
 #include <omp.h>
 
@@ -15,8 +14,8 @@
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 #include "ops/router.h"
-#include "ops/softmax.h"
 #include "ops/sigmoid.h"
+#include "ops/softmax.h"
 #include "ops/swiglu.h"
 
 namespace moetron {

@@ -46,8 +46,9 @@ class DecodeSplitTuner {
 class Decoder {
  public:
   // prefill_chunk: the most tokens computed in one pass (bounds the scratch memory of long prompts).
-  // row_attention_max_pairs: attention runs per (query row, head) with dot products up to this many
-  // (query, key) pairs per head and pass, beyond as two GEMMs per head (-1: the default, 2^18).
+  // row_attention_max_pairs: a prefill pass's attention runs per (query row, head) with dot products
+  // up to this many (query, key) pairs per head, beyond as two GEMMs per head (-1: the default, 2^18);
+  // decode steps (forward_batch, prefill_rows, one token) always run per row.
   // The weights are read where the model holds them, in their dtype (infer/kernels.h).
   explicit Decoder(const InferenceModel& model, int prefill_chunk = 256, long row_attention_max_pairs = -1);
 
