@@ -5,6 +5,7 @@
 #include "temp_dir.h"
 #include <stdlib.h>
 
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -371,6 +372,51 @@ TEST(Safetensors, ReadF32Rows) {
   expect_error([&] { read_f32_rows(f.get("m"), 2, 5, out); }, {"'m'", "[2, 5)"});
   expect_error([&] { read_f32_rows(f.get("m"), -1, 1, out); }, {"'m'"});
   expect_error([&] { read_f32_rows(f.get("s"), 0, 1, out); }, {"'s'", "0-d"});
+}
+
+TEST(Safetensors, ReadStoredBytes) {
+  TempDir dir;
+  std::vector<uint16_t> a(3 * 1000), b(7);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<uint16_t>(i * 7 + 1);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint16_t>(60000 + i);
+  SafetensorsWriter w;
+  w.add("b", DType::BF16, {7}, b.data());  // first in the file: "a" starts at a non-zero offset
+  w.add("a", DType::BF16, {3, 1000}, a.data());
+  const std::string path = dir.file("bytes.safetensors");
+  w.write(path);
+  SafetensorsFile f = SafetensorsFile::open(path);
+  const TensorView va = f.get("a");
+  ASSERT_TRUE(va.mapped);
+  // A sub-range read from the file equals the mapped bytes, and the caller's bytes beyond n stay.
+  std::vector<uint8_t> out(1000, 0xAB);
+  read_stored_bytes(va, 10, 900, out.data());
+  EXPECT_EQ(std::memcmp(out.data(), va.data + 10, 900), 0);
+  EXPECT_EQ(std::memcmp(out.data(), reinterpret_cast<const uint8_t*>(a.data()) + 10, 900), 0);
+  EXPECT_EQ(out[900], 0xAB);
+  // A select_index view keeps its place in the file.
+  const TensorView row2 = select_index(va, 2);
+  std::vector<uint16_t> r(1000);
+  read_stored_bytes(row2, 0, row2.nbytes, r.data());
+  for (size_t i = 0; i < r.size(); ++i) ASSERT_EQ(r[i], a[2000 + i]) << i;
+  read_stored_bytes(f.get("b"), 0, 14, r.data());
+  for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(r[i], b[i]);
+  // Ranges: n = 0 anywhere inside is fine (dst untouched), beyond the tensor is an error.
+  read_stored_bytes(va, va.nbytes, 0, nullptr);
+  expect_error([&] { read_stored_bytes(va, va.nbytes - 1, 2, out.data()); }, {"'a'", "outside its 6000 bytes"});
+  expect_error([&] { read_stored_bytes(row2, 1, 2000, out.data()); }, {"'a[2]'", "2000 bytes at offset 1", "outside its 2000 bytes"});
+  expect_error([&] { read_stored_bytes(va, SIZE_MAX, 1, out.data()); }, {"'a'", "outside"});
+  // A view that is not mapped is copied from memory.
+  TensorView heap = va;
+  heap.data = reinterpret_cast<const uint8_t*>(a.data());
+  heap.mapped = false;
+  heap.map_base = nullptr;
+  read_stored_bytes(heap, 2, 4, out.data());
+  EXPECT_EQ(std::memcmp(out.data(), heap.data + 2, 4), 0);
+  // The file shortened under the mapping: an error naming it, not a short read or a SIGBUS.
+  std::filesystem::resize_file(path, 100);
+  expect_error([&] { read_stored_bytes(va, 5000, 1000, out.data()); }, {path, "'a'", "ended early"});
+  std::filesystem::remove(path);
+  expect_error([&] { read_stored_bytes(va, 0, 1, out.data()); }, {path, "cannot open", "'a'"});
 }
 
 // ---------------------------------------------------------------------------------------------

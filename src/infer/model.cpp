@@ -211,7 +211,8 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
     std::vector<int8_t> q8(q8_total);
     std::vector<uint16_t> q8_scales(q8_total / infer::kQ8Block);
     size_t q8_at = 0;
-    std::vector<std::pair<const void*, size_t>> read_once;  // Q8_0: the file ranges now held elsewhere
+    std::vector<std::pair<const void*, size_t>> read_once;  // Q8_0: the small tensors' file ranges
+    std::vector<uint8_t> piece_buffer;                       // Q8_0: one piece of a tensor, as stored
     for (const HfTensorRef& ref : t.hf_tensors()) {
       const ParamSpec& spec = t.spec_of(ref);
       const size_t si = ref.spec_index;
@@ -236,34 +237,34 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
              v.file, v.name, at);
       };
       if (quantized(ref)) {
-        // In pieces of ~4 MiB of the file, each checked, quantized and released before the next: the
-        // process never holds much of the file beside the Q8_0 copy (one tensor can be 10% of a model).
+        // In pieces of ~1 MiB of the file, each read into a buffer (read_stored_bytes: never mapped,
+        // so never resident), checked and quantized: the process holds the Q8_0 copy and one piece.
         const size_t IC = row_length(ref), rows = ref.numel / IC, esize = dtype_size(v.dtype);
-        const size_t piece = std::max<size_t>(1, (4u << 20) / (IC * esize));
+        const size_t piece = std::max<size_t>(1, (1u << 20) / (IC * esize));
+        piece_buffer.resize(std::min(piece, rows) * IC * esize);
         int8_t* q = q8.data() + q8_at;
         uint16_t* d = q8_scales.data() + q8_at / infer::kQ8Block;
         for (size_t r0 = 0; r0 < rows; r0 += piece) {
           const size_t n = std::min(piece, rows - r0), at = r0 * IC;
+          read_stored_bytes(v, at * esize, n * IC * esize, piece_buffer.data());
           TensorView part = v;
-          part.data = v.data + at * esize;
+          part.data = piece_buffer.data();
+          part.mapped = false;
           if (const size_t bad = first_non_finite_stored(part, n * IC); bad < n * IC) non_finite(at + bad);
           if (!infer::quantize_q8_0({part.data, v.dtype}, n, (int)IC, q + at, d + at / infer::kQ8Block))
             fail("{}: tensor '{}' holds a value beyond Q8_0's range (a block scale above f16's 65504): load it "
                  "without --quantize",
                  v.file, v.name);
-          release_mapped_pages(part.data, n * IC * esize);
         }
         refs.push_back({q, DType::U8, d});
-        read_once.emplace_back(v.data, ref.numel * esize);
         q8_at += ref.numel;
         continue;
       }
       if (const size_t bad = first_non_finite_stored(v, ref.numel); bad < ref.numel) non_finite(bad);
       refs.push_back({v.data, v.dtype});
     }
-    // Once more at the end: a page fault maps the pages around it that the page cache holds (fault-
-    // around), which brought back pages of tensors released before -- 7.5 of a 57 MiB file stayed
-    // resident (hidden 256 model, Q8_0).
+    // The small tensors' pages, now copied to `small`, released at the end: a fault maps the page-cache
+    // folios around a page, so a range released early can come back.
     for (const auto& [p, bytes] : read_once) release_mapped_pages(p, bytes);
     m->set_weights(std::move(refs), files, std::move(small), std::move(small_offset), std::move(q8),
                    std::move(q8_scales));

@@ -90,8 +90,8 @@ struct InferenceModel {
 // widen_to_fp32: instead read everything into `owned` as fp32 (tests compare the two).
 // lora_dir: a PEFT LoRA adapter directory (model/lora.h) for this base ("": none), applied unmerged by
 // the Decoder (the base's weights stay as they are).
-// quant q8_0: the matrices are quantized to Q8_0 as they are read, and each tensor's mapped pages are
-// released after it (release_mapped_pages), so the process holds the Q8_0 copy, not the file as well.
+// quant q8_0: the matrices are quantized to Q8_0 as they are read from the file in 1 MiB pieces
+// (read_stored_bytes, never through the mapping), so the process holds the Q8_0 copy, not the file.
 std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, const std::string& lora_dir = "",
                                                      bool widen_to_fp32 = false,
                                                      WeightQuant quant = WeightQuant::none);

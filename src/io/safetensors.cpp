@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <set>
@@ -197,6 +198,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     TensorView t = parse_entry(path, name, value, data_size);
     t.data = base + data_start + reinterpret_cast<uintptr_t>(t.data);
     t.mapped = true;
+    t.map_base = base;
     f.tensors_.emplace(name, std::move(t));
   }
 
@@ -340,6 +342,32 @@ TensorView select_index(const TensorView& t, int64_t index) {
 
 void release_pages(const TensorView& t) {
   if (t.mapped) release_mapped_pages(t.data, t.nbytes);
+}
+
+void read_stored_bytes(const TensorView& t, size_t at, size_t n, void* dst) {
+  if (at > t.nbytes || n > t.nbytes - at)
+    fail("{}: tensor '{}': {} bytes at offset {} are outside its {} bytes", t.file, t.name, n, at, t.nbytes);
+  if (n == 0) return;
+  if (!t.mapped) {
+    std::memcpy(dst, t.data + at, n);
+    return;
+  }
+  const int fd = ::open(t.file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("{}: cannot open to read tensor '{}': {}", t.file, t.name, std::strerror(errno));
+  const off_t offset = static_cast<off_t>(t.data - t.map_base + at);
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t got = ::pread(fd, static_cast<uint8_t*>(dst) + done, n - done, offset + static_cast<off_t>(done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      const int err = got < 0 ? errno : 0;
+      ::close(fd);
+      fail("{}: reading tensor '{}' (bytes {}..{} of the file): {}", t.file, t.name, offset + done, offset + n,
+           got < 0 ? std::strerror(err) : "the file ended early (changed since it was opened?)");
+    }
+    done += static_cast<size_t>(got);
+  }
+  ::close(fd);
 }
 
 // ---------------------------------------------------------------------------------------------
