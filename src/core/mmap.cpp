@@ -27,7 +27,7 @@ struct FdGuard {
 
 }  // namespace
 
-MappedFile MappedFile::open(const std::string& path) {
+MappedFile MappedFile::open(const std::string& path, bool keep_fd) {
   FdGuard fd{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
   if (fd.fd < 0) fail("{}: cannot open: {}", path, errno_text(errno));
   struct stat st {};
@@ -38,17 +38,20 @@ MappedFile MappedFile::open(const std::string& path) {
   MappedFile file;
   file.path_ = path;
   file.size_ = static_cast<size_t>(st.st_size);
-  if (file.size_ == 0) return file;
-  void* p = ::mmap(nullptr, file.size_, PROT_READ, MAP_PRIVATE, fd.fd, 0);
-  if (p == MAP_FAILED) fail("{}: cannot mmap {} bytes: {}", path, file.size_, errno_text(errno));
-  file.data_ = static_cast<const uint8_t*>(p);
+  if (file.size_ > 0) {
+    void* p = ::mmap(nullptr, file.size_, PROT_READ, MAP_PRIVATE, fd.fd, 0);
+    if (p == MAP_FAILED) fail("{}: cannot mmap {} bytes: {}", path, file.size_, errno_text(errno));
+    file.data_ = static_cast<const uint8_t*>(p);
+  }
+  if (keep_fd) file.fd_ = std::exchange(fd.fd, -1);
   return file;
 }
 
 MappedFile::MappedFile(MappedFile&& other) noexcept
     : path_(std::move(other.path_)),
       data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0)) {}
+      size_(std::exchange(other.size_, 0)),
+      fd_(std::exchange(other.fd_, -1)) {}
 
 MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
   if (this != &other) {
@@ -56,6 +59,7 @@ MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
     path_ = std::move(other.path_);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
+    fd_ = std::exchange(other.fd_, -1);
   }
   return *this;
 }
@@ -64,8 +68,10 @@ MappedFile::~MappedFile() { release(); }
 
 void MappedFile::release() noexcept {
   if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), size_);
+  if (fd_ >= 0) ::close(fd_);
   data_ = nullptr;
   size_ = 0;
+  fd_ = -1;
 }
 
 void release_mapped_pages(const void* p, size_t n) noexcept {

@@ -11,7 +11,9 @@ namespace moetron {
 class MappedFile {
  public:
   // Maps `path` read-only. Throws Error naming the path and the system's reason on failure.
-  static MappedFile open(const std::string& path);
+  // keep_fd: the descriptor stays open (fd(), closed with the mapping), so the mapped file can also
+  // be read with pread -- the same file even after the path is replaced or removed.
+  static MappedFile open(const std::string& path, bool keep_fd = false);
 
   MappedFile() = default;
   MappedFile(MappedFile&& other) noexcept;
@@ -23,6 +25,7 @@ class MappedFile {
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   const std::string& path() const { return path_; }
+  int fd() const { return fd_; }  // -1 unless opened with keep_fd
 
  private:
   void release() noexcept;
@@ -30,6 +33,7 @@ class MappedFile {
   std::string path_;
   const uint8_t* data_ = nullptr;
   size_t size_ = 0;
+  int fd_ = -1;
 };
 
 // Tells the kernel the process is done with [p, p + n) of a read-only file mapping (rounded out to

@@ -169,7 +169,7 @@ int64_t TensorView::numel() const {
 
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   SafetensorsFile f;
-  f.file_ = MappedFile::open(path);
+  f.file_ = MappedFile::open(path, /*keep_fd=*/true);
   const uint8_t* base = f.file_.data();
   const size_t size = f.file_.size();
   if (size < 8)
@@ -199,6 +199,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     t.data = base + data_start + reinterpret_cast<uintptr_t>(t.data);
     t.mapped = true;
     t.map_base = base;
+    t.map_fd = f.file_.fd();
     f.tensors_.emplace(name, std::move(t));
   }
 
@@ -352,22 +353,19 @@ void read_stored_bytes(const TensorView& t, size_t at, size_t n, void* dst) {
     std::memcpy(dst, t.data + at, n);
     return;
   }
-  const int fd = ::open(t.file.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("{}: cannot open to read tensor '{}': {}", t.file, t.name, std::strerror(errno));
+  MOETRON_ASSERT(t.map_fd >= 0 && t.map_base != nullptr);
   const off_t offset = static_cast<off_t>(t.data - t.map_base + at);
   size_t done = 0;
   while (done < n) {
-    const ssize_t got = ::pread(fd, static_cast<uint8_t*>(dst) + done, n - done, offset + static_cast<off_t>(done));
+    const ssize_t got = ::pread(t.map_fd, static_cast<uint8_t*>(dst) + done, n - done, offset + static_cast<off_t>(done));
     if (got < 0 && errno == EINTR) continue;
     if (got <= 0) {
       const int err = got < 0 ? errno : 0;
-      ::close(fd);
       fail("{}: reading tensor '{}' (bytes {}..{} of the file): {}", t.file, t.name, offset + done, offset + n,
            got < 0 ? std::strerror(err) : "the file ended early (changed since it was opened?)");
     }
     done += static_cast<size_t>(got);
   }
-  ::close(fd);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ struct TensorView {
   std::string file;  // path of the file holding the tensor, for error messages
   bool mapped = false;  // `data` points into a SafetensorsFile's read-only mapping
   const uint8_t* map_base = nullptr;  // mapped: the mapping's first byte (data - map_base: the file offset)
+  int map_fd = -1;                     // mapped: the mapped file, open for pread (the mapping's lifetime)
 
   int64_t numel() const;
 };
@@ -80,11 +81,12 @@ TensorView select_index(const TensorView& t, int64_t index);
 // Drops the tensor's pages from the process's resident set when it lives in a mapping (see
 // release_mapped_pages); a no-op for other views. read_f32 / read_f32_slice do this themselves.
 void release_pages(const TensorView& t);
-// Copies bytes [at, at + n) of the tensor's data to dst. A mapped tensor's bytes are read from its
-// file (pread), so they never enter the process's resident set: a fault on a file mapping maps the
-// whole page-cache folios around the page (several MiB on kernels with large folios), pages released
-// before included. Other views are copied. Throws Error naming the file and tensor on a range outside
-// the tensor or a failed read.
+// Copies bytes [at, at + n) of the tensor's data to dst. A mapped tensor's bytes are read from the
+// mapped file (pread on its descriptor: the same file when the path has since been replaced), so they
+// never enter the process's resident set: a fault on a file mapping maps the whole page-cache folios
+// around the page (several MiB on kernels with large folios), pages released before included. Other
+// views are copied. Throws Error naming the file and tensor on a range outside the tensor or a failed
+// or short read (the file truncated under the mapping).
 void read_stored_bytes(const TensorView& t, size_t at, size_t n, void* dst);
 
 // Builds a safetensors file. add() and add_f32() only REFERENCE the caller's data, which must stay
