@@ -7,6 +7,7 @@
 // kernels and per-row attention here, BLAS GEMMs and blocked attention there), which moves logits
 // by ~1e-7 relative on these 2-layer models.  A wrong position, cache slot, window or mask moves them
 // by far more (the golden models scale q/k so attention is sharp).
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -33,6 +34,7 @@
 #include "mixtral_tokenizer.h"
 #include "model/mixtral.h"
 #include "model/weights.h"
+#include "temp_dir.h"
 
 namespace fs = std::filesystem;
 using namespace moetron;
@@ -151,6 +153,9 @@ TEST(Decoder, Bf16InPlaceComputesBitwiseWhatItsFp32WideningDoes) {
     ASSERT_TRUE(model->owned.empty());
     ASSERT_EQ(model->storage_name(), "BF16");
     ASSERT_EQ(wide->owned.size(), wide->table.total());
+    // (every one of these models has an untied embedding: here read by row from the file)
+    ASSERT_NE(model->embedding_in_file(), nullptr);
+    ASSERT_EQ(wide->embedding_in_file(), nullptr);
     size_t small = 0;  // values of the norms, biases and router, copied to fp32 either way
     for (const ParamSpec& p : model->table.specs()) small += InferenceModel::is_small(p.kind) ? p.numel : 0;
     EXPECT_EQ(model->weight_bytes(), (wide->weight_bytes() - 4 * small) / 2 + 4 * small);
@@ -167,6 +172,94 @@ TEST(Decoder, Bf16InPlaceComputesBitwiseWhatItsFp32WideningDoes) {
       b.forward(cb, std::span(tokens).subspan(t, 1), lb.data());
       ASSERT_EQ(0, std::memcmp(la.data(), lb.data(), sizeof(float) * V)) << "position " << t;
     }
+  }
+}
+
+namespace {
+
+// Pages of [p, p + n) mapped in this process's page tables (/proc/self/pagemap bit 63: present).
+size_t present_pages(const void* p, size_t n) {
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  const uintptr_t first = (uintptr_t)p / page, last = ((uintptr_t)p + n + page - 1) / page;
+  std::vector<uint64_t> entries(last - first);
+  const int fd = open("/proc/self/pagemap", O_RDONLY);
+  EXPECT_GE(fd, 0) << "opening /proc/self/pagemap";
+  if (fd < 0) return 0;
+  const ssize_t got = pread(fd, entries.data(), entries.size() * 8, (off_t)(first * 8));
+  close(fd);
+  EXPECT_EQ(got, (ssize_t)(entries.size() * 8)) << "reading /proc/self/pagemap";
+  size_t present = 0;
+  for (const uint64_t e : entries) present += (e >> 63) & 1;
+  return present;
+}
+
+}  // namespace
+
+// An untied embedding is looked up by row from the file, never through the mapping: a prompt needs a
+// few of its rows, and a fault maps the page-cache folios around a page, so mapped lookups left most of
+// the table resident (15.6 of a small model's 57 MiB, for nothing).  Here the embedding is 8 MiB:
+// after a load (which checks every value) and a forward over tokens spread through the vocabulary,
+// none of its pages away from its ends (2 MiB margins: folios shared with the tensors beside it) is
+// mapped; the head, read whole, is.  A tied embedding is the head: used in place as before.
+TEST(Decoder, UntiedEmbeddingIsReadByRowNeverMapped) {
+  moetron::testing::TempDir tmp("embedding_rows");
+  for (const bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    const std::string dir = tmp.file(tied ? "tied" : "untied");
+    const ModelConfig cfg = model_config_from_json(
+        {{"architectures", {"MixtralForCausalLM"}}, {"model_type", "mixtral"}, {"vocab_size", 32768},
+         {"hidden_size", 128}, {"intermediate_size", 64}, {"num_hidden_layers", 1}, {"num_attention_heads", 4},
+         {"num_key_value_heads", 2}, {"num_local_experts", 2}, {"num_experts_per_tok", 1},
+         {"tie_word_embeddings", tied}, {"torch_dtype", "bfloat16"}},
+        "test");
+    const ParamTable table(cfg);
+    std::vector<float> params(table.total());
+    init_parameters(table, cfg, 7, params.data());
+    std::vector<ModelTensorToWrite> tensors;
+    for (const HfTensorRef& ref : table.hf_tensors())
+      tensors.push_back({ref.name, DType::BF16, ref.shape, params.data() + ref.offset});
+    fs::create_directories(dir);
+    write_model_safetensors(dir, tensors);
+    std::ofstream(fs::path(dir) / "config.json") << model_config_to_json(cfg).dump(2) << "\n";
+
+    const auto model = load_inference_model(dir);
+    const auto wide = load_inference_model(dir, "", /*widen_to_fp32=*/true);
+    std::vector<int32_t> tokens;
+    for (int i = 0; i < 40; i++) tokens.push_back((int32_t)((i * 7919L) % cfg.vocab_size));
+    Decoder a(*model), b(*wide);
+    KvCache ca = a.new_cache(), cb = b.new_cache();
+    std::vector<float> la((size_t)cfg.vocab_size), lb(la.size());
+    a.forward(ca, std::span(tokens).first(30), la.data());  // prefill
+    b.forward(cb, std::span(tokens).first(30), lb.data());
+    for (int t = 30; t < 40; t++) {
+      a.forward(ca, std::span(tokens).subspan(t, 1), la.data());
+      b.forward(cb, std::span(tokens).subspan(t, 1), lb.data());
+    }
+    EXPECT_EQ(0, std::memcmp(la.data(), lb.data(), sizeof(float) * la.size())) << "the widened model's logits";
+
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE), margin = 2u << 20, bytes = la.size() * cfg.hidden_size * 2;
+    const size_t middle_pages = (bytes - 2 * margin) / page;
+    const infer::WeightRef head = model->mat(tied ? ParamKind::embedding : ParamKind::lm_head, -1, 0, 0);
+    EXPECT_GE(present_pages(static_cast<const uint8_t*>(head.data) + margin, bytes - 2 * margin), middle_pages)
+        << "the head, read whole by every forward, is mapped (a check that this test sees mappings)";
+    if (tied) {
+      EXPECT_EQ(model->embedding_in_file(), nullptr);
+      continue;
+    }
+    const TensorView* e = model->embedding_in_file();
+    ASSERT_NE(e, nullptr);
+    ASSERT_TRUE(e->mapped);
+    ASSERT_EQ(e->nbytes, bytes);
+    EXPECT_EQ(present_pages(e->data + margin, bytes - 2 * margin), 0u);
+    // So with Q8_0 weights: the embedding stays in the file (bf16, quantized per row on lookup).
+    const auto q8 = load_inference_model(dir, "", false, WeightQuant::q8_0);
+    EXPECT_EQ(q8->storage_name(), "Q8_0");
+    Decoder c(*q8);
+    KvCache cc = c.new_cache();
+    c.forward(cc, tokens, la.data());
+    ASSERT_NE(q8->embedding_in_file(), nullptr);
+    EXPECT_EQ(q8->embedding_in_file()->dtype, DType::BF16);
+    EXPECT_EQ(present_pages(q8->embedding_in_file()->data + margin, bytes - 2 * margin), 0u);
   }
 }
 

@@ -284,11 +284,7 @@ void Decoder::forward_chunk(KvCache* const* caches, const int32_t* tokens, int n
   float* x = x_.data();
   float* ln = ln_.data();
   const long N = n;
-  {
-    ThreadLimit lim(N * C_);
-    const infer::WeightRef emb = m_.mat(ParamKind::embedding, -1, 0, (size_t)V_ * C_);
-    for (int i = 0; i < n; i++) infer::widen_row(x + (size_t)i * C_, emb, (size_t)tokens[i], C_);
-  }
+  for (int i = 0; i < n; i++) m_.embedding_row(x + (size_t)i * C_, (size_t)tokens[i], row_bytes_);
   if (decode) {
     for (int i = 0; i < n; i++)
       if (i + 1 == n || caches[i + 1] != caches[i]) caches[i]->grow(pos_[i] - caches[i]->len() + 1);  // its last row

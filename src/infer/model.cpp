@@ -92,7 +92,8 @@ WeightQuant parse_weight_quant(const std::string& name, const char* what) {
 
 void InferenceModel::set_weights(std::vector<infer::WeightRef> refs, std::shared_ptr<const void> keep_alive,
                                  std::vector<float> small, std::vector<size_t> small_offset,
-                                 std::vector<int8_t> quantized, std::vector<uint16_t> scales) {
+                                 std::vector<int8_t> quantized, std::vector<uint16_t> scales,
+                                 std::optional<TensorView> embedding, bool embedding_q8) {
   MOETRON_ASSERT(refs.size() == table.hf_tensors().size() && small_offset.size() == table.specs().size());
   q8_ = std::move(quantized);  // a moved vector keeps its buffer: the refs into it stay valid
   q8_scales_ = std::move(scales);
@@ -100,6 +101,33 @@ void InferenceModel::set_weights(std::vector<infer::WeightRef> refs, std::shared
   files_ = std::move(keep_alive);
   small_ = std::move(small);
   small_offset_ = std::move(small_offset);
+  embedding_file_ = std::move(embedding);
+  embedding_q8_ = embedding_file_ && embedding_q8;
+}
+
+void InferenceModel::embedding_row(float* out, size_t token, std::vector<uint8_t>& scratch) const {
+  const int C = cfg.hidden_size;
+  if (token >= (size_t)cfg.vocab_size)
+    fail("[InferenceModel::embedding_row] token {} is outside the vocabulary of {}", token, cfg.vocab_size);
+  if (!embedding_file_) {
+    infer::widen_row(out, mat(ParamKind::embedding, -1, 0, (size_t)cfg.vocab_size * C), token, C);
+    return;
+  }
+  // scratch: the row as stored, then (Q8_0) its int8 values and f16 scales -- 2-byte aligned, as the
+  // row's bytes and C (whole blocks) are even.
+  const size_t row_bytes = (size_t)C * dtype_size(embedding_file_->dtype);
+  scratch.resize(row_bytes + (embedding_q8_ ? (size_t)C + (size_t)C / infer::kQ8Block * sizeof(uint16_t) : 0));
+  read_stored_bytes(*embedding_file_, token * row_bytes, row_bytes, scratch.data());
+  const infer::WeightRef stored{scratch.data(), embedding_file_->dtype};
+  if (!embedding_q8_) {
+    infer::widen_row(out, stored, 0, C);
+    return;
+  }
+  int8_t* q = reinterpret_cast<int8_t*>(scratch.data() + row_bytes);
+  uint16_t* d = reinterpret_cast<uint16_t*>(scratch.data() + row_bytes + C);
+  // (checked at load: every block's scale is within f16)
+  MOETRON_ASSERT(infer::quantize_q8_0(stored, 1, C, q, d));
+  infer::widen_row(out, {q, DType::U8, d}, 0, C);
 }
 
 const float* InferenceModel::vec(ParamKind kind, int layer) const {
@@ -123,6 +151,7 @@ infer::WeightRef InferenceModel::mat(ParamKind kind, int layer, size_t offset, s
     const HfTensorRef& ref = hf[r];
     if (at >= ref.offset && at < ref.offset + ref.numel) {
       MOETRON_ASSERT(at + count <= ref.offset + ref.numel);  // within one tensor
+      MOETRON_ASSERT(refs_[r].data != nullptr);              // not read by row (embedding_row)
       return refs_[r].at(at - ref.offset);
     }
   }
@@ -135,7 +164,7 @@ std::string InferenceModel::storage_name() const {
   const auto& hf = table.hf_tensors();
   for (size_t i = 0; i < hf.size(); i++)
     if (!is_small(table.spec_of(hf[i]).kind))
-      by[refs_[i].q8() ? 3 : refs_[i].dtype == DType::BF16 ? 1 : refs_[i].dtype == DType::F16 ? 2 : 0] += hf[i].numel;
+      by[refs_[i].q8() || (!refs_[i].data && embedding_q8_) ? 3 : refs_[i].dtype == DType::BF16 ? 1 : refs_[i].dtype == DType::F16 ? 2 : 0] += hf[i].numel;
   return names[std::max_element(by, by + 4) - by];
 }
 
@@ -145,7 +174,7 @@ size_t InferenceModel::weight_bytes() const {
   for (size_t i = 0; i < hf.size(); i++) {
     if (is_small(table.spec_of(hf[i]).kind))
       b += hf[i].numel * sizeof(float);
-    else if (refs_[i].q8())
+    else if (refs_[i].q8() || (!refs_[i].data && embedding_q8_))  // (null data: the embedding read by row)
       b += hf[i].numel + hf[i].numel / infer::kQ8Block * sizeof(uint16_t);
     else
       b += hf[i].numel * dtype_size(refs_[i].dtype);
@@ -175,6 +204,24 @@ size_t first_non_finite_stored(const TensorView& t, size_t numel) {
   return numel;
 }
 
+// Tensor v, rows x IC values, read from its file in pieces of ~1 MiB into `buffer` (read_stored_bytes:
+// never through the mapping, so never resident): fn(piece, n, at) for each, `piece` a view of the
+// buffer holding the n rows from element `at`.
+template <class F>
+void for_each_stored_piece(const TensorView& v, size_t rows, size_t IC, std::vector<uint8_t>& buffer, F&& fn) {
+  const size_t esize = dtype_size(v.dtype);
+  const size_t piece = std::max<size_t>(1, (1u << 20) / (IC * esize));
+  buffer.resize(std::min(piece, rows) * IC * esize);
+  TensorView part = v;
+  part.data = buffer.data();
+  part.mapped = false;
+  for (size_t r0 = 0; r0 < rows; r0 += piece) {
+    const size_t n = std::min(piece, rows - r0), at = r0 * IC;
+    read_stored_bytes(v, at * esize, n * IC * esize, buffer.data());
+    fn(part, n, at);
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, const std::string& lora_dir,
@@ -201,8 +248,12 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
       }
     // Q8_0: which matrices (rows of whole blocks) and where each goes in one allocation.
     auto row_length = [&](const HfTensorRef& ref) { return (size_t)t.spec_of(ref).shape.back(); };
+    // An untied embedding is read by row from the file (InferenceModel::embedding_row).
+    auto by_row = [&](const HfTensorRef& ref) {
+      return t.spec_of(ref).kind == ParamKind::embedding && t.head_kind() != ParamKind::embedding;
+    };
     auto quantized = [&](const HfTensorRef& ref) {
-      return quant == WeightQuant::q8_0 && !InferenceModel::is_small(t.spec_of(ref).kind) &&
+      return quant == WeightQuant::q8_0 && !InferenceModel::is_small(t.spec_of(ref).kind) && !by_row(ref) &&
              row_length(ref) % infer::kQ8Block == 0;
     };
     size_t q8_total = 0;
@@ -212,7 +263,9 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
     std::vector<uint16_t> q8_scales(q8_total / infer::kQ8Block);
     size_t q8_at = 0;
     std::vector<std::pair<const void*, size_t>> read_once;  // Q8_0: the small tensors' file ranges
-    std::vector<uint8_t> piece_buffer;                       // Q8_0: one piece of a tensor, as stored
+    std::vector<uint8_t> piece_buffer;                       // one piece of a tensor read in pieces, as stored
+    std::optional<TensorView> embedding;                     // read by row
+    bool embedding_q8 = false;                               // and quantized per row
     for (const HfTensorRef& ref : t.hf_tensors()) {
       const ParamSpec& spec = t.spec_of(ref);
       const size_t si = ref.spec_index;
@@ -236,26 +289,37 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
              "model computed from them would give NaN logits",
              v.file, v.name, at);
       };
+      auto beyond_q8 = [&] {
+        fail("{}: tensor '{}' holds a value beyond Q8_0's range (a block scale above f16's 65504): load it without "
+             "--quantize",
+             v.file, v.name);
+      };
+      const size_t IC = row_length(ref), rows = ref.numel / IC;
+      if (by_row(ref)) {
+        // Checked here (and, for Q8_0, that it quantizes: embedding_row quantizes a row per lookup).
+        embedding_q8 = quant == WeightQuant::q8_0 && IC % infer::kQ8Block == 0;
+        std::vector<int8_t> q;  // one piece's Q8_0, only to check it quantizes
+        std::vector<uint16_t> d;
+        for_each_stored_piece(v, rows, IC, piece_buffer, [&](const TensorView& part, size_t n, size_t at) {
+          if (const size_t bad = first_non_finite_stored(part, n * IC); bad < n * IC) non_finite(at + bad);
+          if (embedding_q8) {
+            q.resize(n * IC);
+            d.resize(n * IC / infer::kQ8Block);
+            if (!infer::quantize_q8_0({part.data, v.dtype}, n, (int)IC, q.data(), d.data())) beyond_q8();
+          }
+        });
+        embedding = v;
+        refs.push_back({nullptr, v.dtype});
+        continue;
+      }
       if (quantized(ref)) {
-        // In pieces of ~1 MiB of the file, each read into a buffer (read_stored_bytes: never mapped,
-        // so never resident), checked and quantized: the process holds the Q8_0 copy and one piece.
-        const size_t IC = row_length(ref), rows = ref.numel / IC, esize = dtype_size(v.dtype);
-        const size_t piece = std::max<size_t>(1, (1u << 20) / (IC * esize));
-        piece_buffer.resize(std::min(piece, rows) * IC * esize);
+        // Each piece checked and quantized: the process holds the Q8_0 copy and one piece.
         int8_t* q = q8.data() + q8_at;
         uint16_t* d = q8_scales.data() + q8_at / infer::kQ8Block;
-        for (size_t r0 = 0; r0 < rows; r0 += piece) {
-          const size_t n = std::min(piece, rows - r0), at = r0 * IC;
-          read_stored_bytes(v, at * esize, n * IC * esize, piece_buffer.data());
-          TensorView part = v;
-          part.data = piece_buffer.data();
-          part.mapped = false;
+        for_each_stored_piece(v, rows, IC, piece_buffer, [&](const TensorView& part, size_t n, size_t at) {
           if (const size_t bad = first_non_finite_stored(part, n * IC); bad < n * IC) non_finite(at + bad);
-          if (!infer::quantize_q8_0({part.data, v.dtype}, n, (int)IC, q + at, d + at / infer::kQ8Block))
-            fail("{}: tensor '{}' holds a value beyond Q8_0's range (a block scale above f16's 65504): load it "
-                 "without --quantize",
-                 v.file, v.name);
-        }
+          if (!infer::quantize_q8_0({part.data, v.dtype}, n, (int)IC, q + at, d + at / infer::kQ8Block)) beyond_q8();
+        });
         refs.push_back({q, DType::U8, d});
         q8_at += ref.numel;
         continue;
@@ -267,7 +331,7 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
     // folios around a page, so a range released early can come back.
     for (const auto& [p, bytes] : read_once) release_mapped_pages(p, bytes);
     m->set_weights(std::move(refs), files, std::move(small), std::move(small_offset), std::move(q8),
-                   std::move(q8_scales));
+                   std::move(q8_scales), std::move(embedding), embedding_q8);
   }
   if (adapter) {
     ParamTable t(cfg, adapter->spec);

@@ -6,11 +6,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "infer/kernels.h"
 #include "io/hf_config.h"
+#include "io/safetensors.h"
 #include "model/lora.h"
 #include "model/params.h"
 #include "tokenizer/chat_template.h"
@@ -58,19 +60,31 @@ struct InferenceModel {
   // `count` values of a matrix parameter from element `offset` of its table storage (e.g. expert e's
   // gate rows of ffn_w13: offset e * 2IC, count IC), where they lie: in the mapped file, in the
   // file's dtype, or in `owned`.  The range must lie within one HF tensor (gate and up rows are two).
+  // Not for an embedding that is read by row from its file (embedding_row).
   infer::WeightRef mat(ParamKind kind, int layer, size_t offset, size_t count) const;
+  // out[hidden] = row `token` of the embedding as fp32.  An untied embedding of a model used in place
+  // is read from its file per lookup (read_stored_bytes into scratch), never mapped: a prompt looks up
+  // a few hundred of its rows, and a fault would map the page-cache folios around each (most of the
+  // table).  Loaded with Q8_0, the row is quantized to Q8_0 on lookup: the values a Q8_0 copy of the
+  // table would hold, without holding it.  Error for a token outside the vocabulary.
+  void embedding_row(float* out, size_t token, std::vector<uint8_t>& scratch) const;
+  // The embedding's tensor when it is read that way, else null.
+  const TensorView* embedding_in_file() const { return embedding_file_ ? &*embedding_file_ : nullptr; }
   // How the matrices are held (mixed: the most common): "F32", "BF16", "F16" or "Q8_0"; and the bytes
   // of the weights as held (the matrices in their dtype or Q8_0 with its scales, the small parameters
-  // as fp32).
+  // as fp32; an embedding read by row from its file as if held, in its dtype or Q8_0).
   std::string storage_name() const;
   size_t weight_bytes() const;
 
   // A model used in place: where each table.hf_tensors() entry lies, what holds them (the mapped
   // files, kept open), and the small parameters as fp32 (spec i at small[small_offset[i]]).
-  // quantized / scales: what Q8_0 refs point into (empty when none).
+  // quantized / scales: what Q8_0 refs point into (empty when none).  embedding: the embedding's
+  // tensor in the kept files, to be read by row (its ref is then {null, its dtype}), quantized to
+  // Q8_0 per row when embedding_q8.
   void set_weights(std::vector<infer::WeightRef> refs, std::shared_ptr<const void> keep_alive, std::vector<float> small,
                    std::vector<size_t> small_offset, std::vector<int8_t> quantized = {},
-                   std::vector<uint16_t> scales = {});
+                   std::vector<uint16_t> scales = {}, std::optional<TensorView> embedding = std::nullopt,
+                   bool embedding_q8 = false);
   // Whether a parameter kind is copied to fp32 (vec) rather than used in place (mat).
   static bool is_small(ParamKind kind);
 
@@ -82,6 +96,8 @@ struct InferenceModel {
   std::vector<size_t> small_offset_;            // per spec
   std::vector<int8_t> q8_;                      // Q8_0 matrices (values), when quantized at load
   std::vector<uint16_t> q8_scales_;             // and their f16 scales
+  std::optional<TensorView> embedding_file_;    // the embedding, read by row (embedding_row)
+  bool embedding_q8_ = false;                   // and quantized to Q8_0 on lookup
 };
 
 // Reads DIR/config.json and maps DIR's safetensors: the matrices are used where they lie, in the
@@ -92,6 +108,8 @@ struct InferenceModel {
 // the Decoder (the base's weights stay as they are).
 // quant q8_0: the matrices are quantized to Q8_0 as they are read from the file in 1 MiB pieces
 // (read_stored_bytes, never through the mapping), so the process holds the Q8_0 copy, not the file.
+// An untied embedding is checked the same way and then read by row from the file (embedding_row),
+// never held: only looked up, a few rows a prompt.
 std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, const std::string& lora_dir = "",
                                                      bool widen_to_fp32 = false,
                                                      WeightQuant quant = WeightQuant::none);
