@@ -212,15 +212,7 @@ TEST(Decoder, UntiedEmbeddingIsReadByRowNeverMapped) {
          {"num_key_value_heads", 2}, {"num_local_experts", 2}, {"num_experts_per_tok", 1},
          {"tie_word_embeddings", tied}, {"torch_dtype", "bfloat16"}},
         "test");
-    const ParamTable table(cfg);
-    std::vector<float> params(table.total());
-    init_parameters(table, cfg, 7, params.data());
-    std::vector<ModelTensorToWrite> tensors;
-    for (const HfTensorRef& ref : table.hf_tensors())
-      tensors.push_back({ref.name, DType::BF16, ref.shape, params.data() + ref.offset});
-    fs::create_directories(dir);
-    write_model_safetensors(dir, tensors);
-    std::ofstream(fs::path(dir) / "config.json") << model_config_to_json(cfg).dump(2) << "\n";
+    write_random_model(dir, cfg, 7, DType::BF16);
 
     const auto model = load_inference_model(dir);
     const auto wide = load_inference_model(dir, "", /*widen_to_fp32=*/true);

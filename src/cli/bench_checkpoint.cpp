@@ -132,17 +132,7 @@ int make_model(const std::string& dir, int hidden, int layers, int experts, int 
   // overwritten).
   if (fs::exists(dir) && (!fs::is_directory(dir) || !fs::is_empty(dir)))
     fail("--make-model: '{}' already exists and is not an empty directory; give a new directory", dir);
-  const ParamTable table(cfg);
-  std::vector<float> params(table.total());
-  init_parameters(table, cfg, 1, params.data());
-  std::vector<ModelTensorToWrite> tensors;
-  for (const HfTensorRef& ref : table.hf_tensors())
-    tensors.push_back({ref.name, DType::BF16, ref.shape, params.data() + ref.offset});
-  fs::create_directories(dir);
-  write_model_safetensors(dir, tensors);
-  std::ofstream(fs::path(dir) / "config.json") << model_config_to_json(cfg).dump(2) << "\n";
-  size_t numel = 0;
-  for (const HfTensorRef& ref : table.hf_tensors()) numel += ref.numel;
+  const size_t numel = write_random_model(dir, cfg, 1, DType::BF16);
   std::printf("wrote %s: %.3f B parameters, %.3f GB in bf16\n", dir.c_str(), numel / 1e9, numel * 2 / 1e9);
   return 0;
 }

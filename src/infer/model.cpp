@@ -164,7 +164,7 @@ std::string InferenceModel::storage_name() const {
   const auto& hf = table.hf_tensors();
   for (size_t i = 0; i < hf.size(); i++)
     if (!is_small(table.spec_of(hf[i]).kind))
-      by[refs_[i].q8() || (!refs_[i].data && embedding_q8_) ? 3 : refs_[i].dtype == DType::BF16 ? 1 : refs_[i].dtype == DType::F16 ? 2 : 0] += hf[i].numel;
+      by[held_q8(i) ? 3 : refs_[i].dtype == DType::BF16 ? 1 : refs_[i].dtype == DType::F16 ? 2 : 0] += hf[i].numel;
   return names[std::max_element(by, by + 4) - by];
 }
 
@@ -174,7 +174,7 @@ size_t InferenceModel::weight_bytes() const {
   for (size_t i = 0; i < hf.size(); i++) {
     if (is_small(table.spec_of(hf[i]).kind))
       b += hf[i].numel * sizeof(float);
-    else if (refs_[i].q8() || (!refs_[i].data && embedding_q8_))  // (null data: the embedding read by row)
+    else if (held_q8(i))
       b += hf[i].numel + hf[i].numel / infer::kQ8Block * sizeof(uint16_t);
     else
       b += hf[i].numel * dtype_size(refs_[i].dtype);

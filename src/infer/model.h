@@ -89,6 +89,9 @@ struct InferenceModel {
   static bool is_small(ParamKind kind);
 
  private:
+  // Whether hf_tensors() entry i is Q8_0: quantized at load, or the embedding read by row (null data)
+  // and quantized per lookup.
+  bool held_q8(size_t i) const { return refs_[i].q8() || (!refs_[i].data && embedding_q8_); }
   std::vector<infer::WeightRef> refs_;          // per table.hf_tensors() entry
   std::vector<std::vector<size_t>> spec_refs_;  // per spec: its hf_tensors() indices, by offset
   std::shared_ptr<const void> files_;           // what refs_ point into (the mapped files), when not owned

@@ -3,10 +3,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 
 #include "core/error.h"
+#include "io/hf_config.h"
 #include "io/model_files.h"
 
 namespace moetron {
@@ -205,6 +208,22 @@ void add_hf_tensors(SafetensorsWriter& writer, const ParamTable& table, const fl
                     const std::string& prefix) {
   for (const HfTensorRef& ref : table.hf_tensors())
     writer.add_f32(prefix + ref.name, ref.shape, values + ref.offset, storage);
+}
+
+size_t write_random_model(const std::string& dir, const ModelConfig& cfg, uint64_t seed, DType storage) {
+  const ParamTable table(cfg);
+  std::vector<float> params(table.total());
+  init_parameters(table, cfg, seed, params.data());
+  std::vector<ModelTensorToWrite> tensors;
+  size_t numel = 0;
+  for (const HfTensorRef& ref : table.hf_tensors()) {
+    tensors.push_back({ref.name, storage, ref.shape, params.data() + ref.offset});
+    numel += ref.numel;
+  }
+  std::filesystem::create_directories(dir);
+  write_model_safetensors(dir, tensors);
+  std::ofstream(std::filesystem::path(dir) / "config.json") << model_config_to_json(cfg).dump(2) << "\n";
+  return numel;
 }
 
 }  // namespace moetron

@@ -78,4 +78,9 @@ TensorView hf_tensor_view(const ModelTensors& files, const ParamTable& table, co
 void add_hf_tensors(SafetensorsWriter& writer, const ParamTable& table, const float* values, DType storage,
                     const std::string& prefix = "");
 
+// Writes a randomly initialised model (init_parameters with `seed`) as an HF directory: DIR/config.json
+// and DIR's safetensors in `storage` (for benchmarks and tests).  DIR is created; the caller checks it
+// holds nothing of the user's.  Returns the parameter count.
+size_t write_random_model(const std::string& dir, const ModelConfig& cfg, uint64_t seed, DType storage);
+
 }  // namespace moetron
