@@ -16,6 +16,7 @@
 #include "model/params.h"
 #include "model/weights.h"
 #include "ops/cross_entropy.h"
+#include "proc_maps.h"
 #include "test_dist_harness.h"
 
 using namespace moetron;
@@ -282,6 +283,22 @@ TEST(CommOverMpi, CollectivesOnThreeAndFourRanks) {
 }
 
 // ---- without MPI ----------------------------------------------------------------------------------
+
+// libmpi (and Open MPI's stack under it) is loaded by a launched process only: not linked, not
+// loaded for a process of its own (ctest runs each test in a fresh process).
+TEST(MpiLibrary, IsLoadedOnlyWhenAProcessIsLaunched) {
+  if (!dist::have_mpi()) GTEST_SKIP() << "built without MPI";
+  if (dist::detect_launch().launched) GTEST_SKIP() << "run under a launcher";
+  EXPECT_FALSE(library_mapped("libmpi.so")) << "libmpi mapped before any MPI use";
+  {
+    auto world = dist::make_world_comm();
+    EXPECT_STREQ(world->transport(), "self");
+  }
+  EXPECT_FALSE(library_mapped("libmpi.so")) << "a process without a launcher loaded libmpi";
+  const std::string path = dist::mpi_library();
+  EXPECT_FALSE(path.empty());
+  EXPECT_TRUE(library_mapped("libmpi.so")) << "mpi_library() reported " << path << " but nothing is mapped";
+}
 
 TEST(SelfComm, IsAGroupOfOne) {
   dist::SelfComm c;

@@ -3,6 +3,7 @@
 // Skipped in builds without NCCL and on machines without a GPU.
 #include "core/error.h"
 #include "dist/nccl_comm.h"
+#include "proc_maps.h"
 #include "test_dist_harness.h"
 
 #ifdef MOETRON_HAVE_NCCL
@@ -31,6 +32,16 @@ namespace {
 }
 
 }  // namespace
+
+// libnccl is loaded at the first NCCL communicator, not linked: a process that never makes one
+// (every CPU command) does not map it.  Loading it needs no GPU.
+TEST(NcclLibrary, IsLoadedOnlyWhenAsked) {
+  if (!dist::have_nccl()) GTEST_SKIP() << "built without NCCL";
+  EXPECT_FALSE(library_mapped("libnccl")) << "libnccl mapped before any NCCL use";
+  const std::string info = dist::nccl_library();
+  EXPECT_NE(info.find("version code"), std::string::npos) << info;
+  EXPECT_TRUE(library_mapped("libnccl")) << info;
+}
 
 TEST(NcclComm, ReportsWhenItIsNotBuilt) {
   if (dist::have_nccl()) GTEST_SKIP() << "built with NCCL";

@@ -32,6 +32,7 @@
 #include "infer/text_stream.h"
 #include "io/model_files.h"
 #include "mixtral_tokenizer.h"
+#include "proc_maps.h"
 #include "model/mixtral.h"
 #include "model/weights.h"
 #include "temp_dir.h"
@@ -257,6 +258,33 @@ TEST(Decoder, UntiedEmbeddingIsReadByRowNeverMapped) {
 
 // The tuner tries 4 serial then 4 split steps every 64 and keeps the faster way (by the fastest step of
 // each four) for the other 56.
+// Inference loads no transport library: MPI and NCCL (with what they pull in: Open MPI's stack,
+// hwloc, libevent) are loaded only by a launched or GPU-distributed process, so they take no
+// memory in generate, chat, serve or bench generate.
+TEST(Decoder, LoadsNeitherMpiNorNccl) {
+  moetron::testing::TempDir tmp("no_transports");
+  const std::string dir = tmp.file("model");
+  const ModelConfig cfg = model_config_from_json(
+      {{"architectures", {"MixtralForCausalLM"}}, {"model_type", "mixtral"}, {"vocab_size", 512},
+       {"hidden_size", 64}, {"intermediate_size", 32}, {"num_hidden_layers", 1}, {"num_attention_heads", 4},
+       {"num_key_value_heads", 2}, {"num_local_experts", 4}, {"num_experts_per_tok", 2}, {"torch_dtype", "bfloat16"}},
+      "test");
+  write_random_model(dir, cfg, 3, DType::BF16);
+  for (const WeightQuant q : {WeightQuant::none, WeightQuant::q8_0}) {
+    const auto model = load_inference_model(dir, "", false, q);
+    Decoder d(*model);
+    KvCache c = d.new_cache();
+    std::vector<int32_t> tokens(40);
+    for (int i = 0; i < 40; i++) tokens[i] = (int32_t)((i * 37) % cfg.vocab_size);
+    std::vector<float> logits((size_t)cfg.vocab_size);
+    d.forward(c, std::span(tokens).first(32), logits.data());  // prefill
+    for (int t = 32; t < 40; t++) d.forward(c, std::span(tokens).subspan(t, 1), logits.data());
+  }
+  EXPECT_FALSE(moetron::testing::library_mapped("libmpi.so"));
+  EXPECT_FALSE(moetron::testing::library_mapped("libnccl"));
+  EXPECT_FALSE(moetron::testing::library_mapped("libopen-pal"));
+}
+
 TEST(DecodeSplitTuner, TriesBothWaysEveryPeriodAndKeepsTheFaster) {
   DecodeSplitTuner t;
   auto run_period = [&](double serial_s, double split_s) {

@@ -177,6 +177,11 @@ LaunchInfo detect_launch();
 // True when this build has an MPI implementation.
 bool have_mpi();
 
+// The MPI library, loaded at first use (src/dist/mpi_api.h: only a launched process's
+// make_world_comm() needs it): the path it was loaded from.  Loads it without initialising MPI;
+// throws Error when it cannot be loaded or in a build without MPI.
+std::string mpi_library();
+
 // The world group of this process, and the transport's lifetime (MPI_Init .. MPI_Finalize): an
 // MpiComm when a launcher started the process, else a SelfComm.  Error "built without MPI" when a
 // launcher is detected in a build without MPI.  At most one MPI world per process.

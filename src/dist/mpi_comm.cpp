@@ -40,16 +40,16 @@
 
 #include "core/error.h"
 #include "dist/comm.h"
+#include "dist/mpi_api.h"
 
-#ifdef MOETRON_HAVE_MPI
-#include <mpi.h>
-#endif
 
 namespace moetron::dist {
 
 #ifndef MOETRON_HAVE_MPI
 
 bool have_mpi() { return false; }
+
+std::string mpi_library() { fail("moetron was built without MPI"); }
 
 std::unique_ptr<Comm> make_world_comm() {
   const LaunchInfo li = detect_launch();
@@ -65,6 +65,8 @@ std::unique_ptr<Comm> make_world_comm() {
 
 bool have_mpi() { return true; }
 
+std::string mpi_library() { return mpi_api().path; }
+
 namespace {
 
 // Elements per block and round of reduce_scatter, and per message of the chunked point-to-point
@@ -77,24 +79,24 @@ constexpr size_t kSmallAllReduce = 1 << 14;
 MPI_Datatype mpi_type(CommDType t) {
   switch (t) {
     case CommDType::f32:
-      return MPI_FLOAT;
+      return mpi_api().float_;
     case CommDType::f64:
-      return MPI_DOUBLE;
+      return mpi_api().double_;
     case CommDType::i32:
-      return MPI_INT32_T;
+      return mpi_api().int32;
     case CommDType::i64:
-      return MPI_INT64_T;
+      return mpi_api().int64;
     case CommDType::u8:
-      return MPI_UINT8_T;
+      return mpi_api().uint8;
     case CommDType::bf16:
-      return MPI_UINT16_T;  // moved, never reduced (reduce_blocks refuses it)
+      return mpi_api().uint16;  // moved, never reduced (reduce_blocks refuses it)
   }
-  return MPI_BYTE;
+  return mpi_api().byte;
 }
 
 int world_rank_now() {
   int r = -1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  mpi_api().Comm_rank(mpi_api().comm_world, &r);
   return r;
 }
 
@@ -102,17 +104,17 @@ int world_rank_now() {
   if (!message.empty()) std::fprintf(stderr, "%s\n", message.c_str());
   std::fflush(stderr);
   std::fflush(stdout);
-  MPI_Abort(MPI_COMM_WORLD, code);
+  mpi_api().Abort(mpi_api().comm_world, code);
   std::_Exit(code);  // MPI_Abort does not return; keep the compiler and the contract sure of it
 }
 
 extern "C" void on_mpi_error(MPI_Comm* comm, int* code, ...) {
   char text[MPI_MAX_ERROR_STRING] = {0};
   int len = 0;
-  MPI_Error_string(*code, text, &len);
+  mpi_api().Error_string(*code, text, &len);
   char name[MPI_MAX_OBJECT_NAME] = {0};
   int nlen = 0;
-  MPI_Comm_get_name(*comm, name, &nlen);
+  mpi_api().Comm_get_name(*comm, name, &nlen);
   abort_job(1, fmt::format("moetron: rank {}: MPI error in group '{}': {} (a peer has probably died); aborting "
                            "the job",
                            world_rank_now(), name, text));
@@ -158,14 +160,14 @@ class MpiRuntime {
  public:
   explicit MpiRuntime(const LaunchInfo& li) {
     int initialized = 0;
-    MPI_Initialized(&initialized);
+    mpi_api().Initialized(&initialized);
     if (initialized) fail("MPI is already initialised in this process (one MPI world per process)");
     int provided = 0;
-    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-    MPI_Comm_create_errhandler(on_mpi_error, &errhandler_);
-    MPI_Comm_set_errhandler(MPI_COMM_WORLD, errhandler_);
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-    MPI_Comm_size(MPI_COMM_WORLD, &size_);
+    mpi_api().Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    mpi_api().Comm_create_errhandler(on_mpi_error, &errhandler_);
+    mpi_api().Comm_set_errhandler(mpi_api().comm_world, errhandler_);
+    mpi_api().Comm_rank(mpi_api().comm_world, &rank_);
+    mpi_api().Comm_size(mpi_api().comm_world, &size_);
     if (li.world_size > 0 && li.world_size != size_)
       abort_job(1, fmt::format("moetron: rank {}: {} started {} processes ({}) but MPI joined them into a world of "
                                "{}: under Slurm use `srun --mpi=pmix` (or pmi2), or mpirun",
@@ -179,17 +181,17 @@ class MpiRuntime {
                        "moetron: warning: MPI does not provide MPI_THREAD_MULTIPLE; the heartbeat watchdog is off "
                        "(a vanished rank is caught only by the launcher)\n");
       } else {
-        MPI_Comm_dup(MPI_COMM_WORLD, &hb_comm_);
-        MPI_Comm_set_name(hb_comm_, "heartbeat");
-        MPI_Comm_set_errhandler(hb_comm_, errhandler_);
-        MPI_Irecv(&poison_in_, 1, MPI_INT, MPI_ANY_SOURCE, kPoisonTag, hb_comm_, &poison_req_);
+        mpi_api().Comm_dup(mpi_api().comm_world, &hb_comm_);
+        mpi_api().Comm_set_name(hb_comm_, "heartbeat");
+        mpi_api().Comm_set_errhandler(hb_comm_, errhandler_);
+        mpi_api().Irecv(&poison_in_, 1, mpi_api().int_, MPI_ANY_SOURCE, kPoisonTag, hb_comm_, &poison_req_);
         watchdog_ = std::thread([this] { heartbeat_loop(); });
       }
     }
   }
   ~MpiRuntime() {
     // Every rank is here (or the job has been aborted): all work is done, the watchdog can stop.
-    MPI_Barrier(MPI_COMM_WORLD);
+    mpi_api().Barrier(mpi_api().comm_world);
     if (watchdog_.joinable()) {
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -197,12 +199,12 @@ class MpiRuntime {
       }
       cv_.notify_all();
       watchdog_.join();
-      MPI_Cancel(&poison_req_);
-      MPI_Wait(&poison_req_, MPI_STATUS_IGNORE);
-      MPI_Comm_free(&hb_comm_);
+      mpi_api().Cancel(&poison_req_);
+      mpi_api().Wait(&poison_req_, MPI_STATUS_IGNORE);
+      mpi_api().Comm_free(&hb_comm_);
     }
-    MPI_Errhandler_free(&errhandler_);
-    MPI_Finalize();
+    mpi_api().Errhandler_free(&errhandler_);
+    mpi_api().Finalize();
   }
   MPI_Errhandler errhandler() const { return errhandler_; }
 
@@ -210,19 +212,19 @@ class MpiRuntime {
   [[noreturn]] void abort(int code, const std::string& message) {
     std::fprintf(stderr, "%s\n", message.c_str());
     std::fflush(stderr);
-    if (hb_comm_ != MPI_COMM_NULL) {
+    if (hb_comm_ != mpi_api().comm_null) {
       const int payload = code;
       std::vector<MPI_Request> reqs;
       for (int r = 0; r < size_; r++) {
         if (r == rank_) continue;
         reqs.emplace_back();
-        MPI_Isend(&payload, 1, MPI_INT, r, kPoisonTag, hb_comm_, &reqs.back());
+        mpi_api().Isend(&payload, 1, mpi_api().int_, r, kPoisonTag, hb_comm_, &reqs.back());
       }
       // Small messages complete at once; never wait long for a peer that may be gone.
       const auto t0 = std::chrono::steady_clock::now();
       int done = 0;
       while (!done && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(2)) {
-        MPI_Testall((int)reqs.size(), reqs.data(), &done, MPI_STATUSES_IGNORE);
+        mpi_api().Testall((int)reqs.size(), reqs.data(), &done, MPI_STATUSES_IGNORE);
         if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
     }
@@ -237,9 +239,9 @@ class MpiRuntime {
     const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
     constexpr int kTag = 1;
     int in_beat = 0;
-    MPI_Request recv_req = MPI_REQUEST_NULL;
+    MPI_Request recv_req = mpi_api().request_null;
     std::vector<MPI_Request> sends;
-    MPI_Irecv(&in_beat, 1, MPI_INT, prev, kTag, hb_comm_, &recv_req);
+    mpi_api().Irecv(&in_beat, 1, mpi_api().int_, prev, kTag, hb_comm_, &recv_req);
     auto last_heard = Clock::now();
     auto last_sent = Clock::now() - std::chrono::seconds(10);
     std::unique_lock<std::mutex> lock(mu_);
@@ -247,25 +249,25 @@ class MpiRuntime {
       const auto now = Clock::now();
       if (now - last_sent >= std::chrono::seconds(1)) {
         MPI_Request r;
-        MPI_Isend(&out_beat_, 1, MPI_INT, next, kTag, hb_comm_, &r);
+        mpi_api().Isend(&out_beat_, 1, mpi_api().int_, next, kTag, hb_comm_, &r);
         sends.push_back(r);
         last_sent = now;
       }
       for (;;) {
         int done = 0;
-        MPI_Test(&recv_req, &done, MPI_STATUS_IGNORE);
+        mpi_api().Test(&recv_req, &done, MPI_STATUS_IGNORE);
         if (!done) break;
         last_heard = Clock::now();
-        MPI_Irecv(&in_beat, 1, MPI_INT, prev, kTag, hb_comm_, &recv_req);
+        mpi_api().Irecv(&in_beat, 1, mpi_api().int_, prev, kTag, hb_comm_, &recv_req);
       }
       std::erase_if(sends, [](MPI_Request& r) {
         int done = 0;
-        MPI_Test(&r, &done, MPI_STATUS_IGNORE);
+        mpi_api().Test(&r, &done, MPI_STATUS_IGNORE);
         return done != 0;
       });
       int poisoned = 0;
       MPI_Status st;
-      MPI_Test(&poison_req_, &poisoned, &st);
+      mpi_api().Test(&poison_req_, &poisoned, &st);
       if (poisoned) {
         // The failed rank calls MPI_Abort itself; this one just ends, non-zero.
         std::fprintf(stderr, "moetron: rank %d: rank %d failed (see its message); ending this rank\n", rank_,
@@ -282,19 +284,19 @@ class MpiRuntime {
       cv_.wait_for(lock, std::chrono::milliseconds(200), [this] { return stop_; });
     }
     lock.unlock();
-    MPI_Cancel(&recv_req);
-    MPI_Wait(&recv_req, MPI_STATUS_IGNORE);
+    mpi_api().Cancel(&recv_req);
+    mpi_api().Wait(&recv_req, MPI_STATUS_IGNORE);
     // Beats to a rank that has stopped listening are small (eager) messages: they complete locally.
-    for (MPI_Request& r : sends) MPI_Request_free(&r);
+    for (MPI_Request& r : sends) mpi_api().Request_free(&r);
   }
 
   static constexpr int kPoisonTag = 2;
   int rank_ = 0, size_ = 1;
-  MPI_Errhandler errhandler_ = MPI_ERRHANDLER_NULL;
-  MPI_Comm hb_comm_ = MPI_COMM_NULL;
+  MPI_Errhandler errhandler_ = mpi_api().errhandler_null;
+  MPI_Comm hb_comm_ = mpi_api().comm_null;
   int poison_in_ = 0;
   int out_beat_ = 1;
-  MPI_Request poison_req_ = MPI_REQUEST_NULL;
+  MPI_Request poison_req_ = mpi_api().request_null;
   double timeout_s_ = 20.0;
   std::thread watchdog_;
   std::mutex mu_;
@@ -306,11 +308,11 @@ class MpiComm final : public Comm {
  public:
   MpiComm(std::shared_ptr<MpiRuntime> rt, MPI_Comm comm, const std::string& name, int world_rank)
       : Comm(rank_of(comm), size_of(comm), world_rank, name), rt_(std::move(rt)), comm_(comm) {
-    MPI_Comm_set_name(comm_, name.c_str());
-    MPI_Comm_set_errhandler(comm_, rt_->errhandler());
+    mpi_api().Comm_set_name(comm_, name.c_str());
+    mpi_api().Comm_set_errhandler(comm_, rt_->errhandler());
   }
   ~MpiComm() override {
-    if (comm_ != MPI_COMM_NULL && comm_ != MPI_COMM_WORLD) MPI_Comm_free(&comm_);
+    if (comm_ != mpi_api().comm_null && comm_ != mpi_api().comm_world) mpi_api().Comm_free(&comm_);
   }
   const char* transport() const override { return "mpi"; }
 
@@ -320,7 +322,7 @@ class MpiComm final : public Comm {
     const size_t es = comm_dtype_size(dtype);
     if (count * (size_t)n <= kSmallAllReduce) {
       std::vector<uint8_t> all(count * n * es);
-      MPI_Allgather(data, (int)count, mpi_type(dtype), all.data(), (int)count, mpi_type(dtype), comm_);
+      mpi_api().Allgather(data, (int)count, mpi_type(dtype), all.data(), (int)count, mpi_type(dtype), comm_);
       count_bytes((uint64_t)(n - 1) * count * es);
       reduce_blocks(data, all.data(), n, count, count, dtype, op);
       return;
@@ -369,13 +371,13 @@ class MpiComm final : public Comm {
       bool fits = displ[n] + begin <= (size_t)INT_MAX;
       if (fits) {
         for (int p = 0; p < n; p++) sd[p] = (int)(displ[p] + begin);
-        MPI_Alltoallv(src, sc.data(), sd.data(), mpi_type(dtype), scratch.data(), rc.data(), rd.data(),
+        mpi_api().Alltoallv(src, sc.data(), sd.data(), mpi_type(dtype), scratch.data(), rc.data(), rd.data(),
                       mpi_type(dtype), comm_);
       } else {
         // Pairwise exchange with explicit pointers (huge buffers).
         for (int s = 0; s < n; s++) {
           const int to = (me + s) % n, from = (me - s + n) % n;
-          MPI_Sendrecv(src + (displ[to] + begin) * es, sc[to], mpi_type(dtype), to, 7, scratch.data() + from * rcount * es,
+          mpi_api().Sendrecv(src + (displ[to] + begin) * es, sc[to], mpi_type(dtype), to, 7, scratch.data() + from * rcount * es,
                        (int)rcount, mpi_type(dtype), from, 7, comm_, MPI_STATUS_IGNORE);
         }
       }
@@ -425,7 +427,7 @@ class MpiComm final : public Comm {
       ro += recv_counts[p];
       if (p != rank()) sent += send_counts[p] * es;
     }
-    MPI_Alltoallv(in, sc.data(), sd.data(), mpi_type(dtype), out, rc.data(), rd.data(), mpi_type(dtype), comm_);
+    mpi_api().Alltoallv(in, sc.data(), sd.data(), mpi_type(dtype), out, rc.data(), rd.data(), mpi_type(dtype), comm_);
     count_bytes(sent);
   }
 
@@ -435,7 +437,7 @@ class MpiComm final : public Comm {
     const uint8_t* p = static_cast<const uint8_t*>(data);
     for (size_t off = 0; off < bytes || off == 0; off += kMaxMessage) {
       const size_t len = std::min(kMaxMessage, bytes - off);
-      MPI_Send(p + off, (int)len, MPI_BYTE, peer, tag, comm_);
+      mpi_api().Send(p + off, (int)len, mpi_api().byte, peer, tag, comm_);
       if (bytes == 0) break;
     }
     count_bytes(bytes);
@@ -448,9 +450,9 @@ class MpiComm final : public Comm {
     for (size_t off = 0; off < bytes || off == 0; off += kMaxMessage) {
       const size_t len = std::min(kMaxMessage, bytes - off);
       MPI_Status st;
-      MPI_Recv(p + off, (int)len, MPI_BYTE, peer, tag, comm_, &st);
+      mpi_api().Recv(p + off, (int)len, mpi_api().byte, peer, tag, comm_, &st);
       int got = 0;
-      MPI_Get_count(&st, MPI_BYTE, &got);
+      mpi_api().Get_count(&st, mpi_api().byte, &got);
       if ((size_t)got != len)
         fail("[recv] group '{}': rank {} sent {} bytes, expected {} (mismatched send/recv)", name(), peer, got, len);
       if (bytes == 0) break;
@@ -473,18 +475,18 @@ class MpiComm final : public Comm {
     const size_t bytes = count * comm_dtype_size(dtype);
     uint8_t* p = static_cast<uint8_t*>(data);
     for (size_t off = 0; off < bytes; off += kMaxMessage)
-      MPI_Bcast(p + off, (int)std::min(kMaxMessage, bytes - off), MPI_BYTE, root, comm_);
+      mpi_api().Bcast(p + off, (int)std::min(kMaxMessage, bytes - off), mpi_api().byte, root, comm_);
     count_bytes(rank() == root ? bytes : 0);
   }
 
   void barrier() override {
-    MPI_Barrier(comm_);
+    mpi_api().Barrier(comm_);
     count_bytes(0);
   }
 
   std::unique_ptr<Comm> split(int color, int key, const std::string& name) override {
-    MPI_Comm sub = MPI_COMM_NULL;
-    MPI_Comm_split(comm_, color, key, &sub);
+    MPI_Comm sub = mpi_api().comm_null;
+    mpi_api().Comm_split(comm_, color, key, &sub);
     return std::make_unique<MpiComm>(rt_, sub, name, world_rank());
   }
 
@@ -493,12 +495,12 @@ class MpiComm final : public Comm {
  private:
   static int rank_of(MPI_Comm c) {
     int r = 0;
-    MPI_Comm_rank(c, &r);
+    mpi_api().Comm_rank(c, &r);
     return r;
   }
   static int size_of(MPI_Comm c) {
     int s = 0;
-    MPI_Comm_size(c, &s);
+    mpi_api().Comm_size(c, &s);
     return s;
   }
   void check_peer(const char* op, int peer) const {
@@ -512,16 +514,16 @@ class MpiComm final : public Comm {
     if (from != -1)
       for (size_t off = 0; off < rbytes || (off == 0 && rbytes == 0); off += kMaxMessage) {
         reqs.emplace_back();
-        MPI_Irecv(rbuf + off, (int)std::min(kMaxMessage, rbytes - off), MPI_BYTE, from, tag, comm_, &reqs.back());
+        mpi_api().Irecv(rbuf + off, (int)std::min(kMaxMessage, rbytes - off), mpi_api().byte, from, tag, comm_, &reqs.back());
         if (rbytes == 0) break;
       }
     if (to != -1)
       for (size_t off = 0; off < sbytes || (off == 0 && sbytes == 0); off += kMaxMessage) {
         reqs.emplace_back();
-        MPI_Isend(sbuf + off, (int)std::min(kMaxMessage, sbytes - off), MPI_BYTE, to, tag, comm_, &reqs.back());
+        mpi_api().Isend(sbuf + off, (int)std::min(kMaxMessage, sbytes - off), mpi_api().byte, to, tag, comm_, &reqs.back());
         if (sbytes == 0) break;
       }
-    MPI_Waitall((int)reqs.size(), reqs.data(), MPI_STATUSES_IGNORE);
+    mpi_api().Waitall((int)reqs.size(), reqs.data(), MPI_STATUSES_IGNORE);
   }
 
   std::shared_ptr<MpiRuntime> rt_;
@@ -534,8 +536,8 @@ std::unique_ptr<Comm> make_world_comm() {
   const LaunchInfo li = detect_launch();
   if (!li.launched) return std::make_unique<SelfComm>("world");
   auto rt = std::make_shared<MpiRuntime>(li);
-  MPI_Comm world = MPI_COMM_NULL;
-  MPI_Comm_dup(MPI_COMM_WORLD, &world);
+  MPI_Comm world = mpi_api().comm_null;
+  mpi_api().Comm_dup(mpi_api().comm_world, &world);
   return std::make_unique<MpiComm>(rt, world, "world", rt->rank());
 }
 

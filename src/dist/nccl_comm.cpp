@@ -9,6 +9,7 @@
 
 #ifdef MOETRON_HAVE_NCCL
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <nccl.h>
 #endif
 
@@ -17,6 +18,8 @@ namespace moetron::dist {
 #ifndef MOETRON_HAVE_NCCL
 
 bool have_nccl() { return false; }
+
+std::string nccl_library() { fail("the NCCL transport is not available: moetron was built without NCCL"); }
 
 std::unique_ptr<Comm> make_nccl_comm(Comm&, void*) {
   fail(
@@ -30,8 +33,90 @@ bool have_nccl() { return true; }
 
 namespace {
 
+// libnccl, loaded at the first NCCL communicator (dlopen) rather than linked: linking maps and
+// relocates its ~190 MiB image (and its static CUDA runtime's constructors run) in every moetron
+// process -- ~1 MiB resident in `generate` or `serve`, which never use it.
+struct NcclApi {
+  std::string path;
+  decltype(&ncclAllGather) AllGather;
+  decltype(&ncclAllReduce) AllReduce;
+  decltype(&ncclBroadcast) Broadcast;
+  decltype(&ncclCommAbort) CommAbort;
+  decltype(&ncclCommDestroy) CommDestroy;
+  decltype(&ncclCommInitRank) CommInitRank;
+  decltype(&ncclCommSplit) CommSplit;
+  decltype(&ncclGetErrorString) GetErrorString;
+  decltype(&ncclGetUniqueId) GetUniqueId;
+  decltype(&ncclGetVersion) GetVersion;
+  decltype(&ncclGroupEnd) GroupEnd;
+  decltype(&ncclGroupStart) GroupStart;
+  decltype(&ncclRecv) Recv;
+  decltype(&ncclReduceScatter) ReduceScatter;
+  decltype(&ncclSend) Send;
+};
+
+NcclApi load_nccl() {
+  // The library CMake found (MOETRON_NCCL_LIBRARY), then the dynamic loader's search by soname.
+  const char* candidates[] = {
+#ifdef MOETRON_NCCL_LIBRARY
+      MOETRON_NCCL_LIBRARY,
+#endif
+      "libnccl.so.2", "libnccl.so"};
+  NcclApi a;
+  void* h = nullptr;
+  std::string errors;
+  for (const char* c : candidates) {
+    h = dlopen(c, RTLD_NOW | RTLD_LOCAL);
+    if (h) {
+      a.path = c;
+      break;
+    }
+    errors += std::string("\n  ") + dlerror();
+  }
+  if (!h) fail("[nccl] cannot load the NCCL library:{}", errors);
+  auto sym = [&](const char* name) {
+    void* p = dlsym(h, name);
+    if (!p) fail("[nccl] {} has no symbol {}", a.path, name);
+    return p;
+  };
+#define MOETRON_NCCL_FN(name) a.name = reinterpret_cast<decltype(a.name)>(sym("nccl" #name))
+  MOETRON_NCCL_FN(AllGather);
+  MOETRON_NCCL_FN(AllReduce);
+  MOETRON_NCCL_FN(Broadcast);
+  MOETRON_NCCL_FN(CommAbort);
+  MOETRON_NCCL_FN(CommDestroy);
+  MOETRON_NCCL_FN(CommInitRank);
+  MOETRON_NCCL_FN(CommSplit);
+  MOETRON_NCCL_FN(GetErrorString);
+  MOETRON_NCCL_FN(GetUniqueId);
+  MOETRON_NCCL_FN(GetVersion);
+  MOETRON_NCCL_FN(GroupEnd);
+  MOETRON_NCCL_FN(GroupStart);
+  MOETRON_NCCL_FN(Recv);
+  MOETRON_NCCL_FN(ReduceScatter);
+  MOETRON_NCCL_FN(Send);
+#undef MOETRON_NCCL_FN
+  return a;
+}
+
+const NcclApi& nccl_api() {
+  static const NcclApi a = load_nccl();  // once, thread-safely; immutable afterwards
+  return a;
+}
+
+}  // namespace
+
+std::string nccl_library() {
+  int v = 0;
+  const ncclResult_t r = nccl_api().GetVersion(&v);
+  if (r != ncclSuccess) fail("[nccl] ncclGetVersion failed: {}", nccl_api().GetErrorString(r));
+  return fmt::format("{} (version code {})", nccl_api().path, v);
+}
+
+namespace {
+
 void check_nccl(ncclResult_t r, const char* op, const std::string& group) {
-  if (r != ncclSuccess) fail("[{}] NCCL error in group '{}': {}", op, group, ncclGetErrorString(r));
+  if (r != ncclSuccess) fail("[{}] NCCL error in group '{}': {}", op, group, nccl_api().GetErrorString(r));
 }
 void check_cuda(cudaError_t r, const char* op, const std::string& group) {
   if (r != cudaSuccess) fail("[{}] CUDA error in group '{}': {}", op, group, cudaGetErrorString(r));
@@ -94,14 +179,14 @@ class NcclComm final : public Comm {
         comm_(comm),
         stream_(stream) {}
   ~NcclComm() override {
-    if (comm_) ncclCommDestroy(comm_);
+    if (comm_) nccl_api().CommDestroy(comm_);
   }
   const char* transport() const override { return "nccl"; }
   Comm& host() override { return boot_; }
 
   void all_reduce(void* data, size_t count, CommDType dtype, ReduceOp op) override {
     if (count == 0) return;
-    check_nccl(ncclAllReduce(data, data, count, nccl_type(dtype), nccl_op(op), comm_, stream_), "all_reduce", name());
+    check_nccl(nccl_api().AllReduce(data, data, count, nccl_type(dtype), nccl_op(op), comm_, stream_), "all_reduce", name());
     sync("all_reduce");
     count_bytes((uint64_t)(2.0 * (size() - 1) / size() * count * comm_dtype_size(dtype)));
   }
@@ -117,7 +202,7 @@ class NcclComm final : public Comm {
     for (size_t c : counts) total += c;
     if (mx == 0) return;
     if (even) {
-      check_nccl(ncclReduceScatter(in, out, mx, nccl_type(dtype), nccl_op(op), comm_, stream_), "reduce_scatter",
+      check_nccl(nccl_api().ReduceScatter(in, out, mx, nccl_type(dtype), nccl_op(op), comm_, stream_), "reduce_scatter",
                  name());
     } else {  // pad every block to the largest
       DeviceBuffer padded(mx * n * es, name()), result(mx * es, name());
@@ -130,7 +215,7 @@ class NcclComm final : public Comm {
                      "cudaMemcpyAsync", name());
         off += counts[r];
       }
-      check_nccl(ncclReduceScatter(padded.get(), result.get(), mx, nccl_type(dtype), nccl_op(op), comm_, stream_),
+      check_nccl(nccl_api().ReduceScatter(padded.get(), result.get(), mx, nccl_type(dtype), nccl_op(op), comm_, stream_),
                  "reduce_scatter", name());
       if (counts[rank()] > 0)
         check_cuda(cudaMemcpyAsync(out, result.get(), counts[rank()] * es, cudaMemcpyDeviceToDevice, stream_),
@@ -151,13 +236,13 @@ class NcclComm final : public Comm {
     for (size_t c : counts) total += c;
     if (mx == 0) return;
     if (even) {
-      check_nccl(ncclAllGather(in, out, mx, nccl_type(dtype), comm_, stream_), "all_gather", name());
+      check_nccl(nccl_api().AllGather(in, out, mx, nccl_type(dtype), comm_, stream_), "all_gather", name());
     } else {
       DeviceBuffer padded(mx * n * es, name()), mine(mx * es, name());
       if (counts[me] > 0)
         check_cuda(cudaMemcpyAsync(mine.get(), in, counts[me] * es, cudaMemcpyDeviceToDevice, stream_),
                    "cudaMemcpyAsync", name());
-      check_nccl(ncclAllGather(mine.get(), padded.get(), mx, nccl_type(dtype), comm_, stream_), "all_gather", name());
+      check_nccl(nccl_api().AllGather(mine.get(), padded.get(), mx, nccl_type(dtype), comm_, stream_), "all_gather", name());
       size_t off = 0;
       for (int r = 0; r < n; r++) {
         if (counts[r] > 0)
@@ -179,45 +264,45 @@ class NcclComm final : public Comm {
     const size_t es = comm_dtype_size(dtype);
     size_t so = 0, ro = 0;
     uint64_t sent = 0;
-    check_nccl(ncclGroupStart(), "all_to_all_v", name());
+    check_nccl(nccl_api().GroupStart(), "all_to_all_v", name());
     for (int p = 0; p < size(); p++) {
       if (send_counts[p] > 0)
-        check_nccl(ncclSend(static_cast<const uint8_t*>(in) + so * es, send_counts[p] * es, ncclUint8, p, comm_,
+        check_nccl(nccl_api().Send(static_cast<const uint8_t*>(in) + so * es, send_counts[p] * es, ncclUint8, p, comm_,
                             stream_),
                    "all_to_all_v", name());
       if (recv_counts[p] > 0)
-        check_nccl(ncclRecv(static_cast<uint8_t*>(out) + ro * es, recv_counts[p] * es, ncclUint8, p, comm_, stream_),
+        check_nccl(nccl_api().Recv(static_cast<uint8_t*>(out) + ro * es, recv_counts[p] * es, ncclUint8, p, comm_, stream_),
                    "all_to_all_v", name());
       if (p != rank()) sent += send_counts[p] * es;
       so += send_counts[p];
       ro += recv_counts[p];
     }
-    check_nccl(ncclGroupEnd(), "all_to_all_v", name());
+    check_nccl(nccl_api().GroupEnd(), "all_to_all_v", name());
     sync("all_to_all_v");
     count_bytes(sent);
   }
 
   void send(const void* data, size_t count, CommDType dtype, int peer, int) override {
-    check_nccl(ncclSend(data, count, nccl_type(dtype), peer, comm_, stream_), "send", name());
+    check_nccl(nccl_api().Send(data, count, nccl_type(dtype), peer, comm_, stream_), "send", name());
     sync("send");
     count_bytes(count * comm_dtype_size(dtype));
   }
   void recv(void* data, size_t count, CommDType dtype, int peer, int) override {
-    check_nccl(ncclRecv(data, count, nccl_type(dtype), peer, comm_, stream_), "recv", name());
+    check_nccl(nccl_api().Recv(data, count, nccl_type(dtype), peer, comm_, stream_), "recv", name());
     sync("recv");
     count_bytes(0);
   }
   void sendrecv(const void* send, size_t send_count, int to, void* recv, size_t recv_count, int from, CommDType dtype,
                 int) override {
-    check_nccl(ncclGroupStart(), "sendrecv", name());
-    if (to != -1) check_nccl(ncclSend(send, send_count, nccl_type(dtype), to, comm_, stream_), "sendrecv", name());
-    if (from != -1) check_nccl(ncclRecv(recv, recv_count, nccl_type(dtype), from, comm_, stream_), "sendrecv", name());
-    check_nccl(ncclGroupEnd(), "sendrecv", name());
+    check_nccl(nccl_api().GroupStart(), "sendrecv", name());
+    if (to != -1) check_nccl(nccl_api().Send(send, send_count, nccl_type(dtype), to, comm_, stream_), "sendrecv", name());
+    if (from != -1) check_nccl(nccl_api().Recv(recv, recv_count, nccl_type(dtype), from, comm_, stream_), "sendrecv", name());
+    check_nccl(nccl_api().GroupEnd(), "sendrecv", name());
     sync("sendrecv");
     count_bytes(to != -1 ? send_count * comm_dtype_size(dtype) : 0);
   }
   void broadcast(void* data, size_t count, CommDType dtype, int root) override {
-    check_nccl(ncclBroadcast(data, data, count, nccl_type(dtype), root, comm_, stream_), "broadcast", name());
+    check_nccl(nccl_api().Broadcast(data, data, count, nccl_type(dtype), root, comm_, stream_), "broadcast", name());
     sync("broadcast");
     count_bytes(rank() == root ? count * comm_dtype_size(dtype) : 0);
   }
@@ -228,12 +313,12 @@ class NcclComm final : public Comm {
   std::unique_ptr<Comm> split(int color, int key, const std::string& name) override {
     std::unique_ptr<Comm> sub_boot = boot_.split(color, key, name + ".bootstrap");
     ncclComm_t sub = nullptr;
-    check_nccl(ncclCommSplit(comm_, color, key, &sub, nullptr), "split", this->name());
+    check_nccl(nccl_api().CommSplit(comm_, color, key, &sub, nullptr), "split", this->name());
     Comm& b = *sub_boot;
     return std::make_unique<NcclComm>(b, std::move(sub_boot), sub, stream_, name);
   }
   [[noreturn]] void abort(int code, const std::string& message) override {
-    ncclCommAbort(comm_);
+    nccl_api().CommAbort(comm_);
     comm_ = nullptr;
     boot_.abort(code, message);
     std::_Exit(code);  // not reached
@@ -253,10 +338,10 @@ class NcclComm final : public Comm {
 
 std::unique_ptr<Comm> make_nccl_comm(Comm& bootstrap, void* stream) {
   ncclUniqueId id{};
-  if (bootstrap.rank() == 0) check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId", bootstrap.name());
+  if (bootstrap.rank() == 0) check_nccl(nccl_api().GetUniqueId(&id), "ncclGetUniqueId", bootstrap.name());
   bootstrap.broadcast(reinterpret_cast<void*>(&id), sizeof(id), CommDType::u8, 0);
   ncclComm_t comm = nullptr;
-  check_nccl(ncclCommInitRank(&comm, bootstrap.size(), id, bootstrap.rank()), "ncclCommInitRank", bootstrap.name());
+  check_nccl(nccl_api().CommInitRank(&comm, bootstrap.size(), id, bootstrap.rank()), "ncclCommInitRank", bootstrap.name());
   return std::make_unique<NcclComm>(bootstrap, nullptr, comm, static_cast<cudaStream_t>(stream),
                                     bootstrap.name());
 }

@@ -14,12 +14,17 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "dist/comm.h"
 
 namespace moetron::dist {
 
 bool have_nccl();
+
+// The NCCL library, loaded at first use (not linked): its path and version code.  Loads it
+// (needs no GPU); throws Error when it cannot be loaded or in a build without NCCL.
+std::string nccl_library();
 
 // An NCCL communicator over the ranks of `bootstrap` (an MPI group: its rank 0 creates the NCCL
 // unique id and broadcasts it).  Collective over `bootstrap`, which must outlive the result (it also
