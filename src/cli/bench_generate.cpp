@@ -25,7 +25,6 @@
 #include "infer/decoder.h"
 #include "infer/model.h"
 #include "infer/sampler.h"
-#include "ops/blas.h"
 
 namespace moetron::cli {
 
@@ -64,10 +63,7 @@ int run_bench_generate(int argc, char** argv) {
   check_thread_count("--threads", threads);
   if (prompt_tokens < 1 || new_tokens < 2 || runs < 1)
     fail("need --prompt-tokens >= 1, --new-tokens >= 2 and --runs >= 1");
-  if (threads > 0) {
-    omp_set_num_threads(threads);
-    ops::blas_set_num_threads(threads);
-  }
+  if (threads > 0) omp_set_num_threads(threads);  // inference uses no BLAS library (infer/gemm.h)
   const WeightQuant quant = parse_weight_quant(quantize, "--quantize");
   if (quant != WeightQuant::none && model_dir.empty()) fail("--quantize needs --model (a model read from files)");
   std::unique_ptr<InferenceModel> model;

@@ -18,7 +18,6 @@
 #include "cli/threads.h"
 #include "core/error.h"
 #include "infer/model.h"
-#include "ops/blas.h"
 #include "server/server.h"
 
 namespace moetron::cli {
@@ -68,10 +67,7 @@ int run_serve(int argc, char** argv) {
   }
   check_thread_count("--threads", threads);
   check_thread_count("--http-threads", o.http_threads, 4096);
-  if (threads > 0) {
-    omp_set_num_threads(threads);
-    ops::blas_set_num_threads(threads);
-  }
+  if (threads > 0) omp_set_num_threads(threads);  // inference uses no BLAS library (infer/gemm.h)
   o.log_requests = !quiet;
   if (o.model_name.empty()) o.model_name = std::filesystem::path(model_dir).lexically_normal().filename().string();
   if (o.model_name.empty()) o.model_name = std::filesystem::absolute(model_dir).parent_path().filename().string();

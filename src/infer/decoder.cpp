@@ -9,8 +9,8 @@
 #include <omp.h>
 
 #include "core/error.h"
+#include "infer/gemm.h"
 #include "infer/kernels.h"
-#include "ops/matmul.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 #include "ops/router.h"
@@ -23,15 +23,15 @@ namespace moetron {
 namespace {
 
 // Attention runs per (query row, head) with dot products, all heads in one parallel region, up to this
-// many (query, key) pairs per head; beyond, as two GEMMs per head (2 * NH BLAS calls: faster for long
+// many (query, key) pairs per head; beyond, as two GEMMs per head (2 * NH gemm_nt calls: faster for long
 // prompts on an idle machine, but each call is a fork/join, which is slow when the cores are shared).
 constexpr long kRowAttentionMaxPairs = 1L << 18;
 // Work (multiply-adds, or elements) below which a prefill step runs on one thread: 2M, as kernels.h's
 // kGemvSplitMin (a fork/join may cost a scheduler time slice on a shared machine, see kernels.h; at
 // 16M, the earlier threshold, a small model's prefill ran almost all on one thread: 2 threads gave
 // 5400 prompt tokens/s, at 2M 6860, on the 2-core VM with hidden 256).  Prefill steps are limited
-// with ThreadLimit, which the OpenMP regions inside the ops and the OpenMP build of OpenBLAS follow
-// (it takes its thread count from omp_get_max_threads() at each call).
+// with ThreadLimit, which the OpenMP regions inside the ops and gemm_nt follow (omp_get_max_threads()
+// at each call).
 constexpr long kParallelMin = 1L << 21;
 
 class ThreadLimit {
@@ -134,8 +134,9 @@ void Decoder::lora_add(float* out, int ld_out, const float* x, int ld_x, const f
   if (A == nullptr) return;
   const int r = m_.lora->spec.rank;
   lora_u_.resize((size_t)n * r);
-  ops::sgemm(false, true, n, r, IC, 1.0f, x, ld_x, A, IC, 0.0f, lora_u_.data(), r);
-  ops::sgemm(false, true, n, OC, r, m_.lora->spec.scale(), lora_u_.data(), r, B, r, 1.0f, out, ld_out);
+  gemm_pack_.resize(infer::gemm_pack_floats(n, std::max(IC, r)));
+  infer::gemm_nt(lora_u_.data(), r, x, ld_x, A, IC, n, IC, r, 1.0f, false, gemm_pack_.data());
+  infer::gemm_nt(out, ld_out, lora_u_.data(), r, B, r, n, r, OC, m_.lora->spec.scale(), true, gemm_pack_.data());
 }
 
 void Decoder::lora_linear(float* out, const float* x, ParamKind target, int layer, int e, int n, int IC, int OC) {
@@ -465,15 +466,21 @@ void Decoder::attention(float* out, const float* q, const float* keys, const flo
     return;
   }
   // Many rows: per head S = scale * q_h k_g^T over the keys any row can see, masked row softmax,
-  // out_h = S v_g.
+  // out_h = S v_g (v_g transposed once per kv head, to the weight layout gemm_nt takes).
   const int lo_all = first_key(pos0), cols = pos0 + n - lo_all;
   ThreadLimit lim((long)n * cols * HD_);
   scores_.resize((size_t)n * cols);
+  values_t_.resize((size_t)HD_ * cols);
+  gemm_pack_.resize(infer::gemm_pack_floats(n, std::max(HD_, cols)));
   float* S = scores_.data();
+  float* vt = values_t_.data();
   for (int h = 0; h < NH_; h++) {
     const int g = h / G;
-    ops::sgemm(false, true, n, cols, HD_, scale, q + (size_t)h * HD_, Q_, keys + (size_t)lo_all * KVd_ + (size_t)g * HD_,
-               KVd_, 0.0f, S, cols);
+    if (h % G == 0)
+      for (int c = 0; c < cols; c++)
+        for (int d = 0; d < HD_; d++) vt[(size_t)d * cols + c] = values[(size_t)(lo_all + c) * KVd_ + (size_t)g * HD_ + d];
+    infer::gemm_nt(S, cols, q + (size_t)h * HD_, Q_, keys + (size_t)lo_all * KVd_ + (size_t)g * HD_, KVd_, n, HD_, cols,
+                   scale, false, gemm_pack_.data());
 #pragma omp parallel for schedule(static) if ((long)n * cols >= kParallelMin)
     for (int i = 0; i < n; i++) {
       const int p = pos0 + i, lo = first_key(p) - lo_all, hi = p - lo_all;  // visible columns [lo, hi]
@@ -482,8 +489,7 @@ void Decoder::attention(float* out, const float* q, const float* keys, const flo
       ops::softmax_inplace(row + lo, hi - lo + 1);
       std::fill(row + hi + 1, row + cols, 0.0f);
     }
-    ops::sgemm(false, false, n, HD_, cols, 1.0f, S, cols, values + (size_t)lo_all * KVd_ + (size_t)g * HD_, KVd_, 0.0f,
-               out + (size_t)h * HD_, Q_);
+    infer::gemm_nt(out + (size_t)h * HD_, Q_, S, cols, vt, cols, n, cols, HD_, 1.0f, false, gemm_pack_.data());
   }
 }
 
@@ -505,7 +511,9 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
     return;
   }
   float* tmp = tmp_.data();
-  ops::matmul_forward(rlogits_.data(), ln, m_.vec(ParamKind::router, layer), n, C_, E_);
+  gemm_pack_.resize(infer::gemm_pack_floats(n, C_));
+  infer::gemm_nt(rlogits_.data(), E_, ln, C_, m_.vec(ParamKind::router, layer), C_, n, C_, E_, 1.0f, false,
+                 gemm_pack_.data());
   if (m_.lora) lora_linear(rlogits_.data(), ln, ParamKind::router, layer, 0, n, C_, E_);
   ops::router_forward(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), n, E_, K_,
                       m_.cfg.norm_topk_prob);

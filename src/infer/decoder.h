@@ -1,5 +1,5 @@
 // The decode-time forward pass of the Mixtral / Mistral / Llama decoder over a KV cache: prefill
-// (many tokens at once, BLAS GEMMs) and decode (one token, matrix-vector kernels).  Same model and
+// (many tokens at once, GEMMs: infer/gemm.h) and decode (one token, matrix-vector kernels).  Same model and
 // numerics as MixtralModel::forward -- RMSNorm, HF rotate-half RoPE, causal GQA attention with the
 // optional sliding window (query i sees key j iff i - W < j <= i), softmax top-K router with
 // renormalised weights, SwiGLU experts -- built from the ops in src/ops plus the kernels in kernels.h.
@@ -125,6 +125,8 @@ class Decoder {
   std::vector<float> shared_h13_, shared_act_, shared_y_;  // Qwen2-MoE's shared expert
   std::vector<int32_t> topk_idx_, pos_;
   std::vector<float> lora_u_;  // LoRA's x A^T
+  std::vector<float> values_t_;  // long-prompt attention: a kv head's values transposed [HD, cols]
+  std::vector<float> gemm_pack_;  // infer::gemm_nt's packed rows (LoRA, long-prompt attention)
   std::vector<float> widen_;  // prefill: a block of weight rows widened to fp32 (infer::matmul)
   std::vector<std::vector<float>> expert_widen_;  // the same per thread, for experts run in parallel
   std::vector<float> kv_;     // a decode batch's new keys and values [2][n, KV]

@@ -28,7 +28,7 @@
 #include <string>
 
 #include "core/error.h"
-#include "ops/matmul.h"
+#include "infer/gemm.h"
 
 namespace moetron::infer {
 
@@ -1030,10 +1030,13 @@ void matmul(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n
     gemv_rows(out, ld_out, x, ld_x, W, n, IC, OC, accumulate, omp_get_max_threads() > 1 ? kGemvSplitMin : kGemvParallelMin);
     return;
   }
-  // Blocks of ~1 MiB of fp32 weights (at least 64 rows): widened, then one GEMM each.  fp32 weights
-  // are used where they lie, in the same blocks, so both give the same sums.
+  // Blocks of ~1 MiB of fp32 weights (at least 64 rows): widened, then one GEMM each (gemm.h: each
+  // result one fma chain, so fp32 weights used where they lie give the same sums).  scratch: the
+  // widened block, then the GEMM's packed x.
   const int block = std::max(64, (int)((1 << 18) / std::max(1, IC)));
-  if (W.dtype != DType::F32) scratch.resize((size_t)std::min(block, OC) * IC);
+  const size_t widened = W.dtype == DType::F32 ? 0 : (size_t)std::min(block, OC) * IC;
+  scratch.resize(widened + gemm_pack_floats(n, IC));
+  float* pack = scratch.data() + widened;
   for (int r0 = 0; r0 < OC; r0 += block) {
     const int rows = std::min(block, OC - r0);
     const float* Wb;
@@ -1044,7 +1047,7 @@ void matmul(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n
       for (int r = 0; r < rows; r++) widen_row(scratch.data() + (size_t)r * IC, W, (size_t)(r0 + r), IC);
       Wb = scratch.data();
     }
-    ops::sgemm(false, true, n, rows, IC, 1.0f, x, ld_x, Wb, IC, accumulate ? 1.0f : 0.0f, out + r0, ld_out);
+    gemm_nt(out + r0, ld_out, x, ld_x, Wb, IC, n, IC, rows, 1.0f, accumulate, pack);
   }
 }
 

@@ -1,0 +1,87 @@
+// infer::gemm_nt, the prefill GEMM (infer/gemm.h): every SIMD level gives exactly the stated fma chain,
+// writes only the [n, OC] entries of out, and does not depend on the thread count.
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/rng.h"
+#include "infer/gemm.h"
+
+using namespace moetron;
+using namespace moetron::infer;
+
+namespace {
+
+std::vector<float> random_values(size_t n, uint64_t seed) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; i++) v[i] = (float)normal_at(seed, 1, i);
+  return v;
+}
+
+// The contract, written out: one fma chain over the columns in order from 0, times alpha, then added.
+void reference(float* out, int ld_out, const float* x, int ld_x, const float* W, int ld_w, int n, int IC, int OC,
+               float alpha, bool acc) {
+  for (int t = 0; t < n; t++)
+    for (int r = 0; r < OC; r++) {
+      float s = 0.0f;
+      for (int k = 0; k < IC; k++) s = std::fma(x[(size_t)t * ld_x + k], W[(size_t)r * ld_w + k], s);
+      const float v = alpha * s;
+      float& o = out[(size_t)t * ld_out + r];
+      o = acc ? o + v : v;
+    }
+}
+
+std::vector<SimdLevel> levels() {
+  std::vector<SimdLevel> l = {SimdLevel::generic};
+  if (simd_level() != SimdLevel::generic) l.push_back(SimdLevel::avx2);
+  if (simd_level() == SimdLevel::avx512) l.push_back(SimdLevel::avx512);
+  return l;
+}
+
+}  // namespace
+
+TEST(Gemm, EveryLevelIsTheStatedFmaChainBitwise) {
+  int cases = 0;
+  for (const int n : {1, 5, 16, 31, 32, 33, 70})
+    for (const int OC : {1, 5, 6, 7, 13, 64})
+      for (const int IC : {1, 3, 64, 257})
+        for (const bool acc : {false, true}) {
+          const float alpha = acc ? 0.37f : 1.0f;
+          const int ld_x = IC + 3, ld_w = IC + 1, ld_out = OC + 2;
+          const auto x = random_values((size_t)n * ld_x, 1000 + n * 7 + IC);
+          const auto W = random_values((size_t)OC * ld_w, 2000 + OC * 11 + IC);
+          const auto init = random_values((size_t)n * ld_out, 3000 + n + OC);
+          std::vector<float> want = init;
+          reference(want.data(), ld_out, x.data(), ld_x, W.data(), ld_w, n, IC, OC, alpha, acc);
+          for (const SimdLevel level : levels()) {
+            SCOPED_TRACE(::testing::Message() << "level " << simd_name(level) << " n " << n << " OC " << OC << " IC "
+                                              << IC << " acc " << acc);
+            std::vector<float> got = init, pack(gemm_pack_floats(n, IC));
+            gemm_nt_at(level, got.data(), ld_out, x.data(), ld_x, W.data(), ld_w, n, IC, OC, alpha, acc, pack.data());
+            // Bitwise, the padding columns of out included (untouched).
+            ASSERT_EQ(0, std::memcmp(got.data(), want.data(), sizeof(float) * got.size()));
+            cases++;
+          }
+        }
+  EXPECT_GE(cases, 7 * 6 * 4 * 2);
+}
+
+TEST(Gemm, ThreadsSplitTheRowsWithoutChangingTheBits) {
+  const int n = 40, IC = 256, OC = 300;  // 3M multiply-adds: split across threads
+  const auto x = random_values((size_t)n * IC, 1), W = random_values((size_t)OC * IC, 2);
+  std::vector<float> pack(gemm_pack_floats(n, IC)), one((size_t)n * OC), two(one.size());
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  gemm_nt(one.data(), OC, x.data(), IC, W.data(), IC, n, IC, OC, 1.0f, false, pack.data());
+  omp_set_num_threads(2);
+  gemm_nt(two.data(), OC, x.data(), IC, W.data(), IC, n, IC, OC, 1.0f, false, pack.data());
+  omp_set_num_threads(saved);
+  EXPECT_EQ(0, std::memcmp(one.data(), two.data(), sizeof(float) * one.size()));
+  std::vector<float> want(one.size());
+  reference(want.data(), OC, x.data(), IC, W.data(), IC, n, IC, OC, 1.0f, false);
+  EXPECT_EQ(0, std::memcmp(one.data(), want.data(), sizeof(float) * one.size()));
+}
