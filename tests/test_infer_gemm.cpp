@@ -60,8 +60,8 @@ TEST(Gemm, EveryLevelIsTheStatedFmaChainBitwise) {
           for (const SimdLevel level : levels()) {
             SCOPED_TRACE(::testing::Message() << "level " << simd_name(level) << " n " << n << " OC " << OC << " IC "
                                               << IC << " acc " << acc);
-            std::vector<float> got = init, pack(gemm_pack_floats(n, IC));
-            gemm_nt_at(level, got.data(), ld_out, x.data(), ld_x, W.data(), ld_w, n, IC, OC, alpha, acc, pack.data());
+            std::vector<float> got = init, scratch;
+            gemm_nt_at(level, got.data(), ld_out, x.data(), ld_x, {W.data()}, ld_w, n, IC, OC, alpha, acc, scratch);
             // Bitwise, the padding columns of out included (untouched).
             ASSERT_EQ(0, std::memcmp(got.data(), want.data(), sizeof(float) * got.size()));
             cases++;
@@ -73,15 +73,42 @@ TEST(Gemm, EveryLevelIsTheStatedFmaChainBitwise) {
 TEST(Gemm, ThreadsSplitTheRowsWithoutChangingTheBits) {
   const int n = 40, IC = 256, OC = 300;  // 3M multiply-adds: split across threads
   const auto x = random_values((size_t)n * IC, 1), W = random_values((size_t)OC * IC, 2);
-  std::vector<float> pack(gemm_pack_floats(n, IC)), one((size_t)n * OC), two(one.size());
+  std::vector<float> scratch, one((size_t)n * OC), two(one.size());
   const int saved = omp_get_max_threads();
   omp_set_num_threads(1);
-  gemm_nt(one.data(), OC, x.data(), IC, W.data(), IC, n, IC, OC, 1.0f, false, pack.data());
+  gemm_nt(one.data(), OC, x.data(), IC, {W.data()}, IC, n, IC, OC, 1.0f, false, scratch);
   omp_set_num_threads(2);
-  gemm_nt(two.data(), OC, x.data(), IC, W.data(), IC, n, IC, OC, 1.0f, false, pack.data());
+  gemm_nt(two.data(), OC, x.data(), IC, {W.data()}, IC, n, IC, OC, 1.0f, false, scratch);
   omp_set_num_threads(saved);
   EXPECT_EQ(0, std::memcmp(one.data(), two.data(), sizeof(float) * one.size()));
   std::vector<float> want(one.size());
   reference(want.data(), OC, x.data(), IC, W.data(), IC, n, IC, OC, 1.0f, false);
   EXPECT_EQ(0, std::memcmp(one.data(), want.data(), sizeof(float) * one.size()));
+}
+
+// bf16, f16 and Q8_0 weights are widened a few rows at a time: the result is bitwise the product
+// with their fp32 widening, at every level.
+TEST(Gemm, StoredWeightsGiveWhatTheirFp32WideningGives) {
+  const int n = 37, IC = 96, OC = 45;
+  const auto x = random_values((size_t)n * IC, 5), W = random_values((size_t)OC * IC, 6);
+  std::vector<uint16_t> bf((size_t)OC * IC), f16(bf.size());
+  for (size_t i = 0; i < bf.size(); i++) {
+    bf[i] = f32_to_bf16(W[i]);
+    f16[i] = f32_to_f16(W[i]);
+  }
+  std::vector<int8_t> q((size_t)OC * IC);
+  std::vector<uint16_t> d((size_t)OC * IC / kQ8Block);
+  ASSERT_TRUE(quantize_q8_0({W.data()}, OC, IC, q.data(), d.data()));
+  const WeightRef stored[] = {{bf.data(), DType::BF16}, {f16.data(), DType::F16}, {q.data(), DType::U8, d.data()}};
+  for (const WeightRef& Wr : stored) {
+    std::vector<float> wide((size_t)OC * IC);
+    for (int r = 0; r < OC; r++) widen_row(wide.data() + (size_t)r * IC, Wr, r, IC);
+    for (const SimdLevel level : levels()) {
+      SCOPED_TRACE(::testing::Message() << "level " << simd_name(level) << " dtype " << dtype_name(Wr.dtype));
+      std::vector<float> got((size_t)n * OC), want(got.size()), scratch;
+      gemm_nt_at(level, got.data(), OC, x.data(), IC, Wr, IC, n, IC, OC, 1.0f, false, scratch);
+      reference(want.data(), OC, x.data(), IC, wide.data(), IC, n, IC, OC, 1.0f, false);
+      ASSERT_EQ(0, std::memcmp(got.data(), want.data(), sizeof(float) * got.size()));
+    }
+  }
 }

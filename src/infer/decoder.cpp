@@ -134,9 +134,8 @@ void Decoder::lora_add(float* out, int ld_out, const float* x, int ld_x, const f
   if (A == nullptr) return;
   const int r = m_.lora->spec.rank;
   lora_u_.resize((size_t)n * r);
-  gemm_pack_.resize(infer::gemm_pack_floats(n, std::max(IC, r)));
-  infer::gemm_nt(lora_u_.data(), r, x, ld_x, A, IC, n, IC, r, 1.0f, false, gemm_pack_.data());
-  infer::gemm_nt(out, ld_out, lora_u_.data(), r, B, r, n, r, OC, m_.lora->spec.scale(), true, gemm_pack_.data());
+  infer::gemm_nt(lora_u_.data(), r, x, ld_x, {A}, IC, n, IC, r, 1.0f, false, widen_);
+  infer::gemm_nt(out, ld_out, lora_u_.data(), r, {B}, r, n, r, OC, m_.lora->spec.scale(), true, widen_);
 }
 
 void Decoder::lora_linear(float* out, const float* x, ParamKind target, int layer, int e, int n, int IC, int OC) {
@@ -471,7 +470,6 @@ void Decoder::attention(float* out, const float* q, const float* keys, const flo
   ThreadLimit lim((long)n * cols * HD_);
   scores_.resize((size_t)n * cols);
   values_t_.resize((size_t)HD_ * cols);
-  gemm_pack_.resize(infer::gemm_pack_floats(n, std::max(HD_, cols)));
   float* S = scores_.data();
   float* vt = values_t_.data();
   for (int h = 0; h < NH_; h++) {
@@ -479,8 +477,8 @@ void Decoder::attention(float* out, const float* q, const float* keys, const flo
     if (h % G == 0)
       for (int c = 0; c < cols; c++)
         for (int d = 0; d < HD_; d++) vt[(size_t)d * cols + c] = values[(size_t)(lo_all + c) * KVd_ + (size_t)g * HD_ + d];
-    infer::gemm_nt(S, cols, q + (size_t)h * HD_, Q_, keys + (size_t)lo_all * KVd_ + (size_t)g * HD_, KVd_, n, HD_, cols,
-                   scale, false, gemm_pack_.data());
+    infer::gemm_nt(S, cols, q + (size_t)h * HD_, Q_, {keys + (size_t)lo_all * KVd_ + (size_t)g * HD_}, KVd_, n, HD_,
+                   cols, scale, false, widen_);
 #pragma omp parallel for schedule(static) if ((long)n * cols >= kParallelMin)
     for (int i = 0; i < n; i++) {
       const int p = pos0 + i, lo = first_key(p) - lo_all, hi = p - lo_all;  // visible columns [lo, hi]
@@ -489,7 +487,7 @@ void Decoder::attention(float* out, const float* q, const float* keys, const flo
       ops::softmax_inplace(row + lo, hi - lo + 1);
       std::fill(row + hi + 1, row + cols, 0.0f);
     }
-    infer::gemm_nt(out + (size_t)h * HD_, Q_, S, cols, vt, cols, n, cols, HD_, 1.0f, false, gemm_pack_.data());
+    infer::gemm_nt(out + (size_t)h * HD_, Q_, S, cols, {vt}, cols, n, cols, HD_, 1.0f, false, widen_);
   }
 }
 
@@ -511,9 +509,7 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
     return;
   }
   float* tmp = tmp_.data();
-  gemm_pack_.resize(infer::gemm_pack_floats(n, C_));
-  infer::gemm_nt(rlogits_.data(), E_, ln, C_, m_.vec(ParamKind::router, layer), C_, n, C_, E_, 1.0f, false,
-                 gemm_pack_.data());
+  infer::gemm_nt(rlogits_.data(), E_, ln, C_, {m_.vec(ParamKind::router, layer)}, C_, n, C_, E_, 1.0f, false, widen_);
   if (m_.lora) lora_linear(rlogits_.data(), ln, ParamKind::router, layer, 0, n, C_, E_);
   ops::router_forward(rprobs_.data(), topk_idx_.data(), topk_w_.data(), rlogits_.data(), n, E_, K_,
                       m_.cfg.norm_topk_prob);

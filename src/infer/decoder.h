@@ -126,8 +126,7 @@ class Decoder {
   std::vector<int32_t> topk_idx_, pos_;
   std::vector<float> lora_u_;  // LoRA's x A^T
   std::vector<float> values_t_;  // long-prompt attention: a kv head's values transposed [HD, cols]
-  std::vector<float> gemm_pack_;  // infer::gemm_nt's packed rows (LoRA, long-prompt attention)
-  std::vector<float> widen_;  // prefill: a block of weight rows widened to fp32 (infer::matmul)
+  std::vector<float> widen_;  // prefill: infer::gemm_nt's scratch (x packed, a few weight rows widened)
   std::vector<std::vector<float>> expert_widen_;  // the same per thread, for experts run in parallel
   std::vector<float> kv_;     // a decode batch's new keys and values [2][n, KV]
   std::vector<infer::GemvTask> tasks_;

@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/error.h"
+
 namespace moetron::infer {
 
 namespace {
@@ -56,15 +58,26 @@ void pack_tile(float* p, const float* x, int ld_x, int n, int t0, int IC) {
   }
 }
 
+// Rows [r0, r0 + R) of W as fp32: in place (fp32), else widened into tmp[R][IC].  ld: their stride.
+const float* weight_rows(WeightRef W, int ld_w, int r0, int R, int IC, float* tmp, int& ld) {
+  if (W.dtype == DType::F32 && !W.q8()) {
+    ld = ld_w;
+    return static_cast<const float*>(W.data) + (size_t)r0 * ld_w;
+  }
+  for (int r = 0; r < R; r++) widen_row(tmp + (size_t)r * IC, W, (size_t)(r0 + r), IC);
+  ld = IC;
+  return tmp;
+}
+
 void gemm_generic(float* out, int ld_out, const float* x, int ld_x, const float* W, int ld_w, int n, int IC, int r0,
-                  int r1, float alpha, bool acc) {
-  for (int r = r0; r < r1; r++)
+                  int R, float alpha, bool acc) {
+  for (int r = 0; r < R; r++)
     for (int t = 0; t < n; t++) {
       const float* xr = x + (size_t)t * ld_x;
       const float* wr = W + (size_t)r * ld_w;
       float s = 0.0f;
       for (int k = 0; k < IC; k++) s = std::fma(xr[k], wr[k], s);
-      float& o = out[(size_t)t * ld_out + r];
+      float& o = out[(size_t)t * ld_out + r0 + r];
       o = acc ? o + alpha * s : alpha * s;
     }
 }
@@ -125,48 +138,58 @@ TileFn tile_fn(int R, int V) {
   }
 }
 
-// The packed path: T = 16 (AVX2) or 32 (AVX-512).
+// T = 16 (AVX2) or 32 (AVX-512) packed rows of x a tile; T = 0: the portable path, unpacked.
 template <int T>
-void gemm_packed(float* out, int ld_out, const float* x, int ld_x, const float* W, int ld_w, int n, int IC, int OC,
-                 float alpha, bool acc, float* p, bool parallel) {
-  const int tiles = (n + T - 1) / T;
-  for (int i = 0; i < tiles; i++) pack_tile<T>(p + (size_t)i * IC * T, x, ld_x, n, i * T, IC);
+void gemm_run(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int ld_w, int n, int IC, int OC,
+              float alpha, bool acc, std::vector<float>& scratch, bool parallel) {
+  const int tiles = T ? (n + T - 1) / T : 0;
+  const size_t packed = (size_t)tiles * T * IC;
+  const bool widen = !(W.dtype == DType::F32 && !W.q8());
+  const int threads = parallel ? omp_get_max_threads() : 1;
+  scratch.resize(packed + (widen ? (size_t)threads * kRows * IC : 0));
+  float* p = scratch.data();
+  if constexpr (T > 0)
+    for (int i = 0; i < tiles; i++) pack_tile<T>(p + (size_t)i * IC * T, x, ld_x, n, i * T, IC);
   const int groups = (OC + kRows - 1) / kRows;
 #pragma omp parallel for schedule(static) if (parallel)
   for (int g = 0; g < groups; g++) {
-    alignas(64) float buf[kRows * T];
     const int r0 = g * kRows, R = std::min(kRows, OC - r0);
-    for (int i = 0; i < tiles; i++) {
-      const int valid = std::min(T, n - i * T);
-      tile_fn<T>(R, valid <= T / 2 ? 1 : 2)(p + (size_t)i * IC * T, W + (size_t)r0 * ld_w, ld_w, IC, buf);
-      store_tile<T>(out, ld_out, buf, R, valid, i * T, r0, alpha, acc);
+    int ld = 0;
+    const float* Wg = weight_rows(W, ld_w, r0, R, IC, p + packed + (size_t)omp_get_thread_num() * kRows * IC, ld);
+    if constexpr (T == 0) {
+      gemm_generic(out, ld_out, x, ld_x, Wg, ld, n, IC, r0, R, alpha, acc);
+    } else {
+      alignas(64) float buf[kRows * (T > 0 ? T : 1)];
+      for (int i = 0; i < tiles; i++) {
+        const int valid = std::min(T, n - i * T);
+        tile_fn<T>(R, valid <= T / 2 ? 1 : 2)(p + (size_t)i * IC * T, Wg, ld, IC, buf);
+        store_tile<T>(out, ld_out, buf, R, valid, i * T, r0, alpha, acc);
+      }
     }
   }
 }
 
 }  // namespace
 
-size_t gemm_pack_floats(int n, int IC) { return (size_t)((n + 31) / 32) * 32 * IC; }
-
-void gemm_nt_at(SimdLevel level, float* out, int ld_out, const float* x, int ld_x, const float* W, int ld_w, int n,
-                int IC, int OC, float alpha, bool accumulate, float* pack) {
+void gemm_nt_at(SimdLevel level, float* out, int ld_out, const float* x, int ld_x, WeightRef W, int ld_w, int n,
+                int IC, int OC, float alpha, bool accumulate, std::vector<float>& scratch) {
   if (n <= 0 || OC <= 0) return;
+  MOETRON_ASSERT((W.dtype == DType::F32 && !W.q8()) || ld_w == IC);
   const bool parallel = !omp_in_parallel() && omp_get_max_threads() > 1 && (long)n * IC * OC >= kParallelMin;
   switch (level) {
     case SimdLevel::avx512:
-      return gemm_packed<32>(out, ld_out, x, ld_x, W, ld_w, n, IC, OC, alpha, accumulate, pack, parallel);
+      return gemm_run<32>(out, ld_out, x, ld_x, W, ld_w, n, IC, OC, alpha, accumulate, scratch, parallel);
     case SimdLevel::avx2:
-      return gemm_packed<16>(out, ld_out, x, ld_x, W, ld_w, n, IC, OC, alpha, accumulate, pack, parallel);
+      return gemm_run<16>(out, ld_out, x, ld_x, W, ld_w, n, IC, OC, alpha, accumulate, scratch, parallel);
     case SimdLevel::generic:
       break;
   }
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int r = 0; r < OC; r++) gemm_generic(out, ld_out, x, ld_x, W, ld_w, n, IC, r, r + 1, alpha, accumulate);
+  gemm_run<0>(out, ld_out, x, ld_x, W, ld_w, n, IC, OC, alpha, accumulate, scratch, parallel);
 }
 
-void gemm_nt(float* out, int ld_out, const float* x, int ld_x, const float* W, int ld_w, int n, int IC, int OC,
-             float alpha, bool accumulate, float* pack) {
-  gemm_nt_at(simd_level(), out, ld_out, x, ld_x, W, ld_w, n, IC, OC, alpha, accumulate, pack);
+void gemm_nt(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int ld_w, int n, int IC, int OC,
+             float alpha, bool accumulate, std::vector<float>& scratch) {
+  gemm_nt_at(simd_level(), out, ld_out, x, ld_x, W, ld_w, n, IC, OC, alpha, accumulate, scratch);
 }
 
 }  // namespace moetron::infer

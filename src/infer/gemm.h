@@ -8,26 +8,27 @@
 //
 // Kernels: x is packed once per call into tiles of T rows ([IC][T], zero-padded: T = 32 with AVX-512,
 // 16 with AVX2), then each tile meets 6 weight rows at a time (12 vector accumulators; per column 2
-// vector loads of x and 6 broadcasts of W for 12 FMAs).  Threads split the weight rows.
+// vector loads of x and 6 broadcasts of W for 12 FMAs; one vector when the tile's real rows fit in
+// it).  Threads split the weight rows.
 #pragma once
 
-#include <cstddef>
+#include <vector>
 
 #include "infer/kernels.h"
 
 namespace moetron::infer {
 
-// Floats of scratch gemm_nt needs for n rows of IC values (at any level).
-size_t gemm_pack_floats(int n, int IC);
-
-// See above.  x and W are read only; pack: gemm_pack_floats(n, IC) floats of scratch (one per thread
-// when called from several threads).  OpenMP threads (the caller's omp_get_max_threads()) split W's
-// rows when the product is large enough; inside a parallel region it runs on the calling thread.
-void gemm_nt(float* out, int ld_out, const float* x, int ld_x, const float* W, int ld_w, int n, int IC, int OC,
-             float alpha, bool accumulate, float* pack);
+// See above.  W: fp32 rows at stride ld_w, or bf16 / f16 / Q8_0 rows stored contiguously (ld_w == IC),
+// which the thread that uses them widens to fp32 kRows at a time (the matrix is never copied: the
+// scratch holds x packed plus kRows widened rows per thread).  scratch: resized as needed; one per
+// thread when called from several threads.  OpenMP threads (the caller's omp_get_max_threads())
+// split W's rows when the product is large enough; inside a parallel region it runs on the calling
+// thread.
+void gemm_nt(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int ld_w, int n, int IC, int OC,
+             float alpha, bool accumulate, std::vector<float>& scratch);
 
 // The same with the kernels of `level` (at most simd_level()), for tests and benchmarks.
-void gemm_nt_at(SimdLevel level, float* out, int ld_out, const float* x, int ld_x, const float* W, int ld_w, int n,
-                int IC, int OC, float alpha, bool accumulate, float* pack);
+void gemm_nt_at(SimdLevel level, float* out, int ld_out, const float* x, int ld_x, WeightRef W, int ld_w, int n,
+                int IC, int OC, float alpha, bool accumulate, std::vector<float>& scratch);
 
 }  // namespace moetron::infer

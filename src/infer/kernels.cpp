@@ -1030,25 +1030,9 @@ void matmul(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n
     gemv_rows(out, ld_out, x, ld_x, W, n, IC, OC, accumulate, omp_get_max_threads() > 1 ? kGemvSplitMin : kGemvParallelMin);
     return;
   }
-  // Blocks of ~1 MiB of fp32 weights (at least 64 rows): widened, then one GEMM each (gemm.h: each
-  // result one fma chain, so fp32 weights used where they lie give the same sums).  scratch: the
-  // widened block, then the GEMM's packed x.
-  const int block = std::max(64, (int)((1 << 18) / std::max(1, IC)));
-  const size_t widened = W.dtype == DType::F32 ? 0 : (size_t)std::min(block, OC) * IC;
-  scratch.resize(widened + gemm_pack_floats(n, IC));
-  float* pack = scratch.data() + widened;
-  for (int r0 = 0; r0 < OC; r0 += block) {
-    const int rows = std::min(block, OC - r0);
-    const float* Wb;
-    if (W.dtype == DType::F32) {
-      Wb = static_cast<const float*>(W.data) + (size_t)r0 * IC;
-    } else {
-#pragma omp parallel for schedule(static) if ((long)rows * IC >= (1L << 16))  // 64K values: 2 threads gave the 0.49B model 10% more prefill than at 1M
-      for (int r = 0; r < rows; r++) widen_row(scratch.data() + (size_t)r * IC, W, (size_t)(r0 + r), IC);
-      Wb = scratch.data();
-    }
-    gemm_nt(out + r0, ld_out, x, ld_x, Wb, IC, n, IC, rows, 1.0f, accumulate, pack);
-  }
+  // More: one GEMM (gemm.h), which widens a few weight rows at a time per thread; fp32 weights are
+  // used where they lie, with the same sums.
+  gemm_nt(out, ld_out, x, ld_x, W, IC, n, IC, OC, 1.0f, accumulate, scratch);
 }
 
 }  // namespace moetron::infer

@@ -90,8 +90,8 @@ void gemv_rows(float* out, int ld_out, const float* x, int ld_x, WeightRef W, in
                long parallel_min_macs = kGemvParallelMin);
 
 // out[n, OC] (row stride ld_out; =, or += when accumulate) = x[n, IC] (row stride ld_x) W[OC, IC]^T.
-// Up to kMaxGemvInputs rows run as gemv_rows; more as GEMMs (infer/gemm.h) over blocks of W's rows
-// widened to fp32 in `scratch` (so a bf16 matrix is never copied whole).  For a given n, a bf16 matrix and its fp32
+// Up to kMaxGemvInputs rows run as gemv_rows; more as a GEMM (infer/gemm.h: W's rows widened to fp32 a
+// few at a time per thread in `scratch`, so a bf16 matrix is never copied).  For a given n, a bf16 matrix and its fp32
 // widening give bitwise the same result.  OpenMP threads follow the caller's omp_get_max_threads().
 void matmul(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n, int IC, int OC, bool accumulate,
             std::vector<float>& scratch);
