@@ -26,6 +26,9 @@ namespace {
 // many (query, key) pairs per head; beyond, as two GEMMs per head (2 * NH gemm_nt calls: faster for long
 // prompts on an idle machine, but each call is a fork/join, which is slow when the cores are shared).
 constexpr long kRowAttentionMaxPairs = 1L << 18;
+// Prefill: an expert's rows are run in pieces of at most this many (bounds the scratch; 64 rows are
+// two of gemm_nt's AVX-512 tiles, and a weight row widened once per piece costs 1/64 of its products).
+constexpr long kExpertRows = 64;
 // Work (multiply-adds, or elements) below which a prefill step runs on one thread: 2M, as kernels.h's
 // kGemvSplitMin (a fork/join may cost a scheduler time slice on a shared machine, see kernels.h; at
 // 16M, the earlier threshold, a small model's prefill ran almost all on one thread: 2 threads gave
@@ -107,6 +110,12 @@ void Decoder::linear(float* out, int ld_out, const float* x, int ld_x, ParamKind
   infer::matmul(out, ld_out, x, ld_x, t.W, n, IC, OC, accumulate, widen_);
 }
 
+// v holds at least `size` values (never shrinks).
+static float* at_least(std::vector<float>& v, size_t size) {
+  if (v.size() < size) v.resize(size);
+  return v.data();
+}
+
 void Decoder::reserve_scratch(int n) {
   if (n <= cap_) return;
   cap_ = n;
@@ -122,8 +131,6 @@ void Decoder::reserve_scratch(int n) {
   topk_w_.resize(M);
   topk_idx_.resize(M);
   xperm_.resize(M * C_);
-  h13_.resize(M * 2 * I_);
-  act_.resize(M * I_);
   yperm_.resize(M * C_);
   pos_.resize(N);
   kv_.resize(2 * N * KVd_);
@@ -497,9 +504,9 @@ void Decoder::attention(float* out, const float* q, const float* keys, const flo
 void Decoder::ffn(float* x, const float* ln, int layer, int n) {
   const int I = m_.cfg.ffn_size(layer);  // this layer's width
   const size_t IC = (size_t)I * C_;
-  float* h13 = h13_.data();
-  float* act = act_.data();
   if (!m_.cfg.is_moe_layer(layer)) {
+    float* h13 = at_least(h13_, (size_t)n * 2 * I);
+    float* act = at_least(act_, (size_t)n * I);
     linear(h13, 2 * I, ln, C_, ParamKind::ffn_w13, layer, 0, n, C_, I);
     linear(h13 + I, 2 * I, ln, C_, ParamKind::ffn_w13, layer, IC, n, C_, I);
     if (m_.lora) lora_gate_up_split(h13, ln, ParamKind::ffn_w13, layer, n, I);
@@ -521,34 +528,42 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
   // each, too few for one GEMM to split well (0.49B model, 2 threads, AVX-512 AMD EPYC VM: prefill
   // tokens/s 1.22x in bf16, 1.28x in Q8_0, medians of 3).
   const bool expert_parallel = !m_.lora && omp_get_max_threads() > 1 && (long)n * K_ * 3 * C_ * I >= 4 * kParallelMin;
-  // Expert e's rows: gate/up, SwiGLU, down.  In parallel its products stay on the calling thread
+  // Expert e's rows: gate/up, SwiGLU, down, in pieces of at most kExpertRows rows (equal pieces, so
+  // none is left with a few rows) whose hidden activations live in the thread's scratch: a skewed
+  // router can send most of a prompt's n K rows to one expert.  Each row's result is its own, so the
+  // pieces change nothing.  In parallel an expert's products stay on the calling thread
   // (infer::matmul with that thread's scratch); serially they go through linear (thread limits).
-  auto run_expert = [&](int e, std::vector<float>& scratch) {
+  auto run_expert = [&](int e, ExpertScratch& sc) {
     const long off = plan_.expert_offsets[e], rows = plan_.expert_offsets[e + 1] - off;
     if (rows == 0) return;
-    float *he = h13 + off * 2 * I, *ae = act + off * I, *ye = yperm_.data() + off * C_;
-    const float* xe = xperm_.data() + off * C_;
-    const int r = (int)rows;
-    auto product = [&](float* out, int ld_out, const float* in, int ld_in, ParamKind kind, size_t offset, int ic,
-                       int oc) {
-      if (expert_parallel)
-        infer::matmul(out, ld_out, in, ld_in, m_.mat(kind, layer, offset, (size_t)ic * oc), r, ic, oc, false, scratch);
-      else
-        linear(out, ld_out, in, ld_in, kind, layer, offset, r, ic, oc);
-    };
-    product(he, 2 * I, xe, C_, ParamKind::ffn_w13, (size_t)e * 2 * IC, C_, I);
-    product(he + I, 2 * I, xe, C_, ParamKind::ffn_w13, (size_t)e * 2 * IC + IC, C_, I);
-    if (m_.lora) lora_linear(he, xe, ParamKind::ffn_w13, layer, e, r, C_, 2 * I);
-    ops::swiglu_forward(ae, he, rows, I);
-    product(ye, C_, ae, I, ParamKind::ffn_w2, (size_t)e * IC, I, C_);
-    if (m_.lora) lora_linear(ye, ae, ParamKind::ffn_w2, layer, e, r, I, C_);
+    const long pieces = (rows + kExpertRows - 1) / kExpertRows, step = (rows + pieces - 1) / pieces;
+    float* he = at_least(sc.h13, (size_t)step * 2 * I);
+    float* ae = at_least(sc.act, (size_t)step * I);
+    for (long p0 = off; p0 < off + rows; p0 += step) {
+      const int r = (int)std::min(step, off + rows - p0);
+      float* ye = yperm_.data() + p0 * C_;
+      const float* xe = xperm_.data() + p0 * C_;
+      auto product = [&](float* out, int ld_out, const float* in, int ld_in, ParamKind kind, size_t offset, int ic,
+                         int oc) {
+        if (expert_parallel)
+          infer::matmul(out, ld_out, in, ld_in, m_.mat(kind, layer, offset, (size_t)ic * oc), r, ic, oc, false, sc.gemm);
+        else
+          linear(out, ld_out, in, ld_in, kind, layer, offset, r, ic, oc);
+      };
+      product(he, 2 * I, xe, C_, ParamKind::ffn_w13, (size_t)e * 2 * IC, C_, I);
+      product(he + I, 2 * I, xe, C_, ParamKind::ffn_w13, (size_t)e * 2 * IC + IC, C_, I);
+      if (m_.lora) lora_linear(he, xe, ParamKind::ffn_w13, layer, e, r, C_, 2 * I);
+      ops::swiglu_forward(ae, he, r, I);
+      product(ye, C_, ae, I, ParamKind::ffn_w2, (size_t)e * IC, I, C_);
+      if (m_.lora) lora_linear(ye, ae, ParamKind::ffn_w2, layer, e, r, I, C_);
+    }
   };
   if (expert_parallel) {
     expert_widen_.resize(omp_get_max_threads());
 #pragma omp parallel for schedule(dynamic, 1)
     for (int e = 0; e < E_; e++) run_expert(e, expert_widen_[omp_get_thread_num()]);
   } else {
-    for (int e = 0; e < E_; e++) run_expert(e, widen_);
+    for (int e = 0; e < E_; e++) run_expert(e, expert_serial_);
   }
   ops::moe_combine_forward(tmp, yperm_.data(), topk_w_.data(), plan_, C_);
   add_inplace(x, tmp, (long)n * C_);
@@ -562,8 +577,9 @@ void Decoder::ffn(float* x, const float* ln, int layer, int n) {
 void Decoder::ffn_decode(float* x, const float* ln, int layer, int n) {
   const int I = m_.cfg.ffn_size(layer);
   const size_t IC = (size_t)I * C_;
-  float* h13 = h13_.data();
-  float* act = act_.data();
+  const size_t rows = m_.cfg.is_moe_layer(layer) ? (size_t)n * K_ : (size_t)n;  // routed: n K
+  float* h13 = at_least(h13_, rows * 2 * I);
+  float* act = at_least(act_, rows * I);
   std::vector<infer::GemvTask>& tasks = tasks_;
   if (!m_.cfg.is_moe_layer(layer)) {
     add_row_tasks(tasks, h13, 2 * I, ParamKind::ffn_w13, layer, 0, ln, C_, n, I, C_);

@@ -127,7 +127,12 @@ class Decoder {
   std::vector<float> lora_u_;  // LoRA's x A^T
   std::vector<float> values_t_;  // long-prompt attention: a kv head's values transposed [HD, cols]
   std::vector<float> widen_;  // prefill: infer::gemm_nt's scratch (x packed, a few weight rows widened)
-  std::vector<std::vector<float>> expert_widen_;  // the same per thread, for experts run in parallel
+  struct ExpertScratch {  // prefill: one expert's rows at a time
+    std::vector<float> gemm;  // infer::matmul's scratch (experts run in parallel)
+    std::vector<float> h13, act;  // its gate/up products [rows, 2I] and SwiGLU [rows, I]
+  };
+  std::vector<ExpertScratch> expert_widen_;  // one per thread, for experts run in parallel
+  ExpertScratch expert_serial_;  // experts run one after another
   std::vector<float> kv_;     // a decode batch's new keys and values [2][n, KV]
   std::vector<infer::GemvTask> tasks_;
   std::vector<int> slot_row_, expert_start_, expert_fill_;  // decode: expert-major gathering
