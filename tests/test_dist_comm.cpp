@@ -5,10 +5,13 @@
 // values computed locally (sums in rank order, bitwise), the bytes each call reports, and the
 // grid's groups.  Every rank makes the same calls in the same order, failures included (EXPECT
 // only), so a failing check never leaves a peer waiting.
+#include <dlfcn.h>
+
 #include <cstring>
 #include <numeric>
 #include <set>
 
+#include "core/dynlib.h"
 #include "core/error.h"
 #include "dist/comm.h"
 #include "dist/grid.h"
@@ -298,6 +301,32 @@ TEST(MpiLibrary, IsLoadedOnlyWhenAProcessIsLaunched) {
   const std::string path = dist::mpi_library();
   EXPECT_FALSE(path.empty());
   EXPECT_TRUE(library_mapped("libmpi.so")) << "mpi_library() reported " << path << " but nothing is mapped";
+}
+
+TEST(DynLib, AFailedLoadNamesEveryCandidateAndAMissingSymbolItsName) {
+  std::string loaded;
+  try {
+    dlopen_first({"/nonexistent/libmoetron-a.so", "libmoetron-b.so.9"}, RTLD_NOW, "probe", "a hint", &loaded);
+    FAIL() << "loaded " << loaded;
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("[probe] cannot load the library (a hint)"), std::string::npos) << m;
+    EXPECT_NE(m.find("libmoetron-a.so"), std::string::npos) << m;
+    EXPECT_NE(m.find("libmoetron-b.so.9"), std::string::npos) << m;
+  }
+  void* h = dlopen_first({"/nonexistent/libx.so", "libm.so.6"}, RTLD_NOW, "probe", "", &loaded);
+  EXPECT_EQ(loaded, "libm.so.6");
+  EXPECT_NE(dlsym_required(h, "probe", loaded, "cos"), nullptr);
+  EXPECT_THROW(
+      {
+        try {
+          dlsym_required(h, "probe", loaded, "moetron_no_such_symbol");
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("libm.so.6 has no symbol moetron_no_such_symbol"), std::string::npos);
+          throw;
+        }
+      },
+      Error);
 }
 
 TEST(SelfComm, IsAGroupOfOne) {

@@ -4,39 +4,25 @@
 #ifdef MOETRON_HAVE_MPI
 #include <dlfcn.h>
 
-#include "core/error.h"
+#include "core/dynlib.h"
 
 namespace moetron::dist {
 
 namespace {
 
-void* symbol(void* handle, const std::string& path, const char* name) {
-  void* p = dlsym(handle, name);
-  if (!p) fail("[mpi] {} has no symbol {}", path, name);
-  return p;
-}
-
 MpiApi load() {
   // The library CMake found (MOETRON_MPI_LIBRARY), then the dynamic loader's search by soname.
   // RTLD_GLOBAL: Open MPI's own plugins (mca_*.so) resolve libmpi's symbols globally.
-  const char* candidates[] = {
-#ifdef MOETRON_MPI_LIBRARY
-      MOETRON_MPI_LIBRARY,
-#endif
-      "libmpi.so.40", "libmpi.so.12", "libmpi.so"};
   MpiApi a;
-  void* h = nullptr;
-  std::string errors;
-  for (const char* c : candidates) {
-    h = dlopen(c, RTLD_NOW | RTLD_GLOBAL);
-    if (h) {
-      a.path = c;
-      break;
-    }
-    errors += std::string("\n  ") + dlerror();
-  }
-  if (!h) fail("[mpi] cannot load the MPI library (scripts/setup.sh installs Open MPI):{}", errors);
-#define MOETRON_MPI_FN(name) a.name = reinterpret_cast<decltype(a.name)>(symbol(h, a.path, "MPI_" #name))
+  void* h = dlopen_first(
+      {
+#ifdef MOETRON_MPI_LIBRARY
+          MOETRON_MPI_LIBRARY,
+#endif
+          "libmpi.so.40", "libmpi.so.12", "libmpi.so"},
+      RTLD_NOW | RTLD_GLOBAL, "mpi", "scripts/setup.sh installs Open MPI", &a.path);
+  auto symbol = [&](const char* name) { return dlsym_required(h, "mpi", a.path, name); };
+#define MOETRON_MPI_FN(name) a.name = reinterpret_cast<decltype(a.name)>(symbol("MPI_" #name))
   MOETRON_MPI_FN(Abort);
   MOETRON_MPI_FN(Allgather);
   MOETRON_MPI_FN(Alltoallv);
@@ -71,7 +57,7 @@ MpiApi load() {
 #undef MOETRON_MPI_FN
 #ifdef OPEN_MPI
   // Open MPI's handles are the addresses of its predefined objects.
-#define MOETRON_MPI_HANDLE(field, type, global) a.field = static_cast<type>(symbol(h, a.path, global))
+#define MOETRON_MPI_HANDLE(field, type, global) a.field = static_cast<type>(symbol(global))
 #else
   // MPICH's are integer constants of mpi.h.
 #define MOETRON_MPI_HANDLE(field, type, global) a.field = field##_constant

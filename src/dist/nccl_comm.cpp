@@ -11,6 +11,8 @@
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <nccl.h>
+
+#include "core/dynlib.h"
 #endif
 
 namespace moetron::dist {
@@ -57,28 +59,15 @@ struct NcclApi {
 
 NcclApi load_nccl() {
   // The library CMake found (MOETRON_NCCL_LIBRARY), then the dynamic loader's search by soname.
-  const char* candidates[] = {
-#ifdef MOETRON_NCCL_LIBRARY
-      MOETRON_NCCL_LIBRARY,
-#endif
-      "libnccl.so.2", "libnccl.so"};
   NcclApi a;
-  void* h = nullptr;
-  std::string errors;
-  for (const char* c : candidates) {
-    h = dlopen(c, RTLD_NOW | RTLD_LOCAL);
-    if (h) {
-      a.path = c;
-      break;
-    }
-    errors += std::string("\n  ") + dlerror();
-  }
-  if (!h) fail("[nccl] cannot load the NCCL library:{}", errors);
-  auto sym = [&](const char* name) {
-    void* p = dlsym(h, name);
-    if (!p) fail("[nccl] {} has no symbol {}", a.path, name);
-    return p;
-  };
+  void* h = dlopen_first(
+      {
+#ifdef MOETRON_NCCL_LIBRARY
+          MOETRON_NCCL_LIBRARY,
+#endif
+          "libnccl.so.2", "libnccl.so"},
+      RTLD_NOW | RTLD_LOCAL, "nccl", "NCCL, e.g. from the CUDA toolkit", &a.path);
+  auto sym = [&](const char* name) { return dlsym_required(h, "nccl", a.path, name); };
 #define MOETRON_NCCL_FN(name) a.name = reinterpret_cast<decltype(a.name)>(sym("nccl" #name))
   MOETRON_NCCL_FN(AllGather);
   MOETRON_NCCL_FN(AllReduce);
