@@ -258,10 +258,13 @@ TEST(Decoder, UntiedEmbeddingIsReadByRowNeverMapped) {
 
 // The tuner tries 4 serial then 4 split steps every 64 and keeps the faster way (by the fastest step of
 // each four) for the other 56.
-// Inference loads no transport library: MPI and NCCL (with what they pull in: Open MPI's stack,
-// hwloc, libevent) are loaded only by a launched or GPU-distributed process, so they take no
-// memory in generate, chat, serve or bench generate.
-TEST(Decoder, LoadsNeitherMpiNorNccl) {
+// Inference loads no BLAS or transport library: its GEMM is its own (infer/gemm.h), and MPI and NCCL
+// (with what they pull in: Open MPI's stack, hwloc, libevent) are loaded only by a launched or
+// GPU-distributed process, so they take no memory in generate, chat, serve or bench generate.
+// OpenBLAS is checked when this process had not loaded it before (ctest runs each test alone; the
+// SimdLevel runs of the whole binary come after tests that train).
+TEST(Decoder, LoadsNoBlasMpiOrNcclLibrary) {
+  const bool blas_before = moetron::testing::library_mapped("libopenblas");
   moetron::testing::TempDir tmp("no_transports");
   const std::string dir = tmp.file("model");
   const ModelConfig cfg = model_config_from_json(
@@ -283,6 +286,7 @@ TEST(Decoder, LoadsNeitherMpiNorNccl) {
   EXPECT_FALSE(moetron::testing::library_mapped("libmpi.so"));
   EXPECT_FALSE(moetron::testing::library_mapped("libnccl"));
   EXPECT_FALSE(moetron::testing::library_mapped("libopen-pal"));
+  if (!blas_before) EXPECT_FALSE(moetron::testing::library_mapped("libopenblas"));
 }
 
 TEST(DecodeSplitTuner, TriesBothWaysEveryPeriodAndKeepsTheFaster) {
