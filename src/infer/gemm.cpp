@@ -17,8 +17,8 @@ namespace moetron::infer {
 namespace {
 
 constexpr int kRows = 6;  // weight rows per tile
-// Multiply-adds from which the weight rows are split across threads (as matmul's widening: a
-// fork/join costs ~10 us on a shared core).
+// Multiply-adds from which the weight rows are split across threads (a fork/join costs ~10 us on a
+// shared core; the decoder's ThreadLimit already keeps its small prefill steps on one thread).
 constexpr long kParallelMin = 1L << 18;
 
 // Writes a tile's sums (buf[r * T + t], R rows, T columns of which `valid` are real) into out, as
@@ -159,7 +159,7 @@ void gemm_run(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int
     if constexpr (T == 0) {
       gemm_generic(out, ld_out, x, ld_x, Wg, ld, n, IC, r0, R, alpha, acc);
     } else {
-      alignas(64) float buf[kRows * (T > 0 ? T : 1)];
+      alignas(64) float buf[kRows * T];
       for (int i = 0; i < tiles; i++) {
         const int valid = std::min(T, n - i * T);
         tile_fn<T>(R, valid <= T / 2 ? 1 : 2)(p + (size_t)i * IC * T, Wg, ld, IC, buf);
