@@ -57,6 +57,19 @@ def measure(cmd):
     return b"".join(chunks).decode(), ru.ru_maxrss * 1024
 
 
+def ggml_isa_flags():
+    """-DGGML_NATIVE=ON, except on a CPU that lists AMX: -march=native then compiles llama.cpp's AMX
+    kernels, which die with SIGILL (tileloadd) on VMs that advertise AMX without enabling its tile
+    state; there the same instruction sets are named one by one, AMX left out."""
+    flags = set(next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split(":", 1)[1].split())
+    if not any(f.startswith("amx") for f in flags):
+        return ["-DGGML_NATIVE=ON"]
+    isa = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C", "bmi2": "GGML_BMI2",
+           "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI",
+           "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16"}
+    return ["-DGGML_NATIVE=OFF"] + [f"-D{opt}={'ON' if f in flags else 'OFF'}" for f, opt in isa.items()]
+
+
 def build_llama(work):
     """Builds llama-bench from the llama-cpp-python sdist; returns the llama.cpp source tree."""
     bins = None
@@ -74,7 +87,7 @@ def build_llama(work):
         t.extractall(work, filter="data")
     tree = os.path.join(work, sdist[: -len(".tar.gz")], "vendor", "llama.cpp")
     subprocess.check_call(["cmake", "-S", tree, "-B", os.path.join(tree, "build"), "-G", "Ninja",
-                           "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                           "-DCMAKE_BUILD_TYPE=Release", *ggml_isa_flags(), "-DLLAMA_CURL=OFF",
                            "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"])
     subprocess.check_call(["cmake", "--build", os.path.join(tree, "build"), "-j", str(os.cpu_count()),
                            "--target", "llama-bench", "llama-completion", "llama-simple", "llama-quantize",
