@@ -17,9 +17,10 @@ namespace moetron::infer {
 namespace {
 
 constexpr int kRows = 6;  // weight rows per tile
-// Multiply-adds from which the weight rows are split across threads (a fork/join costs ~10 us on a
-// shared core; the decoder's ThreadLimit already keeps its small prefill steps on one thread).
-constexpr long kParallelMin = 1L << 18;
+// Multiply-adds from which the weight rows are split across threads: 2M, the decoder's own threshold
+// (a fork/join may cost a scheduler time slice when the cores are shared; at 256K the prefill router's
+// product forked every layer, and test_infer_q8 at two SIMD levels side by side took 45 s instead of 20).
+constexpr long kParallelMin = 1L << 21;
 
 // Writes a tile's sums (buf[r * T + t], R rows, T columns of which `valid` are real) into out, as
 // alpha * s or out + alpha * s.  The tile's outputs lie transposed to the accumulators (out's rows
