@@ -270,14 +270,26 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
       const ParamSpec& spec = t.spec_of(ref);
       const size_t si = ref.spec_index;
       if (InferenceModel::is_small(spec.kind)) {
+        float* dst = small.data() + small_offset[si] + (ref.offset - spec.offset);
+        refs.push_back({nullptr, DType::F32});
+        const TensorView sv = quant == WeightQuant::q8_0 ? hf_tensor_view(*files, t, ref, dir) : TensorView{};
+        if (quant == WeightQuant::q8_0 &&
+            (sv.dtype == DType::F32 || sv.dtype == DType::BF16 || sv.dtype == DType::F16)) {
+          // Q8_0 maps no page of the files: read with pread, as the matrices (a fault in the mapping maps
+          // the page-cache folios around the page, up to MiBs resident until released).
+          for_each_stored_piece(sv, 1, ref.numel, piece_buffer, [&](const TensorView& part, size_t, size_t) {
+            if (const size_t bad = first_non_finite_stored(part, ref.numel); bad < ref.numel)
+              fail("{}: tensor '{}' holds a non-finite value (NaN or Inf) at element {}: the weights are corrupt, "
+                   "and a model computed from them would give NaN logits",
+                   sv.file, sv.name, bad);
+            infer::widen_row(dst, {part.data, sv.dtype}, 0, (int)ref.numel);
+          });
+          continue;
+        }
         HfTensorSlice whole;
         whole.ref = &ref;
-        read_hf_slice(*files, t, whole, small.data() + small_offset[si] + (ref.offset - spec.offset), dir);
-        refs.push_back({nullptr, DType::F32});
-        if (quant == WeightQuant::q8_0) {
-          const TensorView sv = hf_tensor_view(*files, t, ref, dir);
-          read_once.emplace_back(sv.data, ref.numel * dtype_size(sv.dtype));
-        }
+        read_hf_slice(*files, t, whole, dst, dir);
+        if (quant == WeightQuant::q8_0) read_once.emplace_back(sv.data, ref.numel * dtype_size(sv.dtype));
         continue;
       }
       const TensorView v = hf_tensor_view(*files, t, ref, dir);
@@ -327,8 +339,8 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
       if (const size_t bad = first_non_finite_stored(v, ref.numel); bad < ref.numel) non_finite(bad);
       refs.push_back({v.data, v.dtype});
     }
-    // The small tensors' pages, now copied to `small`, released at the end: a fault maps the page-cache
-    // folios around a page, so a range released early can come back.
+    // Small tensors of other dtypes, read through the mapping, released at the end: a fault maps the
+    // page-cache folios around a page, so a range released early can come back.
     for (const auto& [p, bytes] : read_once) release_mapped_pages(p, bytes);
     m->set_weights(std::move(refs), files, std::move(small), std::move(small_offset), std::move(q8),
                    std::move(q8_scales), std::move(embedding), embedding_q8);
