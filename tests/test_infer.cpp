@@ -286,7 +286,9 @@ TEST(Decoder, LoadsNoBlasMpiOrNcclLibrary) {
   EXPECT_FALSE(moetron::testing::library_mapped("libmpi.so"));
   EXPECT_FALSE(moetron::testing::library_mapped("libnccl"));
   EXPECT_FALSE(moetron::testing::library_mapped("libopen-pal"));
-  if (!blas_before) EXPECT_FALSE(moetron::testing::library_mapped("libopenblas"));
+  if (!blas_before) {
+    EXPECT_FALSE(moetron::testing::library_mapped("libopenblas"));
+  }
 }
 
 TEST(DecodeSplitTuner, TriesBothWaysEveryPeriodAndKeepsTheFaster) {
@@ -508,6 +510,50 @@ TEST(Decoder, BatchedDecodingIsBitwiseEachSequenceAlone) {
     EXPECT_EQ(bc[0].len(), len0);
     EXPECT_EQ(bc[1].len(), len1);
   }
+}
+
+// weights_read (what bench generate divides by the steps): a one-token step reads every dense matrix
+// and the head once, the router, and the K routed experts of each layer; a batch of two sequences that
+// route alike (the same cache, the same token) reads exactly as much -- an expert once for all its rows
+// -- and a batch of S sequences at most min(E, S K) experts a layer.
+TEST(Decoder, WeightsReadCountEachMatrixOnceAStepAndOnlyTheRoutedExperts) {
+  const auto model = load_inference_model((kGolden / "mixtral_gqa").string());
+  const ModelConfig& c = model->cfg;
+  const int C = c.hidden_size, HD = c.head_dim, Q = c.num_attention_heads * HD, KV = c.num_key_value_heads * HD;
+  const int E = c.num_local_experts, K = c.num_experts_per_tok, L = c.num_hidden_layers, V = c.vocab_size;
+  ASSERT_EQ(model->mat(ParamKind::q_proj, 0, 0, (size_t)Q * C).dtype, DType::F32);
+  const size_t dense = ((size_t)Q * C * 2 + (size_t)KV * C * 2) * 4 + (size_t)E * C * 4;  // + the fp32 router
+  const size_t expert = (size_t)3 * c.ffn_size(0) * C * 4;
+  const size_t head = (size_t)V * C * 4;
+  const size_t one_step = L * (dense + K * expert) + head;
+
+  Decoder dec(*model);
+  const std::vector<int32_t> prompt = random_tokens(5, V, 7);
+  KvCache a = dec.new_cache(), b = dec.new_cache();
+  std::vector<float> l((size_t)3 * V);
+  dec.forward(a, prompt, l.data());
+  dec.forward(b, prompt, l.data());
+  const int32_t t = 11;
+  size_t before = dec.weights_read();
+  dec.forward(a, std::span<const int32_t>(&t, 1), l.data());
+  EXPECT_EQ(dec.weights_read() - before, one_step);
+
+  KvCache a2 = dec.new_cache(), b2 = dec.new_cache(), c2 = dec.new_cache();
+  for (KvCache* k : {&a2, &b2, &c2}) dec.forward(*k, prompt, l.data());
+  std::vector<KvCache*> alike = {&a2, &b2};
+  const std::vector<int32_t> same = {t, t};
+  before = dec.weights_read();
+  dec.forward_batch(alike, same, l.data());
+  EXPECT_EQ(dec.weights_read() - before, one_step);
+
+  std::vector<KvCache*> three = {&a, &b, &c2};
+  const std::vector<int32_t> differ = {3, 40, 97};
+  before = dec.weights_read();
+  dec.forward_batch(three, differ, l.data());
+  const size_t read = dec.weights_read() - before;
+  EXPECT_GE(read, one_step);
+  EXPECT_LE(read, L * (dense + std::min(E, 3 * K) * expert) + head);
+  EXPECT_EQ((read - head - L * dense) % expert, 0u);
 }
 
 // prefill_rows (serve's prefill of short prompts, several at once): each sequence's last logits and

@@ -89,6 +89,7 @@ int run_bench_generate(int argc, char** argv) {
   std::vector<float> logits(cfg.vocab_size);
   std::vector<double> prefill, decode;
   size_t kv_bytes = 0;
+  double read_token = 0;  // weight bytes one decode step of one sequence reads
   for (int run = 0; run <= runs; run++) {
     KvCache cache = dec.new_cache();
     cache.reserve(prompt_tokens + new_tokens);
@@ -97,11 +98,13 @@ int run_bench_generate(int argc, char** argv) {
     dec.forward(cache, prompt, logits.data());
     const auto t1 = Clock::now();
     int32_t next = sampler.next(logits.data(), {}, {});
+    const size_t read0 = dec.weights_read();
     for (int i = 1; i < new_tokens; i++) {
       dec.forward(cache, std::span<const int32_t>(&next, 1), logits.data());
       next = sampler.next(logits.data(), {}, {});
     }
     const auto t2 = Clock::now();
+    read_token = (double)(dec.weights_read() - read0) / (new_tokens - 1);
     kv_bytes = cache.bytes();
     const double pf = std::chrono::duration<double>(t1 - t0).count();
     const double dc = std::chrono::duration<double>(t2 - t1).count();
@@ -111,7 +114,7 @@ int run_bench_generate(int argc, char** argv) {
       decode.push_back((new_tokens - 1) / dc);
     }
   }
-  double batch_tps = 0;
+  double batch_tps = 0, read_step = 0;
   if (batch > 0) {
     // B sequences, each prefilled with its own prompt, then new_tokens steps of all B at once.
     std::vector<KvCache> caches;
@@ -127,6 +130,7 @@ int run_bench_generate(int argc, char** argv) {
     std::vector<KvCache*> ptrs;
     for (auto& c : caches) ptrs.push_back(&c);
     std::vector<float> bl((size_t)batch * cfg.vocab_size);
+    const size_t read0 = dec.weights_read();
     const auto t0 = Clock::now();
     for (int i = 1; i < new_tokens; i++) {
       dec.forward_batch(ptrs, next, bl.data());
@@ -136,8 +140,15 @@ int run_bench_generate(int argc, char** argv) {
       }
     }
     batch_tps = (double)batch * (new_tokens - 1) / std::chrono::duration<double>(Clock::now() - t0).count();
+    read_step = (double)(dec.weights_read() - read0) / (new_tokens - 1);
     std::printf("decode tokens/s with %d sequences decoded together: %.1f (%.2fx one sequence)\n", batch, batch_tps,
                 batch_tps / median(decode));
+    // Where decoding streams the weights from memory, a step costs about the bytes it reads: B tokens
+    // of one step against B steps of one token bound the gain (the routing decides the experts read).
+    std::printf("weights read: %.1f MB a token alone (%.1f GB/s), %.1f MB a step of %d (%.1f GB/s): batching "
+                "gains at most %.2fx at the same bandwidth\n",
+                read_token / 1e6, read_token * median(decode) / 1e9, read_step / 1e6, batch,
+                read_step * batch_tps / batch / 1e9, batch * read_token / read_step);
   }
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
@@ -149,9 +160,11 @@ int run_bench_generate(int argc, char** argv) {
   if (json)
     std::printf("{\"prefill_tokens_per_s\": %.2f, \"decode_tokens_per_s\": %.2f, \"threads\": %d, "
                 "\"peak_rss_bytes\": %ld, \"weight_bytes\": %zu, \"kv_cache_bytes\": %zu, \"weights\": \"%s\", "
-                "\"simd\": \"%s\", \"batch\": %d, \"batch_decode_tokens_per_s\": %.2f}\n",
+                "\"simd\": \"%s\", \"batch\": %d, \"batch_decode_tokens_per_s\": %.2f, \"weights_read_per_token\": %.0f, "
+                "\"weights_read_per_batch_step\": %.0f}\n",
                 p, d, omp_get_max_threads(), (long)ru.ru_maxrss * 1024, model->weight_bytes(), kv_bytes,
-                model->storage_name().c_str(), infer::simd_name(infer::simd_level()), batch, batch_tps);
+                model->storage_name().c_str(), infer::simd_name(infer::simd_level()), batch, batch_tps, read_token,
+                read_step);
   return 0;
 }
 

@@ -257,6 +257,10 @@ void Decoder::prefill_rows(std::span<KvCache* const> caches, std::span<const std
 }
 
 void Decoder::run_tasks(std::vector<infer::GemvTask>& tasks, int IC) {
+  for (const infer::GemvTask& t : tasks) {
+    const size_t values = (size_t)t.OC * IC;
+    weights_read_ += t.W.q8() ? values + values / infer::kQ8Block * sizeof(uint16_t) : values * dtype_size(t.W.dtype);
+  }
   for (size_t t = 0; t < tasks.size(); t += infer::kMaxGemvTasks)
     infer::gemv_batch(tasks.data() + t, (int)std::min<size_t>(infer::kMaxGemvTasks, tasks.size() - t), IC, gemv_min_);
   tasks.clear();

@@ -77,6 +77,13 @@ class Decoder {
   void prefill_rows(std::span<KvCache* const> caches, std::span<const std::span<const int32_t>> tokens,
                     float* logits);
 
+  // Bytes of weights the matrix-vector kernels have read so far (decode steps, forward_batch,
+  // prefill_rows): each matrix once per product -- an expert's only when a row was routed to it -- as
+  // stored (bf16 2 bytes a value, Q8_0 with its scales).  bench generate divides it by the steps: the
+  // weights one token reads alone against what a batched step reads, the bound on what batching gains
+  // where decoding streams the weights.
+  size_t weights_read() const { return weights_read_; }
+
  private:
   // decode: row i is one token of sequence *caches[i]; else n consecutive tokens of *caches[0].
   void forward_chunk(KvCache* const* caches, const int32_t* tokens, int n, float* logits, bool all_logits,
@@ -141,6 +148,7 @@ class Decoder {
   // Decode steps (n == 1) split products from this many multiply-adds (set per step by the tuner).
   long gemv_min_ = infer::kGemvParallelMin;
   DecodeSplitTuner tuner_;
+  size_t weights_read_ = 0;
 };
 
 }  // namespace moetron
