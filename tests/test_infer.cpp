@@ -393,7 +393,7 @@ TEST(DecodeKernels, EverySimdLevelMeetsTheFp32WideningAndTheExactProduct) {
 // gemv_rows (W read once for up to 8 inputs: batched decoding, an expert's few prefill rows) gives
 // each input bitwise what gemv gives it alone, for every weight dtype, with row strides and +=.
 TEST(DecodeKernels, GemvRowsIsBitwiseGemvPerInput) {
-  const int OC = 70;
+  for (const int OC : {70, 75})  // blocks of 64 rows and 6 or 11: row pairs and an odd row left
   for (const int IC : {7, 24, 40, 100, 1031}) {
     std::vector<uint16_t> wb((size_t)OC * IC), wh((size_t)OC * IC);
     std::vector<float> wf((size_t)OC * IC);
@@ -409,7 +409,8 @@ TEST(DecodeKernels, GemvRowsIsBitwiseGemvPerInput) {
                                      infer::WeightRef{wh.data(), DType::F16}})
       for (int n = 1; n <= infer::kMaxGemvInputs; n++)
         for (const bool acc : {false, true}) {
-          SCOPED_TRACE(::testing::Message() << dtype_name(w.dtype) << " IC " << IC << " n " << n << " acc " << acc);
+          SCOPED_TRACE(::testing::Message() << dtype_name(w.dtype) << " OC " << OC << " IC " << IC << " n " << n
+                                            << " acc " << acc);
           std::vector<float> out((size_t)n * ld_out, 0.25f), want(out);
           infer::gemv_rows(out.data(), ld_out, x.data(), ld_x, w, n, IC, OC, acc, 1);  // split at any size
           for (int j = 0; j < n; j++) infer::gemv(want.data() + (size_t)j * ld_out, w, x.data() + (size_t)j * ld_x, OC, IC, acc);
