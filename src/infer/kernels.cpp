@@ -118,16 +118,18 @@ void permute_x(float* xp, const float* x, int blocks, int V) {
 // slower apart).  Either way a row's arithmetic is the same: only the order of the rows changes.
 constexpr size_t kRowsApartBytes = 2048;
 
+// Bytes a weight value takes as stored (F32, BF16, F16).
 constexpr size_t vbytes_of(DType dt) { return dt == DType::F32 ? 4 : 2; }
 
+// Rows [r0, r1) of IC values of dtype dt as pairs (first(i), first(i) + stride), i < pairs, and the
+// odd row r1 - 1 alone when there is one.
 struct RowPairs {
   int r0, pairs, stride;
-  bool odd, apart;
-  RowPairs(int r0_, int r1, size_t row_bytes)
-      : r0(r0_), pairs((r1 - r0_) / 2), stride(row_bytes >= kRowsApartBytes ? (r1 - r0_) / 2 : 1),
-        odd((r1 - r0_) % 2 != 0), apart(row_bytes >= kRowsApartBytes) {}
-  // Pair i's first row; its second is first(i) + stride.  The odd row left, r1 - 1, runs alone.
-  int first(int i) const { return apart ? r0 + i : r0 + 2 * i; }
+  bool odd;
+  RowPairs(int r0_, int r1, int IC, DType dt)
+      : r0(r0_), pairs((r1 - r0_) / 2),
+        stride((size_t)IC * vbytes_of(dt) >= kRowsApartBytes ? (r1 - r0_) / 2 : 1), odd((r1 - r0_) % 2 != 0) {}
+  int first(int i) const { return stride == 1 ? r0 + 2 * i : r0 + i; }  // one pair apart is r0 either way
 };
 
 // ---- AVX2 + FMA (+ F16C) ----------------------------------------------------------------------------
@@ -173,7 +175,7 @@ MOETRON_AVX2 inline float hsum8(__m256 v) {
 template <DType DT, int R>
 MOETRON_AVX2 void block_avx2(float* y, const void* W, const float* x, const float* xp, int r, int stride, int IC,
                              bool acc) {
-  constexpr size_t vbytes = DT == DType::F32 ? 4 : 2;
+  constexpr size_t vbytes = vbytes_of(DT);
   __m256 a[R][2];
   for (int k = 0; k < R; k++) a[k][0] = a[k][1] = _mm256_setzero_ps();
   int c = 0;
@@ -203,7 +205,7 @@ MOETRON_AVX2 void block_avx2(float* y, const void* W, const float* x, const floa
 template <DType DT>
 MOETRON_AVX2 void rows_avx2(float* y, const void* W, const float* x, const float* xp, int r0, int r1, int IC,
                             bool acc) {
-  const RowPairs p(r0, r1, IC * vbytes_of(DT));
+  const RowPairs p(r0, r1, IC, DT);
   for (int i = 0; i < p.pairs; i++) block_avx2<DT, 2>(y, W, x, xp, p.first(i), p.stride, IC, acc);
   if (p.odd) block_avx2<DT, 1>(y, W, x, xp, r1 - 1, 0, IC, acc);
 }
@@ -213,7 +215,7 @@ MOETRON_AVX2 void rows_avx2(float* y, const void* W, const float* x, const float
 template <DType DT, int N, int R>
 MOETRON_AVX2 void multi_block_avx2(float* out, int ld_out, const void* W, const float* x, int ld_x, const float* xp,
                                    int r, int stride, int IC, bool acc) {
-  constexpr size_t vbytes = DT == DType::F32 ? 4 : 2;
+  constexpr size_t vbytes = vbytes_of(DT);
   __m256 a[R][N][2];
   for (int k = 0; k < R; k++)
     for (int j = 0; j < N; j++) a[k][j][0] = a[k][j][1] = _mm256_setzero_ps();
@@ -266,7 +268,7 @@ MOETRON_AVX2 void multi_groups_avx2(float* out, int ld_out, const void* W, const
 template <DType DT, int N>
 MOETRON_AVX2 void multi_avx2(float* out, int ld_out, const void* W, const float* x, int ld_x, const float* xp, int r0,
                              int r1, int IC, bool acc) {
-  const RowPairs p(r0, r1, IC * vbytes_of(DT));
+  const RowPairs p(r0, r1, IC, DT);
   for (int i = 0; i < p.pairs; i++) multi_groups_avx2<DT, N, 2, 2>(out, ld_out, W, x, ld_x, xp, p.first(i), p.stride, IC, acc);
   if (p.odd) multi_groups_avx2<DT, N, 2, 1>(out, ld_out, W, x, ld_x, xp, r1 - 1, 0, IC, acc);
 }
@@ -309,7 +311,7 @@ MOETRON_AVX512 inline void w32_lanes(const void* W, size_t i, __m512& lo, __m512
 template <DType DT, int R>
 MOETRON_AVX512 void block_avx512(float* y, const void* W, const float* x, const float* xp, int r, int stride, int IC,
                                  bool acc) {
-  constexpr size_t vbytes = DT == DType::F32 ? 4 : 2;
+  constexpr size_t vbytes = vbytes_of(DT);
   __m512 a[R][2];
   for (int k = 0; k < R; k++) a[k][0] = a[k][1] = _mm512_setzero_ps();
   int c = 0;
@@ -341,7 +343,7 @@ MOETRON_AVX512 void block_avx512(float* y, const void* W, const float* x, const 
 template <DType DT>
 MOETRON_AVX512 void rows_avx512(float* y, const void* W, const float* x, const float* xp, int r0, int r1, int IC,
                                 bool acc) {
-  const RowPairs p(r0, r1, IC * vbytes_of(DT));
+  const RowPairs p(r0, r1, IC, DT);
   for (int i = 0; i < p.pairs; i++) block_avx512<DT, 2>(y, W, x, xp, p.first(i), p.stride, IC, acc);
   if (p.odd) block_avx512<DT, 1>(y, W, x, xp, r1 - 1, 0, IC, acc);
 }
@@ -351,7 +353,7 @@ MOETRON_AVX512 void rows_avx512(float* y, const void* W, const float* x, const f
 template <DType DT, int N, int R>
 MOETRON_AVX512 void multi_block_avx512(float* out, int ld_out, const void* W, const float* x, int ld_x,
                                        const float* xp, int r, int stride, int IC, bool acc) {
-  constexpr size_t vbytes = DT == DType::F32 ? 4 : 2;
+  constexpr size_t vbytes = vbytes_of(DT);
   __m512 a[R][N][2];
   for (int k = 0; k < R; k++)
     for (int j = 0; j < N; j++) a[k][j][0] = a[k][j][1] = _mm512_setzero_ps();
@@ -405,7 +407,7 @@ template <DType DT, int N>
 MOETRON_AVX512 void multi_avx512(float* out, int ld_out, const void* W, const float* x, int ld_x, const float* xp,
                                  int r0, int r1, int IC, bool acc) {
   constexpr int G = N <= 6 ? N : 4;
-  const RowPairs p(r0, r1, IC * vbytes_of(DT));
+  const RowPairs p(r0, r1, IC, DT);
   for (int i = 0; i < p.pairs; i++) multi_groups_avx512<DT, N, G, 2>(out, ld_out, W, x, ld_x, xp, p.first(i), p.stride, IC, acc);
   if (p.odd) multi_groups_avx512<DT, N, G, 1>(out, ld_out, W, x, ld_x, xp, r1 - 1, 0, IC, acc);
 }
