@@ -111,7 +111,8 @@ void Decoder::linear(float* out, int ld_out, const float* x, int ld_x, ParamKind
 }
 
 // v holds at least `size` values (never shrinks).
-static float* at_least(std::vector<float>& v, size_t size) {
+template <class Vec>
+static float* at_least(Vec& v, size_t size) {
   if (v.size() < size) v.resize(size);
   return v.data();
 }

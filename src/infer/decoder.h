@@ -128,7 +128,8 @@ class Decoder {
   // Scratch, sized for the largest chunk seen.
   int cap_ = 0;
   std::vector<uint8_t> row_bytes_;  // an embedding row as stored (InferenceModel::embedding_row)
-  std::vector<float> x_, ln_, rstd_, q_, att_, tmp_, rlogits_, rprobs_, topk_w_, xperm_, h13_, act_, yperm_, scores_;
+  // From cache lines: the SIMD kernels read them 64 bytes at a time (core/line_vector.h).
+  LineVector<float> x_, ln_, rstd_, q_, att_, tmp_, rlogits_, rprobs_, topk_w_, xperm_, h13_, act_, yperm_, scores_;
   std::vector<float> shared_h13_, shared_act_, shared_y_;  // Qwen2-MoE's shared expert
   std::vector<int32_t> topk_idx_, pos_;
   std::vector<float> lora_u_;  // LoRA's x A^T

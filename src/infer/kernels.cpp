@@ -28,6 +28,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/line_vector.h"
 #include "infer/gemm.h"
 
 namespace moetron::infer {
@@ -1027,8 +1028,8 @@ void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_ma
     xp_at[t + 1] = xp_at[t] + (k.W.q8() || level == SimdLevel::generic ? 0 : (size_t)k.n * IC);
     xq_at[t + 1] = xq_at[t] + (k.W.q8() ? q8_input_bytes(k.n, IC) : 0);
   }
-  std::vector<float> xp(xp_at[n_tasks]);
-  std::vector<uint8_t> xq(xq_at[n_tasks]);  // offsets are multiples of 64 bytes (IC % 32 == 0): floats aligned
+  LineVector<float> xp(xp_at[n_tasks]);
+  LineVector<uint8_t> xq(xq_at[n_tasks]);  // offsets are multiples of 64 bytes (IC % 32 == 0): lines aligned
   for (int t = 0; t < n_tasks; t++) {
     const GemvTask& k = tasks[t];
     if (k.W.q8())

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/line_vector.h"
 
 namespace moetron {
 
@@ -69,7 +70,7 @@ class KvCache {
  private:
   int kv_dim_;
   std::vector<int32_t> tokens_;
-  std::vector<std::vector<float>> k_, v_;  // [L][len * kv_dim]
+  std::vector<LineVector<float>> k_, v_;  // [L][len * kv_dim], from cache lines (attention's 64-byte loads)
 };
 
 // Length of the common prefix of the cached tokens and `prompt`, capped so at least one prompt token
