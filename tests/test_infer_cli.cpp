@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 
@@ -184,4 +185,32 @@ TEST(BenchGenerateCli, PrintsPrefillAndDecodeRates) {
   const json j = json::parse(last);
   EXPECT_GT(j["prefill_tokens_per_s"].get<double>(), 0);
   EXPECT_GT(j["decode_tokens_per_s"].get<double>(), 0);
+}
+
+// --profile: the time of a decode step by section, one sequence's and a batch's; every section of a
+// MoE model appears, none is negative, and together they stay within the step ("rest" >= 0).
+TEST(BenchGenerateCli, ProfilePrintsEachSectionOfADecodeStep) {
+  const CliRun r = run("bench generate --model " + (kGen / "mixtral_gqa").string() +
+                       " --prompt-tokens 8 --new-tokens 6 --runs 1 --batch 3 --profile");
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (const char* what : {"profile of steps of the batch", "profile of one sequence's decode steps"}) {
+    const size_t at = r.out.find(what);
+    ASSERT_NE(at, std::string::npos) << what << "\n" << r.out;
+    std::istringstream lines(r.out.substr(at));
+    std::string line;
+    std::getline(lines, line);  // the heading
+    std::map<std::string, double> ms;
+    while (std::getline(lines, line) && line.rfind("  ", 0) == 0) {
+      const size_t end = line.find_last_not_of(" 0123456789.%-");
+      const std::string name = line.substr(2, end - 1);
+      ms[name] = std::stod(line.substr(end + 1));
+    }
+    for (const char* s : {"q/k/v", "attention", "o", "router and gathering", "experts gate/up", "experts down",
+                          "experts combine", "head", "rest"}) {
+      ASSERT_TRUE(ms.count(s)) << what << ": no section " << s << "\n" << r.out;
+      EXPECT_GE(ms[s], 0.0) << what << ": " << s << "\n" << r.out;
+    }
+    EXPECT_GT(ms["experts gate/up"], 0.0) << r.out;
+    EXPECT_GT(ms["head"], 0.0) << r.out;
+  }
 }

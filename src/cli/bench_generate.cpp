@@ -32,6 +32,21 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The sections of `prof` per decode step (`steps` of them, `step_s` seconds each), largest first; what
+// they leave out (embedding, norms, RoPE, sampling) is the rest.
+void print_profile(const char* what, const Profile& prof, long steps, double step_s) {
+  std::vector<std::pair<double, std::string>> rows;
+  double total = 0;
+  for (const auto& [name, e] : prof.sections()) {
+    rows.emplace_back(e.seconds / steps, name);
+    total += e.seconds / steps;
+  }
+  std::sort(rows.rbegin(), rows.rend());
+  rows.emplace_back(step_s - total, "rest");
+  std::printf("profile of %s (ms per step, %ld steps of %.2f ms):\n", what, steps, 1e3 * step_s);
+  for (const auto& [sec, name] : rows) std::printf("  %-22s %8.3f  %5.1f%%\n", name.c_str(), 1e3 * sec, 100.0 * sec / step_s);
+}
+
 }  // namespace
 
 int run_bench_generate(int argc, char** argv) {
@@ -42,7 +57,7 @@ int run_bench_generate(int argc, char** argv) {
   shape.hidden = 256;
   shape.intermediate = 512;
   int prompt_tokens = 128, new_tokens = 64, runs = 3, threads = 0, batch = 0;
-  bool json = false;
+  bool json = false, profile = false;
   app.add_option("--model", model_dir, "HF model directory (default: a random model of the shape below)");
   add_model_shape_options(app, shape);
   app.add_option("--prompt-tokens", prompt_tokens, "prompt length");
@@ -55,6 +70,7 @@ int run_bench_generate(int argc, char** argv) {
   app.add_option("--batch", batch,
                  "also time B sequences decoded together (Decoder::forward_batch, as serve's continuous batching): "
                  "total decode tokens/s");
+  app.add_flag("--profile", profile, "print the time a decode step spends per section (one sequence, and --batch)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -90,6 +106,8 @@ int run_bench_generate(int argc, char** argv) {
   std::vector<double> prefill, decode;
   size_t kv_bytes = 0;
   double read_token = 0;  // weight bytes one decode step of one sequence reads
+  Profile single_prof, batch_prof;  // --profile: the timed runs' decode steps, the batched steps
+  double single_s = 0;
   for (int run = 0; run <= runs; run++) {
     KvCache cache = dec.new_cache();
     cache.reserve(prompt_tokens + new_tokens);
@@ -99,10 +117,12 @@ int run_bench_generate(int argc, char** argv) {
     const auto t1 = Clock::now();
     int32_t next = sampler.next(logits.data(), {}, {});
     const size_t read0 = dec.weights_read();
+    dec.set_profile(profile && run > 0 ? &single_prof : nullptr);
     for (int i = 1; i < new_tokens; i++) {
       dec.forward(cache, std::span<const int32_t>(&next, 1), logits.data());
       next = sampler.next(logits.data(), {}, {});
     }
+    dec.set_profile(nullptr);
     const auto t2 = Clock::now();
     read_token = (double)(dec.weights_read() - read0) / (new_tokens - 1);
     kv_bytes = cache.bytes();
@@ -112,6 +132,7 @@ int run_bench_generate(int argc, char** argv) {
     if (run > 0) {
       prefill.push_back(prompt_tokens / pf);
       decode.push_back((new_tokens - 1) / dc);
+      single_s += dc;
     }
   }
   double batch_tps = 0, read_step = 0;
@@ -131,6 +152,7 @@ int run_bench_generate(int argc, char** argv) {
     for (auto& c : caches) ptrs.push_back(&c);
     std::vector<float> bl((size_t)batch * cfg.vocab_size);
     const size_t read0 = dec.weights_read();
+    dec.set_profile(profile ? &batch_prof : nullptr);
     const auto t0 = Clock::now();
     for (int i = 1; i < new_tokens; i++) {
       dec.forward_batch(ptrs, next, bl.data());
@@ -139,10 +161,13 @@ int run_bench_generate(int argc, char** argv) {
         next[b] = (int32_t)(std::max_element(l, l + cfg.vocab_size) - l);
       }
     }
-    batch_tps = (double)batch * (new_tokens - 1) / std::chrono::duration<double>(Clock::now() - t0).count();
+    const double batch_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    dec.set_profile(nullptr);
+    batch_tps = (double)batch * (new_tokens - 1) / batch_s;
     read_step = (double)(dec.weights_read() - read0) / (new_tokens - 1);
     std::printf("decode tokens/s with %d sequences decoded together: %.1f (%.2fx one sequence)\n", batch, batch_tps,
                 batch_tps / median(decode));
+    if (profile) print_profile("steps of the batch", batch_prof, new_tokens - 1, batch_s / (new_tokens - 1));
     // Where decoding streams the weights from memory, a step costs about the bytes it reads: B tokens
     // of one step against B steps of one token bound the gain (the routing decides the experts read).
     std::printf("weights read: %.1f MB a token alone (%.1f GB/s), %.1f MB a step of %d (%.1f GB/s): batching "
@@ -150,6 +175,8 @@ int run_bench_generate(int argc, char** argv) {
                 read_token / 1e6, read_token * median(decode) / 1e9, read_step / 1e6, batch,
                 read_step * batch_tps / batch / 1e9, batch * read_token / read_step);
   }
+  if (profile) print_profile("one sequence's decode steps", single_prof, (long)runs * (new_tokens - 1),
+                             single_s / runs / (new_tokens - 1));
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
   const double p = median(prefill), d = median(decode);

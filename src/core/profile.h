@@ -31,9 +31,12 @@ class ScopedTimer {
   ScopedTimer(Profile* profile, const char* section) : profile_(profile), section_(section) {
     if (profile_) t0_ = std::chrono::steady_clock::now();
   }
-  ~ScopedTimer() {
+  ~ScopedTimer() { stop(); }
+  // Ends the section now (later calls and the destructor then add nothing).
+  void stop() {
     if (profile_)
       profile_->add(section_, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count());
+    profile_ = nullptr;
   }
   ScopedTimer(const ScopedTimer&) = delete;
   ScopedTimer& operator=(const ScopedTimer&) = delete;

@@ -315,6 +315,7 @@ void Decoder::forward_chunk(KvCache* const* caches, const int32_t* tokens, int n
       ops::rmsnorm_forward(ln, rstd_.data(), x, m_.vec(ParamKind::input_norm, l), n, C_, eps);
     }
     if (decode) {
+      ScopedTimer t(profile_, "q/k/v");
       add_row_tasks(tasks, q_.data(), Q_, ParamKind::q_proj, l, 0, ln, C_, n, Q_, C_);
       add_row_tasks(tasks, kdst, KVd_, ParamKind::k_proj, l, 0, ln, C_, n, KVd_, C_);
       add_row_tasks(tasks, vdst, KVd_, ParamKind::v_proj, l, 0, ln, C_, n, KVd_, C_);
@@ -355,13 +356,17 @@ void Decoder::forward_chunk(KvCache* const* caches, const int32_t* tokens, int n
       ops::rope_forward(kdst, kdst, pos_.data(), n, NKV_, HD_, theta);
     }
     if (decode) {
-      // Every row's key and value first: a later row of the same sequence (prefill_rows) sees them.
-      for (int i = 0; i < n; i++) {
-        KvCache& c = *caches[i];
-        std::memcpy(c.keys(l) + (size_t)pos_[i] * KVd_, kdst + (size_t)i * KVd_, sizeof(float) * KVd_);
-        std::memcpy(c.values(l) + (size_t)pos_[i] * KVd_, vdst + (size_t)i * KVd_, sizeof(float) * KVd_);
+      {
+        ScopedTimer t(profile_, "attention");
+        // Every row's key and value first: a later row of the same sequence (prefill_rows) sees them.
+        for (int i = 0; i < n; i++) {
+          KvCache& c = *caches[i];
+          std::memcpy(c.keys(l) + (size_t)pos_[i] * KVd_, kdst + (size_t)i * KVd_, sizeof(float) * KVd_);
+          std::memcpy(c.values(l) + (size_t)pos_[i] * KVd_, vdst + (size_t)i * KVd_, sizeof(float) * KVd_);
+        }
+        attention_decode(caches, n, l);
       }
-      attention_decode(caches, n, l);
+      ScopedTimer t(profile_, "o");
       add_row_tasks(tasks, x, C_, ParamKind::o_proj, l, 0, att_.data(), Q_, n, C_, Q_, /*accumulate=*/true);
       run_tasks(tasks, Q_);
     } else {
@@ -401,6 +406,7 @@ void Decoder::forward_chunk(KvCache* const* caches, const int32_t* tokens, int n
     ops::rmsnorm_forward(ln, rstd_.data(), xin, m_.vec(ParamKind::final_norm), rows, C_, eps);
   }
   if (decode) {
+    ScopedTimer t(profile_, "head");
     add_row_tasks(tasks, logits, V_, m_.table.head_kind(), -1, 0, ln, C_, rows, V_, C_);
     run_tasks(tasks, C_);
   } else {
@@ -587,6 +593,7 @@ void Decoder::ffn_decode(float* x, const float* ln, int layer, int n) {
   float* act = at_least(act_, rows * I);
   std::vector<infer::GemvTask>& tasks = tasks_;
   if (!m_.cfg.is_moe_layer(layer)) {
+    ScopedTimer t(profile_, "dense ffn");
     add_row_tasks(tasks, h13, 2 * I, ParamKind::ffn_w13, layer, 0, ln, C_, n, I, C_);
     add_row_tasks(tasks, h13 + I, 2 * I, ParamKind::ffn_w13, layer, IC, ln, C_, n, I, C_);
     run_tasks(tasks, C_);
@@ -599,6 +606,7 @@ void Decoder::ffn_decode(float* x, const float* ln, int layer, int n) {
     if (m_.lora) lora_rows(x, act, ParamKind::ffn_w2, layer, n, I, C_, true);
     return;
   }
+  ScopedTimer t_route(profile_, "router and gathering");
   add_row_tasks(tasks, rlogits_.data(), E_, ParamKind::router, layer, 0, ln, C_, n, E_, C_);
   run_tasks(tasks, C_);
   if (m_.lora) lora_rows(rlogits_.data(), ln, ParamKind::router, layer, n, C_, E_, true);
@@ -619,6 +627,8 @@ void Decoder::ffn_decode(float* x, const float* ln, int layer, int n) {
     slot_row_[s] = g;
     std::memcpy(xg + (size_t)g * C_, ln + (size_t)(s / K_) * C_, sizeof(float) * C_);
   }
+  t_route.stop();
+  ScopedTimer t_w13(profile_, "experts gate/up");
   for (int e = 0; e < E_; e++) {
     const int g0 = expert_start_[e], m = expert_start_[e + 1] - g0;
     if (m == 0) continue;
@@ -634,6 +644,8 @@ void Decoder::ffn_decode(float* x, const float* ln, int layer, int n) {
       lora_linear(h13 + (size_t)g * 2 * I, xg + (size_t)g * C_, ParamKind::ffn_w13, layer, topk_idx_[s], 1, C_, 2 * I);
     }
   ops::swiglu_forward(act, h13, S, I);
+  t_w13.stop();
+  ScopedTimer t_w2(profile_, "experts down");
   float* y = yperm_.data();  // [S, C], gathered order
   for (int e = 0; e < E_; e++) {
     const int g0 = expert_start_[e], m = expert_start_[e + 1] - g0;
@@ -647,6 +659,8 @@ void Decoder::ffn_decode(float* x, const float* ln, int layer, int n) {
       const int g = slot_row_[s];
       lora_linear(y + (size_t)g * C_, act + (size_t)g * I, ParamKind::ffn_w2, layer, topk_idx_[s], 1, I, C_);
     }
+  t_w2.stop();
+  ScopedTimer t_combine(profile_, "experts combine");
   float* tmp = tmp_.data();
   for (int i = 0; i < n; i++) {  // per row: its K experts in k order, then added to x
     std::fill(tmp, tmp + C_, 0.0f);
@@ -656,6 +670,8 @@ void Decoder::ffn_decode(float* x, const float* ln, int layer, int n) {
     }
     add_inplace(x + (size_t)i * C_, tmp, C_);
   }
+  t_combine.stop();
+  ScopedTimer t_shared(profile_, "shared expert");
   shared_expert(x, ln, layer, n, /*decode=*/true);
 }
 

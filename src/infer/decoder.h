@@ -14,6 +14,7 @@
 #include <span>
 #include <vector>
 
+#include "core/profile.h"
 #include "infer/kernels.h"
 #include "infer/kv_cache.h"
 #include "infer/model.h"
@@ -84,6 +85,10 @@ class Decoder {
   // where decoding streams the weights.
   size_t weights_read() const { return weights_read_; }
 
+  // Time per section of the decode-time passes (forward_batch, prefill_rows, one-token forward) into
+  // *profile from now on (null: none, the default): `bench generate --profile`.
+  void set_profile(Profile* profile) { profile_ = profile; }
+
  private:
   // decode: row i is one token of sequence *caches[i]; else n consecutive tokens of *caches[0].
   void forward_chunk(KvCache* const* caches, const int32_t* tokens, int n, float* logits, bool all_logits,
@@ -149,6 +154,7 @@ class Decoder {
   // Decode steps (n == 1) split products from this many multiply-adds (set per step by the tuner).
   long gemv_min_ = infer::kGemvParallelMin;
   DecodeSplitTuner tuner_;
+  Profile* profile_ = nullptr;
   size_t weights_read_ = 0;
 };
 
