@@ -1015,11 +1015,18 @@ void gemv_at(SimdLevel level, float* y, WeightRef W, const float* x, int OC, int
 
 void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_macs) {
   MOETRON_ASSERT(n_tasks >= 0 && n_tasks <= kMaxGemvTasks);
-  int first_block[kMaxGemvTasks + 1];  // blocks of 64 rows, numbered across the tasks
+  // Consecutive tasks of the same matrix (more than kMaxGemvInputs rows, split by the caller) form a
+  // group, and a block of 64 rows of a group is one piece of work: all its tasks run on the block
+  // while it is in cache, so the matrix is read from memory once, not once per task (a pass of 16
+  // sequences, or a prefill of 120 prompt rows, has 2 or 15 tasks per matrix).  Each row's arithmetic
+  // is the same whoever runs it.
+  int group_first[kMaxGemvTasks + 1];  // group g: tasks [group_first[g], group_first[g + 1])
+  int first_block[kMaxGemvTasks + 1];  // blocks of 64 rows, numbered across the groups
   RowsFn fn[kMaxGemvTasks];
   size_t xp_at[kMaxGemvTasks + 1];  // each task's permuted inputs in xp (fp32, bf16, f16 weights)
   size_t xq_at[kMaxGemvTasks + 1];  // each task's quantized inputs in xq (Q8_0 weights)
   long macs = 0;
+  int groups = 0;
   first_block[0] = 0;
   xp_at[0] = xq_at[0] = 0;
   const SimdLevel level = simd_level();
@@ -1027,12 +1034,19 @@ void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_ma
     const GemvTask& k = tasks[t];
     MOETRON_ASSERT(k.n >= 1 && k.n <= kMaxGemvInputs);
     MOETRON_ASSERT(!k.W.q8() || IC % kQ8Block == 0);
-    first_block[t + 1] = first_block[t] + (k.OC + 63) / 64;
+    const bool joins = t > 0 && k.W.data == tasks[t - 1].W.data && k.W.dtype == tasks[t - 1].W.dtype &&
+                       k.W.scales == tasks[t - 1].W.scales && k.OC == tasks[t - 1].OC;
+    if (!joins) {
+      group_first[groups] = t;
+      first_block[groups + 1] = first_block[groups] + (k.OC + 63) / 64;
+      groups++;
+    }
     macs += (long)k.OC * IC * k.n;
     fn[t] = k.W.q8() ? nullptr : rows_fn(k.W.dtype);
     xp_at[t + 1] = xp_at[t] + (k.W.q8() || level == SimdLevel::generic ? 0 : (size_t)k.n * IC);
     xq_at[t + 1] = xq_at[t] + (k.W.q8() ? q8_input_bytes(k.n, IC) : 0);
   }
+  group_first[groups] = n_tasks;
   LineVector<float> xp(xp_at[n_tasks]);
   LineVector<uint8_t> xq(xq_at[n_tasks]);  // offsets are multiples of 64 bytes (IC % 32 == 0): lines aligned
   for (int t = 0; t < n_tasks; t++) {
@@ -1042,21 +1056,25 @@ void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_ma
     else if (xp_at[t + 1] > xp_at[t])
       permute_inputs(level, k.x, k.ld_x, k.n, IC, xp.data() + xp_at[t]);
   }
-#pragma omp parallel for schedule(dynamic, 2) if (macs >= parallel_min_macs)
-  for (int b = 0; b < first_block[n_tasks]; b++) {
-    int t = 0;
-    while (b >= first_block[t + 1]) t++;
-    const GemvTask& k = tasks[t];
-    const int r0 = (b - first_block[t]) * 64, r1 = r0 + 64 < k.OC ? r0 + 64 : k.OC;
-    if (k.W.q8()) {
-      q8_rows(level, k.y, k.ld_y, k.W, q8_view(xq.data() + xq_at[t], k.n, IC), k.n, r0, r1, IC, k.accumulate);
-      continue;
+  // Pieces of one task run two at a time (fewer scheduling points); pieces of several, one at a time.
+  const int chunk = groups == n_tasks ? 2 : 1;
+#pragma omp parallel for schedule(dynamic, chunk) if (macs >= parallel_min_macs)
+  for (int b = 0; b < first_block[groups]; b++) {
+    int g = 0;
+    while (b >= first_block[g + 1]) g++;
+    for (int t = group_first[g]; t < group_first[g + 1]; t++) {
+      const GemvTask& k = tasks[t];
+      const int r0 = (b - first_block[g]) * 64, r1 = r0 + 64 < k.OC ? r0 + 64 : k.OC;
+      if (k.W.q8()) {
+        q8_rows(level, k.y, k.ld_y, k.W, q8_view(xq.data() + xq_at[t], k.n, IC), k.n, r0, r1, IC, k.accumulate);
+        continue;
+      }
+      const float* kxp = xp_at[t + 1] > xp_at[t] ? xp.data() + xp_at[t] : nullptr;
+      if (k.n == 1)
+        fn[t](k.y, k.W.data, k.x, kxp, r0, r1, IC, k.accumulate);
+      else
+        mrows(k.y, k.ld_y, k.W, k.x, k.ld_x, kxp, k.n, r0, r1, IC, k.accumulate);
     }
-    const float* kxp = xp_at[t + 1] > xp_at[t] ? xp.data() + xp_at[t] : nullptr;
-    if (k.n == 1)
-      fn[t](k.y, k.W.data, k.x, kxp, r0, r1, IC, k.accumulate);
-    else
-      mrows(k.y, k.ld_y, k.W, k.x, k.ld_x, kxp, k.n, r0, r1, IC, k.accumulate);
   }
 }
 
