@@ -419,6 +419,50 @@ TEST(DecodeKernels, GemvRowsIsBitwiseGemvPerInput) {
   }
 }
 
+// gemv_batch runs consecutive tasks of one matrix (a product of more than 8 rows, split by the caller)
+// block by block together; each task's result is bitwise what it gets alone, for bf16 and Q8_0 weights,
+// with another matrix's tasks between, several threads and any split threshold.
+TEST(DecodeKernels, GemvBatchTasksOfOneMatrixGetWhatEachGetsAlone) {
+  const int OC = 200, IC = 256;  // 4 blocks of 64 rows, the last one short
+  std::vector<float> W((size_t)OC * IC), W2((size_t)OC * IC);
+  for (size_t i = 0; i < W.size(); i++) {
+    W[i] = (float)((mix64(i * 7 + 1) % 2001) / 1000.0 - 1.0);
+    W2[i] = (float)((mix64(i * 11 + 5) % 2001) / 1000.0 - 1.0);
+  }
+  std::vector<uint16_t> wb(W.size()), wb2(W.size());
+  for (size_t i = 0; i < W.size(); i++) wb[i] = f32_to_bf16(W[i]), wb2[i] = f32_to_bf16(W2[i]);
+  std::vector<int8_t> q(W.size()), q2(W.size());
+  std::vector<uint16_t> d(W.size() / infer::kQ8Block), d2(d.size());
+  ASSERT_TRUE(infer::quantize_q8_0({W.data()}, OC, IC, q.data(), d.data()));
+  ASSERT_TRUE(infer::quantize_q8_0({W2.data()}, OC, IC, q2.data(), d2.data()));
+  const int rows = 21;  // tasks of 8, 8 and 5 inputs on the first matrix, then one of 3 on the second
+  std::vector<float> x((size_t)rows * IC);
+  for (size_t i = 0; i < x.size(); i++) x[i] = (float)((mix64(123 + i) % 2001) / 1000.0 - 1.0);
+  const int saved = omp_get_max_threads();
+  const std::pair<infer::WeightRef, infer::WeightRef> mats[] = {
+      {{wb.data(), DType::BF16}, {wb2.data(), DType::BF16}},
+      {{q.data(), DType::U8, d.data()}, {q2.data(), DType::U8, d2.data()}}};
+  for (const auto& [A, B] : mats) {
+    std::vector<infer::GemvTask> tasks;
+    std::vector<float> got((size_t)(rows + 3) * OC, 0.5f), want(got);  // the second matrix's 3 rows last
+    const int split[][2] = {{0, 8}, {8, 8}, {16, 5}};
+    for (const auto& [j, n] : split) tasks.push_back({got.data() + (size_t)j * OC, A, x.data() + (size_t)j * IC, OC, true, n, IC, OC});
+    tasks.push_back({got.data() + (size_t)rows * OC, B, x.data() + (size_t)18 * IC, OC, true, 3, IC, OC});
+    for (const auto& [j, n] : split)
+      infer::gemv_rows(want.data() + (size_t)j * OC, OC, x.data() + (size_t)j * IC, IC, A, n, IC, OC, true);
+    infer::gemv_rows(want.data() + (size_t)rows * OC, OC, x.data() + (size_t)18 * IC, IC, B, 3, IC, OC, true);
+    for (const int threads : {1, 2, 3})
+      for (const long min_macs : {infer::kGemvParallelMin, 1L}) {
+        SCOPED_TRACE(::testing::Message() << (A.q8() ? "Q8_0" : "bf16") << " threads " << threads << " threshold " << min_macs);
+        omp_set_num_threads(threads);
+        std::fill(got.begin(), got.end(), 0.5f);
+        infer::gemv_batch(tasks.data(), (int)tasks.size(), IC, min_macs);
+        ASSERT_EQ(0, std::memcmp(got.data(), want.data(), sizeof(float) * got.size()));
+      }
+  }
+  omp_set_num_threads(saved);
+}
+
 // Attention's kernels: dot follows its stated order exactly (eight fma lanes, the lanes' fixed sum,
 // the tail), written out here in scalar code; dot_rows and axpy_rows give, key for key,
 // bitwise what dot and axpy give (several keys run at once, and o is held in registers).
