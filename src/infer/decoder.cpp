@@ -439,9 +439,12 @@ int Decoder::first_key(int p) const {
 }
 
 // Decode: att_[i] for row i (query q_[i], its position pos_[i]) over its own cache's layer-l keys and
-// values, which hold that row's key already; all (row, head) pairs in one parallel region (a batch of
-// sequences' attention is as much work as a long prompt's: 8 rows at 200 positions, 3.3M
-// multiply-adds on the 0.49B model).
+// values, which hold that row's key already.  A piece of work is a row and a kv head: its query heads
+// one after another, the keys and values read from memory once.  The pieces run in parallel from 1/8
+// of the products' threshold (gemv_min_: a decode batch's, or what the tuner chose for one
+// sequence), as a multiply-add here costs more (strided keys, the softmax): 8 sequences at ~50
+// positions on the 0.49B model (0.8M multiply-adds a layer) spent 1.5 ms a step in attention on one
+// thread, 1.0 on two (2-core Xeon VM).
 void Decoder::attention_decode(KvCache* const* caches, int n, int l) {
   const int G = NH_ / NKV_;
   long work = 0;
@@ -451,15 +454,16 @@ void Decoder::attention_decode(KvCache* const* caches, int n, int l) {
     work += 2L * NH_ * cnt * HD_;
     longest = std::max(longest, cnt);
   }
-#pragma omp parallel if (work >= kParallelMin)
+#pragma omp parallel if (work >= gemv_min_ / 8)
   {
     std::vector<float> s(longest);
 #pragma omp for schedule(dynamic, 1)
-    for (int ih = 0; ih < n * NH_; ih++) {
-      const int i = ih / NH_, h = ih % NH_;
+    for (int ig = 0; ig < n * NKV_; ig++) {
+      const int i = ig / NKV_, g = ig % NKV_;
       const KvCache& c = *caches[i];
-      attend_head(att_.data() + (size_t)i * Q_ + (size_t)h * HD_, q_.data() + (size_t)i * Q_ + (size_t)h * HD_,
-                  c.keys(l), c.values(l), first_key(pos_[i]), pos_[i], h / G, s.data());
+      for (int h = g * G; h < (g + 1) * G; h++)
+        attend_head(att_.data() + (size_t)i * Q_ + (size_t)h * HD_, q_.data() + (size_t)i * Q_ + (size_t)h * HD_,
+                    c.keys(l), c.values(l), first_key(pos_[i]), pos_[i], g, s.data());
     }
   }
 }
