@@ -214,13 +214,9 @@ int run_bench_train(int argc, char** argv) {
   std::printf("%s memory: model state %.2f GiB, AdamW moments %.2f GiB, activations %.2f GiB\n", backend->name(),
               model.state_bytes() / kGiB, opt.state_bytes() / kGiB, model.activation_bytes() / kGiB);
   if (profile) {
-    std::vector<std::pair<double, std::string>> rows;
+    const std::vector<std::pair<double, std::string>> rows = prof.largest_first(steps);
     double total = 0;
-    for (const auto& [name, e] : prof.sections()) {
-      rows.emplace_back(e.seconds / steps, name);
-      total += e.seconds / steps;
-    }
-    std::sort(rows.rbegin(), rows.rend());
+    for (const auto& r : rows) total += r.first;
     std::printf("profile (seconds per step, %d timed steps%s; sections sum to %.3f of %.3f s):\n", steps,
                 cuda ? ", device-synchronised sections" : "", total, step_s);
     for (const auto& [sec, name] : rows) std::printf("  %-20s %8.4f  %5.1f%%\n", name.c_str(), sec, 100.0 * sec / step_s);

@@ -35,13 +35,9 @@ using Clock = std::chrono::steady_clock;
 // The sections of `prof` per decode step (`steps` of them, `step_s` seconds each), largest first; what
 // they leave out (embedding, norms, RoPE, sampling) is the rest.
 void print_profile(const char* what, const Profile& prof, long steps, double step_s) {
-  std::vector<std::pair<double, std::string>> rows;
+  std::vector<std::pair<double, std::string>> rows = prof.largest_first(steps);
   double total = 0;
-  for (const auto& [name, e] : prof.sections()) {
-    rows.emplace_back(e.seconds / steps, name);
-    total += e.seconds / steps;
-  }
-  std::sort(rows.rbegin(), rows.rend());
+  for (const auto& r : rows) total += r.first;
   rows.emplace_back(step_s - total, "rest");
   std::printf("profile of %s (ms per step, %ld steps of %.2f ms):\n", what, steps, 1e3 * step_s);
   for (const auto& [sec, name] : rows) std::printf("  %-22s %8.3f  %5.1f%%\n", name.c_str(), 1e3 * sec, 100.0 * sec / step_s);

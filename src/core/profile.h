@@ -2,9 +2,12 @@
 // it (no global registry); a null Profile* makes every timer a no-op.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace moetron {
 
@@ -21,6 +24,13 @@ class Profile {
     long calls = 0;
   };
   const std::map<std::string, Entry>& sections() const { return sections_; }
+  // (seconds / per, name) for every section, the largest first (per: the steps timed, say).
+  std::vector<std::pair<double, std::string>> largest_first(double per) const {
+    std::vector<std::pair<double, std::string>> rows;
+    for (const auto& [name, e] : sections_) rows.emplace_back(e.seconds / per, name);
+    std::sort(rows.rbegin(), rows.rend());
+    return rows;
+  }
 
  private:
   std::map<std::string, Entry> sections_;

@@ -675,7 +675,7 @@ void Decoder::ffn_decode(float* x, const float* ln, int layer, int n) {
     add_inplace(x + (size_t)i * C_, tmp, C_);
   }
   t_combine.stop();
-  ScopedTimer t_shared(profile_, "shared expert");
+  ScopedTimer t_shared(m_.cfg.has_shared_expert() ? profile_ : nullptr, "shared expert");
   shared_expert(x, ln, layer, n, /*decode=*/true);
 }
 
