@@ -33,8 +33,8 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly j
 
 
 def prompt(i, tag):
-    """Client i's prompt in the run tagged `tag`: i and the tag first, so no two prompts share more than
-    a token or two of prefix."""
+    """Client i's prompt in the run tagged `tag`: i and the tag first, so two prompts share at most the
+    tokens of those numbers' common leading digits."""
     return f"{i} {tag} " + " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(12 + i % 5))
 
 
