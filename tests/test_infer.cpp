@@ -10,7 +10,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -466,6 +468,43 @@ TEST(DecodeKernels, GemvBatchTasksOfOneMatrixGetWhatEachGetsAlone) {
 // Attention's kernels: dot follows its stated order exactly (eight fma lanes, the lanes' fixed sum,
 // the tail), written out here in scalar code; dot_rows and axpy_rows give, key for key,
 // bitwise what dot and axpy give (several keys run at once, and o is held in registers).
+// Greedy sampling's argmax: at every SIMD level, the index std::max_element gives -- the first of
+// tied largest values, -0 and +0 as one value, infinities, and NaNs wherever they lie.
+TEST(DecodeKernels, ArgmaxIsTheIndexMaxElementGives) {
+  std::vector<infer::SimdLevel> levels = {infer::SimdLevel::generic};
+  if ((int)infer::simd_level() >= (int)infer::SimdLevel::avx2) levels.push_back(infer::SimdLevel::avx2);
+  if (infer::simd_level() == infer::SimdLevel::avx512) levels.push_back(infer::SimdLevel::avx512);
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  int cases = 0;
+  for (const int n : {1, 2, 7, 8, 9, 15, 16, 17, 33, 1000, 32000, 32003})
+    for (int kind = 0; kind < 8; kind++) {
+      std::vector<float> x(n);
+      for (int i = 0; i < n; i++) {
+        const uint64_t h = mix64((uint64_t)n * 131 + i * 7 + kind);
+        switch (kind) {
+          case 0: x[i] = (float)((h % 200001) / 1000.0 - 100.0); break;  // distinct-ish values
+          case 1: x[i] = (float)(h % 5);  break;                           // many ties of the largest
+          case 2: x[i] = h % 2 ? 0.0f : -0.0f; break;                      // signed zeros only
+          case 3: x[i] = -inf; break;                                      // all -inf
+          default: x[i] = (float)((h % 2001) / 100.0 - 10.0); break;
+        }
+      }
+      const int at = (int)(mix64((uint64_t)n + kind) % n);
+      if (kind == 4) x[at] = inf;
+      if (kind == 5) x[at] = nan;
+      if (kind == 6) x[0] = nan;
+      if (kind == 7) x[n - 1] = nan;
+      const int want = (int)(std::max_element(x.begin(), x.end()) - x.begin());
+      for (const infer::SimdLevel level : levels) {
+        SCOPED_TRACE(::testing::Message() << infer::simd_name(level) << " n " << n << " kind " << kind);
+        ASSERT_EQ(infer::argmax_at(level, x.data(), n), want);
+      }
+      ASSERT_EQ(infer::argmax(x.data(), n), want);
+      cases++;
+    }
+  EXPECT_EQ(cases, 96);
+}
+
 TEST(DecodeKernels, AttentionDotAndWeightedSumFollowTheirStatedOrder) {
   for (const int n : {1, 7, 8, 16, 64, 100, 128, 131})
     for (const int count : {1, 3, 4, 5, 9, 17}) {

@@ -23,6 +23,7 @@
 #include "core/stats.h"
 #include "core/rng.h"
 #include "infer/decoder.h"
+#include "infer/kernels.h"
 #include "infer/model.h"
 #include "infer/sampler.h"
 
@@ -142,7 +143,7 @@ int run_bench_generate(int argc, char** argv) {
       std::vector<int32_t> p = prompt;
       for (int i = 1; i < prompt_tokens; i++) p[i] = (int32_t)(3 + mix64((uint64_t)(i + 7 * b) * 7919) % (cfg.vocab_size - 3));
       dec.forward(caches.back(), p, logits.data());
-      next[b] = (int32_t)(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      next[b] = (int32_t)infer::argmax(logits.data(), cfg.vocab_size);
     }
     std::vector<KvCache*> ptrs;
     for (auto& c : caches) ptrs.push_back(&c);
@@ -154,7 +155,7 @@ int run_bench_generate(int argc, char** argv) {
       dec.forward_batch(ptrs, next, bl.data());
       for (int b = 0; b < batch; b++) {
         const float* l = bl.data() + (size_t)b * cfg.vocab_size;
-        next[b] = (int32_t)(std::max_element(l, l + cfg.vocab_size) - l);
+        next[b] = (int32_t)infer::argmax(l, cfg.vocab_size);
       }
     }
     const double batch_s = std::chrono::duration<double>(Clock::now() - t0).count();

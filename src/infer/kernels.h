@@ -106,6 +106,12 @@ float dot(const float* a, const float* b, int n);
 // y[n] += alpha * x[n] (fma per value)
 void axpy(float* y, float alpha, const float* x, int n);
 
+// The index std::max_element gives for x[0, n), n >= 1: the first of the largest values (greedy
+// sampling over a vocabulary; two vectorised passes unless x holds a NaN, where std::max_element's
+// own comparisons decide).  argmax_at: with the kernels of `level` (at most simd_level()), for tests.
+int argmax(const float* x, int n);
+int argmax_at(SimdLevel level, const float* x, int n);
+
 // Attention over a KV cache, one query and head at a time (k_j = k + j * ld, j < count):
 // s[j] = dot(q, k_j, n) * scale, each bitwise what dot gives ...
 void dot_rows(float* s, const float* q, const float* k, size_t ld, int count, int n, float scale);
