@@ -915,10 +915,36 @@ MOETRON_AVX2 inline float dot_finish(__m256 acc, const float* a, const float* b,
   return s;
 }
 
-// s[j] = scale * dot(q, k + j * ld) for j < count, four keys at a time.
+// dot_finish for eight keys' accumulators at once, when n is a multiple of 8 (no tail): the same
+// additions, lane-parallel -- t = lo + hi per key (permute2f128 pairs the keys' halves), u = hadd(t),
+// s = u0 + u1 (the second hadd) -- then the keys put back in order and scaled, as dot_finish * scale.
+MOETRON_AVX2 inline __m256 finish8(const __m256* a, float scale) {
+  __m256 t[4];
+  for (int p = 0; p < 4; p++)
+    t[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));  // t(a_2p) | t(a_2p+1)
+  const __m256 h0 = _mm256_hadd_ps(t[0], t[1]);  // u(a0), u(a2) | u(a1), u(a3)
+  const __m256 h1 = _mm256_hadd_ps(t[2], t[3]);  // u(a4), u(a6) | u(a5), u(a7)
+  const __m256 s = _mm256_hadd_ps(h0, h1);       // s(a0), s(a2), s(a4), s(a6) | s(a1), s(a3), s(a5), s(a7)
+  return _mm256_mul_ps(_mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)), _mm256_set1_ps(scale));
+}
+
+// s[j] = scale * dot(q, k + j * ld) for j < count: eight keys at a time where n has no tail (a head's
+// 64 or 128 values: the horizontal sums, one per key, were most of the work), then four, then one.
 MOETRON_AVX2 void dot_rows_avx2(float* s, const float* q, const float* k, size_t ld, int count, int n, float scale) {
   const int n8 = n & ~7;
   int j = 0;
+  if (n8 == n)
+    for (; j + 8 <= count; j += 8) {
+      const float* k0 = k + (size_t)j * ld;
+      __m256 a[8];
+      for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
+      for (int i = 0; i < n8; i += 8) {
+        const __m256 x = _mm256_loadu_ps(q + i);
+        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + (size_t)t * ld + i), a[t]);
+      }
+      _mm256_storeu_ps(s + j, finish8(a, scale));
+    }
   for (; j + 4 <= count; j += 4) {
     const float* k0 = k + (size_t)j * ld;
     const float *k1 = k0 + ld, *k2 = k1 + ld, *k3 = k2 + ld;
@@ -1019,6 +1045,13 @@ void axpy(float* y, float alpha, const float* x, int n) {
     return;
   }
   axpy_rows_avx2(y, &alpha, x, 0, 1, n);
+}
+
+void prefetch_rows(const float* p, size_t ld, int count, int n) {
+  for (int j = 0; j < count; j++) {
+    const char* r = reinterpret_cast<const char*>(p + (size_t)j * ld);
+    for (size_t b = 0; b < sizeof(float) * (size_t)n; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
+  }
 }
 
 int argmax_at(SimdLevel level, const float* x, int n) {
