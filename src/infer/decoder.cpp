@@ -425,20 +425,6 @@ void Decoder::lora_rows(float* out, const float* x, ParamKind target, int layer,
   for (int i = 0; i < n; i++) lora_linear(out + (size_t)i * OC, x + (size_t)i * IC, target, layer, 0, 1, IC, OC);
 }
 
-// One query row and head: o[HD] = softmax(scale * q k^T) v over keys/values [lo, p] (rows of KVd_
-// values from `keys` / `values`, head group g), with s as scratch of at least p - lo + 1 floats.
-// Every row path below computes a (row, head) pair exactly this way, so a row's result does not
-// depend on which pass, batch or thread computes it.
-void Decoder::attend_head(float* o, const float* q, const float* keys, const float* values, int lo, int p, int g,
-                          float* s) const {
-  const int cnt = p - lo + 1;
-  const float scale = 1.0f / std::sqrt((float)HD_);
-  infer::dot_rows(s, q, keys + (size_t)lo * KVd_ + (size_t)g * HD_, KVd_, cnt, HD_, scale);
-  ops::softmax_inplace(s, cnt);
-  std::fill(o, o + HD_, 0.0f);
-  infer::axpy_rows(o, s, values + (size_t)lo * KVd_ + (size_t)g * HD_, KVd_, cnt, HD_);
-}
-
 int Decoder::first_key(int p) const {
   const int W = m_.cfg.sliding_window;
   return W > 0 ? std::max(0, p - W + 1) : 0;
@@ -473,26 +459,28 @@ void Decoder::attention_decode(KvCache* const* caches, int n, int l) {
 #pragma omp for schedule(dynamic, 1)
     for (int ir = 0; ir < n * ranges; ir++) {
       const int i = ir / ranges, g0 = ir % ranges * per;
-      attend_heads(att_.data() + (size_t)i * Q_, q_.data() + (size_t)i * Q_, *caches[i], l, first_key(pos_[i]),
-                   pos_[i], g0, g0 + per, s.data());
+      attend_heads(att_.data() + (size_t)i * Q_, q_.data() + (size_t)i * Q_, caches[i]->keys(l), caches[i]->values(l),
+                   first_key(pos_[i]), pos_[i], g0, g0 + per, s.data());
     }
   }
 }
 
-// Row o[Q] for query q[Q] at position p, its query heads of kv heads [g0, g1), over the cache's layer-l
-// keys and values [lo, p]; s: (g1 - g0) G (p - lo + 1) floats of scratch.  Each head's arithmetic is
-// attend_head's (scores by dot_rows, softmax, weighted sum by axpy_rows in key order: bitwise the
-// same in any blocks of keys); the keys, then the values, are read kBlock cache rows at a time for
-// all the heads, in order, the next block prefetched: a row's kv heads lie side by side, so the
-// cache streams from memory instead of each head reading its slice of every row (8 sequences at ~230
-// positions on the 0.49B model: 3.78 -> 3.37 ms a step; 2-core Xeon VM).
-void Decoder::attend_heads(float* o, const float* q, const KvCache& c, int l, int lo, int p, int g0, int g1,
-                           float* s) const {
+// Row o[Q] for query q[Q] at position p, its query heads of kv heads [g0, g1), over the keys and
+// values [lo, p] (rows of KVd_ values from `keys` / `values`: a layer of a cache); s: (g1 - g0) G
+// (p - lo + 1) floats of scratch.  Per head: scores by dot_rows, softmax, then the weighted sum by
+// axpy_rows in key order -- bitwise the same in any blocks of keys, so every path (a decode batch, a
+// prompt's rows) computes a (row, head) pair exactly this way and a row's result does not depend on
+// which pass, batch or thread computes it.  The keys, then the values, are read kBlock cache rows at
+// a time for all the heads, in order, the next block prefetched: a row's kv heads lie side by side,
+// so the cache streams from memory instead of each head reading its slice of every row (8 sequences
+// at ~230 positions on the 0.49B model: 3.78 -> 3.37 ms a step; 2-core Xeon VM).
+void Decoder::attend_heads(float* o, const float* q, const float* layer_keys, const float* layer_values, int lo, int p,
+                           int g0, int g1, float* s) const {
   constexpr int kBlock = 16;  // e.g. 8 kv heads of 64 fp32 values: 32 KiB of keys, in L1
   const int G = NH_ / NKV_, cnt = p - lo + 1, h0 = g0 * G, h1 = g1 * G;
   const float scale = 1.0f / std::sqrt((float)HD_);
-  const float* keys = c.keys(l) + (size_t)lo * KVd_;
-  const float* values = c.values(l) + (size_t)lo * KVd_;
+  const float* keys = layer_keys + (size_t)lo * KVd_;
+  const float* values = layer_values + (size_t)lo * KVd_;
   const int width = (g1 - g0) * HD_;  // a cache row's values for these heads
   for (int j = 0; j < cnt; j += kBlock) {
     const int m = std::min(kBlock, cnt - j);
@@ -526,12 +514,11 @@ void Decoder::attention(float* out, const float* q, const float* keys, const flo
     const long work = (long)n * NH_ * (pos0 + n) * HD_;
 #pragma omp parallel if (work >= kParallelMin)
     {
-      std::vector<float> s(pos0 + n);
+      std::vector<float> s((size_t)G * (pos0 + n));
 #pragma omp for schedule(static, 1)  // interleaved: causal rows grow in length
-      for (int ih = 0; ih < n * NH_; ih++) {
-        const int i = ih / NH_, h = ih % NH_, p = pos0 + i;
-        attend_head(out + (size_t)i * Q_ + (size_t)h * HD_, q + (size_t)i * Q_ + (size_t)h * HD_, keys, values,
-                    first_key(p), p, h / G, s.data());
+      for (int ig = 0; ig < n * NKV_; ig++) {
+        const int i = ig / NKV_, g = ig % NKV_, p = pos0 + i;
+        attend_heads(out + (size_t)i * Q_, q + (size_t)i * Q_, keys, values, first_key(p), p, g, g + 1, s.data());
       }
     }
     return;

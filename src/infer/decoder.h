@@ -95,9 +95,8 @@ class Decoder {
                      bool decode);
   void attention(float* out, const float* q, const float* keys, const float* values, int pos0, int n);
   void attention_decode(KvCache* const* caches, int n, int l);
-  void attend_head(float* o, const float* q, const float* keys, const float* values, int lo, int p, int g,
-                   float* s) const;
-  void attend_heads(float* o, const float* q, const KvCache& c, int l, int lo, int p, int g0, int g1, float* s) const;
+  void attend_heads(float* o, const float* q, const float* layer_keys, const float* layer_values, int lo, int p, int g0,
+                    int g1, float* s) const;
   int first_key(int p) const;  // the first key position visible from position p (sliding window)
   void ffn(float* x, const float* ln, int layer, int n);
   void ffn_decode(float* x, const float* ln, int layer, int n);
