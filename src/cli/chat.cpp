@@ -23,16 +23,11 @@ int run_chat(int argc, char** argv) {
                "Type a message and Enter; /reset forgets the conversation, /system TEXT sets a system\n"
                "message (and resets), /exit or end of input quits.",
                "moetron chat"};
-  std::string model_dir, tokenizer_path, template_name = "auto", system;
+  ModelOptions m;
+  std::string system;
   int max_new_tokens = 512;
   GenerationOptions g;
-  app.add_option("--model", model_dir, "model directory")->required();
-  std::string lora_dir;
-  app.add_option("--lora", lora_dir, "a PEFT LoRA adapter directory for the model (e.g. a LoRA run's checkpoint)");
-  std::string quantize = "none";
-  add_quantize_option(app, quantize);
-  app.add_option("--tokenizer", tokenizer_path, "tokenizer.model or tokenizer.json (default: MODEL/tokenizer.model, else MODEL/tokenizer.json)");
-  app.add_option("--template", template_name, "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
+  add_model_options(app, m);
   app.add_option("--system", system, "a system message at the start of the conversation");
   app.add_option("--max-new-tokens", max_new_tokens, "longest reply in tokens");
   add_generation_options(app, g);
@@ -43,15 +38,15 @@ int run_chat(int argc, char** argv) {
   }
   if (max_new_tokens < 1) fail("--max-new-tokens must be >= 1, got {}", max_new_tokens);
   apply_generation_options(g);
-  const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir, lora_dir, false, parse_weight_quant(quantize, "--quantize"));
-  const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(model_dir, tokenizer_path, model->cfg, true);
-  const TemplateChoice tc = choose_chat_template(model_dir, template_name);
+  const std::unique_ptr<InferenceModel> model = load_model(m);
+  const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(m.dir, m.tokenizer_path, model->cfg, true);
+  const TemplateChoice tc = choose_chat_template(m.dir, m.template_name);
   Decoder decoder(*model);
   KvCache cache = decoder.new_cache();
   GenerateOptions o;
   o.max_new_tokens = max_new_tokens;
   o.sampling = g.sampling;
-  o.eos_ids = model_eos_ids(model_dir, model->cfg, tok.get());
+  o.eos_ids = model_eos_ids(m.dir, model->cfg, tok.get());
   add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model->cfg);
   o.stop = g.stop;
   o.max_positions = model->cfg.max_position_embeddings;
@@ -59,7 +54,7 @@ int run_chat(int argc, char** argv) {
 
   const bool interactive = isatty(STDIN_FILENO);
   if (interactive)
-    std::printf("moetron chat: %s, template %s (%s). /reset, /system TEXT, /exit\n", model_dir.c_str(),
+    std::printf("moetron chat: %s, template %s (%s). /reset, /system TEXT, /exit\n", m.dir.c_str(),
                 chat_template_name(tc.tmpl), tc.source.c_str());
   std::vector<ChatMessage> history;
   auto reset = [&] {

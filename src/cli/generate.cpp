@@ -62,23 +62,17 @@ int run_generate(int argc, char** argv) {
   CLI::App app{"Generate text with a KV cache from a Hugging Face model directory (a moetron checkpoint or any HF\n"
                "Mixtral / Mistral / Llama directory).  Greedy by default; --temperature > 0 samples.",
                "moetron generate"};
-  std::string model_dir, prompt, prompt_ids, tokenizer_path, template_name = "auto", eval_chat, system;
+  ModelOptions m;
+  std::string prompt, prompt_ids, eval_chat, system;
   bool chat = false, stats = false;
   int max_new_tokens = 256;
   long limit = 0;
   GenerationOptions g;
-  app.add_option("--model", model_dir, "model directory")->required();
-  std::string lora_dir;
-  app.add_option("--lora", lora_dir, "a PEFT LoRA adapter directory for the model (e.g. a LoRA run's checkpoint)");
-  std::string quantize = "none";
-  add_quantize_option(app, quantize);
+  add_model_options(app, m);
   app.add_option("--prompt", prompt, "the prompt text");
   app.add_option("--prompt-ids", prompt_ids, "the prompt as comma-separated token ids; prints the reply's ids");
   app.add_flag("--chat", chat, "treat the prompt as a user turn and apply the chat template");
   app.add_option("--system", system, "with --chat: a system message first");
-  app.add_option("--template", template_name,
-                 "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
-  app.add_option("--tokenizer", tokenizer_path, "tokenizer.model or tokenizer.json (default: MODEL/tokenizer.model, else MODEL/tokenizer.json)");
   app.add_option("--max-new-tokens", max_new_tokens, "stop after this many new tokens");
   add_generation_options(app, g);
   app.add_flag("--stats", stats, "print prompt length, prefill and decode tokens/s to stderr");
@@ -101,8 +95,8 @@ int run_generate(int argc, char** argv) {
     fail("give exactly one of --prompt, --prompt-ids, --eval-chat or --perplexity");
   if (max_new_tokens < 0) fail("--max-new-tokens must be >= 0, got {}", max_new_tokens);
   apply_generation_options(g);
-  const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir, lora_dir, false, parse_weight_quant(quantize, "--quantize"));
-  const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(model_dir, tokenizer_path, model->cfg,
+  const std::unique_ptr<InferenceModel> model = load_model(m);
+  const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(m.dir, m.tokenizer_path, model->cfg,
                                                               /*required=*/prompt_ids.empty());
   Decoder decoder(*model);
   if (!ppl_file.empty()) {
@@ -116,13 +110,13 @@ int run_generate(int argc, char** argv) {
   GenerateOptions o;
   o.max_new_tokens = max_new_tokens;
   o.sampling = g.sampling;
-  o.eos_ids = model_eos_ids(model_dir, model->cfg, tok.get());
+  o.eos_ids = model_eos_ids(m.dir, model->cfg, tok.get());
   o.stop = g.stop;
   o.max_positions = model->cfg.max_position_embeddings;
   o.chat_reply = chat;
 
   if (!eval_chat.empty()) {
-    const TemplateChoice tc = choose_chat_template(model_dir, template_name);
+    const TemplateChoice tc = choose_chat_template(m.dir, m.template_name);
     add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model->cfg);
     const AnswerAccuracy acc = chat_answer_accuracy(decoder, *tok, tc.tmpl, o.eos_ids, eval_chat, max_new_tokens, limit);
     for (const std::string& e : acc.examples) std::printf("  %s\n", e.c_str());
@@ -139,7 +133,7 @@ int run_generate(int argc, char** argv) {
   } else {
     std::vector<int32_t> ids;
     if (chat) {
-      const TemplateChoice tc = choose_chat_template(model_dir, template_name);
+      const TemplateChoice tc = choose_chat_template(m.dir, m.template_name);
       add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model->cfg);
       std::vector<ChatMessage> msgs;
       if (!system.empty()) msgs.push_back({Role::system, system});

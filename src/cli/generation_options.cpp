@@ -24,6 +24,19 @@ void add_quantize_option(CLI::App& app, std::string& value) {
                  "llama.cpp's Q8_0: half the memory of bf16, faster decoding, a small accuracy cost)");
 }
 
+void add_model_options(CLI::App& app, ModelOptions& m) {
+  app.add_option("--model", m.dir, "model directory")->required();
+  app.add_option("--lora", m.lora_dir, "a PEFT LoRA adapter directory for the model (e.g. a LoRA run's checkpoint)");
+  add_quantize_option(app, m.quantize);
+  app.add_option("--tokenizer", m.tokenizer_path,
+                 "tokenizer.model or tokenizer.json (default: MODEL/tokenizer.model, else MODEL/tokenizer.json)");
+  app.add_option("--template", m.template_name, "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
+}
+
+std::unique_ptr<InferenceModel> load_model(const ModelOptions& m) {
+  return load_inference_model(m.dir, m.lora_dir, false, parse_weight_quant(m.quantize, "--quantize"));
+}
+
 void apply_generation_options(GenerationOptions& g) {
   g.sampling.seed = g.seed >= 0 ? (uint64_t)g.seed : std::random_device{}();
   validate_sampling(g.sampling);

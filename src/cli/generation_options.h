@@ -1,12 +1,14 @@
-// The options `moetron generate` and `moetron chat` share: sampling, seed, stop strings, threads (and
-// the weight format, which serve and bench generate take too).
+// The options `moetron generate` and `moetron chat` share: sampling, seed, stop strings, threads; and
+// the model they run, which serve takes too (the weight format also bench generate).
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 
+#include "infer/model.h"
 #include "infer/sampler.h"
 
 namespace moetron::cli {
@@ -24,6 +26,14 @@ void add_generation_options(CLI::App& app, GenerationOptions& g);
 // --quantize none|q8_0 (the weights as stored, or quantized to Q8_0 at load), for the commands that
 // load an inference model; parse the value with parse_weight_quant(value, "--quantize").
 void add_quantize_option(CLI::App& app, std::string& value);
+
+// The model generate, chat and serve run: --model (required) --lora --quantize --tokenizer --template.
+struct ModelOptions {
+  std::string dir, lora_dir, quantize = "none", tokenizer_path, template_name = "auto";
+};
+void add_model_options(CLI::App& app, ModelOptions& m);
+// After parsing: the model with its adapter, in the chosen weight format (load_inference_model).
+std::unique_ptr<InferenceModel> load_model(const ModelOptions& m);
 
 // After parsing: sets the seed (random when none was given), checks the sampling parameters (error
 // naming the option) and applies the thread count to OpenMP and BLAS.

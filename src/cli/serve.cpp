@@ -27,18 +27,12 @@ int run_serve(int argc, char** argv) {
                "with \"stream\": true), GET /v1/models and /health.  Up to --max-batch requests are decoded together\n"
                "(continuous batching: new ones join at token boundaries); up to --queue-size more wait, more get HTTP 429.",
                "moetron serve"};
-  std::string model_dir, tokenizer_path, template_name = "auto";
+  ModelOptions m;
   server::ServerOptions o;
   o.model_name.clear();
   int threads = 0;
   bool quiet = false;
-  app.add_option("--model", model_dir, "model directory")->required();
-  std::string lora_dir;
-  app.add_option("--lora", lora_dir, "a PEFT LoRA adapter directory for the model (e.g. a LoRA run's checkpoint)");
-  std::string quantize = "none";
-  add_quantize_option(app, quantize);
-  app.add_option("--tokenizer", tokenizer_path, "tokenizer.model or tokenizer.json (default: MODEL/tokenizer.model, else MODEL/tokenizer.json)");
-  app.add_option("--template", template_name, "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
+  add_model_options(app, m);
   app.add_option("--host", o.host, "address to bind (default 127.0.0.1: this machine only; 0.0.0.0: everyone)");
   app.add_option("--port", o.port, "port (0: any free port)");
   app.add_option("--model-name", o.model_name, "the model id in /v1/models and replies (default: the directory name)");
@@ -69,12 +63,12 @@ int run_serve(int argc, char** argv) {
   check_thread_count("--http-threads", o.http_threads, 4096);
   if (threads > 0) omp_set_num_threads(threads);  // inference uses no BLAS library (infer/gemm.h)
   o.log_requests = !quiet;
-  if (o.model_name.empty()) o.model_name = std::filesystem::path(model_dir).lexically_normal().filename().string();
-  if (o.model_name.empty()) o.model_name = std::filesystem::absolute(model_dir).parent_path().filename().string();
-  const std::unique_ptr<InferenceModel> model = load_inference_model(model_dir, lora_dir, false, parse_weight_quant(quantize, "--quantize"));
-  const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(model_dir, tokenizer_path, model->cfg, true);
-  const TemplateChoice tc = choose_chat_template(model_dir, template_name);
-  std::vector<int32_t> eos = model_eos_ids(model_dir, model->cfg, tok.get());
+  if (o.model_name.empty()) o.model_name = std::filesystem::path(m.dir).lexically_normal().filename().string();
+  if (o.model_name.empty()) o.model_name = std::filesystem::absolute(m.dir).parent_path().filename().string();
+  const std::unique_ptr<InferenceModel> model = load_model(m);
+  const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(m.dir, m.tokenizer_path, model->cfg, true);
+  const TemplateChoice tc = choose_chat_template(m.dir, m.template_name);
+  std::vector<int32_t> eos = model_eos_ids(m.dir, model->cfg, tok.get());
   add_chat_stop_ids(eos, tc.tmpl, *tok, model->cfg);
 
   // SIGINT / SIGTERM go to one waiting thread (blocked everywhere else, so set before any thread starts).
