@@ -293,11 +293,12 @@ TEST(Decoder, LoadsNoBlasMpiOrNcclLibrary) {
   }
 }
 
-TEST(DecodeSplitTuner, TriesBothWaysEveryPeriodAndKeepsTheFaster) {
+TEST(DecodeSplitTuner, TriesBothWaysEachPeriodKeepsTheFasterAndBacksOffWhileItHolds) {
   DecodeSplitTuner t;
+  // One period: the ways its steps took and its length (known once the trial has decided).
   auto run_period = [&](double serial_s, double split_s) {
     std::vector<bool> ways;
-    for (int i = 0; i < DecodeSplitTuner::kPeriod; i++) {
+    for (int i = 0; i < 2 * DecodeSplitTuner::kTrial || i < t.period(); i++) {
       const bool split = t.split_next();
       ways.push_back(split);
       // One slow outlier per trial: the fastest step of each four decides.
@@ -306,16 +307,25 @@ TEST(DecodeSplitTuner, TriesBothWaysEveryPeriodAndKeepsTheFaster) {
     }
     return ways;
   };
-  std::vector<bool> w = run_period(2.0, 1.0);  // splitting pays
-  for (int i = 0; i < 4; i++) EXPECT_FALSE(w[i]) << i;
-  for (int i = 4; i < 8; i++) EXPECT_TRUE(w[i]) << i;
-  for (int i = 8; i < 64; i++) EXPECT_TRUE(w[i]) << i;
-  EXPECT_TRUE(t.choice());
-  w = run_period(1.0, 3.0);  // the cores got busy: back to one thread after the next trial
-  for (int i = 0; i < 4; i++) EXPECT_FALSE(w[i]) << i;
-  for (int i = 4; i < 8; i++) EXPECT_TRUE(w[i]) << i;
-  for (int i = 8; i < 64; i++) EXPECT_FALSE(w[i]) << i;
+  auto expect_period = [](const std::vector<bool>& w, size_t length, bool choice) {
+    ASSERT_EQ(w.size(), length);
+    for (int i = 0; i < 4; i++) EXPECT_FALSE(w[i]) << i;  // the trial: 4 steps on one thread, 4 split
+    for (int i = 4; i < 8; i++) EXPECT_TRUE(w[i]) << i;
+    for (size_t i = 8; i < w.size(); i++) EXPECT_EQ(w[i], choice) << i;
+  };
+  static_assert(DecodeSplitTuner::kPeriod == 64 && DecodeSplitTuner::kMaxPeriod == 512);
+  // Splitting pays: the first period is 64 steps, then each trial that agrees doubles it, up to 512.
+  for (size_t length : {64, 128, 256, 512, 512}) {
+    expect_period(run_period(2.0, 1.0), length, true);
+    EXPECT_TRUE(t.choice());
+  }
+  // The cores got busy: the next trial goes back to one thread and to 64-step periods.
+  expect_period(run_period(1.0, 3.0), 64, false);
   EXPECT_FALSE(t.choice());
+  expect_period(run_period(1.0, 3.0), 128, false);
+  // And idle again: splitting at the next trial.
+  expect_period(run_period(2.0, 1.0), 64, true);
+  EXPECT_TRUE(t.choice());
 }
 
 // A product gives bitwise the same result split or not, on any number of threads (rows are independent),

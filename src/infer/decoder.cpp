@@ -29,10 +29,10 @@ constexpr long kRowAttentionMaxPairs = 1L << 18;
 // Prefill: an expert's rows are run in pieces of at most this many (bounds the scratch; 64 rows are
 // two of gemm_nt's AVX-512 tiles, and a weight row widened once per piece costs 1/64 of its products).
 constexpr long kExpertRows = 64;
-// Work (multiply-adds, or elements) below which a prefill step runs on one thread: 2M, as kernels.h's
-// kGemvSplitMin (a fork/join may cost a scheduler time slice on a shared machine, see kernels.h; at
-// 16M, the earlier threshold, a small model's prefill ran almost all on one thread: 2 threads gave
-// 5400 prompt tokens/s, at 2M 6860, on the 2-core VM with hidden 256).  Prefill steps are limited
+// Work (multiply-adds, or elements) below which a prefill step runs on one thread: 2M (a fork/join may
+// cost a scheduler time slice on a shared machine: see kGemvSplitMin in kernels.h; at 16M, the earlier
+// threshold, a small model's prefill ran almost all on one thread: 2 threads gave 5400 prompt
+// tokens/s, at 2M 6860, on the 2-core VM with hidden 256).  Prefill steps are limited
 // with ThreadLimit, which the OpenMP regions inside the ops and gemm_nt follow (omp_get_max_threads()
 // at each call).
 constexpr long kParallelMin = 1L << 21;
@@ -163,11 +163,16 @@ void Decoder::lora_gate_up_split(float* h13, const float* ln, ParamKind target, 
 }
 
 void DecodeSplitTuner::record(double seconds) {
-  const int s = (int)(step_ % kPeriod);
+  const long s = step_ - start_;
   if (s < kTrial) serial_ = s == 0 ? seconds : std::min(serial_, seconds);
   else if (s < 2 * kTrial) split_ = s == kTrial ? seconds : std::min(split_, seconds);
-  if (s == 2 * kTrial - 1) choice_ = split_ < serial_;
-  step_++;
+  if (s == 2 * kTrial - 1) {
+    const bool split = split_ < serial_;
+    period_ = decided_ && split == choice_ ? std::min(2 * period_, kMaxPeriod) : kPeriod;
+    choice_ = split;
+    decided_ = true;
+  }
+  if (++step_ - start_ == period_) start_ = step_;
 }
 
 void Decoder::forward(KvCache& cache, std::span<const int32_t> tokens, float* logits, bool all_logits) {
