@@ -71,9 +71,12 @@ struct GemvTask {
 // fork/join can cost a scheduler time slice (on the 2-core shared VM, splitting a 32000 x 256 head
 // with one core busy made decoding 2x slower).  On idle cores much smaller products gain (the same
 // head split over 2 threads: 1.4x faster decoding); DecodeSplitTuner (decoder.h) measures which case
-// holds and lowers the threshold to kGemvSplitMin when splitting pays.
+// holds and lowers the threshold to kGemvSplitMin when splitting pays.  kGemvSplitMin, 1M, splits a
+// 1024 x 1024 o_proj (2 MiB of bf16: one thread streamed it at ~16 GB/s): one sequence's decoding,
+// 0.49B bf16 model, 2 threads, idle 2-core Xeon VM, 4 alternating runs: 78-83 -> 83-85 tokens/s at
+// 1M against 2M (q8_0: 119-126 -> 123-133); the small model (hidden 256) the same either way.
 constexpr long kGemvParallelMin = 1L << 24;
-constexpr long kGemvSplitMin = 1L << 21;
+constexpr long kGemvSplitMin = 1L << 20;
 constexpr int kMaxGemvTasks = 32;
 constexpr int kMaxGemvInputs = 8;
 // The result is bitwise the same whatever the threshold and thread count (rows are independent).
