@@ -52,17 +52,18 @@ constexpr int kQ8PrefetchAvx2 = 2048;
 
 // Where pass P of NP over the same rows (the inputs in groups, each group a pass: the later passes
 // read the rows from L1) prefetches, at value c of the row starting at value `row`: one pass reads
-// `dist` values ahead; several share the next row between them, pass P asking for its P-th 1/NP (a
-// line every NP steps).  The passes after the first issue no new reads otherwise, so with every pass
-// prefetching `dist` ahead (the same lines) memory idled while they computed: 8 inputs, bf16 32000 x
-// 1024 and 2048 x 1024 from memory, 2 threads, 2-core Xeon VM, alternating: 76-80 -> 84-87 G
-// multiply-adds/s (the next row's half a pass each; two rows ahead was no better).
+// `dist` values ahead; several share a row's worth of values at least `dist` ahead and past this row
+// between them, pass P asking for its P-th 1/NP (a line every NP steps).  The passes after the first
+// issue no new reads otherwise, so with every pass prefetching `dist` ahead (the same lines) memory
+// idled while they computed: 8 inputs, bf16 32000 x 1024 and 2048 x 1024 from memory, 2 threads,
+// 2-core Xeon VM, alternating: 76-80 -> 84-87 G multiply-adds/s (the next row's half a pass each; two
+// rows ahead was no better).
 template <int P, int NP>
 inline size_t prefetch_at(size_t row, int c, int IC, int dist) {
   if constexpr (NP == 1)
     return row + c + dist;
   else
-    return row + IC + ((size_t)P * IC + c) / NP;
+    return row + (size_t)std::max(IC, dist) + ((size_t)P * IC + c) / NP;
 }
 
 inline float load_scalar(const uint16_t* p, int c, DType dt) {
