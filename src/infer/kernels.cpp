@@ -50,20 +50,21 @@ constexpr int kMultiPrefetch = 1024;
 constexpr int kQ8PrefetchVnni = 8192;
 constexpr int kQ8PrefetchAvx2 = 2048;
 
-// Where pass P of NP over the same rows (the inputs in groups, each group a pass: the later passes
-// read the rows from L1) prefetches, at value c of the row starting at value `row`: one pass reads
-// `dist` values ahead; several share a row's worth of values at least `dist` ahead and past this row
-// between them, pass P asking for its P-th 1/NP (a line every NP steps).  The passes after the first
-// issue no new reads otherwise, so with every pass prefetching `dist` ahead (the same lines) memory
-// idled while they computed: 8 inputs, bf16 32000 x 1024 and 2048 x 1024 from memory, 2 threads,
-// 2-core Xeon VM, alternating: 76-80 -> 84-87 G multiply-adds/s (the next row's half a pass each; two
-// rows ahead was no better).
+// How far ahead of a row's start pass P of NP over the same rows (the inputs in groups, each group a
+// pass: the later passes read the rows from L1) prefetches, at value c of the row: this plus c / NP.
+// One pass reads `dist` values ahead.  Several share a row's worth of values at least kMultiPrefetch
+// ahead and past this row, pass P asking for its P-th 1/NP (a line every NP steps): the passes after
+// the first issue no new reads otherwise, so with every pass prefetching the same lines memory idled
+// while they computed.  8 inputs, bf16 32000 x 1024 and 2048 x 1024 from memory, 2 threads, 2-core Xeon
+// VM, alternating: 76-80 -> 81-87 G multiply-adds/s; AVX2 kernels 47-53 -> 56-57 (with their own 4096
+// values ahead 48-53; two rows ahead was no better).  Rows shorter than kMultiPrefetch (the small
+// model's 256) need the floor: prefetching just the next row, 32000 x 256, 8 inputs: 59 -> 46-49.
 template <int P, int NP>
-inline size_t prefetch_at(size_t row, int c, int IC, int dist) {
+inline size_t prefetch_ahead(int IC, int dist) {
   if constexpr (NP == 1)
-    return row + c + dist;
+    return (size_t)dist;
   else
-    return row + (size_t)std::max(IC, dist) + ((size_t)P * IC + c) / NP;
+    return (size_t)std::max(IC, kMultiPrefetch) + (size_t)P * IC / NP;
 }
 
 inline float load_scalar(const uint16_t* p, int c, DType dt) {
@@ -242,11 +243,12 @@ MOETRON_AVX2 void multi_block_avx2(float* out, int ld_out, const void* W, const 
   for (int k = 0; k < R; k++)
     for (int j = 0; j < N; j++) a[k][j][0] = a[k][j][1] = _mm256_setzero_ps();
   int c = 0;
+  const size_t ahead = prefetch_ahead<P, NP>(IC, kPrefetch);
   for (; c + 16 <= IC; c += 16) {
     __m256 lo[R], hi[R];
     for (int k = 0; k < R; k++) {
       const size_t row = (size_t)(r + k * stride) * IC, i = row + c;
-      _mm_prefetch(static_cast<const char*>(W) + prefetch_at<P, NP>(row, c, IC, kPrefetch) * vbytes, _MM_HINT_T0);
+      _mm_prefetch(static_cast<const char*>(W) + (row + ahead + c / NP) * vbytes, _MM_HINT_T0);
       w16_lanes<DT>(W, i, lo[k], hi[k]);
     }
     for (int j = 0; j < N; j++) {
@@ -380,11 +382,12 @@ MOETRON_AVX512 void multi_block_avx512(float* out, int ld_out, const void* W, co
   for (int k = 0; k < R; k++)
     for (int j = 0; j < N; j++) a[k][j][0] = a[k][j][1] = _mm512_setzero_ps();
   int c = 0;
+  const size_t ahead = prefetch_ahead<P, NP>(IC, kMultiPrefetch);
   for (; c + 32 <= IC; c += 32) {
     __m512 lo[R], hi[R];
     for (int k = 0; k < R; k++) {
       const size_t row = (size_t)(r + k * stride) * IC, i = row + c;
-      const char* p = static_cast<const char*>(W) + prefetch_at<P, NP>(row, c, IC, kMultiPrefetch) * vbytes;
+      const char* p = static_cast<const char*>(W) + (row + ahead + c / NP) * vbytes;
       _mm_prefetch(p, _MM_HINT_T0);
       if constexpr (vbytes == 4) _mm_prefetch(p + 64, _MM_HINT_T0);
       w32_lanes<DT>(W, i, lo[k], hi[k]);
