@@ -38,11 +38,11 @@ namespace {
 // Values ahead of the position being read: 8 KiB of bf16 (4 KiB was as fast on the Xeon; on a 2-core
 // AVX-512 AMD EPYC VM the 0.49B model decoded 65.6 tokens/s with 4 KiB, 72 with 8, 63 with 16).
 constexpr int kPrefetch = 4096;
-// On AMD (to_l2_cpu()) the one-input kernels prefetch 4 KiB of bf16 ahead into L2 instead (prefetcht1):
-// 2-core AVX-512 AMD EPYC (Zen 4) VM, 0.49B bf16 model, 4 alternating runs, decoding tokens/s: one
-// thread 57-60 -> 70-78, two 84-100 -> 91-116; 32000 x 1024 from memory, one thread, G multiply-adds/s:
-// T0 8 KiB ahead 10.4, T1 8 KiB 11.2, T1 4 KiB 12.5, T1 16 KiB 11.8.  Intel keeps the setting measured
-// on the Xeon.
+// On AMD (to_l2_cpu()) the one-input kernels prefetch 4 KiB of bf16 ahead into L2 instead (prefetcht1;
+// Q8_0's too, kQ8PrefetchVnniL2): 2-core AVX-512 AMD EPYC (Zen 4) VM, 0.49B bf16 model, alternating
+// runs, decoding tokens/s: one thread 53-60 -> 67-78, two 81-100 -> 85-116 (noisy); 32000 x 1024 from
+// memory, one thread, G multiply-adds/s: T0 8 KiB ahead 10.4, T1 16 KiB 11.2, T1 8 KiB 11.8, T1 4 KiB
+// 12.5.  Intel keeps the setting measured on the Xeon.
 constexpr int kPrefetchL2 = 2048;
 
 // Whether this CPU takes the one-input kernels' prefetches into L2 (AMD).  Read once.
@@ -64,6 +64,9 @@ constexpr int kMultiPrefetch = 1024;
 // 16 KiB 110.  AVX2 (32 bytes a step), on a 2-core AVX2-only AMD EPYC VM, medians of 3, two sweeps:
 // 1 KiB 50, 2 KiB 57, 4 KiB 50, 8 KiB 49, 16 KiB 53 (2 threads: 2 KiB 89, 8 KiB 85).
 constexpr int kQ8PrefetchVnni = 8192;
+// On AMD (to_l2_cpu()) 4 KiB ahead into L2: 2-core Zen 4 EPYC VM, 32000 x 1024 from memory, G
+// multiply-adds/s, one thread 14.8 -> 20.2 (8 KiB into L2: 18.7), two 24.6 -> 31.5.
+constexpr int kQ8PrefetchVnniL2 = 4096;
 constexpr int kQ8PrefetchAvx2 = 2048;
 
 // How far ahead of a row's start pass P of NP over the same rows (the inputs in groups, each group a
@@ -697,7 +700,7 @@ MOETRON_VNNI inline __m512 q8_scales(const uint16_t* S, size_t at, __mmask16 m, 
   return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, S + at)), _mm512_maskz_loadu_ps(m, dx));
 }
 
-template <int R>
+template <int R, bool L2>
 MOETRON_VNNI void q8_block_vnni(float* y, const int8_t* W, const uint16_t* S, const Q8Inputs& x, int r, int stride,
                                 int IC, bool acc) {
   const int nb = IC / kQ8Block;
@@ -713,7 +716,10 @@ MOETRON_VNNI void q8_block_vnni(float* y, const int8_t* W, const uint16_t* S, co
       const size_t at = (size_t)(g + 2 * p) * kQ8Block;
       for (int k = 0; k < R; k++) {
         const int8_t* w = W + (size_t)(r + k * stride) * IC + at;
-        _mm_prefetch(reinterpret_cast<const char*>(w + kQ8PrefetchVnni), _MM_HINT_T0);
+        if constexpr (L2)
+          _mm_prefetch(reinterpret_cast<const char*>(w + kQ8PrefetchVnniL2), _MM_HINT_T1);
+        else
+          _mm_prefetch(reinterpret_cast<const char*>(w + kQ8PrefetchVnni), _MM_HINT_T0);
         a[k] = q8_pair_fma(a[k], dv[k], p, q8_pair_lanes(w, x, at));
       }
     }
@@ -787,13 +793,13 @@ void q8_rows(SimdLevel level, float* out, int ld_out, WeightRef Wr, const Q8Inpu
   if (level == SimdLevel::generic) return q8_rows_generic(out, ld_out, W, Wr.scales, x, n, r0, r1, IC, acc);
   const bool vnni = level == SimdLevel::avx512 && has_avx512_vnni();
   if (n == 1) {
+    using BlockFn = void (*)(float*, const int8_t*, const uint16_t*, const Q8Inputs&, int, int, int, bool);
+    const bool l2 = to_l2_cpu();
+    const BlockFn two = vnni ? (l2 ? q8_block_vnni<2, true> : q8_block_vnni<2, false>) : q8_block_avx2<2>;
+    const BlockFn one = vnni ? (l2 ? q8_block_vnni<1, true> : q8_block_vnni<1, false>) : q8_block_avx2<1>;
     const RowPairs p(r0, r1, (size_t)IC, kQ8RowsApartBytes);
-    for (int i = 0; i < p.pairs; i++)
-      vnni ? q8_block_vnni<2>(out, W, Wr.scales, x, p.first(i), p.stride, IC, acc)
-           : q8_block_avx2<2>(out, W, Wr.scales, x, p.first(i), p.stride, IC, acc);
-    if (p.odd)
-      vnni ? q8_block_vnni<1>(out, W, Wr.scales, x, r1 - 1, 0, IC, acc)
-           : q8_block_avx2<1>(out, W, Wr.scales, x, r1 - 1, 0, IC, acc);
+    for (int i = 0; i < p.pairs; i++) two(out, W, Wr.scales, x, p.first(i), p.stride, IC, acc);
+    if (p.odd) one(out, W, Wr.scales, x, r1 - 1, 0, IC, acc);
     return;
   }
   const Q8MultiFn f = vnni ? q8_multi_fn_vnni(n) : q8_multi_fn_avx2(n);
