@@ -46,8 +46,8 @@ std::vector<SimdLevel> levels() {
 
 TEST(Gemm, EveryLevelIsTheStatedFmaChainBitwise) {
   int cases = 0;
-  for (const int n : {1, 5, 16, 31, 32, 33, 70})
-    for (const int OC : {1, 5, 6, 7, 13, 64})
+  for (const int n : {1, 5, 8, 9, 16, 24, 31, 32, 33, 40, 70})
+    for (const int OC : {1, 5, 6, 7, 8, 9, 13, 17, 64})
       for (const int IC : {1, 3, 64, 257})
         for (const bool acc : {false, true}) {
           const float alpha = acc ? 0.37f : 1.0f;
@@ -67,7 +67,7 @@ TEST(Gemm, EveryLevelIsTheStatedFmaChainBitwise) {
             cases++;
           }
         }
-  EXPECT_GE(cases, 7 * 6 * 4 * 2);
+  EXPECT_GE(cases, 11 * 9 * 4 * 2);
 }
 
 TEST(Gemm, ThreadsSplitTheRowsWithoutChangingTheBits) {

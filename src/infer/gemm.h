@@ -7,9 +7,11 @@
 // in column order -- so every result is bitwise the same at every SIMD level and thread count.
 //
 // Kernels: x is packed once per call into tiles of T rows ([IC][T], zero-padded: T = 32 with AVX-512,
-// 16 with AVX2), then each tile meets 6 weight rows at a time (12 vector accumulators; per column 2
-// vector loads of x and 6 broadcasts of W for 12 FMAs; one vector when the tile's real rows fit in
-// it).  Threads split the weight rows.
+// 16 with AVX2), then each tile meets a few weight rows at a time.  AVX-512: 8 rows, 16 accumulators
+// (per column 2 vector loads of x and 8 broadcasts of W for 16 FMAs), the tile's columns covered in
+// steps of 8 (16-wide vectors plus an 8-wide one: a prompt's expert holds a few dozen rows), x packed
+// and the results written back through transposes in registers.  AVX2: 6 rows, 12 accumulators.
+// Threads split the weight rows.
 #pragma once
 
 #include <vector>
