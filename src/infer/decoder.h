@@ -152,6 +152,7 @@ class Decoder {
     std::vector<float> h13, act;  // its gate/up products [rows, 2I] and SwiGLU [rows, I]
   };
   std::vector<ExpertScratch> expert_widen_;  // one per thread, for experts run in parallel
+  std::vector<int> expert_order_;             // their order (largest first)
   ExpertScratch expert_serial_;  // experts run one after another
   std::vector<float> kv_;     // a decode batch's new keys and values [2][n, KV]
   std::vector<infer::GemvTask> tasks_;
