@@ -516,7 +516,7 @@ TEST(DecodeKernels, ArgmaxIsTheIndexMaxElementGives) {
 }
 
 TEST(DecodeKernels, AttentionDotAndWeightedSumFollowTheirStatedOrder) {
-  for (const int n : {1, 7, 8, 16, 64, 100, 128, 131})
+  for (const int n : {1, 7, 8, 16, 32, 56, 64, 100, 128, 131})
     for (const int count : {1, 3, 4, 5, 9, 17}) {
       SCOPED_TRACE(::testing::Message() << "n " << n << " keys " << count);
       const size_t ld = (size_t)n + 5;

@@ -1033,24 +1033,37 @@ MOETRON_AVX2 void dot_rows_avx2(float* s, const float* q, const float* k, size_t
   }
 }
 
-// o[n] += sum_j w[j] (v + j * ld), j in order; o is held in registers 64 values at a time.
+// o[c, c + 8M) += sum_j w[j] (v + j * ld)[c, c + 8M), j in order, o held in M registers: M independent
+// fma chains per key, so the keys go at the FMA units' rate rather than one chain's latency.
+template <int M>
+MOETRON_AVX2 inline void axpy_block_avx2(float* o, const float* w, const float* v, size_t ld, int count) {
+  __m256 r[M];
+  for (int t = 0; t < M; t++) r[t] = _mm256_loadu_ps(o + 8 * t);
+  for (int j = 0; j < count; j++) {
+    const __m256 wj = _mm256_set1_ps(w[j]);
+    const float* vj = v + (size_t)j * ld;
+    for (int t = 0; t < M; t++) r[t] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vj + 8 * t), r[t]);
+  }
+  for (int t = 0; t < M; t++) _mm256_storeu_ps(o + 8 * t, r[t]);
+}
+
+// o[n] += sum_j w[j] (v + j * ld), j in order: 64 values at a time, then the rest of the multiples of 8
+// in one pass (a head of 32 values: 4 chains, not 4 passes of one; prefill attention of the small
+// model, one thread, 2-core Zen 4 EPYC VM: 1.45 -> 1.28 ms a prefill of 128 tokens), then a scalar tail.
 MOETRON_AVX2 void axpy_rows_avx2(float* o, const float* w, const float* v, size_t ld, int count, int n) {
   int c = 0;
-  for (; c + 64 <= n; c += 64) {
-    __m256 r[8];
-    for (int t = 0; t < 8; t++) r[t] = _mm256_loadu_ps(o + c + 8 * t);
-    for (int j = 0; j < count; j++) {
-      const __m256 wj = _mm256_set1_ps(w[j]);
-      const float* vj = v + (size_t)j * ld + c;
-      for (int t = 0; t < 8; t++) r[t] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vj + 8 * t), r[t]);
-    }
-    for (int t = 0; t < 8; t++) _mm256_storeu_ps(o + c + 8 * t, r[t]);
+  for (; c + 64 <= n; c += 64) axpy_block_avx2<8>(o + c, w, v + c, ld, count);
+  switch ((n - c) / 8) {
+    case 1: axpy_block_avx2<1>(o + c, w, v + c, ld, count); break;
+    case 2: axpy_block_avx2<2>(o + c, w, v + c, ld, count); break;
+    case 3: axpy_block_avx2<3>(o + c, w, v + c, ld, count); break;
+    case 4: axpy_block_avx2<4>(o + c, w, v + c, ld, count); break;
+    case 5: axpy_block_avx2<5>(o + c, w, v + c, ld, count); break;
+    case 6: axpy_block_avx2<6>(o + c, w, v + c, ld, count); break;
+    case 7: axpy_block_avx2<7>(o + c, w, v + c, ld, count); break;
+    default: break;
   }
-  for (; c + 8 <= n; c += 8) {
-    __m256 r = _mm256_loadu_ps(o + c);
-    for (int j = 0; j < count; j++) r = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(v + (size_t)j * ld + c), r);
-    _mm256_storeu_ps(o + c, r);
-  }
+  c += (n - c) / 8 * 8;
   for (; c < n; c++)
     for (int j = 0; j < count; j++) o[c] = std::fma(w[j], v[(size_t)j * ld + c], o[c]);
 }
