@@ -19,9 +19,11 @@ namespace {
 // Weight rows per tile: 8 with AVX-512 (16 accumulators of its 32 registers, and a tile's results
 // leave as 8 x 8 blocks transposed in registers), 6 with AVX2 (12 of its 16) and the portable code.
 constexpr int kRows = 6, kRows512 = 8, kMaxRows = 8;
+// x rows a packed AVX-512 tile: 48, 3 vectors (a prompt's expert holds a few dozen rows: one tile).
+constexpr int kT512 = 48;
 template <int T>
 constexpr int rows_of() {
-  return T == 32 ? kRows512 : kRows;
+  return T == kT512 ? kRows512 : kRows;
 }
 // Multiply-adds from which the weight rows are split across threads: 2M, the decoder's own threshold
 // (a fork/join may cost a scheduler time slice when the cores are shared; at 256K the prefill router's
@@ -66,12 +68,12 @@ void pack_tile(float* p, const float* x, int ld_x, int n, int t0, int IC) {
 }
 
 // Rows [r0, r0 + R) of W as fp32: in place (fp32), else widened into tmp[R][IC].  ld: their stride.
-const float* weight_rows(WeightRef W, int ld_w, int r0, int R, int IC, float* tmp, int& ld) {
+const float* weight_rows(const WeightRef& W, int ld_w, int r0, int R, int IC, float* tmp, int& ld) {
   if (W.dtype == DType::F32 && !W.q8()) {
     ld = ld_w;
     return static_cast<const float*>(W.data) + (size_t)r0 * ld_w;
   }
-  for (int r = 0; r < R; r++) widen_row(tmp + (size_t)r * IC, W, (size_t)(r0 + r), IC);
+  widen_rows(tmp, W, (size_t)r0, R, IC);
   ld = IC;
   return tmp;
 }
@@ -118,7 +120,7 @@ MOETRON_GEMM_AVX2 void tile_avx2(const float* xp, const float* W, int ld_w, int 
     for (int v = 0; v < V; v++) _mm256_storeu_ps(buf + r * 16 + 8 * v, a[r][v]);
 }
 
-// AVX-512: R weight rows against the first 16 Z + 8 Y columns of a packed x tile ([IC][32]): Z 16-wide
+// AVX-512: R weight rows against the first 16 Z + 8 Y columns of a packed x tile ([IC][kT512]): Z 16-wide
 // vectors and Y (0 or 1) 8-wide ones after them, so a tile's padding is under 8 columns (on CPUs that
 // split a 16-wide FMA in two 8-wide halves, Zen 4's, an 8-wide FMA costs half; elsewhere it costs
 // what a 16-wide one does, as the padding it saves would).
@@ -135,8 +137,8 @@ MOETRON_GEMM_AVX512 void tile_avx512(const float* xp, const float* W, int ld_w, 
     if ((k & 3) == 0 && (k >> 2) < pf_lines) _mm_prefetch(pf + (size_t)(k >> 2) * 64, _MM_HINT_T0);
     __m512 x[Z > 0 ? Z : 1];
     __m256 y;
-    for (int v = 0; v < Z; v++) x[v] = _mm512_loadu_ps(xp + (size_t)k * 32 + 16 * v);
-    if (Y) y = _mm256_loadu_ps(xp + (size_t)k * 32 + 16 * Z);
+    for (int v = 0; v < Z; v++) x[v] = _mm512_loadu_ps(xp + (size_t)k * kT512 + 16 * v);
+    if (Y) y = _mm256_loadu_ps(xp + (size_t)k * kT512 + 16 * Z);
     for (int r = 0; r < R; r++) {
       if constexpr (Z == 0) {  // an 8-wide broadcast (a 16-wide one costs more on Zen 4)
         b[r] = _mm256_fmadd_ps(y, _mm256_broadcast_ss(W + (size_t)r * ld_w + k), b[r]);
@@ -148,12 +150,12 @@ MOETRON_GEMM_AVX512 void tile_avx512(const float* xp, const float* W, int ld_w, 
     }
   }
   for (int r = 0; r < R; r++) {
-    for (int v = 0; v < Z; v++) _mm512_store_ps(buf + r * 32 + 16 * v, a[r][v]);
-    if (Y) _mm256_store_ps(buf + r * 32 + 16 * Z, b[r]);
+    for (int v = 0; v < Z; v++) _mm512_store_ps(buf + r * kT512 + 16 * v, a[r][v]);
+    if (Y) _mm256_store_ps(buf + r * kT512 + 16 * Z, b[r]);
   }
 }
 
-// out[t0 + t][r0 + r] (=, or += when acc) alpha * buf[r * 32 + t] for r < R <= 8, t < valid <= 32: each
+// out[t0 + t][r0 + r] (=, or += when acc) alpha * buf[r * kT512 + t] for r < R <= 8, t < valid <= kT512: each
 // block of 8 columns is loaded as 8 rows (zero past R), transposed in registers and stored as 8-wide
 // rows of out, masked to R values.  alpha * s is s exactly when alpha is 1, so one path serves all.
 MOETRON_GEMM_AVX512 void store_tile_avx512(float* out, int ld_out, const float* buf, int R, int valid, int t0, int r0,
@@ -162,7 +164,7 @@ MOETRON_GEMM_AVX512 void store_tile_avx512(float* out, int ld_out, const float* 
   const __m256 al = _mm256_set1_ps(alpha);
   for (int j = 0; j * 8 < valid; j++) {
     __m256 v[8];
-    for (int r = 0; r < 8; r++) v[r] = r < R ? _mm256_load_ps(buf + r * 32 + 8 * j) : _mm256_setzero_ps();
+    for (int r = 0; r < 8; r++) v[r] = r < R ? _mm256_load_ps(buf + r * kT512 + 8 * j) : _mm256_setzero_ps();
     const __m256 t0_ = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
     const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
     const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
@@ -185,13 +187,13 @@ MOETRON_GEMM_AVX512 void store_tile_avx512(float* out, int ld_out, const float* 
   }
 }
 
-// x rows [t0, t0 + 32) as [IC][32], zero past n: 16 x 16 blocks transposed in registers.
+// x rows [t0, t0 + kT512) as [IC][kT512], zero past n: 16 x 16 blocks transposed in registers.
 MOETRON_GEMM_AVX512 void pack_tile_avx512(float* p, const float* x, int ld_x, int n, int t0, int IC) {
-  const int valid = std::min(32, n - t0);
+  const int valid = std::min(kT512, n - t0);
   for (int k0 = 0; k0 < IC; k0 += 16) {
     const int kn = std::min(16, IC - k0);
     const __mmask16 km = (__mmask16)((1u << kn) - 1);
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < kT512 / 16; h++) {
       __m512 r[16];
       for (int i = 0; i < 16; i++) {
         const int t = 16 * h + i;
@@ -214,7 +216,7 @@ MOETRON_GEMM_AVX512 void pack_tile_avx512(float* p, const float* x, int ld_x, in
                                _mm512_shuffle_f32x4(v0, w0, 0xDD), _mm512_shuffle_f32x4(v1, w1, 0xDD)};
         for (int q = 0; q < 4; q++) {
           const int k = 4 * q + c;
-          if (k < kn) _mm512_store_ps(p + (size_t)(k0 + k) * 32 + 16 * h, col[q]);
+          if (k < kn) _mm512_store_ps(p + (size_t)(k0 + k) * kT512 + 16 * h, col[q]);
         }
       }
     }
@@ -223,17 +225,18 @@ MOETRON_GEMM_AVX512 void pack_tile_avx512(float* p, const float* x, int ld_x, in
 
 using TileFn = void (*)(const float*, const float*, int, int, float*, const char*, int);
 
-// AVX-512: R rows, the first `lanes8` groups of 8 columns (1: one 8-wide vector, 2: one 16-wide, 3:
-// 16 + 8, 4: two 16-wide).  AVX2: R rows, V 8-wide vectors.
+// AVX-512: R rows, [i] the first i + 1 groups of 8 columns (one 8-wide vector, one 16-wide, 16 + 8,
+// ..., three 16-wide: 24 accumulators at most).  AVX2: R rows, V 8-wide vectors.
 template <int R>
-constexpr TileFn tiles512[4] = {tile_avx512<R, 0, 1>, tile_avx512<R, 1, 0>, tile_avx512<R, 1, 1>, tile_avx512<R, 2, 0>};
+constexpr TileFn tiles512[6] = {tile_avx512<R, 0, 1>, tile_avx512<R, 1, 0>, tile_avx512<R, 1, 1>,
+                                tile_avx512<R, 2, 0>, tile_avx512<R, 2, 1>, tile_avx512<R, 3, 0>};
 constexpr const TileFn* kTiles512[kRows512] = {tiles512<1>, tiles512<2>, tiles512<3>, tiles512<4>,
                                                tiles512<5>, tiles512<6>, tiles512<7>, tiles512<8>};
 constexpr TileFn kTiles2[2][kRows] = {
     {tile_avx2<1, 1>, tile_avx2<2, 1>, tile_avx2<3, 1>, tile_avx2<4, 1>, tile_avx2<5, 1>, tile_avx2<6, 1>},
     {tile_avx2<1, 2>, tile_avx2<2, 2>, tile_avx2<3, 2>, tile_avx2<4, 2>, tile_avx2<5, 2>, tile_avx2<6, 2>}};
 
-// T = 16 (AVX2) or 32 (AVX-512) packed rows of x a tile; T = 0: the portable path, unpacked.
+// T = 16 (AVX2) or kT512 (AVX-512) packed rows of x a tile; T = 0: the portable path, unpacked.
 template <int T>
 void gemm_run(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int ld_w, int n, int IC, int OC,
               float alpha, bool acc, std::vector<float>& scratch, bool parallel) {
@@ -245,7 +248,7 @@ void gemm_run(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int
   // 64-byte aligned: the packed tiles are read and written whole vectors at a time.
   scratch.resize(packed + (widen ? (size_t)threads * kR * IC : 0) + 16);
   float* p = scratch.data() + ((64 - (reinterpret_cast<uintptr_t>(scratch.data()) & 63)) & 63) / sizeof(float);
-  if constexpr (T == 32)
+  if constexpr (T == kT512)
     for (int i = 0; i < tiles; i++) pack_tile_avx512(p + (size_t)i * IC * T, x, ld_x, n, i * T, IC);
   else if constexpr (T > 0)
     for (int i = 0; i < tiles; i++) pack_tile<T>(p + (size_t)i * IC * T, x, ld_x, n, i * T, IC);
@@ -267,13 +270,13 @@ void gemm_run(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int
     if constexpr (T == 0) {
       gemm_generic(out, ld_out, x, ld_x, Wg, ld, n, IC, r0, R, alpha, acc);
     } else {
-      alignas(64) float buf[kMaxRows * 32];
+      alignas(64) float buf[kMaxRows * kT512];
       for (int i = 0; i < tiles; i++) {
         const int valid = std::min(T, n - i * T);
         const float* xp = p + (size_t)i * IC * T;
         const char* pf = next;
         const int lines = i == 0 ? next_lines : 0;
-        if constexpr (T == 32) {
+        if constexpr (T == kT512) {
           kTiles512[R - 1][(valid + 7) / 8 - 1](xp, Wg, ld, IC, buf, pf, lines);
           store_tile_avx512(out, ld_out, buf, R, valid, i * T, r0, alpha, acc);
         } else {
@@ -294,7 +297,7 @@ void gemm_nt_at(SimdLevel level, float* out, int ld_out, const float* x, int ld_
   const bool parallel = !omp_in_parallel() && omp_get_max_threads() > 1 && (long)n * IC * OC >= kParallelMin;
   switch (level) {
     case SimdLevel::avx512:
-      return gemm_run<32>(out, ld_out, x, ld_x, W, ld_w, n, IC, OC, alpha, accumulate, scratch, parallel);
+      return gemm_run<kT512>(out, ld_out, x, ld_x, W, ld_w, n, IC, OC, alpha, accumulate, scratch, parallel);
     case SimdLevel::avx2:
       return gemm_run<16>(out, ld_out, x, ld_x, W, ld_w, n, IC, OC, alpha, accumulate, scratch, parallel);
     case SimdLevel::generic:

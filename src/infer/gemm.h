@@ -6,12 +6,12 @@
 // s = fma(x[t, IC-1], W[r, IC-1], ... fma(x[t, 1], W[r, 1], fma(x[t, 0], W[r, 0], 0))) -- one fma chain
 // in column order -- so every result is bitwise the same at every SIMD level and thread count.
 //
-// Kernels: x is packed once per call into tiles of T rows ([IC][T], zero-padded: T = 32 with AVX-512,
-// 16 with AVX2), then each tile meets a few weight rows at a time.  AVX-512: 8 rows, 16 accumulators
-// (per column 2 vector loads of x and 8 broadcasts of W for 16 FMAs), the tile's columns covered in
-// steps of 8 (16-wide vectors plus an 8-wide one: a prompt's expert holds a few dozen rows), x packed
-// and the results written back through transposes in registers.  AVX2: 6 rows, 12 accumulators.
-// Threads split the weight rows.
+// Kernels: x is packed once per call into tiles of T rows ([IC][T], zero-padded: T = 48 with AVX-512,
+// 16 with AVX2), then each tile meets a few weight rows at a time.  AVX-512: 8 rows, up to 24
+// accumulators (per column up to 3 vector loads of x and 8 broadcasts of W for 24 FMAs), the tile's
+// columns covered in steps of 8 (16-wide vectors plus an 8-wide one: a prompt's expert holds a few
+// dozen rows, one tile), x packed and the results written back through transposes in registers.
+// AVX2: 6 rows, 12 accumulators.  Threads split the weight rows.
 #pragma once
 
 #include <vector>

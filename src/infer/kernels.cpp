@@ -1269,12 +1269,12 @@ bool quantize_q8_0(WeightRef W, size_t rows, int IC, int8_t* q, uint16_t* d) {
   return ok;
 }
 
-void widen_row(float* out, WeightRef W, size_t row, int n) {
-  const size_t base = row * (size_t)n;
+void widen_rows(float* out, const WeightRef& W, size_t row, int rows, int n) {
+  const size_t base = row * (size_t)n, count = (size_t)rows * n;  // the rows lie contiguously
   if (W.q8()) {  // rows are whole blocks
     const int8_t* q = static_cast<const int8_t*>(W.data) + base;
     const uint16_t* d = W.scales + base / kQ8Block;
-    for (int b = 0; b < n / kQ8Block; b++) {
+    for (size_t b = 0; b < count / kQ8Block; b++) {
       const float s = f16_at(d, b);
       for (int i = 0; i < kQ8Block; i++) out[b * kQ8Block + i] = (float)q[b * kQ8Block + i] * s;
     }
@@ -1282,26 +1282,28 @@ void widen_row(float* out, WeightRef W, size_t row, int n) {
   }
   switch (W.dtype) {
     case DType::F32:
-      std::memcpy(out, static_cast<const float*>(W.data) + base, sizeof(float) * n);
+      std::memcpy(out, static_cast<const float*>(W.data) + base, sizeof(float) * count);
       return;
     case DType::BF16: {  // a plain shift per value, which the compiler vectorises
       const uint8_t* p = static_cast<const uint8_t*>(W.data) + base * 2;
-      for (int i = 0; i < n; i++) {
+      for (size_t i = 0; i < count; i++) {
         uint16_t h;
-        std::memcpy(&h, p + 2 * (size_t)i, 2);
+        std::memcpy(&h, p + 2 * i, 2);
         out[i] = bf16_to_f32(h);
       }
       return;
     }
     case DType::F16: {
       const uint16_t* p = static_cast<const uint16_t*>(W.data) + base;
-      for (int i = 0; i < n; i++) out[i] = load_scalar(p, i, W.dtype);
+      for (size_t i = 0; i < count; i++) out[i] = load_scalar(p + i, 0, W.dtype);
       return;
     }
     default:
       fail("[infer kernels] weights of dtype {} are not supported (F32, BF16, F16)", dtype_name(W.dtype));
   }
 }
+
+void widen_row(float* out, WeightRef W, size_t row, int n) { widen_rows(out, W, row, 1, n); }
 
 void matmul(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n, int IC, int OC, bool accumulate,
             std::vector<float>& scratch) {

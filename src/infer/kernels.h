@@ -101,6 +101,9 @@ void matmul(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n
 
 // out[n] = W[row, 0..n) as fp32 (an embedding row).
 void widen_row(float* out, WeightRef W, size_t row, int n);
+// out[rows * n] = rows [row, row + rows) of W (each n values, stored contiguously) as fp32: one call for
+// a GEMM's few rows (a WeightRef passed by value per row cost a stalled copy each).
+void widen_rows(float* out, const WeightRef& W, size_t row, int rows, int n);
 
 // sum_i a[i] b[i], in eight fma lanes (lane k: i = k mod 8), then ((l0 + l4) + (l1 + l5)) + ((l2 + l6) +
 // (l3 + l7)) and the tail in order: the same operations at every SIMD level.
