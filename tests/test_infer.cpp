@@ -539,8 +539,15 @@ TEST(DecodeKernels, AttentionDotAndWeightedSumFollowTheirStatedOrder) {
         ASSERT_EQ(s[j], ref * 0.125f) << "key " << j;
         infer::axpy(want.data(), w[j], kj, n);
       }
+      std::vector<float> o2(o), w2(count), want2(o2);  // axpy_rows2: a second output, its own weights
+      for (int j = 0; j < count; j++) w2[j] = (float)((mix64(19 * j + 4) % 1001) / 1000.0);
+      infer::axpy_rows(want2.data(), w2.data(), k.data(), ld, count, n);
       infer::axpy_rows(o.data(), w.data(), k.data(), ld, count, n);
       ASSERT_EQ(0, std::memcmp(o.data(), want.data(), sizeof(float) * n));
+      std::vector<float> p1(o2);
+      infer::axpy_rows2(p1.data(), o2.data(), w.data(), w2.data(), k.data(), ld, count, n);
+      ASSERT_EQ(0, std::memcmp(o2.data(), want2.data(), sizeof(float) * n));
+      ASSERT_EQ(0, std::memcmp(p1.data(), o.data(), sizeof(float) * n));
       // axpy itself: one fma per value.
       std::vector<float> y(q);
       infer::axpy(y.data(), w[0], k.data(), n);

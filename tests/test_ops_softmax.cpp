@@ -5,6 +5,7 @@
 // differences through router_backward).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -74,6 +75,31 @@ TEST(Softmax, FollowsItsStatedArithmetic) {
   for (int j = 0; j < n; j++) sum += (e[j] = ops::exp_nonpositive(x[j] - mx));
   const float inv = (float)(1.0 / sum);
   for (int j = 0; j < n; j++) EXPECT_EQ(p[j], e[j] * inv) << j;  // bitwise
+}
+
+// softmax_rows: each row bitwise what softmax_inplace gives it alone, in groups of 4 and a remainder,
+// a row holding a NaN or -inf among them.
+TEST(Softmax, RowsAreEachRowAlone) {
+  for (const int rows : {1, 3, 4, 5, 9})
+    for (const int n : {1, 2, 17, 64}) {
+      const size_t ld = (size_t)n + 3;
+      std::vector<float> x((size_t)rows * ld);
+      for (int r = 0; r < rows; r++) {
+        const std::vector<float> v = random_row(n, 4.0f, 100u + r * 7 + n);
+        std::copy(v.begin(), v.end(), x.begin() + (size_t)r * ld);
+      }
+      if (rows > 2) x[ld + n / 2] = NAN;
+      if (rows > 3) x[2 * ld] = -INFINITY;
+      std::vector<float> got = x;
+      ops::softmax_rows(got.data(), rows, n, ld);
+      for (int r = 0; r < rows; r++) {
+        std::vector<float> want(x.begin() + (size_t)r * ld, x.begin() + (size_t)r * ld + n);
+        ops::softmax_inplace(want.data(), n);
+        ASSERT_EQ(0, std::memcmp(got.data() + (size_t)r * ld, want.data(), sizeof(float) * n)) << rows << " " << n << " " << r;
+        for (size_t j = n; j < ld && (size_t)r * ld + j < x.size(); j++)  // the gaps untouched
+          ASSERT_EQ(0, std::memcmp(&got[(size_t)r * ld + j], &x[(size_t)r * ld + j], sizeof(float)));
+      }
+    }
 }
 
 TEST(Softmax, LargeLogitsStayFiniteAndShiftingChangesNothing) {

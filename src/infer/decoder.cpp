@@ -501,17 +501,23 @@ void Decoder::attend_heads(float* o, const float* q, const float* layer_keys, co
       infer::dot_rows(s + (size_t)(h - h0) * cnt + j, q + (size_t)h * HD_, keys + (size_t)j * KVd_ + (size_t)(h / G) * HD_,
                       KVd_, m, HD_, scale);
   }
-  for (int h = h0; h < h1; h++) {
-    ops::softmax_inplace(s + (size_t)(h - h0) * cnt, cnt);
-    std::fill(o + (size_t)h * HD_, o + (size_t)(h + 1) * HD_, 0.0f);
-  }
+  ops::softmax_rows(s, h1 - h0, cnt, cnt);
+  std::fill(o + (size_t)h0 * HD_, o + (size_t)h1 * HD_, 0.0f);
   for (int j = 0; j < cnt; j += kBlock) {
     const int m = std::min(kBlock, cnt - j);
     if (j + kBlock < cnt)
       infer::prefetch_rows(values + (size_t)(j + kBlock) * KVd_ + (size_t)g0 * HD_, KVd_, std::min(kBlock, cnt - j - kBlock), width);
-    for (int h = h0; h < h1; h++)
-      infer::axpy_rows(o + (size_t)h * HD_, s + (size_t)(h - h0) * cnt + j,
-                       values + (size_t)j * KVd_ + (size_t)(h / G) * HD_, KVd_, m, HD_);
+    for (int h = h0; h < h1;) {
+      const float* v = values + (size_t)j * KVd_ + (size_t)(h / G) * HD_;
+      const float* w = s + (size_t)(h - h0) * cnt + j;
+      if (h + 1 < h1 && (h + 1) / G == h / G) {  // two heads of one kv head: each value row read once for both
+        infer::axpy_rows2(o + (size_t)h * HD_, o + (size_t)(h + 1) * HD_, w, w + cnt, v, KVd_, m, HD_);
+        h += 2;
+      } else {
+        infer::axpy_rows(o + (size_t)h * HD_, w, v, KVd_, m, HD_);
+        h++;
+      }
+    }
   }
 }
 

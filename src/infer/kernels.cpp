@@ -1068,6 +1068,50 @@ MOETRON_AVX2 void axpy_rows_avx2(float* o, const float* w, const float* v, size_
     for (int j = 0; j < count; j++) o[c] = std::fma(w[j], v[(size_t)j * ld + c], o[c]);
 }
 
+// axpy_rows for two outputs over the same rows v (two heads of one kv head): o0 += sum_j w0[j] v_j and
+// o1 += sum_j w1[j] v_j, each value's fmas in key order, bitwise the two calls; each v_j load serves
+// both, and the chains of the two run side by side, 32 values (8 chains) at a time.
+template <int M>
+MOETRON_AVX2 inline void axpy2_block_avx2(float* o0, float* o1, const float* w0, const float* w1, const float* v,
+                                          size_t ld, int count) {
+  __m256 r0[M], r1[M];
+  for (int t = 0; t < M; t++) {
+    r0[t] = _mm256_loadu_ps(o0 + 8 * t);
+    r1[t] = _mm256_loadu_ps(o1 + 8 * t);
+  }
+  for (int j = 0; j < count; j++) {
+    const __m256 a = _mm256_set1_ps(w0[j]), b = _mm256_set1_ps(w1[j]);
+    const float* vj = v + (size_t)j * ld;
+    for (int t = 0; t < M; t++) {
+      const __m256 x = _mm256_loadu_ps(vj + 8 * t);
+      r0[t] = _mm256_fmadd_ps(a, x, r0[t]);
+      r1[t] = _mm256_fmadd_ps(b, x, r1[t]);
+    }
+  }
+  for (int t = 0; t < M; t++) {
+    _mm256_storeu_ps(o0 + 8 * t, r0[t]);
+    _mm256_storeu_ps(o1 + 8 * t, r1[t]);
+  }
+}
+
+MOETRON_AVX2 void axpy_rows2_avx2(float* o0, float* o1, const float* w0, const float* w1, const float* v, size_t ld,
+                                 int count, int n) {
+  int c = 0;
+  for (; c + 32 <= n; c += 32) axpy2_block_avx2<4>(o0 + c, o1 + c, w0, w1, v + c, ld, count);
+  switch ((n - c) / 8) {
+    case 1: axpy2_block_avx2<1>(o0 + c, o1 + c, w0, w1, v + c, ld, count); break;
+    case 2: axpy2_block_avx2<2>(o0 + c, o1 + c, w0, w1, v + c, ld, count); break;
+    case 3: axpy2_block_avx2<3>(o0 + c, o1 + c, w0, w1, v + c, ld, count); break;
+    default: break;
+  }
+  c += (n - c) / 8 * 8;
+  for (; c < n; c++)
+    for (int j = 0; j < count; j++) {
+      o0[c] = std::fma(w0[j], v[(size_t)j * ld + c], o0[c]);
+      o1[c] = std::fma(w1[j], v[(size_t)j * ld + c], o1[c]);
+    }
+}
+
 // ---- argmax ------------------------------------------------------------------------------------------
 //
 // Two passes over x: the largest value m (and whether any value is NaN), then the first index holding
@@ -1154,6 +1198,12 @@ void dot_rows(float* s, const float* q, const float* k, size_t ld, int count, in
 void axpy_rows(float* o, const float* w, const float* v, size_t ld, int count, int n) {
   if (simd_level() != SimdLevel::generic) return axpy_rows_avx2(o, w, v, ld, count, n);
   for (int j = 0; j < count; j++) axpy(o, w[j], v + (size_t)j * ld, n);
+}
+
+void axpy_rows2(float* o0, float* o1, const float* w0, const float* w1, const float* v, size_t ld, int count, int n) {
+  if (simd_level() != SimdLevel::generic) return axpy_rows2_avx2(o0, o1, w0, w1, v, ld, count, n);
+  axpy_rows(o0, w0, v, ld, count, n);
+  axpy_rows(o1, w1, v, ld, count, n);
 }
 
 void gemv(float* y, WeightRef W, const float* x, int OC, int IC, bool accumulate) {

@@ -126,5 +126,8 @@ int argmax_at(SimdLevel level, const float* x, int n);
 void dot_rows(float* s, const float* q, const float* k, size_t ld, int count, int n, float scale);
 // ... and o[n] += sum_j w[j] v_j (v_j = v + j * ld), j in order: bitwise `for j: axpy(o, w[j], v_j, n)`.
 void axpy_rows(float* o, const float* w, const float* v, size_t ld, int count, int n);
+// ... and the same for two outputs over the same rows (two heads sharing a kv head), bitwise
+// axpy_rows(o0, w0, ...) then axpy_rows(o1, w1, ...).
+void axpy_rows2(float* o0, float* o1, const float* w0, const float* w1, const float* v, size_t ld, int count, int n);
 
 }  // namespace moetron::infer
