@@ -92,7 +92,7 @@ void gemm_generic(float* out, int ld_out, const float* x, int ld_x, const float*
 }
 
 #define MOETRON_GEMM_AVX2 __attribute__((target("avx2,fma")))
-#define MOETRON_GEMM_AVX512 __attribute__((target("avx512f,avx512vl,avx2,fma")))
+#define MOETRON_GEMM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
 // One tile: R weight rows from W against V vectors of a packed x tile ([IC][T] with T = 2 vectors;
 // V = 1 when the tile's real rows fit in the first vector), into buf[R][T].  Meanwhile it asks for
@@ -124,9 +124,27 @@ MOETRON_GEMM_AVX2 void tile_avx2(const float* xp, const float* W, int ld_w, int 
 // vectors and Y (0 or 1) 8-wide ones after them, so a tile's padding is under 8 columns (on CPUs that
 // split a 16-wide FMA in two 8-wide halves, Zen 4's, an 8-wide FMA costs half; elsewhere it costs
 // what a 16-wide one does, as the padding it saves would).
-template <int R, int Z, int Y>
-MOETRON_GEMM_AVX512 void tile_avx512(const float* xp, const float* W, int ld_w, int IC, float* buf, const char* pf,
+// WT: float, or uint16_t for bf16 rows read where they lie (broadcast and shifted into fp32 in the
+// register: exactly their widening, without a widening pass over memory).
+template <typename WT>
+MOETRON_GEMM_AVX512 inline __m512 bcast512(const WT* w) {
+  if constexpr (sizeof(WT) == 2)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_set1_epi16((short)*w), 16));
+  else
+    return _mm512_set1_ps(*w);
+}
+template <typename WT>
+MOETRON_GEMM_AVX512 inline __m256 bcast256(const WT* w) {
+  if constexpr (sizeof(WT) == 2)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_set1_epi16((short)*w), 16));
+  else
+    return _mm256_broadcast_ss(w);
+}
+
+template <int R, int Z, int Y, typename WT>
+MOETRON_GEMM_AVX512 void tile_avx512(const float* xp, const void* Wv, int ld_w, int IC, float* buf, const char* pf,
                                     int pf_lines) {
+  const WT* W = static_cast<const WT*>(Wv);
   __m512 a[R][Z > 0 ? Z : 1];
   __m256 b[R];
   for (int r = 0; r < R; r++) {
@@ -141,9 +159,9 @@ MOETRON_GEMM_AVX512 void tile_avx512(const float* xp, const float* W, int ld_w, 
     if (Y) y = _mm256_loadu_ps(xp + (size_t)k * kT512 + 16 * Z);
     for (int r = 0; r < R; r++) {
       if constexpr (Z == 0) {  // an 8-wide broadcast (a 16-wide one costs more on Zen 4)
-        b[r] = _mm256_fmadd_ps(y, _mm256_broadcast_ss(W + (size_t)r * ld_w + k), b[r]);
+        b[r] = _mm256_fmadd_ps(y, bcast256(W + (size_t)r * ld_w + k), b[r]);
       } else {
-        const __m512 w = _mm512_set1_ps(W[(size_t)r * ld_w + k]);
+        const __m512 w = bcast512(W + (size_t)r * ld_w + k);
         for (int v = 0; v < Z; v++) a[r][v] = _mm512_fmadd_ps(x[v], w, a[r][v]);
         if (Y) b[r] = _mm256_fmadd_ps(y, _mm512_castps512_ps256(w), b[r]);
       }
@@ -224,14 +242,16 @@ MOETRON_GEMM_AVX512 void pack_tile_avx512(float* p, const float* x, int ld_x, in
 }
 
 using TileFn = void (*)(const float*, const float*, int, int, float*, const char*, int);
+using TileFn512 = void (*)(const float*, const void*, int, int, float*, const char*, int);
 
 // AVX-512: R rows, [i] the first i + 1 groups of 8 columns (one 8-wide vector, one 16-wide, 16 + 8,
 // ..., three 16-wide: 24 accumulators at most).  AVX2: R rows, V 8-wide vectors.
-template <int R>
-constexpr TileFn tiles512[6] = {tile_avx512<R, 0, 1>, tile_avx512<R, 1, 0>, tile_avx512<R, 1, 1>,
-                                tile_avx512<R, 2, 0>, tile_avx512<R, 2, 1>, tile_avx512<R, 3, 0>};
-constexpr const TileFn* kTiles512[kRows512] = {tiles512<1>, tiles512<2>, tiles512<3>, tiles512<4>,
-                                               tiles512<5>, tiles512<6>, tiles512<7>, tiles512<8>};
+template <int R, typename WT>
+constexpr TileFn512 tiles512[6] = {tile_avx512<R, 0, 1, WT>, tile_avx512<R, 1, 0, WT>, tile_avx512<R, 1, 1, WT>,
+                                   tile_avx512<R, 2, 0, WT>, tile_avx512<R, 2, 1, WT>, tile_avx512<R, 3, 0, WT>};
+template <typename WT>
+constexpr const TileFn512* kTiles512[kRows512] = {tiles512<1, WT>, tiles512<2, WT>, tiles512<3, WT>, tiles512<4, WT>,
+                                                  tiles512<5, WT>, tiles512<6, WT>, tiles512<7, WT>, tiles512<8, WT>};
 constexpr TileFn kTiles2[2][kRows] = {
     {tile_avx2<1, 1>, tile_avx2<2, 1>, tile_avx2<3, 1>, tile_avx2<4, 1>, tile_avx2<5, 1>, tile_avx2<6, 1>},
     {tile_avx2<1, 2>, tile_avx2<2, 2>, tile_avx2<3, 2>, tile_avx2<4, 2>, tile_avx2<5, 2>, tile_avx2<6, 2>}};
@@ -243,7 +263,9 @@ void gemm_run(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int
   constexpr int kR = rows_of<T>();
   const int tiles = T ? (n + T - 1) / T : 0;
   const size_t packed = (size_t)tiles * T * IC;
-  const bool widen = !(W.dtype == DType::F32 && !W.q8());
+  // bf16 rows go to the AVX-512 tiles as they lie; other stored types are widened kR rows at a time.
+  const bool direct_bf16 = T == kT512 && W.dtype == DType::BF16 && !W.q8();
+  const bool widen = !(W.dtype == DType::F32 && !W.q8()) && !direct_bf16;
   const int threads = parallel ? omp_get_max_threads() : 1;
   // 64-byte aligned: the packed tiles are read and written whole vectors at a time.
   scratch.resize(packed + (widen ? (size_t)threads * kR * IC : 0) + 16);
@@ -258,12 +280,13 @@ void gemm_run(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int
   // 0.49B bf16 model, prompt 128, one thread, 2-core AVX-512 AMD EPYC (Zen 4) VM: widen_row, stalled
   // on memory, was 15% of the prefill's time.
   const size_t vbytes = W.q8() ? 1 : dtype_size(W.dtype);
-  const int pf_lines = widen ? (int)std::min<size_t>((size_t)kR * IC * vbytes / 64, (size_t)IC / 4) : 0;
+  const int pf_lines = widen || direct_bf16 ? (int)std::min<size_t>((size_t)kR * IC * vbytes / 64, (size_t)IC / 4) : 0;
 #pragma omp parallel for schedule(static) if (parallel)
   for (int g = 0; g < groups; g++) {
     const int r0 = g * kR, R = std::min(kR, OC - r0);
-    int ld = 0;
-    const float* Wg = weight_rows(W, ld_w, r0, R, IC, p + packed + (size_t)omp_get_thread_num() * kR * IC, ld);
+    int ld = IC;
+    const float* Wg = direct_bf16 ? nullptr
+                                  : weight_rows(W, ld_w, r0, R, IC, p + packed + (size_t)omp_get_thread_num() * kR * IC, ld);
     const int next_rows = g + 1 < groups ? std::min(kR, OC - r0 - kR) : 0;
     const char* next = next_rows ? static_cast<const char*>(W.data) + (size_t)(r0 + kR) * IC * vbytes : nullptr;
     const int next_lines = (int)std::min<size_t>(pf_lines, (size_t)next_rows * IC * vbytes / 64);
@@ -277,7 +300,11 @@ void gemm_run(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int
         const char* pf = next;
         const int lines = i == 0 ? next_lines : 0;
         if constexpr (T == kT512) {
-          kTiles512[R - 1][(valid + 7) / 8 - 1](xp, Wg, ld, IC, buf, pf, lines);
+          if (direct_bf16)
+            kTiles512<uint16_t>[R - 1][(valid + 7) / 8 - 1](xp, static_cast<const uint16_t*>(W.data) + (size_t)r0 * IC, IC,
+                                                            IC, buf, pf, lines);
+          else
+            kTiles512<float>[R - 1][(valid + 7) / 8 - 1](xp, Wg, ld, IC, buf, pf, lines);
           store_tile_avx512(out, ld_out, buf, R, valid, i * T, r0, alpha, acc);
         } else {
           kTiles2[valid <= T / 2 ? 0 : 1][R - 1](xp, Wg, ld, IC, buf, pf, lines);

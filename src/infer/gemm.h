@@ -11,7 +11,9 @@
 // accumulators (per column up to 3 vector loads of x and 8 broadcasts of W for 24 FMAs), the tile's
 // columns covered in steps of 8 (16-wide vectors plus an 8-wide one: a prompt's expert holds a few
 // dozen rows, one tile), x packed and the results written back through transposes in registers.
-// AVX2: 6 rows, 12 accumulators.  Threads split the weight rows.
+// AVX2: 6 rows, 12 accumulators.  bf16 weights meet the AVX-512 tiles as they lie (each broadcast
+// value shifted into fp32 in its register); other stored types are widened a group of rows at a time.
+// Threads split the weight rows.
 #pragma once
 
 #include <vector>
@@ -21,7 +23,7 @@
 namespace moetron::infer {
 
 // See above.  W: fp32 rows at stride ld_w, or bf16 / f16 / Q8_0 rows stored contiguously (ld_w == IC),
-// which the thread that uses them widens to fp32 kRows at a time (the matrix is never copied: the
+// which the thread that uses them widens to fp32 a few rows at a time (bf16 with AVX-512: in registers) (the matrix is never copied: the
 // scratch holds x packed plus kRows widened rows per thread).  scratch: resized as needed; one per
 // thread when called from several threads.  OpenMP threads (the caller's omp_get_max_threads())
 // split W's rows when the product is large enough; inside a parallel region it runs on the calling
