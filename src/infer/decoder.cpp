@@ -456,8 +456,12 @@ void Decoder::attention_decode(KvCache* const* caches, int n, int l) {
   }
   const bool parallel = work >= gemv_min_ / 8;
   const int threads = parallel ? omp_get_max_threads() : 1;
-  int ranges = 1;  // kv heads split into `ranges` equal ranges, a divisor of NKV_
-  while (ranges < NKV_ && (long)n * ranges < 4L * threads) {
+  // kv heads split into `ranges` equal ranges, a divisor of NKV_, for the threads to share; one thread
+  // takes a row's heads in one range, reading each cached row whole, in order (0.49B bf16, one thread,
+  // 2-core Zen 4 EPYC VM: 4 ranges of 2 kv heads, each reading 512 bytes of every 2 KiB row, took 0.605
+  // ms a step, one range 0.567).
+  int ranges = 1;
+  while (threads > 1 && ranges < NKV_ && (long)n * ranges < 4L * threads) {
     ranges++;
     while (NKV_ % ranges) ranges++;
   }
