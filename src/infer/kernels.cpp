@@ -1168,10 +1168,13 @@ void axpy(float* y, float alpha, const float* x, int n) {
   axpy_rows_avx2(y, &alpha, x, 0, 1, n);
 }
 
+// Into L2 (prefetcht1): attention's blocks of 16 cached rows are up to 32 KiB, an L1's worth (0.49B
+// bf16 decode, one thread, 2-core Zen 4 EPYC VM, 3 alternating runs: attention 0.569 -> 0.524 ms a
+// step; 8 sequences together 250.5 and 248.5 tokens/s).
 void prefetch_rows(const float* p, size_t ld, int count, int n) {
   for (int j = 0; j < count; j++) {
     const char* r = reinterpret_cast<const char*>(p + (size_t)j * ld);
-    for (size_t b = 0; b < sizeof(float) * (size_t)n; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
+    for (size_t b = 0; b < sizeof(float) * (size_t)n; b += 64) _mm_prefetch(r + b, _MM_HINT_T1);
   }
 }
 

@@ -115,7 +115,7 @@ float dot(const float* a, const float* b, int n);
 // y[n] += alpha * x[n] (fma per value)
 void axpy(float* y, float alpha, const float* x, int n);
 
-// Asks the cache for rows p + j * ld, j < count, of n floats each (no effect on any result).
+// Asks L2 for rows p + j * ld, j < count, of n floats each (no effect on any result).
 void prefetch_rows(const float* p, size_t ld, int count, int n);
 
 // The index std::max_element gives for x[0, n), n >= 1: the first of the largest values (greedy
