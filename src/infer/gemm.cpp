@@ -107,15 +107,27 @@ MOETRON_GEMM_AVX2 void tile_avx2(const float* xp, const float* W, int ld_w, int 
   __m256 a[R][V];
   for (int r = 0; r < R; r++)
     for (int v = 0; v < V; v++) a[r][v] = _mm256_setzero_ps();
-  for (int k = 0; k < IC; k++) {
-    if ((k & 3) == 0 && (k >> 2) < pf_lines) _mm_prefetch(pf + (size_t)(k >> 2) * 64, _MM_HINT_T0);
+  // A loop that runs at least once (IC = 0 returns first) and prefetches without a branch (line
+  // min(k / 4, pf_lines - 1); x's first line when there is none): with a `for` that may run zero times,
+  // or a prefetch under an `if`, GCC 12 kept the accumulators in memory too, storing each after every
+  // FMA (this GEMM ran at 21 G multiply-adds/s where the tile alone reaches 57, 2-core Zen 4 EPYC VM).
+  if (IC <= 0) {
+    for (int r = 0; r < R; r++)
+      for (int v = 0; v < V; v++) _mm256_storeu_ps(buf + r * 16 + 8 * v, a[r][v]);
+    return;
+  }
+  const char* pfp = pf_lines > 0 ? pf : reinterpret_cast<const char*>(xp);
+  const int last = pf_lines > 0 ? pf_lines - 1 : 0;
+  int k = 0;
+  do {
+    _mm_prefetch(pfp + (size_t)std::min(k >> 2, last) * 64, _MM_HINT_T0);
     __m256 x[V];
     for (int v = 0; v < V; v++) x[v] = _mm256_loadu_ps(xp + (size_t)k * 16 + 8 * v);
     for (int r = 0; r < R; r++) {
       const __m256 w = _mm256_broadcast_ss(W + (size_t)r * ld_w + k);
       for (int v = 0; v < V; v++) a[r][v] = _mm256_fmadd_ps(x[v], w, a[r][v]);
     }
-  }
+  } while (++k < IC);
   for (int r = 0; r < R; r++)
     for (int v = 0; v < V; v++) _mm256_storeu_ps(buf + r * 16 + 8 * v, a[r][v]);
 }
@@ -151,8 +163,19 @@ MOETRON_GEMM_AVX512 void tile_avx512(const float* xp, const void* Wv, int ld_w, 
     for (int v = 0; v < Z; v++) a[r][v] = _mm512_setzero_ps();
     if (Y) b[r] = _mm256_setzero_ps();
   }
-  for (int k = 0; k < IC; k++) {
-    if ((k & 3) == 0 && (k >> 2) < pf_lines) _mm_prefetch(pf + (size_t)(k >> 2) * 64, _MM_HINT_T0);
+  // The loop as tile_avx2's (without it the 8-wide tiles stored their accumulators every column).
+  if (IC <= 0) {
+    for (int r = 0; r < R; r++) {
+      for (int v = 0; v < Z; v++) _mm512_store_ps(buf + r * kT512 + 16 * v, a[r][v]);
+      if (Y) _mm256_store_ps(buf + r * kT512 + 16 * Z, b[r]);
+    }
+    return;
+  }
+  const char* pfp = pf_lines > 0 ? pf : reinterpret_cast<const char*>(xp);
+  const int last = pf_lines > 0 ? pf_lines - 1 : 0;
+  int k = 0;
+  do {
+    _mm_prefetch(pfp + (size_t)std::min(k >> 2, last) * 64, _MM_HINT_T0);
     __m512 x[Z > 0 ? Z : 1];
     __m256 y;
     for (int v = 0; v < Z; v++) x[v] = _mm512_loadu_ps(xp + (size_t)k * kT512 + 16 * v);
@@ -166,7 +189,7 @@ MOETRON_GEMM_AVX512 void tile_avx512(const float* xp, const void* Wv, int ld_w, 
         if (Y) b[r] = _mm256_fmadd_ps(y, _mm512_castps512_ps256(w), b[r]);
       }
     }
-  }
+  } while (++k < IC);
   for (int r = 0; r < R; r++) {
     for (int v = 0; v < Z; v++) _mm512_store_ps(buf + r * kT512 + 16 * v, a[r][v]);
     if (Y) _mm256_store_ps(buf + r * kT512 + 16 * Z, b[r]);
