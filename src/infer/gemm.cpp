@@ -163,19 +163,8 @@ MOETRON_GEMM_AVX512 void tile_avx512(const float* xp, const void* Wv, int ld_w, 
     for (int v = 0; v < Z; v++) a[r][v] = _mm512_setzero_ps();
     if (Y) b[r] = _mm256_setzero_ps();
   }
-  // The loop as tile_avx2's (without it the 8-wide tiles stored their accumulators every column).
-  if (IC <= 0) {
-    for (int r = 0; r < R; r++) {
-      for (int v = 0; v < Z; v++) _mm512_store_ps(buf + r * kT512 + 16 * v, a[r][v]);
-      if (Y) _mm256_store_ps(buf + r * kT512 + 16 * Z, b[r]);
-    }
-    return;
-  }
-  const char* pfp = pf_lines > 0 ? pf : reinterpret_cast<const char*>(xp);
-  const int last = pf_lines > 0 ? pf_lines - 1 : 0;
-  int k = 0;
-  do {
-    _mm_prefetch(pfp + (size_t)std::min(k >> 2, last) * 64, _MM_HINT_T0);
+  for (int k = 0; k < IC; k++) {
+    if ((k & 3) == 0 && (k >> 2) < pf_lines) _mm_prefetch(pf + (size_t)(k >> 2) * 64, _MM_HINT_T0);
     __m512 x[Z > 0 ? Z : 1];
     __m256 y;
     for (int v = 0; v < Z; v++) x[v] = _mm512_loadu_ps(xp + (size_t)k * kT512 + 16 * v);
@@ -189,7 +178,7 @@ MOETRON_GEMM_AVX512 void tile_avx512(const float* xp, const void* Wv, int ld_w, 
         if (Y) b[r] = _mm256_fmadd_ps(y, _mm512_castps512_ps256(w), b[r]);
       }
     }
-  } while (++k < IC);
+  }
   for (int r = 0; r < R; r++) {
     for (int v = 0; v < Z; v++) _mm512_store_ps(buf + r * kT512 + 16 * v, a[r][v]);
     if (Y) _mm256_store_ps(buf + r * kT512 + 16 * Z, b[r]);
