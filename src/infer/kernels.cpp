@@ -518,15 +518,15 @@ void mrows_simd(SimdLevel level, float* out, int ld_out, const void* W, const fl
 // portable, AVX2 and AVX-512 code do exactly these operations (the integer sums are exact however
 // they are formed), so results are bitwise equal across levels.  Integer sums: AVX2 multiplies |x|
 // (u8) by the weights carrying x's signs (maddubs, as llama.cpp); AVX-512 VNNI 64 values at a time
-// (two blocks: E in the low half, O in the high) as (w + 128) (u8) times x minus 128 * sum(x).
+// (two blocks: E in the low half, O in the high) as -128 * sum(x) plus (w + 128) (u8) times x.
 
 // One product's inputs in Q8_0: input j's values at q + j * IC (int8) and a + j * IC (|q|, uint8), its
-// block scales at d + j * IC / kQ8Block (fp32), and 128 times its 4-value sums at off + j * IC / 4.
+// block scales at d + j * IC / kQ8Block (fp32), and -128 times its 4-value sums at neg_off + j * IC / 4.
 struct Q8Inputs {
   const int8_t* q;
   const uint8_t* a;
   const float* d;
-  const int32_t* off;
+  const int32_t* neg_off;  // per 4 values: -128 times their sum (VNNI's accumulator start)
 };
 
 // Bytes q8_quantize_inputs needs for n inputs of IC values (IC a multiple of kQ8Block).
@@ -547,14 +547,14 @@ void q8_quantize_inputs(const float* x, int ld_x, int n, int IC, uint8_t* buf) {
   int8_t* q = const_cast<int8_t*>(v.q);
   uint8_t* a = const_cast<uint8_t*>(v.a);
   float* d = const_cast<float*>(v.d);
-  int32_t* off = const_cast<int32_t*>(v.off);
+  int32_t* neg_off = const_cast<int32_t*>(v.neg_off);
   for (int j = 0; j < n; j++)
     for (int b = 0; b < nb; b++) {
       const size_t at = (size_t)j * IC + (size_t)b * kQ8Block;
       quantize_q8_0_block(x + (size_t)j * ld_x + (size_t)b * kQ8Block, q + at, d[(size_t)j * nb + b]);
       for (int i = 0; i < kQ8Block; i++) a[at + i] = (uint8_t)std::abs((int)q[at + i]);
       for (int k = 0; k < kQ8Block / 4; k++)
-        off[at / 4 + k] = 128 * ((int32_t)q[at + 4 * k] + q[at + 4 * k + 1] + q[at + 4 * k + 2] + q[at + 4 * k + 3]);
+        neg_off[at / 4 + k] = -128 * ((int32_t)q[at + 4 * k] + q[at + 4 * k + 1] + q[at + 4 * k + 2] + q[at + 4 * k + 3]);
     }
 }
 
@@ -661,20 +661,20 @@ MOETRON_AVX2 void q8_multi_avx2(float* out, int ld_out, const int8_t* W, const u
 
 #define MOETRON_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
-// The 16 int32 lane sums of blocks b, b+1 (64 weights) with input j: (w + 128) x - 128 sum(x).
+// The 16 int32 lane sums of blocks b, b+1 (64 weights) with input j: -128 sum(x) + (w + 128) x, the
+// dot product accumulated onto the offset (exact int32: the same sums as subtracting it after, with
+// neither a zeroed accumulator nor the subtraction).
 MOETRON_VNNI inline __m512i q8_pair_lanes(const int8_t* w, const Q8Inputs& x, size_t at) {
   const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(w), _mm512_set1_epi8((char)0x80));
-  return _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512(x.q + at)),
-                          _mm512_loadu_si512(x.off + at / 4));
+  return _mm512_dpbusd_epi32(_mm512_loadu_si512(x.neg_off + at / 4), wu, _mm512_loadu_si512(x.q + at));
 }
 
 // The same for one block, 8 lanes.
 MOETRON_VNNI inline __m256i q8_one_lanes(const int8_t* w, const Q8Inputs& x, size_t at) {
   const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)),
                                       _mm256_set1_epi8((char)0x80));
-  return _mm256_sub_epi32(
-      _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at))),
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.off + at / 4)));
+  return _mm256_dpbusd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.neg_off + at / 4)), wu,
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at)));
 }
 
 // acc (E low, O high) += d_b, d_b+1 times the lane sums; dv holds 16 blocks' scales from g, p the pair.
