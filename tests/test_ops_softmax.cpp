@@ -3,13 +3,13 @@
 // time gives), shift invariance without overflow, and that the router's
 // probabilities are exactly it.  Its gradient is the router's (test_ops_router checks that by finite
 // differences through router_backward).
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "ops/router.h"
 #include "ops/softmax.h"
@@ -79,7 +79,8 @@ TEST(Softmax, RowsAreEachRowAlone) {
       for (int r = 0; r < rows; r++) {
         std::vector<float> want(x.begin() + (size_t)r * ld, x.begin() + (size_t)r * ld + n);
         ops::softmax_inplace(want.data(), n);
-        ASSERT_EQ(0, std::memcmp(got.data() + (size_t)r * ld, want.data(), sizeof(float) * n)) << rows << " " << n << " " << r;
+        ASSERT_EQ(0, std::memcmp(got.data() + (size_t)r * ld, want.data(), sizeof(float) * n))
+            << rows << " " << n << " " << r;
         for (size_t j = n; j < ld && (size_t)r * ld + j < x.size(); j++)  // the gaps untouched
           ASSERT_EQ(0, std::memcmp(&got[(size_t)r * ld + j], &x[(size_t)r * ld + j], sizeof(float)));
       }

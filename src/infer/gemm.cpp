@@ -155,7 +155,7 @@ MOETRON_GEMM_AVX512 inline __m256 bcast256(const WT* w) {
 
 template <int R, int Z, int Y, typename WT>
 MOETRON_GEMM_AVX512 void tile_avx512(const float* xp, const void* Wv, int ld_w, int IC, float* buf, const char* pf,
-                                    int pf_lines) {
+                                     int pf_lines) {
   const WT* W = static_cast<const WT*>(Wv);
   __m512 a[R][Z > 0 ? Z : 1];
   __m256 b[R];
@@ -189,7 +189,7 @@ MOETRON_GEMM_AVX512 void tile_avx512(const float* xp, const void* Wv, int ld_w, 
 // block of 8 columns is loaded as 8 rows (zero past R), transposed in registers and stored as 8-wide
 // rows of out, masked to R values.  alpha * s is s exactly when alpha is 1, so one path serves all.
 MOETRON_GEMM_AVX512 void store_tile_avx512(float* out, int ld_out, const float* buf, int R, int valid, int t0, int r0,
-                                          float alpha, bool acc) {
+                                           float alpha, bool acc) {
   const __mmask8 m = (__mmask8)((1u << R) - 1);
   const __m256 al = _mm256_set1_ps(alpha);
   for (int j = 0; j * 8 < valid; j++) {
@@ -232,7 +232,8 @@ MOETRON_GEMM_AVX512 void pack_tile_avx512(float* p, const float* x, int ld_x, in
       __m512 u[16];
       for (int g = 0; g < 4; g++) {  // rows 4g .. 4g + 3: 4 x 4 blocks transposed within each 128-bit lane
         const __m512 a = _mm512_unpacklo_ps(r[4 * g], r[4 * g + 1]), b = _mm512_unpackhi_ps(r[4 * g], r[4 * g + 1]);
-        const __m512 c = _mm512_unpacklo_ps(r[4 * g + 2], r[4 * g + 3]), d = _mm512_unpackhi_ps(r[4 * g + 2], r[4 * g + 3]);
+        const __m512 c = _mm512_unpacklo_ps(r[4 * g + 2], r[4 * g + 3]),
+                     d = _mm512_unpackhi_ps(r[4 * g + 2], r[4 * g + 3]);
         u[4 * g + 0] = _mm512_shuffle_ps(a, c, 0x44);  // lane L: column 4L + 0 of rows 4g .. 4g + 3
         u[4 * g + 1] = _mm512_shuffle_ps(a, c, 0xEE);
         u[4 * g + 2] = _mm512_shuffle_ps(b, d, 0x44);
@@ -297,8 +298,9 @@ void gemm_run(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int
   for (int g = 0; g < groups; g++) {
     const int r0 = g * kR, R = std::min(kR, OC - r0);
     int ld = IC;
-    const float* Wg = direct_bf16 ? nullptr
-                                  : weight_rows(W, ld_w, r0, R, IC, p + packed + (size_t)omp_get_thread_num() * kR * IC, ld);
+    const float* Wg = direct_bf16
+                          ? nullptr
+                          : weight_rows(W, ld_w, r0, R, IC, p + packed + (size_t)omp_get_thread_num() * kR * IC, ld);
     const int next_rows = g + 1 < groups ? std::min(kR, OC - r0 - kR) : 0;
     const char* next = next_rows ? static_cast<const char*>(W.data) + (size_t)(r0 + kR) * IC * vbytes : nullptr;
     const int next_lines = (int)std::min<size_t>(pf_lines, (size_t)next_rows * IC * vbytes / 64);
@@ -313,8 +315,8 @@ void gemm_run(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int
         const int lines = i == 0 ? next_lines : 0;
         if constexpr (T == kT512) {
           if (direct_bf16)
-            kTiles512<uint16_t>[R - 1][(valid + 7) / 8 - 1](xp, static_cast<const uint16_t*>(W.data) + (size_t)r0 * IC, IC,
-                                                            IC, buf, pf, lines);
+            kTiles512<uint16_t>[R - 1][(valid + 7) / 8 - 1](xp, static_cast<const uint16_t*>(W.data) + (size_t)r0 * IC,
+                                                            IC, IC, buf, pf, lines);
           else
             kTiles512<float>[R - 1][(valid + 7) / 8 - 1](xp, Wg, ld, IC, buf, pf, lines);
           store_tile_avx512(out, ld_out, buf, R, valid, i * T, r0, alpha, acc);

@@ -24,10 +24,10 @@ namespace moetron::infer {
 
 // See above.  W: fp32 rows at stride ld_w, or bf16 / f16 / Q8_0 rows stored contiguously (ld_w == IC),
 // which the thread that uses them widens to fp32 a few rows at a time (bf16 with AVX-512: in registers;
-// the matrix is never copied: the scratch holds x packed plus a group's widened rows per thread).  scratch: resized as needed; one per
-// thread when called from several threads.  OpenMP threads (the caller's omp_get_max_threads())
-// split W's rows when the product is large enough; inside a parallel region it runs on the calling
-// thread.
+// the matrix is never copied: the scratch holds x packed plus a group's widened rows per thread).
+// scratch: resized as needed; one per thread when called from several threads.  OpenMP threads (the
+// caller's omp_get_max_threads()) split W's rows when the product is large enough; inside a parallel
+// region it runs on the calling thread.
 void gemm_nt(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int ld_w, int n, int IC, int OC,
              float alpha, bool accumulate, std::vector<float>& scratch);
 

@@ -554,7 +554,8 @@ void q8_quantize_inputs(const float* x, int ld_x, int n, int IC, uint8_t* buf) {
       quantize_q8_0_block(x + (size_t)j * ld_x + (size_t)b * kQ8Block, q + at, d[(size_t)j * nb + b]);
       for (int i = 0; i < kQ8Block; i++) a[at + i] = (uint8_t)std::abs((int)q[at + i]);
       for (int k = 0; k < kQ8Block / 4; k++)
-        neg_off[at / 4 + k] = -128 * ((int32_t)q[at + 4 * k] + q[at + 4 * k + 1] + q[at + 4 * k + 2] + q[at + 4 * k + 3]);
+        neg_off[at / 4 + k] =
+            -128 * ((int32_t)q[at + 4 * k] + q[at + 4 * k + 1] + q[at + 4 * k + 2] + q[at + 4 * k + 3]);
     }
 }
 
@@ -1054,14 +1055,29 @@ MOETRON_AVX2 void axpy_rows_avx2(float* o, const float* w, const float* v, size_
   int c = 0;
   for (; c + 64 <= n; c += 64) axpy_block_avx2<8>(o + c, w, v + c, ld, count);
   switch ((n - c) / 8) {
-    case 1: axpy_block_avx2<1>(o + c, w, v + c, ld, count); break;
-    case 2: axpy_block_avx2<2>(o + c, w, v + c, ld, count); break;
-    case 3: axpy_block_avx2<3>(o + c, w, v + c, ld, count); break;
-    case 4: axpy_block_avx2<4>(o + c, w, v + c, ld, count); break;
-    case 5: axpy_block_avx2<5>(o + c, w, v + c, ld, count); break;
-    case 6: axpy_block_avx2<6>(o + c, w, v + c, ld, count); break;
-    case 7: axpy_block_avx2<7>(o + c, w, v + c, ld, count); break;
-    default: break;
+    case 1:
+      axpy_block_avx2<1>(o + c, w, v + c, ld, count);
+      break;
+    case 2:
+      axpy_block_avx2<2>(o + c, w, v + c, ld, count);
+      break;
+    case 3:
+      axpy_block_avx2<3>(o + c, w, v + c, ld, count);
+      break;
+    case 4:
+      axpy_block_avx2<4>(o + c, w, v + c, ld, count);
+      break;
+    case 5:
+      axpy_block_avx2<5>(o + c, w, v + c, ld, count);
+      break;
+    case 6:
+      axpy_block_avx2<6>(o + c, w, v + c, ld, count);
+      break;
+    case 7:
+      axpy_block_avx2<7>(o + c, w, v + c, ld, count);
+      break;
+    default:
+      break;
   }
   c += (n - c) / 8 * 8;
   for (; c < n; c++)
@@ -1095,14 +1111,21 @@ MOETRON_AVX2 inline void axpy2_block_avx2(float* o0, float* o1, const float* w0,
 }
 
 MOETRON_AVX2 void axpy_rows2_avx2(float* o0, float* o1, const float* w0, const float* w1, const float* v, size_t ld,
-                                 int count, int n) {
+                                  int count, int n) {
   int c = 0;
   for (; c + 32 <= n; c += 32) axpy2_block_avx2<4>(o0 + c, o1 + c, w0, w1, v + c, ld, count);
   switch ((n - c) / 8) {
-    case 1: axpy2_block_avx2<1>(o0 + c, o1 + c, w0, w1, v + c, ld, count); break;
-    case 2: axpy2_block_avx2<2>(o0 + c, o1 + c, w0, w1, v + c, ld, count); break;
-    case 3: axpy2_block_avx2<3>(o0 + c, o1 + c, w0, w1, v + c, ld, count); break;
-    default: break;
+    case 1:
+      axpy2_block_avx2<1>(o0 + c, o1 + c, w0, w1, v + c, ld, count);
+      break;
+    case 2:
+      axpy2_block_avx2<2>(o0 + c, o1 + c, w0, w1, v + c, ld, count);
+      break;
+    case 3:
+      axpy2_block_avx2<3>(o0 + c, o1 + c, w0, w1, v + c, ld, count);
+      break;
+    default:
+      break;
   }
   c += (n - c) / 8 * 8;
   for (; c < n; c++)

@@ -24,10 +24,10 @@ inline float exp_reduced(float x, float n) {
 
 // e^x for x <= 0 (a softmax's x - max) with a relative error below 2^-23 (measured against double exp
 // over 4e7 points of [-87.3, 0]: at most 0.70 * 2^-23); 0 below -87.34 (where e^x leaves fp32's normal
-// range) and for -inf, NaN for NaN.  Cody-Waite reduction (exp_reduced), then 2^n built in the exponent bits.  Every
-// step is an explicit fma or a single rounding, so the compiler's vectorised loop and its scalar tail
-// give the same bits (libm's expf is a call per value, which kept the loop scalar: 10% of a small
-// model's prefill).
+// range) and for -inf, NaN for NaN.  Cody-Waite reduction (exp_reduced), then 2^n built in the
+// exponent bits.  Every step is an explicit fma or a single rounding, so the compiler's vectorised loop
+// and its scalar tail give the same bits (libm's expf is a call per value, which kept the loop scalar:
+// 10% of a small model's prefill).
 inline float exp_nonpositive(float x) {
   const float magic = 12582912.0f;  // 1.5 * 2^23: t's low mantissa bits hold round(x log2 e)
   const float t = std::fma(x, 1.44269504088896341f, magic);
@@ -47,7 +47,8 @@ inline float exp_f32(float x) {
   const float p = exp_reduced(x, t - magic);
   const int32_t n = (int32_t)(std::bit_cast<uint32_t>(t) - std::bit_cast<uint32_t>(magic));
   const int32_t h = n >> 1;
-  const float s1 = std::bit_cast<float>((uint32_t)(h + 127) << 23), s2 = std::bit_cast<float>((uint32_t)(n - h + 127) << 23);
+  const float s1 = std::bit_cast<float>((uint32_t)(h + 127) << 23);
+  const float s2 = std::bit_cast<float>((uint32_t)(n - h + 127) << 23);
   const float v = (p * s1) * s2;
   return x < -87.33654475f ? 0.0f : x > 88.72283935f ? INFINITY : v;
 }

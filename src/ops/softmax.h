@@ -1,6 +1,6 @@
 // Row softmax in fp32, the one the router and inference attention share: p = e^(x - max x) / sum,
-// e^ by exp_nonpositive (ops/exp.h: relative error < 2^-23), the sum of the exponentials accumulated in double
-// and its inverse rounded once to fp32.  (Training attention's forward keeps its own, mask-aware
+// e^ by exp_nonpositive (ops/exp.h: relative error < 2^-23), the sum of the exponentials accumulated
+// in double and its inverse rounded once to fp32.  (Training attention's forward keeps its own, mask-aware
 // loop: ops/attention.cpp.)
 #pragma once
 
