@@ -1052,33 +1052,12 @@ MOETRON_AVX2 inline void axpy_block_avx2(float* o, const float* w, const float* 
 // in one pass (a head of 32 values: 4 chains, not 4 passes of one; prefill attention of the small
 // model, one thread, 2-core Zen 4 EPYC VM: 1.45 -> 1.28 ms a prefill of 128 tokens), then a scalar tail.
 MOETRON_AVX2 void axpy_rows_avx2(float* o, const float* w, const float* v, size_t ld, int count, int n) {
+  using Block = void (*)(float*, const float*, const float*, size_t, int);
+  static constexpr Block kBlocks[8] = {nullptr,           axpy_block_avx2<1>, axpy_block_avx2<2>, axpy_block_avx2<3>,
+                                       axpy_block_avx2<4>, axpy_block_avx2<5>, axpy_block_avx2<6>, axpy_block_avx2<7>};
   int c = 0;
   for (; c + 64 <= n; c += 64) axpy_block_avx2<8>(o + c, w, v + c, ld, count);
-  switch ((n - c) / 8) {
-    case 1:
-      axpy_block_avx2<1>(o + c, w, v + c, ld, count);
-      break;
-    case 2:
-      axpy_block_avx2<2>(o + c, w, v + c, ld, count);
-      break;
-    case 3:
-      axpy_block_avx2<3>(o + c, w, v + c, ld, count);
-      break;
-    case 4:
-      axpy_block_avx2<4>(o + c, w, v + c, ld, count);
-      break;
-    case 5:
-      axpy_block_avx2<5>(o + c, w, v + c, ld, count);
-      break;
-    case 6:
-      axpy_block_avx2<6>(o + c, w, v + c, ld, count);
-      break;
-    case 7:
-      axpy_block_avx2<7>(o + c, w, v + c, ld, count);
-      break;
-    default:
-      break;
-  }
+  if ((n - c) / 8 > 0) kBlocks[(n - c) / 8](o + c, w, v + c, ld, count);
   c += (n - c) / 8 * 8;
   for (; c < n; c++)
     for (int j = 0; j < count; j++) o[c] = std::fma(w[j], v[(size_t)j * ld + c], o[c]);
@@ -1112,21 +1091,11 @@ MOETRON_AVX2 inline void axpy2_block_avx2(float* o0, float* o1, const float* w0,
 
 MOETRON_AVX2 void axpy_rows2_avx2(float* o0, float* o1, const float* w0, const float* w1, const float* v, size_t ld,
                                   int count, int n) {
+  using Block = void (*)(float*, float*, const float*, const float*, const float*, size_t, int);
+  static constexpr Block kBlocks[4] = {nullptr, axpy2_block_avx2<1>, axpy2_block_avx2<2>, axpy2_block_avx2<3>};
   int c = 0;
   for (; c + 32 <= n; c += 32) axpy2_block_avx2<4>(o0 + c, o1 + c, w0, w1, v + c, ld, count);
-  switch ((n - c) / 8) {
-    case 1:
-      axpy2_block_avx2<1>(o0 + c, o1 + c, w0, w1, v + c, ld, count);
-      break;
-    case 2:
-      axpy2_block_avx2<2>(o0 + c, o1 + c, w0, w1, v + c, ld, count);
-      break;
-    case 3:
-      axpy2_block_avx2<3>(o0 + c, o1 + c, w0, w1, v + c, ld, count);
-      break;
-    default:
-      break;
-  }
+  if ((n - c) / 8 > 0) kBlocks[(n - c) / 8](o0 + c, o1 + c, w0, w1, v + c, ld, count);
   c += (n - c) / 8 * 8;
   for (; c < n; c++)
     for (int j = 0; j < count; j++) {
