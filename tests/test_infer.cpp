@@ -329,32 +329,41 @@ TEST(DecodeSplitTuner, TriesBothWaysEachPeriodKeepsTheFasterAndBacksOffWhileItHo
 }
 
 // A product gives bitwise the same result split or not, on any number of threads (rows are independent),
-// so the tuner's choice never changes what is generated.
+// so the tuner's choice never changes what is generated; and whatever pieces gemv_batch cuts the rows
+// into (piece_rows_for: up to 2 MiB, fewer with threads), each row is what the level's kernel gives
+// over the whole matrix at once (gemv_at).  Rows of 4200 bytes are read in pairs half a piece apart,
+// rows of 1400 as neighbours.
 TEST(DecodeKernels, GemvBatchIsBitwiseTheSameSplitOrNot) {
-  const int OC = 1000, IC = 2100;  // 2.1M multiply-adds: split at kGemvSplitMin, not at the default
-  ASSERT_GE((long)OC * IC, infer::kGemvSplitMin);
-  ASSERT_LT((long)OC * IC, infer::kGemvParallelMin);
-  std::vector<float> W((size_t)OC * IC), x(IC);
-  std::vector<uint16_t> Wh(W.size());
-  for (size_t i = 0; i < W.size(); i++) {
-    W[i] = (float)((mix64(i) % 2001) / 1000.0 - 1.0);
-    Wh[i] = (uint16_t)(mix64(i + 7) >> 48) & 0xBF7F;  // finite bf16 values
-  }
-  for (int i = 0; i < IC; i++) x[i] = (float)((mix64(99 + i) % 2001) / 1000.0 - 1.0);
+  const int OC = 1000;
   const int saved = omp_get_max_threads();
-  for (const bool bf16 : {false, true}) {
-    std::vector<float> ref(OC), y(OC);
-    omp_set_num_threads(1);
-    const infer::WeightRef w = bf16 ? infer::WeightRef{Wh.data(), DType::BF16} : infer::WeightRef{W.data(), DType::F32};
-    infer::GemvTask t{ref.data(), w, x.data(), OC};
-    infer::gemv_batch(&t, 1, IC);
-    for (const int threads : {2, 3}) {
-      omp_set_num_threads(threads);
-      for (const long min_macs : {infer::kGemvParallelMin, infer::kGemvSplitMin, 1L}) {
-        t.y = y.data();
-        infer::gemv_batch(&t, 1, IC, min_macs);
-        EXPECT_EQ(0, std::memcmp(ref.data(), y.data(), sizeof(float) * OC))
-            << "bf16 " << bf16 << " threads " << threads << " threshold " << min_macs;
+  for (const int IC : {2100, 700}) {  // 2.1M and 0.7M multiply-adds: split at kGemvSplitMin, not at the default
+    ASSERT_GE((long)OC * IC, infer::kGemvSplitMin);
+    ASSERT_LT((long)OC * IC, infer::kGemvParallelMin);
+    std::vector<float> W((size_t)OC * IC), x(IC);
+    std::vector<uint16_t> Wh(W.size());
+    for (size_t i = 0; i < W.size(); i++) {
+      W[i] = (float)((mix64(i) % 2001) / 1000.0 - 1.0);
+      Wh[i] = (uint16_t)(mix64(i + 7) >> 48) & 0xBF7F;  // finite bf16 values
+    }
+    for (int i = 0; i < IC; i++) x[i] = (float)((mix64(99 + i) % 2001) / 1000.0 - 1.0);
+    for (const bool bf16 : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "IC " << IC << " bf16 " << bf16);
+      std::vector<float> ref(OC), whole(OC), y(OC);
+      omp_set_num_threads(1);
+      const infer::WeightRef w =
+          bf16 ? infer::WeightRef{Wh.data(), DType::BF16} : infer::WeightRef{W.data(), DType::F32};
+      infer::GemvTask t{ref.data(), w, x.data(), OC};
+      infer::gemv_batch(&t, 1, IC);
+      infer::gemv_at(infer::simd_level(), whole.data(), w, x.data(), OC, IC);
+      EXPECT_EQ(0, std::memcmp(ref.data(), whole.data(), sizeof(float) * OC)) << "pieces vs the whole matrix";
+      for (const int threads : {2, 3}) {
+        omp_set_num_threads(threads);
+        for (const long min_macs : {infer::kGemvParallelMin, infer::kGemvSplitMin, 1L}) {
+          t.y = y.data();
+          infer::gemv_batch(&t, 1, IC, min_macs);
+          EXPECT_EQ(0, std::memcmp(ref.data(), y.data(), sizeof(float) * OC))
+              << "threads " << threads << " threshold " << min_macs;
+        }
       }
     }
   }

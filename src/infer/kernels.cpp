@@ -38,15 +38,24 @@ namespace {
 // Values ahead of the position being read: 8 KiB of bf16 (4 KiB was as fast on the Xeon; on a 2-core
 // AVX-512 AMD EPYC VM the 0.49B model decoded 65.6 tokens/s with 4 KiB, 72 with 8, 63 with 16).
 constexpr int kPrefetch = 4096;
-// On AMD (to_l2_cpu()) the one-input kernels prefetch 4 KiB of bf16 ahead into L2 instead (prefetcht1;
-// Q8_0's too, kQ8PrefetchVnniL2): 2-core AVX-512 AMD EPYC (Zen 4) VM, 0.49B bf16 model, alternating
-// runs, decoding tokens/s: one thread 53-60 -> 67-78, two 81-100 -> 85-116 (noisy); 32000 x 1024 from
-// memory, one thread, G multiply-adds/s: T0 8 KiB ahead 10.4, T1 16 KiB 11.2, T1 8 KiB 11.8, T1 4 KiB
-// 12.5.  Intel keeps the setting measured on the Xeon.
-constexpr int kPrefetchL2 = 2048;
+// On AMD (amd_cpu()) the AVX-512 one-input kernels issue no prefetches, and a task's matrix is read in
+// pieces of about kPieceBytes (piece_rows_for): its row pairs then form two runs of a MiB each, which
+// the hardware prefetchers follow at more than the software prefetches reached.  2-core Zen 4 EPYC VM,
+// weights from memory, one input, medians of alternating runs in one process, GB/s: bf16 32000 x
+// 1024, one thread 25.1 -> 26.6, two 32.3 -> 34.3; 2048 x 1024, 23.6 -> 26.6 and 30.9 -> 33.3; 1024 x
+// 2048, 25.3 -> 27.0 (one thread).  With 64-row pieces, dropping the prefetches alone was a loss (rows
+// of 2 KiB: runs of 64 KiB).  Q8_0 keeps its L2 prefetch and 64-row pieces (its runs gave no
+// consistent gain either way), Intel the setting measured on the Xeon.
 
-// Whether this CPU takes the one-input kernels' prefetches into L2 (AMD).  Read once.
-bool to_l2_cpu() {
+// Rows shorter than kRowsApartBytes are read as neighbour pairs (RowPairs): on AMD those still
+// prefetch, 4 KiB of bf16 ahead into L2 (prefetcht1 4 KiB ahead had beaten prefetcht0 8 KiB, one
+// thread, 0.49B model: 53-60 -> 67-78 tokens/s; without prefetches, the small model's 32000 x 256
+// head and experts decoded 769 -> 539 tokens/s).
+constexpr int kPrefetchL2 = 2048;
+enum class Prefetch { none, l1, l2 };  // a one-input kernel's: none, kPrefetch into L1, kPrefetchL2 into L2
+
+// Whether this is an AMD CPU (the prefetch settings above).  Read once.
+bool amd_cpu() {
 #if defined(__x86_64__)
   static const bool v = __builtin_cpu_is("amd");
   return v;
@@ -64,7 +73,7 @@ constexpr int kMultiPrefetch = 1024;
 // 16 KiB 110.  AVX2 (32 bytes a step), on a 2-core AVX2-only AMD EPYC VM, medians of 3, two sweeps:
 // 1 KiB 50, 2 KiB 57, 4 KiB 50, 8 KiB 49, 16 KiB 53 (2 threads: 2 KiB 89, 8 KiB 85).
 constexpr int kQ8PrefetchVnni = 8192;
-// On AMD (to_l2_cpu()) 4 KiB ahead into L2: 2-core Zen 4 EPYC VM, 32000 x 1024 from memory, G
+// On AMD (amd_cpu()) 4 KiB ahead into L2: 2-core Zen 4 EPYC VM, 32000 x 1024 from memory, G
 // multiply-adds/s, one thread 14.8 -> 20.2 (8 KiB into L2: 18.7), two 24.6 -> 31.5.
 constexpr int kQ8PrefetchVnniL2 = 4096;
 constexpr int kQ8PrefetchAvx2 = 2048;
@@ -358,7 +367,8 @@ MOETRON_AVX512 inline void w32_lanes(const void* W, size_t i, __m512& lo, __m512
   }
 }
 
-template <DType DT, int R, bool L2>
+// PF: the rows' prefetches (see amd_cpu()).
+template <DType DT, int R, Prefetch PF>
 MOETRON_AVX512 void block_avx512(float* y, const void* W, const float* x, const float* xp, int r, int stride, int IC,
                                  bool acc) {
   constexpr size_t vbytes = vbytes_of(DT);
@@ -369,13 +379,14 @@ MOETRON_AVX512 void block_avx512(float* y, const void* W, const float* x, const 
     const __m512 x0 = _mm512_loadu_ps(xp + c), x1 = _mm512_loadu_ps(xp + c + 16);
     for (int k = 0; k < R; k++) {
       const size_t i = (size_t)(r + k * stride) * IC + c;
-      const char* p = static_cast<const char*>(W) + (i + (L2 ? kPrefetchL2 : kPrefetch)) * vbytes;
-      if constexpr (L2) {
-        _mm_prefetch(p, _MM_HINT_T1);
-        if constexpr (vbytes == 4) _mm_prefetch(p + 64, _MM_HINT_T1);
-      } else {
+      if constexpr (PF == Prefetch::l1) {
+        const char* p = static_cast<const char*>(W) + (i + kPrefetch) * vbytes;
         _mm_prefetch(p, _MM_HINT_T0);
         if constexpr (vbytes == 4) _mm_prefetch(p + 64, _MM_HINT_T0);
+      } else if constexpr (PF == Prefetch::l2) {
+        const char* p = static_cast<const char*>(W) + (i + kPrefetchL2) * vbytes;
+        _mm_prefetch(p, _MM_HINT_T1);
+        if constexpr (vbytes == 4) _mm_prefetch(p + 64, _MM_HINT_T1);
       }
       __m512 lo, hi;
       w32_lanes<DT>(W, i, lo, hi);
@@ -395,15 +406,28 @@ MOETRON_AVX512 void block_avx512(float* y, const void* W, const float* x, const 
   }
 }
 
-template <DType DT, bool L2>
-MOETRON_AVX512 void rows_avx512(float* y, const void* W, const float* x, const float* xp, int r0, int r1, int IC,
-                                bool acc) {
+template <DType DT, Prefetch PF>
+MOETRON_AVX512 void pairs_avx512(float* y, const void* W, const float* x, const float* xp, int r0, int r1, int IC,
+                                 bool acc) {
   const RowPairs p(r0, r1, (size_t)IC * vbytes_of(DT));
-  for (int i = 0; i < p.pairs; i++) block_avx512<DT, 2, L2>(y, W, x, xp, p.first(i), p.stride, IC, acc);
-  if (p.odd) block_avx512<DT, 1, L2>(y, W, x, xp, r1 - 1, 0, IC, acc);
+  for (int i = 0; i < p.pairs; i++) block_avx512<DT, 2, PF>(y, W, x, xp, p.first(i), p.stride, IC, acc);
+  if (p.odd) block_avx512<DT, 1, PF>(y, W, x, xp, r1 - 1, 0, IC, acc);
 }
 
-// R rows r + k * stride against N inputs (see multi_block_avx2): block_avx512<DT, 1, L2>'s operations per
+// Amd: rows paired apart go without prefetches, neighbours prefetch into L2 (amd_cpu()); elsewhere
+// into L1.
+template <DType DT, bool Amd>
+MOETRON_AVX512 void rows_avx512(float* y, const void* W, const float* x, const float* xp, int r0, int r1, int IC,
+                                bool acc) {
+  if (!Amd)
+    pairs_avx512<DT, Prefetch::l1>(y, W, x, xp, r0, r1, IC, acc);
+  else if ((size_t)IC * vbytes_of(DT) >= kRowsApartBytes)
+    pairs_avx512<DT, Prefetch::none>(y, W, x, xp, r0, r1, IC, acc);
+  else
+    pairs_avx512<DT, Prefetch::l2>(y, W, x, xp, r0, r1, IC, acc);
+}
+
+// R rows r + k * stride against N inputs (see multi_block_avx2): block_avx512<DT, 1, Prefetch::l1>'s operations per
 // row and input.
 template <DType DT, int N, int R, int P = 0, int NP = 1>
 MOETRON_AVX512 void multi_block_avx512(float* out, int ld_out, const void* W, const float* x, int ld_x,
@@ -795,7 +819,7 @@ void q8_rows(SimdLevel level, float* out, int ld_out, WeightRef Wr, const Q8Inpu
   const bool vnni = level == SimdLevel::avx512 && has_avx512_vnni();
   if (n == 1) {
     using BlockFn = void (*)(float*, const int8_t*, const uint16_t*, const Q8Inputs&, int, int, int, bool);
-    const bool l2 = to_l2_cpu();
+    const bool l2 = amd_cpu();
     const BlockFn two = vnni ? (l2 ? q8_block_vnni<2, true> : q8_block_vnni<2, false>) : q8_block_avx2<2>;
     const BlockFn one = vnni ? (l2 ? q8_block_vnni<1, true> : q8_block_vnni<1, false>) : q8_block_avx2<1>;
     const RowPairs p(r0, r1, (size_t)IC, kQ8RowsApartBytes);
@@ -876,7 +900,7 @@ template <DType DT>
 RowsFn rows_for(SimdLevel s) {
   switch (s) {
     case SimdLevel::avx512:
-      return to_l2_cpu() ? rows_avx512<DT, true> : rows_avx512<DT, false>;
+      return amd_cpu() ? rows_avx512<DT, true> : rows_avx512<DT, false>;
     case SimdLevel::avx2:
       return rows_avx2<DT>;
     default:
@@ -1222,15 +1246,33 @@ void gemv_at(SimdLevel level, float* y, WeightRef W, const float* x, int OC, int
   rows_fn(W.dtype, level)(y, W.data, x, xp.data(), 0, OC, IC, false);
 }
 
+namespace {
+
+// Rows in a piece of a matrix that one task reads alone (fp32, bf16, f16): about kPieceBytes of
+// weights, with several threads at most a quarter of the matrix (each thread gets pieces), in
+// multiples of 64 rows.  A piece's row pairs lie half the piece apart (RowPairs): two long runs.  The
+// other pieces are 64 rows: a Q8_0 matrix's (see amd_cpu()), and a block that several tasks of one
+// matrix run on while it is in cache.  Each row's arithmetic is the same in any piece.
+constexpr size_t kPieceBytes = 2u << 20;
+
+int piece_rows_for(int OC, size_t row_bytes, bool parallel) {
+  int rows = (int)std::min<size_t>((size_t)OC, std::max<size_t>(64, kPieceBytes / row_bytes));
+  if (parallel) rows = std::min(rows, (OC + 3) / 4);
+  return std::max(64, (rows + 63) / 64 * 64);
+}
+
+}  // namespace
+
 void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_macs) {
   MOETRON_ASSERT(n_tasks >= 0 && n_tasks <= kMaxGemvTasks);
   // Consecutive tasks of the same matrix (more than kMaxGemvInputs rows, split by the caller) form a
-  // group, and a block of 64 rows of a group is one piece of work: all its tasks run on the block
-  // while it is in cache, so the matrix is read from memory once, not once per task (a pass of 16
-  // sequences, or a prefill of 120 prompt rows, has 2 or 15 tasks per matrix).  Each row's arithmetic
-  // is the same whoever runs it.
+  // group, and a piece of a group's rows is one piece of work (piece_rows_for): a group of several
+  // tasks runs them all on a block of 64 rows while it is in cache, so the matrix is read from memory
+  // once, not once per task (a pass of 16 sequences, or a prefill of 120 prompt rows, has 2 or 15
+  // tasks per matrix).  Each row's arithmetic is the same whoever runs it.
   int group_first[kMaxGemvTasks + 1];  // group g: tasks [group_first[g], group_first[g + 1])
-  int first_block[kMaxGemvTasks + 1];  // blocks of 64 rows, numbered across the groups
+  int first_block[kMaxGemvTasks + 1];  // pieces of rows, numbered across the groups
+  int piece_rows[kMaxGemvTasks];       // group g's pieces: piece_rows[g] rows each (the last may be shorter)
   RowsFn fn[kMaxGemvTasks];
   size_t xp_at[kMaxGemvTasks + 1];  // each task's permuted inputs in xp (fp32, bf16, f16 weights)
   size_t xq_at[kMaxGemvTasks + 1];  // each task's quantized inputs in xq (Q8_0 weights)
@@ -1245,17 +1287,22 @@ void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_ma
     MOETRON_ASSERT(!k.W.q8() || IC % kQ8Block == 0);
     const bool joins = t > 0 && k.W.data == tasks[t - 1].W.data && k.W.dtype == tasks[t - 1].W.dtype &&
                        k.W.scales == tasks[t - 1].W.scales && k.OC == tasks[t - 1].OC;
-    if (!joins) {
-      group_first[groups] = t;
-      first_block[groups + 1] = first_block[groups] + (k.OC + 63) / 64;
-      groups++;
-    }
+    if (!joins) group_first[groups++] = t;
     macs += (long)k.OC * IC * k.n;
     fn[t] = k.W.q8() ? nullptr : rows_fn(k.W.dtype);
     xp_at[t + 1] = xp_at[t] + (k.W.q8() || level == SimdLevel::generic ? 0 : (size_t)k.n * IC);
     xq_at[t + 1] = xq_at[t] + (k.W.q8() ? q8_input_bytes(k.n, IC) : 0);
   }
   group_first[groups] = n_tasks;
+  const bool parallel = macs >= parallel_min_macs && omp_get_max_threads() > 1;
+  bool small_pieces = true;
+  for (int g = 0; g < groups; g++) {
+    const GemvTask& k = tasks[group_first[g]];
+    const bool shared = group_first[g + 1] - group_first[g] > 1;
+    piece_rows[g] = shared || k.W.q8() ? 64 : piece_rows_for(k.OC, (size_t)IC * vbytes_of(k.W.dtype), parallel);
+    first_block[g + 1] = first_block[g] + (k.OC + piece_rows[g] - 1) / piece_rows[g];
+    small_pieces = small_pieces && piece_rows[g] == 64;
+  }
   LineVector<float> xp(xp_at[n_tasks]);
   LineVector<uint8_t> xq(xq_at[n_tasks]);  // offsets are multiples of 64 bytes (IC % 32 == 0): lines aligned
   for (int t = 0; t < n_tasks; t++) {
@@ -1265,15 +1312,15 @@ void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_ma
     else if (xp_at[t + 1] > xp_at[t])
       permute_inputs(level, k.x, k.ld_x, k.n, IC, xp.data() + xp_at[t]);
   }
-  // Pieces of one task run two at a time (fewer scheduling points); pieces of several, one at a time.
-  const int chunk = groups == n_tasks ? 2 : 1;
-#pragma omp parallel for schedule(dynamic, chunk) if (macs >= parallel_min_macs)
+  // 64-row pieces of one task each run two at a time (fewer scheduling points); others one at a time.
+  const int chunk = groups == n_tasks && small_pieces ? 2 : 1;
+#pragma omp parallel for schedule(dynamic, chunk) if (parallel)
   for (int b = 0; b < first_block[groups]; b++) {
     int g = 0;
     while (b >= first_block[g + 1]) g++;
     for (int t = group_first[g]; t < group_first[g + 1]; t++) {
       const GemvTask& k = tasks[t];
-      const int r0 = (b - first_block[g]) * 64, r1 = r0 + 64 < k.OC ? r0 + 64 : k.OC;
+      const int r0 = (b - first_block[g]) * piece_rows[g], r1 = std::min(r0 + piece_rows[g], k.OC);
       if (k.W.q8()) {
         q8_rows(level, k.y, k.ld_y, k.W, q8_view(xq.data() + xq_at[t], k.n, IC), k.n, r0, r1, IC, k.accumulate);
         continue;
