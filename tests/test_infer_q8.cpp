@@ -183,6 +183,32 @@ TEST(Q8Kernels, GemvRowsIsBitwiseGemvPerInput) {
   omp_set_num_threads(saved);
 }
 
+// However gemv_batch cuts a Q8_0 matrix into pieces (up to 2 MiB, fewer rows with threads), each row is
+// what the level's kernel gives over the whole matrix at once (gemv_at): rows of 2048 bytes paired
+// half a piece apart, rows of 704 as neighbours.
+TEST(Q8Kernels, GemvBatchPiecesAreBitwiseTheWholeMatrix) {
+  const int OC = 1100;
+  const int saved = omp_get_max_threads();
+  for (const int IC : {2048, 704}) {
+    SCOPED_TRACE(::testing::Message() << "IC " << IC);
+    std::vector<float> w((size_t)OC * IC), x(IC);
+    for (size_t i = 0; i < w.size(); i++) w[i] = uniform(i * 3 + 11);
+    for (int c = 0; c < IC; c++) x[c] = uniform(555 + c);
+    const Q8Matrix m = quantized(w, OC, IC);
+    std::vector<float> whole(OC), y(OC);
+    infer::gemv_at(infer::simd_level(), whole.data(), m.ref(), x.data(), OC, IC);
+    for (const int threads : {1, 2, 3})
+      for (const long split : {1L, infer::kGemvParallelMin}) {
+        omp_set_num_threads(threads);
+        infer::GemvTask t{y.data(), m.ref(), x.data(), OC};
+        infer::gemv_batch(&t, 1, IC, split);
+        EXPECT_EQ(0, std::memcmp(whole.data(), y.data(), sizeof(float) * OC))
+            << "threads " << threads << " split at " << split;
+      }
+  }
+  omp_set_num_threads(saved);
+}
+
 // A non-finite input gives NaN (as the fp32 product would), never garbage from converting NaN to int8.
 TEST(Q8Kernels, NonFiniteInputsGiveNaN) {
   const int OC = 4, IC = 64;

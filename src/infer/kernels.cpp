@@ -44,13 +44,14 @@ constexpr int kPrefetch = 4096;
 // weights from memory, one input, medians of alternating runs in one process, GB/s: bf16 32000 x
 // 1024, one thread 25.1 -> 26.6, two 32.3 -> 34.3; 2048 x 1024, 23.6 -> 26.6 and 30.9 -> 33.3; 1024 x
 // 2048, 25.3 -> 27.0 (one thread).  With 64-row pieces, dropping the prefetches alone was a loss (rows
-// of 2 KiB: runs of 64 KiB).  Q8_0 keeps its L2 prefetch and 64-row pieces (its runs gave no
-// consistent gain either way), Intel the setting measured on the Xeon.
+// of 2 KiB: runs of 64 KiB).  Q8_0 rows paired apart (1 KiB or more) likewise: 0.49B model decoding
+// in Q8_0, alternating runs, tokens/s: one thread 109.2 -> 114.3, two 152.2 -> 157.0.  Intel keeps
+// the setting measured on the Xeon.
 
-// Rows shorter than kRowsApartBytes are read as neighbour pairs (RowPairs): on AMD those still
-// prefetch, 4 KiB of bf16 ahead into L2 (prefetcht1 4 KiB ahead had beaten prefetcht0 8 KiB, one
+// Rows shorter than kRowsApartBytes (Q8_0: kQ8RowsApartBytes) are read as neighbour pairs (RowPairs):
+// on AMD those still prefetch, 4 KiB of bf16 ahead into L2 (Q8_0: kQ8PrefetchVnniL2) (prefetcht1 4 KiB ahead had beaten prefetcht0 8 KiB, one
 // thread, 0.49B model: 53-60 -> 67-78 tokens/s; without prefetches, the small model's 32000 x 256
-// head and experts decoded 769 -> 539 tokens/s).
+// head and experts decoded 769 -> 539 tokens/s, in Q8_0 1589 -> 1301).
 constexpr int kPrefetchL2 = 2048;
 enum class Prefetch { none, l1, l2 };  // a one-input kernel's: none, kPrefetch into L1, kPrefetchL2 into L2
 
@@ -725,7 +726,7 @@ MOETRON_VNNI inline __m512 q8_scales(const uint16_t* S, size_t at, __mmask16 m, 
   return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, S + at)), _mm512_maskz_loadu_ps(m, dx));
 }
 
-template <int R, bool L2>
+template <int R, Prefetch PF>
 MOETRON_VNNI void q8_block_vnni(float* y, const int8_t* W, const uint16_t* S, const Q8Inputs& x, int r, int stride,
                                 int IC, bool acc) {
   const int nb = IC / kQ8Block;
@@ -741,9 +742,9 @@ MOETRON_VNNI void q8_block_vnni(float* y, const int8_t* W, const uint16_t* S, co
       const size_t at = (size_t)(g + 2 * p) * kQ8Block;
       for (int k = 0; k < R; k++) {
         const int8_t* w = W + (size_t)(r + k * stride) * IC + at;
-        if constexpr (L2)
+        if constexpr (PF == Prefetch::l2)
           _mm_prefetch(reinterpret_cast<const char*>(w + kQ8PrefetchVnniL2), _MM_HINT_T1);
-        else
+        else if constexpr (PF == Prefetch::l1)
           _mm_prefetch(reinterpret_cast<const char*>(w + kQ8PrefetchVnni), _MM_HINT_T0);
         a[k] = q8_pair_fma(a[k], dv[k], p, q8_pair_lanes(w, x, at));
       }
@@ -819,9 +820,16 @@ void q8_rows(SimdLevel level, float* out, int ld_out, WeightRef Wr, const Q8Inpu
   const bool vnni = level == SimdLevel::avx512 && has_avx512_vnni();
   if (n == 1) {
     using BlockFn = void (*)(float*, const int8_t*, const uint16_t*, const Q8Inputs&, int, int, int, bool);
-    const bool l2 = amd_cpu();
-    const BlockFn two = vnni ? (l2 ? q8_block_vnni<2, true> : q8_block_vnni<2, false>) : q8_block_avx2<2>;
-    const BlockFn one = vnni ? (l2 ? q8_block_vnni<1, true> : q8_block_vnni<1, false>) : q8_block_avx2<1>;
+    // As rows_avx512: on AMD rows paired apart without prefetches, neighbours into L2 (amd_cpu()).
+    const Prefetch pf = !amd_cpu() ? Prefetch::l1 : (size_t)IC >= kQ8RowsApartBytes ? Prefetch::none : Prefetch::l2;
+    const BlockFn two = !vnni                     ? q8_block_avx2<2>
+                        : pf == Prefetch::none    ? q8_block_vnni<2, Prefetch::none>
+                        : pf == Prefetch::l2      ? q8_block_vnni<2, Prefetch::l2>
+                                                  : q8_block_vnni<2, Prefetch::l1>;
+    const BlockFn one = !vnni                     ? q8_block_avx2<1>
+                        : pf == Prefetch::none    ? q8_block_vnni<1, Prefetch::none>
+                        : pf == Prefetch::l2      ? q8_block_vnni<1, Prefetch::l2>
+                                                  : q8_block_vnni<1, Prefetch::l1>;
     const RowPairs p(r0, r1, (size_t)IC, kQ8RowsApartBytes);
     for (int i = 0; i < p.pairs; i++) two(out, W, Wr.scales, x, p.first(i), p.stride, IC, acc);
     if (p.odd) one(out, W, Wr.scales, x, r1 - 1, 0, IC, acc);
@@ -1248,11 +1256,11 @@ void gemv_at(SimdLevel level, float* y, WeightRef W, const float* x, int OC, int
 
 namespace {
 
-// Rows in a piece of a matrix that one task reads alone (fp32, bf16, f16): about kPieceBytes of
-// weights, with several threads at most a quarter of the matrix (each thread gets pieces), in
-// multiples of 64 rows.  A piece's row pairs lie half the piece apart (RowPairs): two long runs.  The
-// other pieces are 64 rows: a Q8_0 matrix's (see amd_cpu()), and a block that several tasks of one
-// matrix run on while it is in cache.  Each row's arithmetic is the same in any piece.
+// Rows in a piece of a matrix that one task reads alone: about kPieceBytes of weights (Q8_0: with
+// its scales), with several threads at most a quarter of the matrix (each thread gets pieces), in
+// multiples of 64 rows.  A piece's row pairs lie half the piece apart (RowPairs): two long runs.  A
+// block that several tasks of one matrix run on while it is in cache is 64 rows.  Each row's
+// arithmetic is the same in any piece.
 constexpr size_t kPieceBytes = 2u << 20;
 
 int piece_rows_for(int OC, size_t row_bytes, bool parallel) {
@@ -1299,7 +1307,8 @@ void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_ma
   for (int g = 0; g < groups; g++) {
     const GemvTask& k = tasks[group_first[g]];
     const bool shared = group_first[g + 1] - group_first[g] > 1;
-    piece_rows[g] = shared || k.W.q8() ? 64 : piece_rows_for(k.OC, (size_t)IC * vbytes_of(k.W.dtype), parallel);
+    const size_t row_bytes = k.W.q8() ? (size_t)IC + IC / kQ8Block * sizeof(uint16_t) : (size_t)IC * vbytes_of(k.W.dtype);
+    piece_rows[g] = shared ? 64 : piece_rows_for(k.OC, row_bytes, parallel);
     first_block[g + 1] = first_block[g] + (k.OC + piece_rows[g] - 1) / piece_rows[g];
     small_pieces = small_pieces && piece_rows[g] == 64;
   }
