@@ -3,15 +3,7 @@
 
 namespace moetron::ops {
 
-void softmax_inplace(float* s, int n) {
-  float mx = s[0];
-  for (int j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-  for (int j = 0; j < n; j++) s[j] = exp_nonpositive(s[j] - mx);
-  double sum = 0.0;
-  for (int j = 0; j < n; j++) sum += s[j];
-  const float inv = (float)(1.0 / sum);
-  for (int j = 0; j < n; j++) s[j] *= inv;
-}
+void softmax_inplace(float* s, int n) { softmax_rows(s, 1, n, (size_t)n); }  // one row: the rows' steps
 
 void softmax_rows(float* s, int rows, int n, size_t ld) {
   constexpr int kG = 4;  // rows whose in-order chains (max, double sum) run side by side
