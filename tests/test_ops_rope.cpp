@@ -111,6 +111,27 @@ TEST(OpsRope, InPlaceEqualsOutOfPlace) {
   EXPECT_EQ(d, e);
 }
 
+// Inference computes a pass's angles once (rope_angles) and rotates every layer's q and k with them:
+// bitwise rope_forward, in place or not, for head counts of q and of k, and enough rows to run in parallel.
+TEST(OpsRope, AnglesComputedOnceGiveBitwiseRopeForward) {
+  const int HD = 64;
+  for (const long N : {1L, 5L, 300L}) {
+    std::vector<int32_t> pos(N);
+    for (long n = 0; n < N; n++) pos[n] = (int32_t)((n * 7919) % 70000);
+    std::vector<float> cs(N * HD / 2), sn(N * HD / 2);
+    ops::rope_angles(cs.data(), sn.data(), pos.data(), N, HD, 1e6f);
+    for (const int H : {16, 8}) {
+      auto x = random_vector(N * H * HD, 3 + H);
+      std::vector<float> want(x.size()), got(x.size());
+      ops::rope_forward(want.data(), x.data(), pos.data(), N, H, HD, 1e6f);
+      ops::rope_forward_angles(got.data(), x.data(), cs.data(), sn.data(), N, H, HD);
+      EXPECT_EQ(want, got) << "N " << N << " H " << H;
+      ops::rope_forward_angles(x.data(), x.data(), cs.data(), sn.data(), N, H, HD);
+      EXPECT_EQ(want, x) << "in place, N " << N << " H " << H;
+    }
+  }
+}
+
 TEST(OpsRope, BackwardInvertsForward) {
   const int H = 2, HD = 12;
   const std::vector<int32_t> pos = {1, 4, 77, 1000};

@@ -134,6 +134,8 @@ void Decoder::reserve_scratch(int n) {
   xperm_.resize(M * C_);
   yperm_.resize(M * C_);
   pos_.resize(N);
+  rope_cs_.resize(N * (HD_ / 2));
+  rope_sn_.resize(N * (HD_ / 2));
   kv_.resize(2 * N * KVd_);
 }
 
@@ -308,6 +310,7 @@ void Decoder::forward_chunk(KvCache* const* caches, const int32_t* tokens, int n
     if (decode)
       for (int j = i - 1; j >= 0 && caches[j] == caches[i]; j--) pos_[i]++;
   }
+  ops::rope_angles(rope_cs_.data(), rope_sn_.data(), pos_.data(), n, HD_, theta);  // once for all layers
   float* x = x_.data();
   float* ln = ln_.data();
   const long N = n;
@@ -367,8 +370,8 @@ void Decoder::forward_chunk(KvCache* const* caches, const int32_t* tokens, int n
     }
     {
       ThreadLimit lim(N * (Q_ + KVd_));
-      ops::rope_forward(q_.data(), q_.data(), pos_.data(), n, NH_, HD_, theta);
-      ops::rope_forward(kdst, kdst, pos_.data(), n, NKV_, HD_, theta);
+      ops::rope_forward_angles(q_.data(), q_.data(), rope_cs_.data(), rope_sn_.data(), n, NH_, HD_);
+      ops::rope_forward_angles(kdst, kdst, rope_cs_.data(), rope_sn_.data(), n, NKV_, HD_);
     }
     if (decode) {
       {

@@ -144,6 +144,7 @@ class Decoder {
   LineVector<float> x_, ln_, rstd_, q_, att_, tmp_, rlogits_, rprobs_, topk_w_, xperm_, h13_, act_, yperm_, scores_;
   std::vector<float> shared_h13_, shared_act_, shared_y_;  // Qwen2-MoE's shared expert
   std::vector<int32_t> topk_idx_, pos_;
+  std::vector<float> rope_cs_, rope_sn_;  // a pass's rows' RoPE cos / sin [n, HD/2], for every layer's q and k
   std::vector<float> lora_u_;  // LoRA's x A^T
   std::vector<float> values_t_;  // long-prompt attention: a kv head's values transposed [HD, cols]
   std::vector<float> widen_;  // prefill: infer::gemm_nt's scratch (x packed, a few weight rows widened)

@@ -30,11 +30,40 @@ std::vector<float> rope_inv_freq(int HD, float theta) {
   return inv_freq;
 }
 
+// Row n's cos and sign * sin (half values each) of its angles (pos * inv_freq, fp32; cos, sin in double).
+void angles_row(float* cs, float* sn, int32_t pos, const float* inv_freq, int half, float sign) {
+  const float p = (float)pos;
+  for (int j = 0; j < half; j++) {
+    const float angle = p * inv_freq[j];
+    cs[j] = (float)std::cos((double)angle);
+    sn[j] = sign * (float)std::sin((double)angle);
+  }
+}
+
+// One token's H heads rotated by its angles (cs, sn: half values each).
+void rotate_row(float* out, const float* inp, const float* cs, const float* sn, int H, int HD) {
+  const int half = HD / 2;
+  for (int h = 0; h < H; h++) {
+    const float* x = inp + (size_t)h * HD;
+    float* y = out + (size_t)h * HD;
+    for (int j = 0; j < half; j++) {
+      const float x1 = x[j], x2 = x[j + half];  // read both before writing (out may alias)
+      // HF: q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1)
+      y[j] = x1 * cs[j] + (-x2) * sn[j];
+      y[j + half] = x2 * cs[j] + x1 * sn[j];
+    }
+  }
+}
+
+void check_dims(const char* op, long N, int H, int HD) {
+  MOETRON_OP_CHECK(N >= 0 && H > 0 && HD > 0 && HD % 2 == 0, op, "bad dimensions N={} H={} HD={} (HD must be even)", N,
+                   H, HD);
+}
+
 // sign = +1: forward rotation; sign = -1: inverse rotation (the transpose, for the backward).
 void rope_apply(const char* op, float* out, const float* inp, const int32_t* pos, long N, int H, int HD, float theta,
                 float sign) {
-  MOETRON_OP_CHECK(N >= 0 && H > 0 && HD > 0 && HD % 2 == 0, op, "bad dimensions N={} H={} HD={} (HD must be even)", N,
-                   H, HD);
+  check_dims(op, N, H, HD);
   MOETRON_OP_CHECK(theta > 0.0f, op, "rope theta must be positive, got {}", theta);
   const int half = HD / 2;
   const std::vector<float> inv_freq = rope_inv_freq(HD, theta);
@@ -43,22 +72,8 @@ void rope_apply(const char* op, float* out, const float* inp, const int32_t* pos
     std::vector<float> cs(half), sn(half);
 #pragma omp for schedule(static)
     for (long n = 0; n < N; n++) {
-      const float p = (float)pos[n];
-      for (int j = 0; j < half; j++) {
-        const float angle = p * inv_freq[j];
-        cs[j] = (float)std::cos((double)angle);
-        sn[j] = sign * (float)std::sin((double)angle);
-      }
-      for (int h = 0; h < H; h++) {
-        const float* x = inp + (n * H + h) * HD;
-        float* y = out + (n * H + h) * HD;
-        for (int j = 0; j < half; j++) {
-          const float x1 = x[j], x2 = x[j + half];  // read both before writing (out may alias)
-          // HF: q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1)
-          y[j] = x1 * cs[j] + (-x2) * sn[j];
-          y[j + half] = x2 * cs[j] + x1 * sn[j];
-        }
-      }
+      angles_row(cs.data(), sn.data(), pos[n], inv_freq.data(), half, sign);
+      rotate_row(out + n * H * HD, inp + n * H * HD, cs.data(), sn.data(), H, HD);
     }
   }
 }
@@ -72,6 +87,21 @@ void rope_forward(float* out, const float* inp, const int32_t* pos, long N, int 
 void rope_backward(float* dinp, const float* dout, const int32_t* pos, long N, int H, int HD, float theta) {
   // The rotation is orthogonal, so the gradient is the inverse rotation (sin -> -sin).
   rope_apply("rope_backward", dinp, dout, pos, N, H, HD, theta, -1.0f);
+}
+
+void rope_angles(float* cs, float* sn, const int32_t* pos, long N, int HD, float theta) {
+  check_dims("rope_angles", N, 1, HD);
+  MOETRON_OP_CHECK(theta > 0.0f, "rope_angles", "rope theta must be positive, got {}", theta);
+  const int half = HD / 2;
+  const std::vector<float> inv_freq = rope_inv_freq(HD, theta);
+  for (long n = 0; n < N; n++) angles_row(cs + n * half, sn + n * half, pos[n], inv_freq.data(), half, 1.0f);
+}
+
+void rope_forward_angles(float* out, const float* inp, const float* cs, const float* sn, long N, int H, int HD) {
+  check_dims("rope_forward_angles", N, H, HD);
+  const int half = HD / 2;
+#pragma omp parallel for schedule(static) if (N * H * HD >= kParallelMin)
+  for (long n = 0; n < N; n++) rotate_row(out + n * H * HD, inp + n * H * HD, cs + n * half, sn + n * half, H, HD);
 }
 
 }  // namespace moetron::ops

@@ -13,6 +13,13 @@ namespace moetron::ops {
 void rope_forward(float* out, const float* inp, const int32_t* pos, long N, int H, int HD,
                   float theta);
 
+// The cos and sin of positions pos[N]'s angles, as rope_forward computes them: cs[N, HD/2], sn[N, HD/2] (=).
+// Inference computes them once per pass and rotates q and k of every layer with them.
+void rope_angles(float* cs, float* sn, const int32_t* pos, long N, int HD, float theta);
+
+// rope_forward with the angles given by rope_angles: bitwise rope_forward's result.  out may alias inp.
+void rope_forward_angles(float* out, const float* inp, const float* cs, const float* sn, long N, int H, int HD);
+
 // dinp[N,H,HD] from dout[N,H,HD] (the inverse rotation).  dinp may alias dout.
 void rope_backward(float* dinp, const float* dout, const int32_t* pos, long N, int H, int HD,
                    float theta);
