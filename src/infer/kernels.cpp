@@ -49,9 +49,9 @@ constexpr int kPrefetch = 4096;
 // the setting measured on the Xeon.
 
 // Rows shorter than kRowsApartBytes (Q8_0: kQ8RowsApartBytes) are read as neighbour pairs (RowPairs):
-// on AMD those still prefetch, 4 KiB of bf16 ahead into L2 (Q8_0: kQ8PrefetchVnniL2) (prefetcht1 4 KiB ahead had beaten prefetcht0 8 KiB, one
-// thread, 0.49B model: 53-60 -> 67-78 tokens/s; without prefetches, the small model's 32000 x 256
-// head and experts decoded 769 -> 539 tokens/s, in Q8_0 1589 -> 1301).
+// on AMD those still prefetch, 4 KiB of bf16 ahead into L2 (Q8_0: kQ8PrefetchVnniL2).  prefetcht1 4
+// KiB ahead had beaten prefetcht0 8 KiB (one thread, 0.49B model: 53-60 -> 67-78 tokens/s); without
+// prefetches the small model (rows of 256 values) decoded 769 -> 539 tokens/s, in Q8_0 1589 -> 1301.
 constexpr int kPrefetchL2 = 2048;
 enum class Prefetch { none, l1, l2 };  // a one-input kernel's: none, kPrefetch into L1, kPrefetchL2 into L2
 
