@@ -822,14 +822,14 @@ void q8_rows(SimdLevel level, float* out, int ld_out, WeightRef Wr, const Q8Inpu
     using BlockFn = void (*)(float*, const int8_t*, const uint16_t*, const Q8Inputs&, int, int, int, bool);
     // As rows_avx512: on AMD rows paired apart without prefetches, neighbours into L2 (amd_cpu()).
     const Prefetch pf = !amd_cpu() ? Prefetch::l1 : (size_t)IC >= kQ8RowsApartBytes ? Prefetch::none : Prefetch::l2;
-    const BlockFn two = !vnni                     ? q8_block_avx2<2>
-                        : pf == Prefetch::none    ? q8_block_vnni<2, Prefetch::none>
-                        : pf == Prefetch::l2      ? q8_block_vnni<2, Prefetch::l2>
-                                                  : q8_block_vnni<2, Prefetch::l1>;
-    const BlockFn one = !vnni                     ? q8_block_avx2<1>
-                        : pf == Prefetch::none    ? q8_block_vnni<1, Prefetch::none>
-                        : pf == Prefetch::l2      ? q8_block_vnni<1, Prefetch::l2>
-                                                  : q8_block_vnni<1, Prefetch::l1>;
+    const BlockFn two = !vnni                  ? q8_block_avx2<2>
+                        : pf == Prefetch::none ? q8_block_vnni<2, Prefetch::none>
+                        : pf == Prefetch::l2   ? q8_block_vnni<2, Prefetch::l2>
+                                               : q8_block_vnni<2, Prefetch::l1>;
+    const BlockFn one = !vnni                  ? q8_block_avx2<1>
+                        : pf == Prefetch::none ? q8_block_vnni<1, Prefetch::none>
+                        : pf == Prefetch::l2   ? q8_block_vnni<1, Prefetch::l2>
+                                               : q8_block_vnni<1, Prefetch::l1>;
     const RowPairs p(r0, r1, (size_t)IC, kQ8RowsApartBytes);
     for (int i = 0; i < p.pairs; i++) two(out, W, Wr.scales, x, p.first(i), p.stride, IC, acc);
     if (p.odd) one(out, W, Wr.scales, x, r1 - 1, 0, IC, acc);
@@ -1307,7 +1307,8 @@ void gemv_batch(const GemvTask* tasks, int n_tasks, int IC, long parallel_min_ma
   for (int g = 0; g < groups; g++) {
     const GemvTask& k = tasks[group_first[g]];
     const bool shared = group_first[g + 1] - group_first[g] > 1;
-    const size_t row_bytes = k.W.q8() ? (size_t)IC + IC / kQ8Block * sizeof(uint16_t) : (size_t)IC * vbytes_of(k.W.dtype);
+    const size_t row_bytes =
+        k.W.q8() ? (size_t)IC + IC / kQ8Block * sizeof(uint16_t) : (size_t)IC * vbytes_of(k.W.dtype);
     piece_rows[g] = shared ? 64 : piece_rows_for(k.OC, row_bytes, parallel);
     first_block[g + 1] = first_block[g] + (k.OC + piece_rows[g] - 1) / piece_rows[g];
     small_pieces = small_pieces && piece_rows[g] == 64;
