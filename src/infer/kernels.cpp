@@ -1277,7 +1277,7 @@ namespace {
 constexpr size_t kPieceBytes = 2u << 20;
 
 int piece_rows_for(int OC, size_t row_bytes, bool parallel) {
-  int rows = (int)std::min<size_t>((size_t)OC, std::max<size_t>(64, kPieceBytes / row_bytes));
+  int rows = (int)std::min<size_t>((size_t)OC, std::max<size_t>(64, kPieceBytes / std::max<size_t>(1, row_bytes)));
   if (parallel) rows = std::min(rows, (OC + 3) / 4);
   return std::max(64, (rows + 63) / 64 * 64);
 }
