@@ -64,6 +64,13 @@ bool amd_cpu() {
   return false;
 #endif
 }
+
+// A one-input kernel's prefetch for rows of row_bytes, which are paired apart from apart_bytes on
+// (RowPairs): on AMD none for rows paired apart and `near` for neighbours; elsewhere into L1.
+Prefetch one_input_prefetch(size_t row_bytes, size_t apart_bytes, Prefetch near) {
+  if (!amd_cpu()) return Prefetch::l1;
+  return row_bytes >= apart_bytes ? Prefetch::none : near;
+}
 // The AVX-512 products of several inputs: 2 KiB of bf16.  They compute longer per byte, so a nearer
 // prefetch is still in time, and it keeps fewer lines in flight beside the rows being read: 8
 // sequences decoded together (0.49B bf16, 2-core Xeon VM, 4 alternating rounds, tokens/s): 8 KiB
@@ -231,8 +238,8 @@ MOETRON_AVX2 inline float hsum8(__m256 v) {
 }
 
 // R rows r + k * stride against one input.
-// Prefetch: kPrefetch values ahead into L1 (not for AMD's rows paired apart: see amd_cpu()).
-template <DType DT, int R, bool Prefetch = true>
+// PF: none, or kPrefetch values ahead into L1 (one_input_prefetch).
+template <DType DT, int R, Prefetch PF = Prefetch::l1>
 MOETRON_AVX2 void block_avx2(float* y, const void* W, const float* x, const float* xp, int r, int stride, int IC,
                              bool acc) {
   constexpr size_t vbytes = vbytes_of(DT);
@@ -243,7 +250,8 @@ MOETRON_AVX2 void block_avx2(float* y, const void* W, const float* x, const floa
     const __m256 x0 = _mm256_loadu_ps(xp + c), x1 = _mm256_loadu_ps(xp + c + 8);
     for (int k = 0; k < R; k++) {
       const size_t i = (size_t)(r + k * stride) * IC + c;
-      if constexpr (Prefetch) _mm_prefetch(static_cast<const char*>(W) + (i + kPrefetch) * vbytes, _MM_HINT_T0);
+      if constexpr (PF == Prefetch::l1)
+        _mm_prefetch(static_cast<const char*>(W) + (i + kPrefetch) * vbytes, _MM_HINT_T0);
       __m256 lo, hi;
       w16_lanes<DT>(W, i, lo, hi);
       a[k][0] = _mm256_fmadd_ps(lo, x0, a[k][0]);
@@ -262,24 +270,24 @@ MOETRON_AVX2 void block_avx2(float* y, const void* W, const float* x, const floa
   }
 }
 
-template <DType DT, bool Prefetch>
+template <DType DT, Prefetch PF>
 MOETRON_AVX2 void pairs_avx2(float* y, const void* W, const float* x, const float* xp, int r0, int r1, int IC,
                              bool acc) {
   const RowPairs p(r0, r1, (size_t)IC * vbytes_of(DT));
-  for (int i = 0; i < p.pairs; i++) block_avx2<DT, 2, Prefetch>(y, W, x, xp, p.first(i), p.stride, IC, acc);
-  if (p.odd) block_avx2<DT, 1, Prefetch>(y, W, x, xp, r1 - 1, 0, IC, acc);
+  for (int i = 0; i < p.pairs; i++) block_avx2<DT, 2, PF>(y, W, x, xp, p.first(i), p.stride, IC, acc);
+  if (p.odd) block_avx2<DT, 1, PF>(y, W, x, xp, r1 - 1, 0, IC, acc);
 }
 
-// Amd: rows paired apart go without prefetches (amd_cpu(); measured with these kernels on the Zen 4
-// VM, MOETRON_SIMD=avx2, one thread, GB/s: bf16 32000 x 1024 24.0 -> 27.0, 1024 x 2048 23.2 -> 28.1;
-// rows of 256 values 11.1 -> 9.7, so neighbours keep them).
-template <DType DT, bool Amd>
+// On AMD rows paired apart go without prefetches (one_input_prefetch; measured with these kernels on
+// the Zen 4 VM, MOETRON_SIMD=avx2, one thread, GB/s: bf16 32000 x 1024 24.0 -> 27.0, 1024 x 2048 23.2
+// -> 28.1; rows of 256 values 11.1 -> 9.7, so neighbours keep them, into L1).
+template <DType DT>
 MOETRON_AVX2 void rows_avx2(float* y, const void* W, const float* x, const float* xp, int r0, int r1, int IC,
                             bool acc) {
-  if (Amd && (size_t)IC * vbytes_of(DT) >= kRowsApartBytes)
-    pairs_avx2<DT, false>(y, W, x, xp, r0, r1, IC, acc);
+  if (one_input_prefetch((size_t)IC * vbytes_of(DT), kRowsApartBytes, Prefetch::l1) == Prefetch::none)
+    pairs_avx2<DT, Prefetch::none>(y, W, x, xp, r0, r1, IC, acc);
   else
-    pairs_avx2<DT, true>(y, W, x, xp, r0, r1, IC, acc);
+    pairs_avx2<DT, Prefetch::l1>(y, W, x, xp, r0, r1, IC, acc);
 }
 
 // R weight rows r + k * stride against N inputs x_j (row stride ld_x; xp: their permuted copies,
@@ -428,17 +436,19 @@ MOETRON_AVX512 void pairs_avx512(float* y, const void* W, const float* x, const 
   if (p.odd) block_avx512<DT, 1, PF>(y, W, x, xp, r1 - 1, 0, IC, acc);
 }
 
-// Amd: rows paired apart go without prefetches, neighbours prefetch into L2 (amd_cpu()); elsewhere
-// into L1.
-template <DType DT, bool Amd>
+// On AMD rows paired apart go without prefetches, neighbours prefetch into L2; elsewhere into L1
+// (one_input_prefetch).
+template <DType DT>
 MOETRON_AVX512 void rows_avx512(float* y, const void* W, const float* x, const float* xp, int r0, int r1, int IC,
                                 bool acc) {
-  if (!Amd)
-    pairs_avx512<DT, Prefetch::l1>(y, W, x, xp, r0, r1, IC, acc);
-  else if ((size_t)IC * vbytes_of(DT) >= kRowsApartBytes)
-    pairs_avx512<DT, Prefetch::none>(y, W, x, xp, r0, r1, IC, acc);
-  else
-    pairs_avx512<DT, Prefetch::l2>(y, W, x, xp, r0, r1, IC, acc);
+  switch (one_input_prefetch((size_t)IC * vbytes_of(DT), kRowsApartBytes, Prefetch::l2)) {
+    case Prefetch::none:
+      return pairs_avx512<DT, Prefetch::none>(y, W, x, xp, r0, r1, IC, acc);
+    case Prefetch::l2:
+      return pairs_avx512<DT, Prefetch::l2>(y, W, x, xp, r0, r1, IC, acc);
+    default:
+      return pairs_avx512<DT, Prefetch::l1>(y, W, x, xp, r0, r1, IC, acc);
+  }
 }
 
 // R rows r + k * stride against N inputs (see multi_block_avx2): block_avx512<DT, 1, Prefetch::l1>'s operations per
@@ -833,8 +843,7 @@ void q8_rows(SimdLevel level, float* out, int ld_out, WeightRef Wr, const Q8Inpu
   const bool vnni = level == SimdLevel::avx512 && has_avx512_vnni();
   if (n == 1) {
     using BlockFn = void (*)(float*, const int8_t*, const uint16_t*, const Q8Inputs&, int, int, int, bool);
-    // As rows_avx512: on AMD rows paired apart without prefetches, neighbours into L2 (amd_cpu()).
-    const Prefetch pf = !amd_cpu() ? Prefetch::l1 : (size_t)IC >= kQ8RowsApartBytes ? Prefetch::none : Prefetch::l2;
+    const Prefetch pf = one_input_prefetch((size_t)IC, kQ8RowsApartBytes, Prefetch::l2);
     const BlockFn two = !vnni                  ? q8_block_avx2<2>
                         : pf == Prefetch::none ? q8_block_vnni<2, Prefetch::none>
                         : pf == Prefetch::l2   ? q8_block_vnni<2, Prefetch::l2>
@@ -921,9 +930,9 @@ template <DType DT>
 RowsFn rows_for(SimdLevel s) {
   switch (s) {
     case SimdLevel::avx512:
-      return amd_cpu() ? rows_avx512<DT, true> : rows_avx512<DT, false>;
+      return rows_avx512<DT>;
     case SimdLevel::avx2:
-      return amd_cpu() ? rows_avx2<DT, true> : rows_avx2<DT, false>;
+      return rows_avx2<DT>;
     default:
       return rows_generic<DT>;
   }
