@@ -71,6 +71,19 @@ Prefetch one_input_prefetch(size_t row_bytes, size_t apart_bytes, Prefetch near)
   if (!amd_cpu()) return Prefetch::l1;
   return row_bytes >= apart_bytes ? Prefetch::none : near;
 }
+
+// The products of several inputs read one pass's g inputs (g * IC floats) from L1 again for every row
+// pair; once they take half of a 32 KiB L1, prefetching the rows into L1 evicts them.  On AMD such a
+// pass prefetches into L2 instead.  2-core Zen 4 EPYC VM, bf16 from memory, alternating in one process,
+// L2 / L1 GB/s ratios, one and two threads: AVX-512, 2048 x 1024 with 4 inputs 1.51 / 1.41, 6 inputs
+// 1.23 / 1.14; 1024 x 2048 with 3 inputs 1.19 / 1.11, 4 inputs 1.35 / 1.24; AVX2 (passes of 2 inputs),
+// 1024 x 2048 with 2 inputs 1.60 / 1.14, 3 inputs 1.12 / 1.15.  Below the bound L2 lost: 2048 x 1024
+// with 2 inputs 0.93 / 0.91, AVX2 with 3 inputs (passes of 2 and 1) 0.78 / 0.77.  32000 x 1024 with 8
+// inputs (compute-bound) is the same either way.  Intel keeps L1, as measured on the Xeon.
+constexpr int kMultiL2Floats = 4096;
+Prefetch multi_prefetch(int g, int IC) {
+  return amd_cpu() && (long)g * IC >= kMultiL2Floats ? Prefetch::l2 : Prefetch::l1;
+}
 // The AVX-512 products of several inputs: 2 KiB of bf16.  They compute longer per byte, so a nearer
 // prefetch is still in time, and it keeps fewer lines in flight beside the rows being read: 8
 // sequences decoded together (0.49B bf16, 2-core Xeon VM, 4 alternating rounds, tokens/s): 8 KiB
@@ -292,7 +305,8 @@ MOETRON_AVX2 void rows_avx2(float* y, const void* W, const float* x, const float
 
 // R weight rows r + k * stride against N inputs x_j (row stride ld_x; xp: their permuted copies,
 // stride IC): the operations of block_avx2<DT, 1> for each row and input, with the weights loaded once.
-template <DType DT, int N, int R, int P = 0, int NP = 1>
+// PF: the rows' prefetch, into L1 or L2 (multi_prefetch).
+template <DType DT, int N, int R, Prefetch PF, int P = 0, int NP = 1>
 MOETRON_AVX2 void multi_block_avx2(float* out, int ld_out, const void* W, const float* x, int ld_x, const float* xp,
                                    int r, int stride, int IC, bool acc) {
   constexpr size_t vbytes = vbytes_of(DT);
@@ -305,7 +319,8 @@ MOETRON_AVX2 void multi_block_avx2(float* out, int ld_out, const void* W, const 
     __m256 lo[R], hi[R];
     for (int k = 0; k < R; k++) {
       const size_t row = (size_t)(r + k * stride) * IC, i = row + c;
-      _mm_prefetch(static_cast<const char*>(W) + (row + ahead + c / NP) * vbytes, _MM_HINT_T0);
+      _mm_prefetch(static_cast<const char*>(W) + (row + ahead + c / NP) * vbytes,
+                   PF == Prefetch::l2 ? _MM_HINT_T1 : _MM_HINT_T0);
       w16_lanes<DT>(W, i, lo[k], hi[k]);
     }
     for (int j = 0; j < N; j++) {
@@ -335,23 +350,33 @@ MOETRON_AVX2 void multi_block_avx2(float* out, int ld_out, const void* W, const 
 
 // The N inputs in groups of G (the last may be smaller), each group a multi_block_avx2 over the same
 // R rows (pass P of NP): the later groups read the rows again from L1.
-template <DType DT, int N, int G, int R, int P = 0, int NP = (N + G - 1) / G>
+template <DType DT, int N, int G, int R, Prefetch PF, int P = 0, int NP = (N + G - 1) / G>
 MOETRON_AVX2 void multi_groups_avx2(float* out, int ld_out, const void* W, const float* x, int ld_x, const float* xp,
                                     int r, int stride, int IC, bool acc) {
-  multi_block_avx2<DT, (N < G ? N : G), R, P, NP>(out, ld_out, W, x, ld_x, xp, r, stride, IC, acc);
+  multi_block_avx2<DT, (N < G ? N : G), R, PF, P, NP>(out, ld_out, W, x, ld_x, xp, r, stride, IC, acc);
   if constexpr (N > G)
-    multi_groups_avx2<DT, N - G, G, R, P + 1, NP>(out + (size_t)G * ld_out, ld_out, W, x + (size_t)G * ld_x, ld_x,
+    multi_groups_avx2<DT, N - G, G, R, PF, P + 1, NP>(out + (size_t)G * ld_out, ld_out, W, x + (size_t)G * ld_x, ld_x,
                                                   xp + (size_t)G * IC, r, stride, IC, acc);
 }
 
 // Rows [r0, r1) against N inputs: row pairs as rows_avx2, the inputs two at a time (2 rows x 2 inputs x
 // 2 lanes = 8 accumulators of the 16 registers).
+template <DType DT, int N, Prefetch PF>
+MOETRON_AVX2 void multi_pairs_avx2(float* out, int ld_out, const void* W, const float* x, int ld_x, const float* xp,
+                                   int r0, int r1, int IC, bool acc) {
+  const RowPairs p(r0, r1, (size_t)IC * vbytes_of(DT));
+  for (int i = 0; i < p.pairs; i++)
+    multi_groups_avx2<DT, N, 2, 2, PF>(out, ld_out, W, x, ld_x, xp, p.first(i), p.stride, IC, acc);
+  if (p.odd) multi_groups_avx2<DT, N, 2, 1, PF>(out, ld_out, W, x, ld_x, xp, r1 - 1, 0, IC, acc);
+}
+
 template <DType DT, int N>
 MOETRON_AVX2 void multi_avx2(float* out, int ld_out, const void* W, const float* x, int ld_x, const float* xp, int r0,
                              int r1, int IC, bool acc) {
-  const RowPairs p(r0, r1, (size_t)IC * vbytes_of(DT));
-  for (int i = 0; i < p.pairs; i++) multi_groups_avx2<DT, N, 2, 2>(out, ld_out, W, x, ld_x, xp, p.first(i), p.stride, IC, acc);
-  if (p.odd) multi_groups_avx2<DT, N, 2, 1>(out, ld_out, W, x, ld_x, xp, r1 - 1, 0, IC, acc);
+  if (multi_prefetch(N < 2 ? N : 2, IC) == Prefetch::l2)
+    multi_pairs_avx2<DT, N, Prefetch::l2>(out, ld_out, W, x, ld_x, xp, r0, r1, IC, acc);
+  else
+    multi_pairs_avx2<DT, N, Prefetch::l1>(out, ld_out, W, x, ld_x, xp, r0, r1, IC, acc);
 }
 
 // ---- AVX-512 ----------------------------------------------------------------------------------------
@@ -453,7 +478,7 @@ MOETRON_AVX512 void rows_avx512(float* y, const void* W, const float* x, const f
 
 // R rows r + k * stride against N inputs (see multi_block_avx2): block_avx512<DT, 1, Prefetch::l1>'s operations per
 // row and input.
-template <DType DT, int N, int R, int P = 0, int NP = 1>
+template <DType DT, int N, int R, Prefetch PF, int P = 0, int NP = 1>
 MOETRON_AVX512 void multi_block_avx512(float* out, int ld_out, const void* W, const float* x, int ld_x,
                                        const float* xp, int r, int stride, int IC, bool acc) {
   constexpr size_t vbytes = vbytes_of(DT);
@@ -467,8 +492,9 @@ MOETRON_AVX512 void multi_block_avx512(float* out, int ld_out, const void* W, co
     for (int k = 0; k < R; k++) {
       const size_t row = (size_t)(r + k * stride) * IC, i = row + c;
       const char* p = static_cast<const char*>(W) + (row + ahead + c / NP) * vbytes;
-      _mm_prefetch(p, _MM_HINT_T0);
-      if constexpr (vbytes == 4) _mm_prefetch(p + 64, _MM_HINT_T0);
+      constexpr _mm_hint hint = PF == Prefetch::l2 ? _MM_HINT_T1 : _MM_HINT_T0;
+      _mm_prefetch(p, hint);
+      if constexpr (vbytes == 4) _mm_prefetch(p + 64, hint);
       w32_lanes<DT>(W, i, lo[k], hi[k]);
     }
     for (int j = 0; j < N; j++) {
@@ -507,24 +533,34 @@ MOETRON_AVX512 void multi_block_avx512(float* out, int ld_out, const void* W, co
   }
 }
 
-template <DType DT, int N, int G, int R, int P = 0, int NP = (N + G - 1) / G>
+template <DType DT, int N, int G, int R, Prefetch PF, int P = 0, int NP = (N + G - 1) / G>
 MOETRON_AVX512 void multi_groups_avx512(float* out, int ld_out, const void* W, const float* x, int ld_x,
                                         const float* xp, int r, int stride, int IC, bool acc) {
-  multi_block_avx512<DT, (N < G ? N : G), R, P, NP>(out, ld_out, W, x, ld_x, xp, r, stride, IC, acc);
+  multi_block_avx512<DT, (N < G ? N : G), R, PF, P, NP>(out, ld_out, W, x, ld_x, xp, r, stride, IC, acc);
   if constexpr (N > G)
-    multi_groups_avx512<DT, N - G, G, R, P + 1, NP>(out + (size_t)G * ld_out, ld_out, W, x + (size_t)G * ld_x, ld_x,
+    multi_groups_avx512<DT, N - G, G, R, PF, P + 1, NP>(out + (size_t)G * ld_out, ld_out, W, x + (size_t)G * ld_x, ld_x,
                                                     xp + (size_t)G * IC, r, stride, IC, acc);
 }
 
 // Rows [r0, r1) against N inputs: row pairs as rows_avx512; up to 6 inputs at once (2 rows x 6 inputs x
 // 2 lanes = 24 accumulators of the 32 registers), 7 and 8 as 4 and the rest.
+template <DType DT, int N, Prefetch PF>
+MOETRON_AVX512 void multi_pairs_avx512(float* out, int ld_out, const void* W, const float* x, int ld_x,
+                                       const float* xp, int r0, int r1, int IC, bool acc) {
+  constexpr int G = N <= 6 ? N : 4;
+  const RowPairs p(r0, r1, (size_t)IC * vbytes_of(DT));
+  for (int i = 0; i < p.pairs; i++)
+    multi_groups_avx512<DT, N, G, 2, PF>(out, ld_out, W, x, ld_x, xp, p.first(i), p.stride, IC, acc);
+  if (p.odd) multi_groups_avx512<DT, N, G, 1, PF>(out, ld_out, W, x, ld_x, xp, r1 - 1, 0, IC, acc);
+}
+
 template <DType DT, int N>
 MOETRON_AVX512 void multi_avx512(float* out, int ld_out, const void* W, const float* x, int ld_x, const float* xp,
                                  int r0, int r1, int IC, bool acc) {
-  constexpr int G = N <= 6 ? N : 4;
-  const RowPairs p(r0, r1, (size_t)IC * vbytes_of(DT));
-  for (int i = 0; i < p.pairs; i++) multi_groups_avx512<DT, N, G, 2>(out, ld_out, W, x, ld_x, xp, p.first(i), p.stride, IC, acc);
-  if (p.odd) multi_groups_avx512<DT, N, G, 1>(out, ld_out, W, x, ld_x, xp, r1 - 1, 0, IC, acc);
+  if (multi_prefetch(N <= 6 ? N : 4, IC) == Prefetch::l2)
+    multi_pairs_avx512<DT, N, Prefetch::l2>(out, ld_out, W, x, ld_x, xp, r0, r1, IC, acc);
+  else
+    multi_pairs_avx512<DT, N, Prefetch::l1>(out, ld_out, W, x, ld_x, xp, r0, r1, IC, acc);
 }
 
 // Rows [r0, r1) of W against n <= kMaxGemvInputs inputs, each weight row read once.
