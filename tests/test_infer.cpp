@@ -415,31 +415,33 @@ TEST(DecodeKernels, EverySimdLevelMeetsTheFp32WideningAndTheExactProduct) {
 // each input bitwise what gemv gives it alone, for every weight dtype, with row strides and +=.
 TEST(DecodeKernels, GemvRowsIsBitwiseGemvPerInput) {
   for (const int OC : {70, 75})  // blocks of 64 rows and 6 or 11: row pairs and an odd row left
-  // 1031 and 2053: passes of 4 (AVX-512) or 2 (AVX2) inputs of 4096 floats or more, which prefetch the rows
-  // into L2 on AMD (multi_prefetch), beside the shorter rows' L1.
-  for (const int IC : {7, 24, 40, 100, 1031, 2053}) {
-    std::vector<uint16_t> wb((size_t)OC * IC), wh((size_t)OC * IC);
-    std::vector<float> wf((size_t)OC * IC);
-    for (size_t i = 0; i < wf.size(); i++) {
-      wf[i] = (float)((mix64(i * 5 + 3) % 20001) / 10000.0 - 1.0);
-      wb[i] = f32_to_bf16(wf[i]);
-      wh[i] = f32_to_f16(wf[i]);
+    // 1031 and 2053: passes of 4 (AVX-512) or 2 (AVX2) inputs of 4096 floats or more, which prefetch the rows
+    // into L2 on AMD (multi_prefetch), beside the shorter rows' L1.
+    for (const int IC : {7, 24, 40, 100, 1031, 2053}) {
+      std::vector<uint16_t> wb((size_t)OC * IC), wh((size_t)OC * IC);
+      std::vector<float> wf((size_t)OC * IC);
+      for (size_t i = 0; i < wf.size(); i++) {
+        wf[i] = (float)((mix64(i * 5 + 3) % 20001) / 10000.0 - 1.0);
+        wb[i] = f32_to_bf16(wf[i]);
+        wh[i] = f32_to_f16(wf[i]);
+      }
+      const int ld_x = IC + 3, ld_out = OC + 5;
+      std::vector<float> x((size_t)infer::kMaxGemvInputs * ld_x);
+      for (size_t i = 0; i < x.size(); i++) x[i] = (float)((mix64(31 + i) % 2001) / 1000.0 - 1.0);
+      for (const infer::WeightRef w :
+           {infer::WeightRef{wf.data(), DType::F32}, infer::WeightRef{wb.data(), DType::BF16},
+            infer::WeightRef{wh.data(), DType::F16}})
+        for (int n = 1; n <= infer::kMaxGemvInputs; n++)
+          for (const bool acc : {false, true}) {
+            SCOPED_TRACE(::testing::Message()
+                         << dtype_name(w.dtype) << " OC " << OC << " IC " << IC << " n " << n << " acc " << acc);
+            std::vector<float> out((size_t)n * ld_out, 0.25f), want(out);
+            infer::gemv_rows(out.data(), ld_out, x.data(), ld_x, w, n, IC, OC, acc, 1);  // split at any size
+            for (int j = 0; j < n; j++)
+              infer::gemv(want.data() + (size_t)j * ld_out, w, x.data() + (size_t)j * ld_x, OC, IC, acc);
+            ASSERT_EQ(0, std::memcmp(out.data(), want.data(), sizeof(float) * out.size()));
+          }
     }
-    const int ld_x = IC + 3, ld_out = OC + 5;
-    std::vector<float> x((size_t)infer::kMaxGemvInputs * ld_x);
-    for (size_t i = 0; i < x.size(); i++) x[i] = (float)((mix64(31 + i) % 2001) / 1000.0 - 1.0);
-    for (const infer::WeightRef w : {infer::WeightRef{wf.data(), DType::F32}, infer::WeightRef{wb.data(), DType::BF16},
-                                     infer::WeightRef{wh.data(), DType::F16}})
-      for (int n = 1; n <= infer::kMaxGemvInputs; n++)
-        for (const bool acc : {false, true}) {
-          SCOPED_TRACE(::testing::Message() << dtype_name(w.dtype) << " OC " << OC << " IC " << IC << " n " << n
-                                            << " acc " << acc);
-          std::vector<float> out((size_t)n * ld_out, 0.25f), want(out);
-          infer::gemv_rows(out.data(), ld_out, x.data(), ld_x, w, n, IC, OC, acc, 1);  // split at any size
-          for (int j = 0; j < n; j++) infer::gemv(want.data() + (size_t)j * ld_out, w, x.data() + (size_t)j * ld_x, OC, IC, acc);
-          ASSERT_EQ(0, std::memcmp(out.data(), want.data(), sizeof(float) * out.size()));
-        }
-  }
 }
 
 // gemv_batch runs consecutive tasks of one matrix (a product of more than 8 rows, split by the caller)

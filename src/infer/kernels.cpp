@@ -356,7 +356,7 @@ MOETRON_AVX2 void multi_groups_avx2(float* out, int ld_out, const void* W, const
   multi_block_avx2<DT, (N < G ? N : G), R, PF, P, NP>(out, ld_out, W, x, ld_x, xp, r, stride, IC, acc);
   if constexpr (N > G)
     multi_groups_avx2<DT, N - G, G, R, PF, P + 1, NP>(out + (size_t)G * ld_out, ld_out, W, x + (size_t)G * ld_x, ld_x,
-                                                  xp + (size_t)G * IC, r, stride, IC, acc);
+                                                      xp + (size_t)G * IC, r, stride, IC, acc);
 }
 
 // Rows [r0, r1) against N inputs: row pairs as rows_avx2, the inputs two at a time (2 rows x 2 inputs x
@@ -479,8 +479,8 @@ MOETRON_AVX512 void rows_avx512(float* y, const void* W, const float* x, const f
 // R rows r + k * stride against N inputs (see multi_block_avx2): block_avx512<DT, 1, Prefetch::l1>'s operations per
 // row and input.
 template <DType DT, int N, int R, Prefetch PF, int P = 0, int NP = 1>
-MOETRON_AVX512 void multi_block_avx512(float* out, int ld_out, const void* W, const float* x, int ld_x,
-                                       const float* xp, int r, int stride, int IC, bool acc) {
+MOETRON_AVX512 void multi_block_avx512(float* out, int ld_out, const void* W, const float* x, int ld_x, const float* xp,
+                                       int r, int stride, int IC, bool acc) {
   constexpr size_t vbytes = vbytes_of(DT);
   __m512 a[R][N][2];
   for (int k = 0; k < R; k++)
@@ -539,14 +539,14 @@ MOETRON_AVX512 void multi_groups_avx512(float* out, int ld_out, const void* W, c
   multi_block_avx512<DT, (N < G ? N : G), R, PF, P, NP>(out, ld_out, W, x, ld_x, xp, r, stride, IC, acc);
   if constexpr (N > G)
     multi_groups_avx512<DT, N - G, G, R, PF, P + 1, NP>(out + (size_t)G * ld_out, ld_out, W, x + (size_t)G * ld_x, ld_x,
-                                                    xp + (size_t)G * IC, r, stride, IC, acc);
+                                                        xp + (size_t)G * IC, r, stride, IC, acc);
 }
 
 // Rows [r0, r1) against N inputs: row pairs as rows_avx512; up to 6 inputs at once (2 rows x 6 inputs x
 // 2 lanes = 24 accumulators of the 32 registers), 7 and 8 as 4 and the rest.
 template <DType DT, int N, Prefetch PF>
-MOETRON_AVX512 void multi_pairs_avx512(float* out, int ld_out, const void* W, const float* x, int ld_x,
-                                       const float* xp, int r0, int r1, int IC, bool acc) {
+MOETRON_AVX512 void multi_pairs_avx512(float* out, int ld_out, const void* W, const float* x, int ld_x, const float* xp,
+                                       int r0, int r1, int IC, bool acc) {
   constexpr int G = N <= 6 ? N : 4;
   const RowPairs p(r0, r1, (size_t)IC * vbytes_of(DT));
   for (int i = 0; i < p.pairs; i++)
