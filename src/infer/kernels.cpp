@@ -822,8 +822,8 @@ MOETRON_VNNI void q8_block_vnni(float* y, const int8_t* W, const uint16_t* S, co
 
 // PF: the row's prefetch, kQ8PrefetchVnni ahead into L1 or L2 (see q8_multi_vnni).
 template <int N, Prefetch PF>
-MOETRON_VNNI void q8_multi_vnni_pf(float* out, int ld_out, const int8_t* W, const uint16_t* S, const Q8Inputs& x,
-                                   int r, int IC, bool acc) {
+MOETRON_VNNI void q8_multi_vnni_pf(float* out, int ld_out, const int8_t* W, const uint16_t* S, const Q8Inputs& x, int r,
+                                   int IC, bool acc) {
   const int nb = IC / kQ8Block;
   __m512 a[N];
   for (int j = 0; j < N; j++) a[j] = _mm512_setzero_ps();
