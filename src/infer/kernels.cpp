@@ -84,6 +84,21 @@ constexpr int kMultiL2Floats = 4096;
 Prefetch multi_prefetch(int g, int IC) {
   return amd_cpu() && (long)g * IC >= kMultiL2Floats ? Prefetch::l2 : Prefetch::l1;
 }
+
+// With n inputs in passes of g, each pass over the rows reads its own inputs: when all of them
+// (n * IC floats) overflow L1 beside the rows, every pair's passes read them from L2 again.  On AMD
+// the AVX-512 passes then run over blocks of kMultiBlockPairs row pairs (pass 0 over the block, pass
+// 1, ...), the rows read again from L1 or L2, each pass prefetching as many rows ahead.  2-core Zen 4
+// EPYC VM, bf16 from memory, alternating in one process, GB/s ratios to pair by pair, one / two
+// threads: 8 inputs (two passes of 4), 32000 x 1024 1.12 / 1.10, 2048 x 1024 1.11 / 1.10, 1024 x
+// 2048 1.13 / 1.12; 7 inputs, 1024 x 1024 1.09 / 1.07 (blocks of 4: 1.03-1.10; blocks of 8
+// prefetching one row ahead, as pair by pair does: 0.85-0.90).  Rows of 256 (8 inputs fit in L1) lost
+// 10% blocked and stay pair by pair; the AVX2 kernels (compute-bound on that CPU) gained nothing.
+constexpr long kMultiBlockFloats = 6144;
+constexpr int kMultiBlockPairs = 8;
+int multi_block_pairs(int n, int g, int IC) {
+  return n > g && amd_cpu() && (long)n * IC >= kMultiBlockFloats ? kMultiBlockPairs : 1;
+}
 // The AVX-512 products of several inputs: 2 KiB of bf16.  They compute longer per byte, so a nearer
 // prefetch is still in time, and it keeps fewer lines in flight beside the rows being read: 8
 // sequences decoded together (0.49B bf16, 2-core Xeon VM, 4 alternating rounds, tokens/s): 8 KiB
@@ -108,12 +123,13 @@ constexpr int kQ8PrefetchAvx2 = 2048;
 // VM, alternating: 76-80 -> 81-87 G multiply-adds/s; AVX2 kernels 47-53 -> 56-57 (with their own 4096
 // values ahead 48-53; two rows ahead was no better).  Rows shorter than kMultiPrefetch (the small
 // model's 256) need the floor: prefetching just the next row, 32000 x 256, 8 inputs: 59 -> 46-49.
-template <int P, int NP>
+// Passes over blocks of B row pairs (multi_block_pairs) look B rows ahead.
+template <int P, int NP, int B = 1>
 inline size_t prefetch_ahead(int IC, int dist) {
   if constexpr (NP == 1)
     return (size_t)dist;
   else
-    return (size_t)std::max(IC, kMultiPrefetch) + (size_t)P * IC / NP;
+    return (size_t)B * std::max(IC, kMultiPrefetch) + (size_t)P * IC / NP;
 }
 
 inline float load_scalar(const uint16_t* p, int c, DType dt) {
@@ -209,6 +225,12 @@ struct RowPairs {
       : r0(r0_), pairs((r1 - r0_) / 2), stride(row_bytes >= apart_bytes ? (r1 - r0_) / 2 : 1),
         odd((r1 - r0_) % 2 != 0) {}
   int first(int i) const { return stride == 1 ? r0 + 2 * i : r0 + i; }  // one pair apart is r0 either way
+  // count consecutive pairs from pair i, as a Run; the odd row as a Run of one (R = 1).
+  struct Run {
+    int r, step, count, stride;  // rows r + q * step and r + q * step + stride, q < count
+  };
+  Run run(int i, int count) const { return {first(i), stride == 1 ? 2 : 1, count, stride}; }
+  static Run odd_row(int r1) { return {r1 - 1, 1, 1, 0}; }
 };
 
 // ---- AVX2 + FMA (+ F16C) ----------------------------------------------------------------------------
@@ -365,7 +387,7 @@ template <DType DT, int N, Prefetch PF>
 MOETRON_AVX2 void multi_pairs_avx2(float* out, int ld_out, const void* W, const float* x, int ld_x, const float* xp,
                                    int r0, int r1, int IC, bool acc) {
   const RowPairs p(r0, r1, (size_t)IC * vbytes_of(DT));
-  for (int i = 0; i < p.pairs; i++)
+  for (int i = 0; i < p.pairs; i++)  // pair by pair: blocks of pairs (multi_block_pairs) gained nothing here
     multi_groups_avx2<DT, N, 2, 2, PF>(out, ld_out, W, x, ld_x, xp, p.first(i), p.stride, IC, acc);
   if (p.odd) multi_groups_avx2<DT, N, 2, 1, PF>(out, ld_out, W, x, ld_x, xp, r1 - 1, 0, IC, acc);
 }
@@ -478,7 +500,7 @@ MOETRON_AVX512 void rows_avx512(float* y, const void* W, const float* x, const f
 
 // R rows r + k * stride against N inputs (see multi_block_avx2): block_avx512<DT, 1, Prefetch::l1>'s operations per
 // row and input.
-template <DType DT, int N, int R, Prefetch PF, int P = 0, int NP = 1>
+template <DType DT, int N, int R, Prefetch PF, int P = 0, int NP = 1, int B = 1>
 MOETRON_AVX512 void multi_block_avx512(float* out, int ld_out, const void* W, const float* x, int ld_x, const float* xp,
                                        int r, int stride, int IC, bool acc) {
   constexpr size_t vbytes = vbytes_of(DT);
@@ -486,7 +508,7 @@ MOETRON_AVX512 void multi_block_avx512(float* out, int ld_out, const void* W, co
   for (int k = 0; k < R; k++)
     for (int j = 0; j < N; j++) a[k][j][0] = a[k][j][1] = _mm512_setzero_ps();
   int c = 0;
-  const size_t ahead = prefetch_ahead<P, NP>(IC, kMultiPrefetch);
+  const size_t ahead = prefetch_ahead<P, NP, B>(IC, kMultiPrefetch);
   for (; c + 32 <= IC; c += 32) {
     __m512 lo[R], hi[R];
     for (int k = 0; k < R; k++) {
@@ -533,13 +555,18 @@ MOETRON_AVX512 void multi_block_avx512(float* out, int ld_out, const void* W, co
   }
 }
 
-template <DType DT, int N, int G, int R, Prefetch PF, int P = 0, int NP = (N + G - 1) / G>
+// The N inputs in groups of G, each group a pass over the run's row pairs (B of them, or one; see
+// multi_block_pairs): the later passes read the rows again from L1 or L2.
+template <DType DT, int N, int G, int R, Prefetch PF, int B, int P = 0, int NP = (N + G - 1) / G>
 MOETRON_AVX512 void multi_groups_avx512(float* out, int ld_out, const void* W, const float* x, int ld_x,
-                                        const float* xp, int r, int stride, int IC, bool acc) {
-  multi_block_avx512<DT, (N < G ? N : G), R, PF, P, NP>(out, ld_out, W, x, ld_x, xp, r, stride, IC, acc);
+                                        const float* xp, RowPairs::Run run, int IC, bool acc) {
+  const int count = B == 1 ? 1 : run.count;
+  for (int q = 0; q < count; q++)
+    multi_block_avx512<DT, (N < G ? N : G), R, PF, P, NP, B>(out, ld_out, W, x, ld_x, xp, run.r + q * run.step,
+                                                             run.stride, IC, acc);
   if constexpr (N > G)
-    multi_groups_avx512<DT, N - G, G, R, PF, P + 1, NP>(out + (size_t)G * ld_out, ld_out, W, x + (size_t)G * ld_x, ld_x,
-                                                        xp + (size_t)G * IC, r, stride, IC, acc);
+    multi_groups_avx512<DT, N - G, G, R, PF, B, P + 1, NP>(out + (size_t)G * ld_out, ld_out, W, x + (size_t)G * ld_x,
+                                                           ld_x, xp + (size_t)G * IC, run, IC, acc);
 }
 
 // Rows [r0, r1) against N inputs: row pairs as rows_avx512; up to 6 inputs at once (2 rows x 6 inputs x
@@ -549,9 +576,19 @@ MOETRON_AVX512 void multi_pairs_avx512(float* out, int ld_out, const void* W, co
                                        int r0, int r1, int IC, bool acc) {
   constexpr int G = N <= 6 ? N : 4;
   const RowPairs p(r0, r1, (size_t)IC * vbytes_of(DT));
+  if constexpr (N > G) {
+    if (multi_block_pairs(N, G, IC) > 1) {
+      constexpr int B = kMultiBlockPairs;
+      for (int i = 0; i < p.pairs; i += B)
+        multi_groups_avx512<DT, N, G, 2, PF, B>(out, ld_out, W, x, ld_x, xp, p.run(i, std::min(B, p.pairs - i)), IC,
+                                                acc);
+      if (p.odd) multi_groups_avx512<DT, N, G, 1, PF, 1>(out, ld_out, W, x, ld_x, xp, RowPairs::odd_row(r1), IC, acc);
+      return;
+    }
+  }
   for (int i = 0; i < p.pairs; i++)
-    multi_groups_avx512<DT, N, G, 2, PF>(out, ld_out, W, x, ld_x, xp, p.first(i), p.stride, IC, acc);
-  if (p.odd) multi_groups_avx512<DT, N, G, 1, PF>(out, ld_out, W, x, ld_x, xp, r1 - 1, 0, IC, acc);
+    multi_groups_avx512<DT, N, G, 2, PF, 1>(out, ld_out, W, x, ld_x, xp, p.run(i, 1), IC, acc);
+  if (p.odd) multi_groups_avx512<DT, N, G, 1, PF, 1>(out, ld_out, W, x, ld_x, xp, RowPairs::odd_row(r1), IC, acc);
 }
 
 template <DType DT, int N>
