@@ -415,8 +415,8 @@ TEST(DecodeKernels, EverySimdLevelMeetsTheFp32WideningAndTheExactProduct) {
 // each input bitwise what gemv gives it alone, for every weight dtype, with row strides and +=.
 TEST(DecodeKernels, GemvRowsIsBitwiseGemvPerInput) {
   for (const int OC : {70, 75})  // blocks of 64 rows and 6 or 11: row pairs and an odd row left
-    // 1031 and 2053: passes of 4 (AVX-512) or 2 (AVX2) inputs of 4096 floats or more, which prefetch the rows
-    // into L2 on AMD (multi_prefetch), beside the shorter rows' L1.
+    // 1031 and 2053: on AMD, passes of 4 (AVX-512) or 2 (AVX2) inputs of 4096 floats or more prefetch the rows
+    // into L2 (multi_prefetch), and 7-8 inputs run over blocks of row pairs (multi_block_pairs, AVX-512).
     for (const int IC : {7, 24, 40, 100, 1031, 2053}) {
       std::vector<uint16_t> wb((size_t)OC * IC), wh((size_t)OC * IC);
       std::vector<float> wf((size_t)OC * IC);
