@@ -1,27 +1,27 @@
 // Tests for core/mmap, io/safetensors (reader, writer, validation of malformed files built by
 // hand byte by byte) and io/model_files (single-file and sharded HF model directories).
-#include <gtest/gtest.h>
-
-#include "temp_dir.h"
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "core/error.h"
+#include "core/huge_pages.h"
 #include "core/mmap.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"
+#include "temp_dir.h"
 #include "train/checkpoint.h"
 
 using namespace moetron;
@@ -141,6 +141,82 @@ TEST(MappedFile, DirectoryIsAnError) {
   TempDir dir;
   expect_error([&] { MappedFile::open(dir.path().string()); },
                {dir.path().string(), "directory"});
+}
+
+// Bytes mapped by 2 MiB pages, counted from smaps text: only the mappings inside the range, and
+// only their FilePmdMapped lines (not AnonHugePages, not a path that looks like a field).
+TEST(MappedFile, FileHugeMappedBytesCountsTheMappingsInsideTheRange) {
+  const std::string smaps =
+      "7f0000000000-7f0000400000 r--p 00000000 fe:00 123   /models/a b/model.safetensors\n"
+      "Size:               4096 kB\n"
+      "FilePmdMapped:      2048 kB\n"
+      "AnonHugePages:      2048 kB\n"
+      "7f0000400000-7f0000600000 r--p 00400000 fe:00 123   /models/FilePmdMapped: 9 kB\n"
+      "FilePmdMapped:      2048 kB\n"
+      "7f0000600000-7f0000800000 rw-p 00000000 00:00 0\n"
+      "FilePmdMapped:      4096 kB\n"
+      "VmFlags: rd mr mw me hg\n";
+  EXPECT_EQ(file_huge_mapped_bytes(smaps, 0x7f0000000000, 0x7f0000600000), size_t{4} << 20);
+  EXPECT_EQ(file_huge_mapped_bytes(smaps, 0x7f0000000000, 0x7f0000400000), size_t{2} << 20);
+  EXPECT_EQ(file_huge_mapped_bytes(smaps, 0x7f0000400000, 0x7f0000800000), size_t{6} << 20);
+  EXPECT_EQ(file_huge_mapped_bytes(smaps, 0x7f0000100000, 0x7f0000500000), 0u);  // no mapping wholly inside
+  EXPECT_EQ(file_huge_mapped_bytes("", 0, ~uintptr_t{0}), 0u);
+}
+
+// Advice, counting and (where the kernel gives this file 2 MiB pages) dropping and re-reading the
+// windows change no byte of the mapping; the windows counted are the whole, aligned 2 MiB ones the
+// ranges touch, short of the file's partial last one.
+TEST(MappedFile, HugePagesKeepEveryByte) {
+  TempDir dir;
+  constexpr size_t kMiB = size_t{1} << 20;
+  std::string bytes(9 * kMiB + 123, '\0');
+  for (size_t i = 0; i < bytes.size(); i++) bytes[i] = static_cast<char>((i * 2654435761u) >> 13);
+  write_bytes(dir.file("w"), bytes);
+  {  // written back and dropped, then read in small pieces: the page cache holds small folios
+    const int fd = ::open(dir.file("w").c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    ::fdatasync(fd);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    char page[4096];
+    for (size_t at = 0; at < bytes.size(); at += sizeof(page)) ASSERT_GT(::pread(fd, page, sizeof(page), (off_t)at), 0);
+    ::close(fd);
+  }
+  MappedFile m = MappedFile::open(dir.file("w"), /*keep_fd=*/true);
+  m.advise_huge_pages();
+  EXPECT_EQ(std::memcmp(m.data(), bytes.data(), bytes.size()), 0);
+  // Two ranges: [1 MiB, 3 MiB) touches windows 0-1, [5 MiB + 1, end) windows 2-3 (window 4 is partial).
+  const std::pair<size_t, size_t> ranges[] = {{kMiB, 2 * kMiB}, {5 * kMiB + 1, bytes.size() - 5 * kMiB - 1}};
+  const MappedFile::HugePages h = m.back_with_huge_pages(ranges);
+  if (reinterpret_cast<uintptr_t>(m.data()) % (2 * kMiB) == 0) EXPECT_EQ(h.windows, 8 * kMiB);
+  EXPECT_LE(h.huge, size_t{10} * kMiB);
+  EXPECT_EQ(h.huge % (2 * kMiB), 0u);
+  if (h.reread) EXPECT_GE(h.huge, 2 * kMiB);
+  std::printf("2 MiB pages: %zu of %zu bytes%s\n", h.huge, h.windows, h.reread ? " (re-read)" : "");
+  EXPECT_EQ(std::memcmp(m.data(), bytes.data(), bytes.size()), 0);
+  // Without the descriptor it only counts: nothing dropped.
+  MappedFile plain = MappedFile::open(dir.file("w"));
+  EXPECT_FALSE(plain.back_with_huge_pages(ranges).reread);
+  EXPECT_EQ(std::memcmp(plain.data(), bytes.data(), bytes.size()), 0);
+  // Ranges past the end, or empty, count nothing.
+  const std::pair<size_t, size_t> bad[] = {{bytes.size(), 1}, {0, 0}, {kMiB, ~size_t{0}}};
+  EXPECT_EQ(m.back_with_huge_pages(bad).windows, 0u);
+}
+
+// Buffers from 2 MiB up start on a 2 MiB boundary (where a 2 MiB page can map them); a vector of
+// them value-initializes and copies as any vector.
+TEST(HugePageAllocator, LargeBuffersAreAlignedAndZeroed) {
+  HugeVector<int8_t> big(3 * (size_t{1} << 20) + 5);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(big.data()) % (size_t{2} << 20), 0u);
+  EXPECT_TRUE(std::all_of(big.begin(), big.end(), [](int8_t v) { return v == 0; }));
+  for (size_t i = 0; i < big.size(); i++) big[i] = static_cast<int8_t>(i);
+  const HugeVector<int8_t> copy = big;
+  EXPECT_EQ(copy[big.size() - 1], static_cast<int8_t>(big.size() - 1));
+  HugeVector<uint16_t> small(100, 7);
+  EXPECT_EQ(small[99], 7);
+  small.resize(2 << 20, 1);  // crosses to the mapped kind
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(small.data()) % (size_t{2} << 20), 0u);
+  EXPECT_EQ(small[99], 7);
+  EXPECT_EQ(small.back(), 1);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -92,6 +92,9 @@ int run_bench_generate(int argc, char** argv) {
   std::printf("weights: %s, %.1f MB, %s (kernels: %s)\n", model->storage_name().c_str(),
               model->weight_bytes() / 1e6, model->owned.empty() ? "used in place from the mapped files" : "in memory",
               infer::simd_name(infer::simd_level()));
+  if (const MappedFile::HugePages& h = model->huge_pages; h.windows > 0)
+    std::printf("2 MiB pages: %.1f of %.1f MB of mapped weights%s\n", h.huge / 1e6, h.windows / 1e6,
+                h.reread ? " (dropped from the page cache and read again to get them)" : "");
   // The prompt bench/hf_generate.py uses: BOS, then ids 3 + mix64(i * 7919 + 17) % (V - 3).
   std::vector<int32_t> prompt(prompt_tokens);
   prompt[0] = 1;

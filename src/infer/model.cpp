@@ -1,16 +1,16 @@
 #include "infer/model.h"
-#include "core/json_limits.h"
 
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 
-#include <nlohmann/json.hpp>
-
 #include "core/error.h"
+#include "core/json_limits.h"
 #include "core/mmap.h"
 #include "io/model_files.h"
 #include "model/lora.h"
@@ -92,7 +92,7 @@ WeightQuant parse_weight_quant(const std::string& name, const char* what) {
 
 void InferenceModel::set_weights(std::vector<infer::WeightRef> refs, std::shared_ptr<const void> keep_alive,
                                  std::vector<float> small, std::vector<size_t> small_offset,
-                                 std::vector<int8_t> quantized, std::vector<uint16_t> scales,
+                                 HugeVector<int8_t> quantized, HugeVector<uint16_t> scales,
                                  std::optional<TensorView> embedding, bool embedding_q8) {
   MOETRON_ASSERT(refs.size() == table.hf_tensors().size() && small_offset.size() == table.specs().size());
   q8_ = std::move(quantized);  // a moved vector keeps its buffer: the refs into it stay valid
@@ -237,6 +237,12 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
   if (widen_to_fp32) {
     load_hf_weights(*files, m->table, m->owned.data(), dir);
   } else {
+    // Matrices used in place: 2 MiB pages asked for before the first read (MappedFile::
+    // advise_huge_pages; Q8_0 reads the files with pread and maps nothing).
+    const bool huge_pages = quant == WeightQuant::none;
+    if (huge_pages)
+      for (size_t i = 0; i < files->num_files(); i++) files->file(i).mapping().advise_huge_pages();
+    std::map<const uint8_t*, std::vector<std::pair<size_t, size_t>>> in_place;  // per mapping: file ranges
     const ParamTable& t = m->table;
     std::vector<infer::WeightRef> refs;
     std::vector<float> small;
@@ -259,8 +265,8 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
     size_t q8_total = 0;
     for (const HfTensorRef& ref : t.hf_tensors())
       if (quantized(ref)) q8_total += ref.numel;
-    std::vector<int8_t> q8(q8_total);
-    std::vector<uint16_t> q8_scales(q8_total / infer::kQ8Block);
+    HugeVector<int8_t> q8(q8_total);  // on 2 MiB pages, as the mapped matrices
+    HugeVector<uint16_t> q8_scales(q8_total / infer::kQ8Block);
     size_t q8_at = 0;
     std::vector<std::pair<const void*, size_t>> read_once;  // Q8_0: the small tensors' file ranges
     std::vector<uint8_t> piece_buffer;                       // one piece of a tensor read in pieces, as stored
@@ -338,6 +344,18 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
       }
       if (const size_t bad = first_non_finite_stored(v, ref.numel); bad < ref.numel) non_finite(bad);
       refs.push_back({v.data, v.dtype});
+      if (huge_pages && v.mapped)
+        in_place[v.map_base].emplace_back(v.data - v.map_base, ref.numel * dtype_size(v.dtype));
+    }
+    // Each file's matrices, read once by the checks above, on 2 MiB pages where the kernel gives them.
+    for (size_t i = 0; i < files->num_files(); i++) {
+      const MappedFile& f = files->file(i).mapping();
+      const auto it = in_place.find(f.data());
+      if (it == in_place.end()) continue;
+      const MappedFile::HugePages h = f.back_with_huge_pages(it->second);
+      m->huge_pages.huge += h.huge;
+      m->huge_pages.windows += h.windows;
+      m->huge_pages.reread = m->huge_pages.reread || h.reread;
     }
     // Small tensors of other dtypes, read through the mapping, released at the end: a fault maps the
     // page-cache folios around a page, so a range released early can come back.

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "core/huge_pages.h"
+#include "core/mmap.h"
 #include "infer/kernels.h"
 #include "io/hf_config.h"
 #include "io/safetensors.h"
@@ -75,6 +77,8 @@ struct InferenceModel {
   // as fp32; an embedding read by row from its file as if held, in its dtype or Q8_0).
   std::string storage_name() const;
   size_t weight_bytes() const;
+  // The 2 MiB pages under the matrices used in place (load_inference_model; none when held in memory).
+  MappedFile::HugePages huge_pages;
 
   // A model used in place: where each table.hf_tensors() entry lies, what holds them (the mapped
   // files, kept open), and the small parameters as fp32 (spec i at small[small_offset[i]]).
@@ -82,8 +86,8 @@ struct InferenceModel {
   // tensor in the kept files, to be read by row (its ref is then {null, its dtype}), quantized to
   // Q8_0 per row when embedding_q8.
   void set_weights(std::vector<infer::WeightRef> refs, std::shared_ptr<const void> keep_alive, std::vector<float> small,
-                   std::vector<size_t> small_offset, std::vector<int8_t> quantized = {},
-                   std::vector<uint16_t> scales = {}, std::optional<TensorView> embedding = std::nullopt,
+                   std::vector<size_t> small_offset, HugeVector<int8_t> quantized = {},
+                   HugeVector<uint16_t> scales = {}, std::optional<TensorView> embedding = std::nullopt,
                    bool embedding_q8 = false);
   // Whether a parameter kind is copied to fp32 (vec) rather than used in place (mat).
   static bool is_small(ParamKind kind);
@@ -97,8 +101,8 @@ struct InferenceModel {
   std::shared_ptr<const void> files_;           // what refs_ point into (the mapped files), when not owned
   std::vector<float> small_;
   std::vector<size_t> small_offset_;            // per spec
-  std::vector<int8_t> q8_;                      // Q8_0 matrices (values), when quantized at load
-  std::vector<uint16_t> q8_scales_;             // and their f16 scales
+  HugeVector<int8_t> q8_;                       // Q8_0 matrices (values), when quantized at load
+  HugeVector<uint16_t> q8_scales_;              // and their f16 scales
   std::optional<TensorView> embedding_file_;    // the embedding, read by row (embedding_row)
   bool embedding_q8_ = false;                   // and quantized to Q8_0 on lookup
 };

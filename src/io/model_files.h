@@ -33,6 +33,7 @@ class ModelTensors {
   // All tensor names, sorted. For a sharded model: the index's weight_map keys.
   std::vector<std::string> names() const;
   size_t num_files() const { return files_.size(); }
+  const SafetensorsFile& file(size_t i) const { return *files_.at(i); }
 
  private:
   std::string dir_;

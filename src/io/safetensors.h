@@ -54,6 +54,7 @@ class SafetensorsFile {
   // All tensor names, sorted.
   std::vector<std::string> names() const;
   size_t size() const { return tensors_.size(); }
+  const MappedFile& mapping() const { return file_; }  // opened with keep_fd
 
  private:
   MappedFile file_;
