@@ -28,15 +28,17 @@ struct HugePageAllocator {
     if (n > SIZE_MAX / sizeof(T)) throw std::bad_array_new_length();
     const size_t bytes = n * sizeof(T);
     if (bytes < kHugePage) return static_cast<T*>(::operator new (bytes, std::align_val_t{alignof(T)}));
-    // Over-mapped by one page's worth and trimmed, so the buffer starts on a 2 MiB boundary.
-    const size_t mapped = round_up(bytes) + kHugePage;
+    // Over-mapped by 2 MiB and trimmed, so the buffer starts on a 2 MiB boundary.  Only its whole
+    // 2 MiB windows are advised: a partial last one stays in 4 KiB pages, so the resident bytes are
+    // the buffer's, not rounded up to 2 MiB (a 30 MB Q8_0 model would hold up to 4 MiB more).
+    const size_t mapped = pages(bytes) + kHugePage;
     void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
     const uintptr_t raw = reinterpret_cast<uintptr_t>(p), start = (raw + kHugePage - 1) / kHugePage * kHugePage;
     if (start > raw) ::munmap(p, start - raw);
-    if (const uintptr_t end = start + round_up(bytes); end < raw + mapped)
+    if (const uintptr_t end = start + pages(bytes); end < raw + mapped)
       ::munmap(reinterpret_cast<void*>(end), raw + mapped - end);
-    (void)::madvise(reinterpret_cast<void*>(start), round_up(bytes), MADV_HUGEPAGE);  // advice only
+    (void)::madvise(reinterpret_cast<void*>(start), bytes / kHugePage * kHugePage, MADV_HUGEPAGE);  // advice only
     return reinterpret_cast<T*>(start);
   }
 
@@ -45,7 +47,7 @@ struct HugePageAllocator {
     if (bytes < kHugePage)
       ::operator delete (p, std::align_val_t{alignof(T)});
     else
-      ::munmap(p, round_up(bytes));
+      ::munmap(p, pages(bytes));
   }
 
   template <typename U>
@@ -54,7 +56,8 @@ struct HugePageAllocator {
   }
 
  private:
-  static size_t round_up(size_t bytes) { return (bytes + kHugePage - 1) / kHugePage * kHugePage; }
+  static constexpr size_t kPage = 4096;  // the mapping's granularity here (x86-64 Linux)
+  static size_t pages(size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
 };
 
 template <typename T>
