@@ -857,10 +857,10 @@ MOETRON_VNNI void q8_block_vnni(float* y, const int8_t* W, const uint16_t* S, co
   }
 }
 
-// PF: the row's prefetch, kQ8PrefetchVnni ahead into L1 or L2 (see q8_multi_vnni).
+// PF: the row's prefetch, kQ8PrefetchVnni ahead into L1 or L2 (see q8_multi_fn_vnni).
 template <int N, Prefetch PF>
-MOETRON_VNNI void q8_multi_vnni_pf(float* out, int ld_out, const int8_t* W, const uint16_t* S, const Q8Inputs& x, int r,
-                                   int IC, bool acc) {
+MOETRON_VNNI void q8_multi_vnni(float* out, int ld_out, const int8_t* W, const uint16_t* S, const Q8Inputs& x, int r,
+                                int IC, bool acc) {
   const int nb = IC / kQ8Block;
   __m512 a[N];
   for (int j = 0; j < N; j++) a[j] = _mm512_setzero_ps();
@@ -889,30 +889,30 @@ MOETRON_VNNI void q8_multi_vnni_pf(float* out, int ld_out, const int8_t* W, cons
   }
 }
 
+using Q8MultiFn = void (*)(float*, int, const int8_t*, const uint16_t*, const Q8Inputs&, int, int, bool);
+
+Q8MultiFn q8_multi_fn_avx2(int n) {
+  static constexpr Q8MultiFn t[kMaxGemvInputs] = {q8_multi_avx2<1>, q8_multi_avx2<2>, q8_multi_avx2<3>,
+                                                  q8_multi_avx2<4>, q8_multi_avx2<5>, q8_multi_avx2<6>,
+                                                  q8_multi_avx2<7>, q8_multi_avx2<8>};
+  return t[n - 1];
+}
+
 // On AMD into L2: the inputs stay in L1.  2-core Zen 4 EPYC VM, Q8_0 from memory, alternating in one
 // process, L2 / L1 GB/s ratios, one and two threads: 2048 x 1024 with 2 inputs 1.15 / 1.04, 4 inputs
 // 1.25 / 1.05; 1024 x 2048 with 2 inputs 1.32 / 1.05, 4 inputs 1.31 / 1.24; 32000 x 1024 with 8 and
 // rows of 256 the same (1.00-1.02).  4 KiB ahead into L2 (the neighbours' one-input distance) gained
 // less (1.00-1.28).  The AVX2 products (compute-bound on it) were the same either way.
-template <int N>
-MOETRON_VNNI void q8_multi_vnni(float* out, int ld_out, const int8_t* W, const uint16_t* S, const Q8Inputs& x, int r,
-                                int IC, bool acc) {
-  if (amd_cpu())
-    q8_multi_vnni_pf<N, Prefetch::l2>(out, ld_out, W, S, x, r, IC, acc);
-  else
-    q8_multi_vnni_pf<N, Prefetch::l1>(out, ld_out, W, S, x, r, IC, acc);
+template <Prefetch PF>
+Q8MultiFn q8_multi_fn_vnni_pf(int n) {
+  static constexpr Q8MultiFn t[kMaxGemvInputs] = {q8_multi_vnni<1, PF>, q8_multi_vnni<2, PF>, q8_multi_vnni<3, PF>,
+                                                  q8_multi_vnni<4, PF>, q8_multi_vnni<5, PF>, q8_multi_vnni<6, PF>,
+                                                  q8_multi_vnni<7, PF>, q8_multi_vnni<8, PF>};
+  return t[n - 1];
 }
-
-using Q8MultiFn = void (*)(float*, int, const int8_t*, const uint16_t*, const Q8Inputs&, int, int, bool);
-
-#define MOETRON_Q8_TABLE(NAME, FN)                                                                             \
-  Q8MultiFn NAME(int n) {                                                                                      \
-    static constexpr Q8MultiFn t[kMaxGemvInputs] = {FN<1>, FN<2>, FN<3>, FN<4>, FN<5>, FN<6>, FN<7>, FN<8>};  \
-    return t[n - 1];                                                                                           \
-  }
-MOETRON_Q8_TABLE(q8_multi_fn_avx2, q8_multi_avx2)
-MOETRON_Q8_TABLE(q8_multi_fn_vnni, q8_multi_vnni)
-#undef MOETRON_Q8_TABLE
+Q8MultiFn q8_multi_fn_vnni(int n) {
+  return amd_cpu() ? q8_multi_fn_vnni_pf<Prefetch::l2>(n) : q8_multi_fn_vnni_pf<Prefetch::l1>(n);
+}
 
 // Whether the AVX-512 level has VNNI for the int8 products (else it runs the AVX2 ones: same results).
 bool has_avx512_vnni() {
