@@ -148,9 +148,6 @@ void MappedFile::advise_huge_pages() const noexcept {
 MappedFile::HugePages MappedFile::back_with_huge_pages(std::span<const std::pair<size_t, size_t>> ranges) const {
   HugePages r;
   const uintptr_t base = reinterpret_cast<uintptr_t>(data_);
-  // A 2 MiB page maps a 2 MiB-aligned window of the file at a 2 MiB-aligned address: the kernel
-  // places mappings of 2 MiB and more so (Linux 6.7 on); elsewhere no window can be mapped so.
-  if (data_ == nullptr || base % kHugePage != 0) return r;
   // The windows the ranges touch, as sorted, disjoint [first, last) runs of window indices (a
   // tensor's first and last windows are shared with its neighbours'); a partial window at the end
   // of the file cannot be one page.
@@ -170,7 +167,9 @@ MappedFile::HugePages MappedFile::back_with_huge_pages(std::span<const std::pair
       windows[runs++] = w;
   windows.resize(runs);
   for (const auto& [first, last] : windows) r.windows += (last - first) * kHugePage;
-  if (r.windows == 0) return r;
+  // A 2 MiB page maps a 2 MiB-aligned window of the file at a 2 MiB-aligned address: the kernel
+  // places mappings of 2 MiB and more so (Linux 6.7 on; not tmpfs's); elsewhere none can be.
+  if (r.windows == 0 || base % kHugePage != 0) return r;
   const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
   const auto huge_now = [&] { return own_file_huge_mapped_bytes(base, base + (size_ + page - 1) / page * page); };
   r.huge = huge_now();
