@@ -255,6 +255,9 @@ TEST(Decoder, UntiedEmbeddingIsReadByRowNeverMapped) {
     ASSERT_NE(q8->embedding_in_file(), nullptr);
     EXPECT_EQ(q8->embedding_in_file()->dtype, DType::BF16);
     EXPECT_EQ(present_pages(q8->embedding_in_file()->data + margin, bytes - 2 * margin), 0u);
+    // Nor any other page of the file: the header and the small tensors, read at load, are let go.
+    const size_t file_bytes = fs::file_size(fs::path(dir) / "model.safetensors");
+    EXPECT_EQ(present_pages(q8->embedding_in_file()->map_base, file_bytes), 0u);
   }
 }
 

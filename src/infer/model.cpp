@@ -268,7 +268,6 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
     HugeVector<int8_t> q8(q8_total);  // on 2 MiB pages, as the mapped matrices
     HugeVector<uint16_t> q8_scales(q8_total / infer::kQ8Block);
     size_t q8_at = 0;
-    std::vector<std::pair<const void*, size_t>> read_once;  // Q8_0: the small tensors' file ranges
     std::vector<uint8_t> piece_buffer;                       // one piece of a tensor read in pieces, as stored
     std::optional<TensorView> embedding;                     // read by row
     bool embedding_q8 = false;                               // and quantized per row
@@ -295,7 +294,6 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
         HfTensorSlice whole;
         whole.ref = &ref;
         read_hf_slice(*files, t, whole, dst, dir);
-        if (quant == WeightQuant::q8_0) read_once.emplace_back(sv.data, ref.numel * dtype_size(sv.dtype));
         continue;
       }
       const TensorView v = hf_tensor_view(*files, t, ref, dir);
@@ -357,9 +355,14 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
       m->huge_pages.windows += h.windows;
       m->huge_pages.reread = m->huge_pages.reread || h.reread;
     }
-    // Small tensors of other dtypes, read through the mapping, released at the end: a fault maps the
-    // page-cache folios around a page, so a range released early can come back.
-    for (const auto& [p, bytes] : read_once) release_mapped_pages(p, bytes);
+    // Q8_0: no page of the files is read through the mappings from here on (the matrices quantized,
+    // the embedding read with pread), so every page the load mapped leaves the process -- the
+    // headers, small tensors of other dtypes: a fault maps the page-cache folios around a page, 2 MiB
+    // of a file cached in 2 MiB folios.  Released at the end, as a range released early can come
+    // back.  (A matrix left in place, its rows not whole blocks, faults back in when read.)
+    if (quant == WeightQuant::q8_0)
+      for (size_t i = 0; i < files->num_files(); i++)
+        release_mapped_pages(files->file(i).mapping().data(), files->file(i).mapping().size());
     m->set_weights(std::move(refs), files, std::move(small), std::move(small_offset), std::move(q8),
                    std::move(q8_scales), std::move(embedding), embedding_q8);
   }
