@@ -6,7 +6,9 @@ convert_hf_to_gguf.py and llama-bench) into --work (default /tmp/moetron-llama.c
 model is converted to GGUF there, once per type.  Then, alternating in every round, for each thread
 count: `moetron bench generate` (prompt P, then N new tokens, greedy) and llama-bench (pp P; tg N at
 depth P, i.e. after a P-token prompt, as moetron's decode), each in its own process, whose peak RSS is
-read from wait4().  Prints medians and the median of per-round ratios (moetron / llama.cpp).
+read from wait4(), and how much of its memory is on 2 MiB pages (sampled from /proc: moetron asks the
+kernel for them, llama.cpp gets what the page cache holds).  Prints medians and the median of per-round
+ratios (moetron / llama.cpp).
 
   python3 bench/llama_cpp.py --model DIR [--types bf16,q8_0] [--threads 1,2] [--rounds 5]
   python3 bench/llama_cpp.py --make-small DIR   # the issue's small model (hidden 256, 4 layers, 8 experts)
@@ -24,14 +26,30 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
+def huge_bytes(pid):
+    """Bytes of process pid's memory on 2 MiB pages now (FilePmdMapped + AnonHugePages); 0 if gone."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("FilePmdMapped:", "AnonHugePages:")):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return total
+
+
 def measure(cmd):
-    """Runs cmd with wait4 to get its own peak RSS; returns (stdout, peak_rss_bytes)."""
+    """Runs cmd with wait4 to get its own peak RSS; returns (stdout, peak_rss_bytes, huge_bytes): the most
+    of its memory seen on 2 MiB pages (sampled every 0.1 s) -- how much of the weights each program
+    reads through 2 MiB pages (moetron asks for them; the TLB then misses once per 2 MiB)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -44,17 +62,26 @@ def measure(cmd):
         finally:
             os._exit(127)
     os.close(w)
-    chunks = []
+    chunks, huge, done = [], [0], threading.Event()
+
+    def sample():
+        while not done.wait(0.1):
+            huge[0] = max(huge[0], huge_bytes(pid))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
     while True:
         b = os.read(r, 65536)
         if not b:
             break
         chunks.append(b)
     os.close(r)
+    done.set()
+    sampler.join()
     _, status, ru = os.wait4(pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"command failed: {' '.join(cmd)}")
-    return b"".join(chunks).decode(), ru.ru_maxrss * 1024
+    return b"".join(chunks).decode(), ru.ru_maxrss * 1024, huge[0]
 
 
 def ggml_isa_flags():
@@ -173,27 +200,27 @@ def main():
                        str(a.prompt), "--new-tokens", str(a.new), "--runs", "3", "--json"]
                 if typ == "q8_0":
                     cmd += ["--quantize", "q8_0"]
-                out, m_rss = measure(cmd)
+                out, m_rss, m_huge = measure(cmd)
                 m = json.loads([l for l in out.splitlines() if l.startswith("{")][-1])
-                pp, l_rss1 = measure([bench, "-m", ggufs[typ], "-p", str(a.prompt), "-n", "0", "-t", str(t), "-r", "3",
-                                      "-o", "json"])
-                tg, l_rss2 = measure([bench, "-m", ggufs[typ], "-p", "0", "-n", str(a.new), "-d", str(a.prompt), "-t",
-                                      str(t), "-r", "3", "-o", "json"])
+                pp, l_rss1, l_huge1 = measure([bench, "-m", ggufs[typ], "-p", str(a.prompt), "-n", "0", "-t", str(t),
+                                               "-r", "3", "-o", "json"])
+                tg, l_rss2, l_huge2 = measure([bench, "-m", ggufs[typ], "-p", "0", "-n", str(a.new), "-d",
+                                               str(a.prompt), "-t", str(t), "-r", "3", "-o", "json"])
                 row = {"round": rnd, "threads": t, "type": typ, "moetron": m, "moetron_rss": m_rss,
                        "llama_prefill": json.loads(pp)[0]["avg_ts"], "llama_decode": json.loads(tg)[0]["avg_ts"],
-                       "llama_rss": max(l_rss1, l_rss2)}
+                       "llama_rss": max(l_rss1, l_rss2), "moetron_huge": m_huge, "llama_huge": max(l_huge1, l_huge2)}
                 rows.append(row)
                 print(f"round {rnd} threads {t} {typ}: moetron {m['prefill_tokens_per_s']:.0f} / "
-                      f"{m['decode_tokens_per_s']:.1f} tok/s, RSS {m_rss / 2**20:.0f} MiB; llama.cpp "
-                      f"{row['llama_prefill']:.0f} / {row['llama_decode']:.1f}, RSS {row['llama_rss'] / 2**20:.0f} MiB",
-                      flush=True)
+                      f"{m['decode_tokens_per_s']:.1f} tok/s, RSS {m_rss / 2**20:.0f} MiB ({m_huge / 2**20:.0f} on "
+                      f"2 MiB pages); llama.cpp {row['llama_prefill']:.0f} / {row['llama_decode']:.1f}, RSS "
+                      f"{row['llama_rss'] / 2**20:.0f} MiB ({row['llama_huge'] / 2**20:.0f} on 2 MiB pages)", flush=True)
                 if a.json_out:
                     with open(a.json_out, "a") as f:
                         f.write(json.dumps(row) + "\n")
     print("\nmedians (moetron / llama.cpp ratios: median of per-round ratios)")
     print("| threads | type | moetron prefill / decode tok/s | llama.cpp | ratio prefill / decode | "
-          "peak RSS moetron / llama.cpp MiB | moetron RSS / (weights + KV) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "peak RSS moetron / llama.cpp MiB | moetron RSS / (weights + KV) | MiB on 2 MiB pages moetron / llama.cpp |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for t in threads:
         for typ in types:
             rs = [r for r in rows if r["threads"] == t and r["type"] == typ]
@@ -204,8 +231,9 @@ def main():
             rd = med(lambda r: r["moetron"]["decode_tokens_per_s"] / r["llama_decode"])
             mr, lr = med(lambda r: r["moetron_rss"]), med(lambda r: r["llama_rss"])
             budget = med(lambda r: r["moetron_rss"] / (r["moetron"]["weight_bytes"] + r["moetron"]["kv_cache_bytes"]))
+            mh, lh = med(lambda r: r["moetron_huge"]), med(lambda r: r["llama_huge"])
             print(f"| {t} | {typ} | {mp:.0f} / {md:.1f} | {lp:.0f} / {ld:.1f} | {rp:.2f} / {rd:.2f} | "
-                  f"{mr / 2**20:.0f} / {lr / 2**20:.0f} | {budget:.3f} |")
+                  f"{mr / 2**20:.0f} / {lr / 2**20:.0f} | {budget:.3f} | {mh / 2**20:.0f} / {lh / 2**20:.0f} |")
 
 
 if __name__ == "__main__":
