@@ -1,5 +1,5 @@
-// An allocator for large buffers read whole and often (weights quantized at load): from 2 MiB of
-// elements on, an anonymous mapping aligned to 2 MiB with the kernel asked for 2 MiB pages
+// An allocator for large buffers read whole and often (weights quantized at load): a buffer of 2 MiB
+// or more is an anonymous mapping aligned to 2 MiB with the kernel asked for 2 MiB pages
 // (madvise MADV_HUGEPAGE) before its first write, so streaming it misses the TLB once per 2 MiB
 // rather than per 4 KiB; smaller ones from operator new.  Where the kernel gives no 2 MiB pages
 // (transparent huge pages off) the mapping is plain memory.  std::vector<T, HugePageAllocator<T>>
@@ -7,6 +7,7 @@
 #pragma once
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -56,8 +57,10 @@ struct HugePageAllocator {
   }
 
  private:
-  static constexpr size_t kPage = 4096;  // the mapping's granularity here (x86-64 Linux)
-  static size_t pages(size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
+  static size_t pages(size_t bytes) {  // rounded up to the mapping's granularity
+    const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+    return (bytes + page - 1) / page * page;
+  }
 };
 
 template <typename T>
