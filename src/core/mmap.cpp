@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/huge_pages.h"
 
 namespace moetron {
 
@@ -91,8 +92,6 @@ void release_mapped_pages(const void* p, size_t n) noexcept {
 
 namespace {
 
-constexpr size_t kHugePage = size_t{2} << 20;
-
 // Reads one byte of every 4 KiB page of [p, p + n): the kernel faults the pages in.
 void touch_pages(const uint8_t* p, size_t n) {
   volatile uint8_t sink = 0;
@@ -154,8 +153,8 @@ MappedFile::HugePages MappedFile::back_with_huge_pages(std::span<const std::pair
   std::vector<std::pair<size_t, size_t>> windows;
   for (const auto& [offset, n] : ranges) {
     if (n == 0 || offset > size_ || n > size_ - offset) continue;
-    const size_t first = offset / kHugePage,
-                 last = std::min((offset + n + kHugePage - 1) / kHugePage, size_ / kHugePage);
+    const size_t first = offset / kHugePageBytes,
+                 last = std::min((offset + n + kHugePageBytes - 1) / kHugePageBytes, size_ / kHugePageBytes);
     if (first < last) windows.emplace_back(first, last);
   }
   std::sort(windows.begin(), windows.end());
@@ -166,21 +165,23 @@ MappedFile::HugePages MappedFile::back_with_huge_pages(std::span<const std::pair
     else
       windows[runs++] = w;
   windows.resize(runs);
-  for (const auto& [first, last] : windows) r.windows += (last - first) * kHugePage;
+  for (const auto& [first, last] : windows) r.windows += (last - first) * kHugePageBytes;
   // A 2 MiB page maps a 2 MiB-aligned window of the file at a 2 MiB-aligned address: the kernel
   // places mappings of 2 MiB and more so (Linux 6.7 on; not tmpfs's); elsewhere none can be.
-  if (r.windows == 0 || base % kHugePage != 0) return r;
+  if (r.windows == 0 || base % kHugePageBytes != 0) return r;
   const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
   const auto huge_now = [&] { return own_file_huge_mapped_bytes(base, base + (size_ + page - 1) / page * page); };
   r.huge = huge_now();
   if (r.huge >= r.windows * 9 / 10 || fd_ < 0) return r;
   // Windows [first, last): dropped from this mapping and the page cache, then read back.
   const auto drop = [&](size_t first, size_t last) {
-    (void)::madvise(const_cast<uint8_t*>(data_) + first * kHugePage, (last - first) * kHugePage, MADV_DONTNEED);
-    (void)::posix_fadvise(fd_, (off_t)(first * kHugePage), (off_t)((last - first) * kHugePage), POSIX_FADV_DONTNEED);
+    (void)::madvise(const_cast<uint8_t*>(data_) + first * kHugePageBytes, (last - first) * kHugePageBytes,
+                    MADV_DONTNEED);
+    (void)::posix_fadvise(fd_, (off_t)(first * kHugePageBytes), (off_t)((last - first) * kHugePageBytes),
+                          POSIX_FADV_DONTNEED);
   };
   const auto read_back = [&](size_t first, size_t last) {
-    touch_pages(data_ + first * kHugePage, (last - first) * kHugePage);
+    touch_pages(data_ + first * kHugePageBytes, (last - first) * kHugePageBytes);
   };
   // One window first: does the kernel give this file 2 MiB pages at all?  (Counted once it is
   // dropped, so a window that was one page already does not pass for a new one.)
@@ -189,10 +190,12 @@ MappedFile::HugePages MappedFile::back_with_huge_pages(std::span<const std::pair
   const size_t without = huge_now();
   read_back(probe, probe + 1);
   r.huge = huge_now();
-  if (r.huge < without + kHugePage) return r;
+  if (r.huge < without + kHugePageBytes) return r;
   for (const auto& [first, last] : windows) {
-    drop(first, last);
-    read_back(first, last);
+    const size_t from = first == probe ? probe + 1 : first;  // the probe is one page already
+    if (from == last) continue;
+    drop(from, last);
+    read_back(from, last);
   }
   r.huge = huge_now();
   r.reread = true;
