@@ -20,7 +20,8 @@ if [ "${MOETRON_SKIP_FUZZ:-0}" != 1 ]; then
 fi
 if [ "${MOETRON_SKIP_SANITIZE:-0}" != 1 ]; then
   echo "== sanitizer build (ASan + UBSan) =="
-  # Release (-O3, no debug info) keeps the compile and the sanitized tests fast enough for CI.
+  # Release (the library at -O3, no debug info; the tests and the CLI at -O1: CMakeLists.txt) keeps the
+  # compile and the sanitized tests fast enough for CI.
   BUILD_DIR=build-asan BUILD_TYPE=Release bash scripts/build.sh -DMOETRON_SANITIZE=ON
   (cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j 2 --timeout 900)
 fi
