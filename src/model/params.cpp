@@ -120,11 +120,12 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
          cfg.shared_expert_intermediate_size, tp);
   // Only under tp > 1 (every size divides by 1): a config built in code may have 2^31 layers, which
   // the table's 2^44 bound below refuses after its first few thousand.
-  for (int l = lb; tp > 1 && l < le; l++)
-    if (cfg.ffn_size(l) % tp != 0)
-      fail("parameter shard: {} {} (layer {}) is not divisible by tp {}",
-           cfg.is_moe_layer(l) && cfg.moe_intermediate_size > 0 ? "moe_intermediate_size" : "intermediate_size",
-           cfg.ffn_size(l), l, tp);
+  if (tp > 1)
+    for (int l = lb; l < le; l++)
+      if (cfg.ffn_size(l) % tp != 0)
+        fail("parameter shard: {} {} (layer {}) is not divisible by tp {}",
+             cfg.is_moe_layer(l) && cfg.moe_intermediate_size > 0 ? "moe_intermediate_size" : "intermediate_size",
+             cfg.ffn_size(l), l, tp);
   whole_ = lb == 0 && le == L && eb == 0 && ee == E && tp == 1;
   const bool split = tp > 1;
   // This rank's heads, kv heads (one replicated head when NKV < tp), FFN rows and vocabulary rows.
