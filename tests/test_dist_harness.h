@@ -142,10 +142,12 @@ inline int run_train(int np, const fs::path& cfg, const std::vector<std::string>
   return wait_status(spawn(train_argv(np, cfg, overrides), log));
 }
 
+// The lines of RUN/metrics.jsonl holding `key`.  Only lines ended by '\n' count: the writer ends every
+// line so, and a test polling a running job can read a line its write has only partly copied in.
 inline std::vector<nlohmann::json> read_metrics(const fs::path& run, const char* key) {
   std::vector<nlohmann::json> out;
   std::ifstream f(run / "metrics.jsonl");
-  for (std::string line; std::getline(f, line);) {
+  for (std::string line; std::getline(f, line) && !f.eof();) {
     const auto j = nlohmann::json::parse(line);
     if (j.contains(key)) out.push_back(j);
   }
