@@ -24,7 +24,7 @@
 #include "io/model_files.h"
 #include "io/safetensors.h"
 #include "model/batch_io.h"
-#include "model/mixtral.h"
+#include "model/model.h"
 #include "training_case.h"
 #include "model/weights.h"
 #include "optim/adamw.h"
@@ -56,7 +56,7 @@ struct RunResult {
 };
 
 // One forward and backward of `model` on the golden case's weights.
-RunResult run_golden(MixtralModel& model, const fs::path& dir, const Batch& batch, const LossWeights& w) {
+RunResult run_golden(Model& model, const fs::path& dir, const Batch& batch, const LossWeights& w) {
   load_hf_weights(ModelTensors::open(dir.string()), model.table(), model.params().data(), dir.string());
   RunResult r;
   r.losses = model.forward(batch, w);
@@ -81,9 +81,9 @@ TEST_P(Bf16Golden, WithoutRoundingItIsTheCpuModel) {
   const ModelConfig cfg = load_model_config((dir / "config.json").string());
   const Batch batch = read_batch_safetensors((dir / "input.safetensors").string());
   const LossWeights w = weights_for(cfg, batch);
-  MixtralModel cpu(cfg);
+  Model cpu(cfg);
   Bf16CpuBackend exact_be(false);
-  MixtralModel exact(exact_be, cfg);
+  Model exact(exact_be, cfg);
   const RunResult a = run_golden(cpu, dir, batch, w), b = run_golden(exact, dir, batch, w);
   EXPECT_LE(max_err(b.logits.data(), a.logits.data(), a.logits.size()), 1e-5 * max_abs(a.logits.data(), a.logits.size()));
   EXPECT_NEAR(b.losses.loss, a.losses.loss, 1e-6 * a.losses.loss);
@@ -100,9 +100,9 @@ TEST_P(Bf16Golden, WithinBf16AccuracyOfTransformers) {
   const Batch batch = read_batch_safetensors((dir / "input.safetensors").string());
   const SafetensorsFile expected = SafetensorsFile::open((dir / "expected.safetensors").string());
   const LossWeights w = weights_for(cfg, batch);
-  MixtralModel cpu(cfg);
+  Model cpu(cfg);
   Bf16CpuBackend be;
-  MixtralModel bf16(be, cfg);
+  Model bf16(be, cfg);
   const RunResult a = run_golden(cpu, dir, batch, w), b = run_golden(bf16, dir, batch, w);
 
   const std::vector<float> ref = to_f32(expected.get("logits"));
@@ -141,10 +141,10 @@ TEST(Bf16Training, TwentyStepLossCurveWithinTwoPercentOfFp32) {
   const int steps = 20;
   const std::vector<Batch> batches = testing::training_case_batches(cfg.vocab_size, 2, 64, 4);
   const int nbatches = (int)batches.size();
-  MixtralModel fp32(cfg);
+  Model fp32(cfg);
   init_parameters(fp32.table(), cfg, 7, fp32.params().data());
   Bf16CpuBackend be;
-  MixtralModel bf16(be, cfg), perturbed(cfg);
+  Model bf16(be, cfg), perturbed(cfg);
   bf16.params() = fp32.params();
   perturbed.params() = fp32.params();
   for (size_t i = 0; i < perturbed.params().size(); i++)

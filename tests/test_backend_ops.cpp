@@ -10,6 +10,8 @@
 // Inputs in the act store are bf16 values, so every backend sees the same numbers.  The MoE cases
 // cover an empty expert, skewed routing (every token on one expert), K = E and a capacity overflow
 // expert; attention covers GQA, a sliding window, padding and packed segments.
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -18,8 +20,6 @@
 #include <string>
 #include <vector>
 
-#include <gtest/gtest.h>
-
 #include "backend/cpu.h"
 #include "backend/cpu_bf16.h"
 #include "core/dtype.h"
@@ -27,9 +27,9 @@
 #include "cuda/backend.h"
 #include "cuda_test_util.h"
 #include "gradcheck.h"
+#include "model/expert_ffn.h"
 #include "ops/cross_entropy.h"
 #include "ops/moe_dispatch.h"
-#include "model/expert_ffn.h"
 
 namespace moetron {
 namespace {
@@ -174,9 +174,7 @@ OpCase rmsnorm_case() {
   c.wrt = {"x", "w"};
   c.outputs = {"y", "rstd"};
   c.cot = {{"y", rnd(N * C, 3)}};
-  c.forward = [=](Env& e) {
-    e.be().rmsnorm_forward(e.act("y", N * C), e.f32("rstd", N), e["x"], e["w"], N, C, 1e-5f);
-  };
+  c.forward = [=](Env& e) { e.be().rmsnorm_forward(e.act("y", N * C), e.f32("rstd", N), e["x"], e["w"], N, C, 1e-5f); };
   c.backward = [=](Env& e) {
     e.be().rmsnorm_backward(e.f32("g:x", N * C), e.f32("g:w", C), e["d:y"], e["x"], e["w"], e["rstd"], N, C, false);
   };
@@ -284,7 +282,8 @@ OpCase router_case(bool renormalize) {
   // Logits spread apart so the top-K choice does not flip under a finite-difference step.
   std::vector<float> logits((size_t)N * E);
   for (long n = 0; n < N; n++)
-    for (int e = 0; e < E; e++) logits[n * E + e] = 0.5f * (float)((e * 5 + n * 3) % E) + 0.02f * (float)(mix64(n * E + e) % 5);
+    for (int e = 0; e < E; e++)
+      logits[n * E + e] = 0.5f * (float)((e * 5 + n * 3) % E) + 0.02f * (float)(mix64(n * E + e) % 5);
   c.inputs = {{"logits", logits}};
   c.wrt = {"logits"};
   c.outputs = {"probs", "w", "idx"};
@@ -379,7 +378,8 @@ OpCase experts_case(const std::string& name, std::vector<int32_t> topk, long N, 
   const int Ew = E - (overflow ? 1 : 0);  // experts with weights
   OpCase c;
   c.name = name;
-  c.inputs = {{"xperm", rnd_bf16(M * C, 1)}, {"w13", rnd_bf16((size_t)Ew * 2 * I * C, 2, 0.3f)},
+  c.inputs = {{"xperm", rnd_bf16(M * C, 1)},
+              {"w13", rnd_bf16((size_t)Ew * 2 * I * C, 2, 0.3f)},
               {"w2", rnd_bf16((size_t)Ew * C * I, 3, 0.3f)}};
   c.act_inputs = {"xperm", "w13", "w2"};
   c.wrt = {"xperm", "w13", "w2"};
@@ -449,25 +449,22 @@ OpCase expert_ffn_lora_case(const std::string& name, std::vector<int32_t> topk, 
   auto view = [=](Env& e) { return plan_view(e, topk, N, E, K, overflow); };
   auto weights = [=](Env& e, bool grads) {
     ExpertFfnWeights w;
-    w.w13 = e["w13"];
-    w.w2 = e["w2"];
-    w.a13 = e["a13"];
-    w.b13 = e["b13"];
-    w.a2 = e["a2"];
-    w.b2 = e["b2"];
-    w.r = r;
-    w.scale = scale;
+    w.w13.w = e["w13"];
+    w.w2.w = e["w2"];
+    w.w13.lora = LoraFactors{e["a13"], e["b13"], {}, {}, r, scale};
+    w.w2.lora = LoraFactors{e["a2"], e["b2"], {}, {}, r, scale};
     if (grads) {
-      w.da13 = e.f32("g:a13", (size_t)Ew * r * C);
-      w.db13 = e.f32("g:b13", (size_t)Ew * 2 * I * r);
-      w.da2 = e.f32("g:a2", (size_t)Ew * r * I);
-      w.db2 = e.f32("g:b2", (size_t)Ew * C * r);
+      w.w13.lora.da = e.f32("g:a13", (size_t)Ew * r * C);
+      w.w13.lora.db = e.f32("g:b13", (size_t)Ew * 2 * I * r);
+      w.w2.lora.da = e.f32("g:a2", (size_t)Ew * r * I);
+      w.w2.lora.db = e.f32("g:b2", (size_t)Ew * C * r);
     }
     return w;
   };
   auto saved = [=](Env& e) {
-    return ExpertFfnSaved{e.has("h13") ? e["h13"] : e.act("h13", M * 2 * I), e.has("act") ? e["act"] : e.act("act", M * I),
-                          e.has("u13") ? e["u13"] : e.act("u13", M * r), e.has("u2") ? e["u2"] : e.act("u2", M * r)};
+    return ExpertFfnSaved{e.has("h13") ? e["h13"] : e.act("h13", M * 2 * I),
+                          e.has("act") ? e["act"] : e.act("act", M * I), e.has("u13") ? e["u13"] : e.act("u13", M * r),
+                          e.has("u2") ? e["u2"] : e.act("u2", M * r)};
   };
   c.forward = [=](Env& e) {
     const Tensor y = e.act("y", M * C);
@@ -634,10 +631,9 @@ std::vector<int32_t> routed(long N, int K, const std::function<int(long, int)>& 
 
 std::vector<OpCase> all_cases() {
   const long N = 12;
-  std::vector<OpCase> cases = {rmsnorm_case(), matmul_case(), rope_case(), router_case(true),
-                               router_case(false), z_loss_case(), bias_case(), sigmoid_case(), clamp_case(),
-                               rmsnorm_stats_case(),
-                               head_case(), embedding_case()};
+  std::vector<OpCase> cases = {rmsnorm_case(),     matmul_case(),        rope_case(), router_case(true),
+                               router_case(false), z_loss_case(),        bias_case(), sigmoid_case(),
+                               clamp_case(),       rmsnorm_stats_case(), head_case(), embedding_case()};
   cases.push_back(attention_case("attention_gqa", 2, 17, 4, 2, 8, 0, false, false));
   cases.push_back(attention_case("attention_window_padding", 2, 21, 4, 1, 16, 5, true, false));
   cases.push_back(attention_case("attention_segments", 1, 24, 2, 2, 8, 0, false, true));

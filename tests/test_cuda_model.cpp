@@ -1,4 +1,4 @@
-// The one model (src/model/mixtral.h) on the CUDA backend (src/cuda/backend.h), against the same
+// The one model (src/model/model.h) on the CUDA backend (src/cuda/backend.h), against the same
 // model on the bf16-rounding CPU backend (the naive bf16 implementation of the FlashAttention rule,
 // tests/cuda_test_util.h) and on the fp32 CPU backend:
 //   - golden parity in bf16: logits, losses and every parameter gradient on the HF reference cases
@@ -35,7 +35,7 @@
 #include "io/safetensors.h"
 #include "model/batch_io.h"
 #include "model/lora.h"
-#include "model/mixtral.h"
+#include "model/model.h"
 #include "training_case.h"
 #include "model/params.h"
 #include "model/weights.h"
@@ -58,7 +58,7 @@ struct ModelResult {
 // One forward and backward of the model on `backend` with the given parameters (host).
 ModelResult run_model(Backend& backend, const ModelConfig& cfg, const std::vector<float>& params, const Batch& batch,
                       const LossWeights& w) {
-  MixtralModel model(backend, cfg);
+  Model model(backend, cfg);
   model.set_params(params.data());
   ModelResult r;
   r.losses = model.forward(batch, w);
@@ -149,7 +149,7 @@ TEST_P(CudaLoraGolden, LogitsAndAdapterGradientsMeetTheBf16Rule) {
   auto run = [&](Backend& be, const std::string& adapter, bool bf16) {
     PeftAdapter a = read_peft_adapter((dir / adapter).string(), cfg);
     a.spec.base_bf16 = bf16;
-    MixtralModel m(be, cfg, nullptr, nullptr, LayerRange{}, a.spec);
+    Model m(be, cfg, nullptr, nullptr, LayerRange{}, a.spec);
     m.set_params(base.data());
     m.set_train_params(a.values.data());
     Run r;
@@ -202,10 +202,10 @@ TEST(CudaTraining, TwentyStepLossCurveWithinTwoPercentOfCpu) {
   const int steps = 20;
   const std::vector<Batch> batches = testing::training_case_batches(cfg.vocab_size, 2, 128, 4);
   const int nbatches = (int)batches.size();
-  MixtralModel cpu(cfg);
+  Model cpu(cfg);
   init_parameters(cpu.table(), cfg, 7, cpu.params().data());
   gpu::CudaBackend be;
-  MixtralModel gpu_model(be, cfg);
+  Model gpu_model(be, cfg);
   gpu_model.set_params(cpu.params().data());
   AdamWConfig acfg;
   acfg.lr = 1e-3;

@@ -22,7 +22,7 @@
 #include "io/model_files.h"
 #include "io/safetensors.h"
 #include "model/batch_io.h"
-#include "model/mixtral.h"
+#include "model/model.h"
 #include "model/weights.h"
 #include "optim/adamw.h"
 #include "golden_case.h"
@@ -50,7 +50,7 @@ class Golden : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(Golden, LogitsLossesAndGradientsMatchTransformers) {
   GoldenCase c = load_case(GetParam());
-  MixtralModel model(c.cfg);
+  Model model(c.cfg);
   load_hf_weights(ModelTensors::open(c.dir.string()), model.table(), model.params().data(), c.dir.string());
   const Losses losses = model.forward(c.batch, weights_for(c.cfg, c.batch));
 
@@ -87,7 +87,7 @@ TEST_P(Golden, LogitsLossesAndGradientsMatchTransformers) {
 
 TEST_P(Golden, AdamWTrajectoryMatchesTorch) {
   GoldenCase c = load_case(GetParam());
-  MixtralModel model(c.cfg);
+  Model model(c.cfg);
   load_hf_weights(ModelTensors::open(c.dir.string()), model.table(), model.params().data(), c.dir.string());
   AdamWConfig acfg;
   acfg.lr = meta_double(c.expected, "lr");

@@ -35,7 +35,7 @@
 #include "io/model_files.h"
 #include "mixtral_tokenizer.h"
 #include "proc_maps.h"
-#include "model/mixtral.h"
+#include "model/model.h"
 #include "model/weights.h"
 #include "temp_dir.h"
 
@@ -61,7 +61,7 @@ std::vector<int32_t> random_tokens(int n, int V, uint64_t seed) {
 // [T, V] logits of the training model's forward over the whole sequence.
 std::vector<float> recompute_logits(const std::string& dir, const std::vector<int32_t>& tokens) {
   const ModelConfig cfg = load_model_config(dir + "/config.json");
-  MixtralModel model(cfg);
+  Model model(cfg);
   load_hf_weights(ModelTensors::open(dir), model.table(), model.params().data(), dir);
   Batch b;
   b.B = 1;

@@ -27,7 +27,7 @@
 #include "io/hf_config.h"
 #include "model/params.h"
 #include "io/model_files.h"
-#include "model/mixtral.h"
+#include "model/model.h"
 #include "model/weights.h"
 
 namespace fs = std::filesystem;
@@ -310,7 +310,7 @@ TEST(Perplexity, EqualsTheTrainingForwardsLossPerWindow) {
   long scored = 0;
   for (int w0 = 0; w0 < T; w0 += ctx) {
     const int n = std::min(ctx, T - w0);
-    MixtralModel ref(cfg);
+    Model ref(cfg);
     load_hf_weights(ModelTensors::open(dir), ref.table(), ref.params().data(), dir);
     Batch b;
     b.B = 1;
@@ -402,7 +402,7 @@ TEST(Decoder, ExpertParallelPrefillMatchesTheTrainingForwardAndIsDeterministic) 
   const int T = 96, V = cfg.vocab_size;
   std::vector<int32_t> tokens(T);
   for (int i = 0; i < T; i++) tokens[i] = (int32_t)(mix64(5 + i) % (uint64_t)V);
-  MixtralModel ref(cfg);
+  Model ref(cfg);
   ASSERT_EQ(ref.params().size(), model.owned.size());
   std::copy(model.owned.begin(), model.owned.end(), ref.params().begin());
   Batch b;

@@ -30,7 +30,7 @@
 #include "io/safetensors.h"
 #include "model/batch_io.h"
 #include "model/lora.h"
-#include "model/mixtral.h"
+#include "model/model.h"
 #include "model/weights.h"
 #include "optim/adamw.h"
 #include "golden_case.h"
@@ -55,15 +55,15 @@ LossWeights weights_for(const ModelConfig& cfg, const Batch& batch) {
 }
 
 // The base model with the adapter of `adapter_dir` (PEFT's directory).
-std::unique_ptr<MixtralModel> lora_model(const LoraCase& c, const std::string& adapter_dir) {
+std::unique_ptr<Model> lora_model(const LoraCase& c, const std::string& adapter_dir) {
   PeftAdapter ad = read_peft_adapter(adapter_dir, c.cfg);
-  auto m = std::make_unique<MixtralModel>(c.cfg, nullptr, nullptr, LayerRange{}, ad.spec);
+  auto m = std::make_unique<Model>(c.cfg, nullptr, nullptr, LayerRange{}, ad.spec);
   load_hf_weights(ModelTensors::open(c.dir.string()), m->table(), m->params().data(), c.dir.string());
   m->set_train_params(ad.values.data());
   return m;
 }
 
-std::vector<float> logits_of(MixtralModel& m, const Batch& b) {
+std::vector<float> logits_of(Model& m, const Batch& b) {
   m.forward(b, weights_for(m.config(), b));
   const size_t n = (size_t)b.B * b.T * m.config().vocab_size;
   return std::vector<float>(m.logits(), m.logits() + n);
@@ -73,7 +73,7 @@ class LoraGolden : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(LoraGolden, InitialAdapterLeavesTheBaseLogits) {
   const LoraCase c = load_case(GetParam());
-  MixtralModel base(c.cfg);
+  Model base(c.cfg);
   load_hf_weights(ModelTensors::open(c.dir.string()), base.table(), base.params().data(), c.dir.string());
   const std::vector<float> want = logits_of(base, c.batch);
   EXPECT_LE(normalized_max_error(want, to_f32(c.expected.get("logits_base"))), 1e-5);
@@ -85,7 +85,7 @@ TEST_P(LoraGolden, InitialAdapterLeavesTheBaseLogits) {
 }
 
 // The adapter gradients in PEFT's names and layout (via the PEFT writer).
-std::map<std::string, std::vector<float>> peft_named(const MixtralModel& m, const std::vector<float>& values) {
+std::map<std::string, std::vector<float>> peft_named(const Model& m, const std::vector<float>& values) {
   TempDir tmp("lora_grads");
   write_peft_adapter(tmp.path().string(), m.config(), m.lora_spec(), m.train_table(), values.data(), "");
   const SafetensorsFile f = SafetensorsFile::open(tmp.file("adapter_model.safetensors"));
@@ -170,7 +170,7 @@ TEST_P(LoraGolden, PeftFormatRoundTrips) {
 TEST_P(LoraGolden, MergedBaseComputesTheAdaptedModel) {
   const LoraCase c = load_case(GetParam());
   const PeftAdapter a = read_peft_adapter((c.dir / "adapter_final").string(), c.cfg);
-  MixtralModel merged(c.cfg);
+  Model merged(c.cfg);
   load_hf_weights(ModelTensors::open(c.dir.string()), merged.table(), merged.params().data(), c.dir.string());
   merge_lora(merged.table(), merged.params().data(), ParamTable(c.cfg, a.spec), a.values.data(), a.spec);
   EXPECT_LE(normalized_max_error(logits_of(merged, c.batch), to_f32(c.expected.get("logits_final"))), 1e-5);
@@ -188,7 +188,7 @@ TEST_P(LoraGolden, FrozenBf16BaseComputesBitwiseWhatTheFp32BaseDoes) {
   for (bool bf16 : {false, true}) {
     LoraSpec spec = ad.spec;
     spec.base_bf16 = bf16;
-    MixtralModel m(c.cfg, nullptr, nullptr, LayerRange{}, spec);
+    Model m(c.cfg, nullptr, nullptr, LayerRange{}, spec);
     EXPECT_EQ(m.base_in_bf16(), bf16);
     m.set_params(base.data());
     m.set_train_params(ad.values.data());
@@ -244,9 +244,9 @@ TEST(LoraBf16Base, HoldsTwoBytesAParameterPlusOneWidenedLayer) {
   spec.rank = 4;
   spec.alpha = 8;
   spec.targets = {LoraTarget::q_proj};
-  MixtralModel full(cfg, nullptr, nullptr, LayerRange{}, spec);
+  Model full(cfg, nullptr, nullptr, LayerRange{}, spec);
   spec.base_bf16 = true;
-  MixtralModel half(cfg, nullptr, nullptr, LayerRange{}, spec);
+  Model half(cfg, nullptr, nullptr, LayerRange{}, spec);
   const double ratio = (double)half.state_bytes() / (double)full.state_bytes();
   EXPECT_LT(ratio, 0.65) << half.state_bytes() << " vs " << full.state_bytes();
   EXPECT_GT(ratio, 0.5);

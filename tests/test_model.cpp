@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "model/mixtral.h"
+#include "model/model.h"
 #include "model/params.h"
 #include "optim/adamw.h"
 
@@ -42,7 +42,7 @@ std::vector<int32_t> tokens(int n, uint32_t salt, int vocab) {
 }
 
 // Router weights scaled up so routing is decisive and every expert sees traffic.
-void init_decisive(MixtralModel& m, uint64_t seed) {
+void init_decisive(Model& m, uint64_t seed) {
   init_parameters(m.table(), m.config(), seed, m.params().data());
   for (const ParamSpec& s : m.table().specs())
     if (s.kind == ParamKind::router)
@@ -100,7 +100,7 @@ TEST(Packing, SegmentIdsMatchSeparateDocuments) {
   ASSERT_EQ(count_loss_tokens(packed), count_loss_tokens(separate));
   ASSERT_EQ(count_loss_tokens(packed), (L1 - 1) + (L2 - 1));
 
-  MixtralModel a(cfg), b(cfg);
+  Model a(cfg), b(cfg);
   init_decisive(a, 7);
   b.params() = a.params();
   LossWeights w;
@@ -144,7 +144,7 @@ TEST(Packing, WithoutSegmentIdsDocumentsInteract) {
   Batch seg = packed;
   seg.segment_ids.assign(7, 0);
   seg.segment_ids.insert(seg.segment_ids.end(), 5, 1);
-  MixtralModel m(cfg);
+  Model m(cfg);
   init_decisive(m, 3);
   m.forward(packed, {});
   const std::vector<float> plain(m.logits(), m.logits() + 12 * V);
@@ -160,7 +160,7 @@ TEST(Packing, WithoutSegmentIdsDocumentsInteract) {
 TEST(Determinism, SameSeedSameLossesBitwise) {
   const ModelConfig cfg = tiny_mixtral();
   auto run = [&](uint64_t seed) {
-    MixtralModel m(cfg);
+    Model m(cfg);
     init_parameters(m.table(), cfg, seed, m.params().data());
     AdamWConfig acfg;
     acfg.lr = 1e-2;
@@ -195,7 +195,7 @@ TEST(Determinism, SameSeedSameLossesBitwise) {
 // configured standard deviation.
 TEST(Init, LayoutIndependentAndScaled) {
   const ModelConfig c2 = tiny_mixtral(2), c3 = tiny_mixtral(3);
-  MixtralModel m2(c2), m3(c3);
+  Model m2(c2), m3(c3);
   init_parameters(m2.table(), c2, 99, m2.params().data());
   init_parameters(m3.table(), c3, 99, m3.params().data());
   for (const HfTensorRef& t : m2.table().hf_tensors()) {
@@ -220,7 +220,7 @@ TEST(Init, LayoutIndependentAndScaled) {
 
 TEST(Batch, RejectsTokenIdsOutsideTheVocabulary) {
   const ModelConfig cfg = tiny_mixtral();
-  MixtralModel m(cfg);
+  Model m(cfg);
   Batch b;
   b.B = 1;
   b.T = 4;
@@ -239,7 +239,7 @@ TEST(Batch, RejectsTokenIdsOutsideTheVocabulary) {
 }
 
 TEST(Batch, BackwardWithoutForwardIsAnError) {
-  MixtralModel m(tiny_mixtral());
+  Model m(tiny_mixtral());
   EXPECT_THROW(m.backward(), Error);
 }
 
@@ -260,7 +260,7 @@ TEST(Capacity, NoRoomLimitIsDroplessAndDroppingBackwardIsTheGradient) {
   LossWeights w;
   w.ce_scale = 1.0 / count_loss_tokens(b);
   w.aux_coef = 0.02;
-  auto run = [&](MixtralModel& m, double cf) {
+  auto run = [&](Model& m, double cf) {
     init_decisive(m, 3);
     m.set_capacity_factor(cf);
     m.zero_grads();
@@ -268,7 +268,7 @@ TEST(Capacity, NoRoomLimitIsDroplessAndDroppingBackwardIsTheGradient) {
     m.backward();
     return loss;
   };
-  MixtralModel plain(cfg), roomy(cfg), tight(cfg);
+  Model plain(cfg), roomy(cfg), tight(cfg);
   const double l_plain = run(plain, 0.0), l_roomy = run(roomy, 2.0), l_tight = run(tight, 0.5);
   EXPECT_EQ(l_plain, l_roomy);
   EXPECT_EQ(std::memcmp(plain.grads().data(), roomy.grads().data(), sizeof(float) * plain.grads().size()), 0);
@@ -278,8 +278,8 @@ TEST(Capacity, NoRoomLimitIsDroplessAndDroppingBackwardIsTheGradient) {
   for (long d : tight.dropped()) EXPECT_GE(d, 32);
   EXPECT_NE(l_tight, l_plain);
 
-  for (MixtralModel* model : {&plain, &tight}) {
-    MixtralModel& m = *model;
+  for (Model* model : {&plain, &tight}) {
+    Model& m = *model;
     const std::vector<float> grads = m.grads();
     const std::vector<long> dropped = m.dropped();
     for (const auto& [kind, layer] : {std::pair{ParamKind::ffn_w13, 0}, {ParamKind::ffn_w2, 0}, {ParamKind::ffn_w13, 1},
@@ -328,8 +328,8 @@ TEST(Capacity, FactorOneOnSkewedRoutingDropsHalfOfTheAssignments) {
     }
     LossWeights w;
     w.ce_scale = 1.0 / count_loss_tokens(b);
-    MixtralModel skewed(cfg), dropless(cfg);
-    for (MixtralModel* m : {&skewed, &dropless}) {
+    Model skewed(cfg), dropless(cfg);
+    for (Model* m : {&skewed, &dropless}) {
       init_parameters(m->table(), cfg, 5, m->params().data());
       m->set_router_bias({40.0f, 20.0f, -40.0f, -40.0f});
     }
@@ -345,7 +345,7 @@ TEST(Capacity, FactorOneOnSkewedRoutingDropsHalfOfTheAssignments) {
   }
 }
 
-// Pipeline stages (model/mixtral.h): a 4-layer model split into stages [0, 2) and [2, 4) in one
+// Pipeline stages (model/model.h): a 4-layer model split into stages [0, 2) and [2, 4) in one
 // process, its three micro-batches all in flight on both stages (three forwards queued, then the
 // three backwards, oldest first), the hidden states, pooled router statistics, their gradients and
 // the pooled aux-loss gradient handed from stage to stage by hand, computes what the whole model
@@ -377,7 +377,7 @@ TEST(PipelineStages, TwoStagesComputeTheWholeModelBitwise) {
     w.aux_coef = 0.02 / 3;
     w.z_coef = 0.001 / 3;
     w.aux_kind = kind;
-    MixtralModel whole(cfg), s0(cfg, nullptr, nullptr, {0, 2}), s1(cfg, nullptr, nullptr, {2, 4});
+    Model whole(cfg), s0(cfg, nullptr, nullptr, {0, 2}), s1(cfg, nullptr, nullptr, {2, 4});
     ASSERT_TRUE(s0.first_stage() && !s0.last_stage() && s1.last_stage() && !s1.first_stage());
     init_decisive(whole, 5);
     copy_from_whole(whole.table(), whole.params().data(), s0.table(), s0.params().data());
@@ -428,7 +428,7 @@ TEST(PipelineStages, TwoStagesComputeTheWholeModelBitwise) {
 // backward needs the gradient of its output, the first stage has no input gradient.
 TEST(PipelineStages, MissingStageInputsAreErrors) {
   const ModelConfig cfg = tiny_mixtral(4);
-  MixtralModel s0(cfg, nullptr, nullptr, {0, 2}), s1(cfg, nullptr, nullptr, {2, 4});
+  Model s0(cfg, nullptr, nullptr, {0, 2}), s1(cfg, nullptr, nullptr, {2, 4});
   init_parameters(s0.table(), cfg, 1, s0.params().data());
   init_parameters(s1.table(), cfg, 1, s1.params().data());
   Batch b;

@@ -1,4 +1,4 @@
-// The backend interface (DESIGN §3, §5): the one model (src/model/mixtral.cpp) is written once over
+// The backend interface (DESIGN §3, §5): the one model (src/model/model.cpp) is written once over
 // it; a backend owns memory and supplies the kernels.
 //
 //   CpuBackend      (backend/cpu.h)      fp32, OpenMP, OpenBLAS: the reference every other backend

@@ -29,7 +29,7 @@
 #include "io/hf_config.h"
 #include "model/flops.h"
 #include "model/lora.h"
-#include "model/mixtral.h"
+#include "model/model.h"
 #include "ops/blas.h"
 #include "ops/matmul.h"
 #include "optim/adamw.h"
@@ -124,7 +124,7 @@ int run_bench_train(int argc, char** argv) {
     lora.targets = parse_lora_targets(lora_targets, cfg, "--lora-targets");
     lora.base_bf16 = base_bf16;
   }
-  MixtralModel model(*backend, cfg, nullptr, nullptr, LayerRange{}, lora);
+  Model model(*backend, cfg, nullptr, nullptr, LayerRange{}, lora);
   model.init_parameters(1234);
   if (lora.on()) {
     // B = 0 would leave the adapters' input gradients zero: a random B makes every product do work.

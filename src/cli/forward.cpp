@@ -16,7 +16,7 @@
 #include "io/safetensors.h"
 #include "model/batch_io.h"
 #include "model/lora.h"
-#include "model/mixtral.h"
+#include "model/model.h"
 #include "model/weights.h"
 
 namespace moetron::cli {
@@ -72,7 +72,7 @@ int run_forward(int argc, char** argv) {
   const std::unique_ptr<Backend> backend = make_backend(device);
   std::optional<PeftAdapter> adapter;
   if (!lora_dir.empty()) adapter = read_peft_adapter(lora_dir, cfg);
-  MixtralModel model(*backend, cfg, nullptr, nullptr, LayerRange{}, adapter ? adapter->spec : LoraSpec{});
+  Model model(*backend, cfg, nullptr, nullptr, LayerRange{}, adapter ? adapter->spec : LoraSpec{});
   {
     std::vector<float> params(model.table().total(), 0.0f);
     load_hf_weights(files, model.table(), params.data(), model_dir);

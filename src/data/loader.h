@@ -42,7 +42,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "io/indexed_dataset.h"
-#include "model/mixtral.h"
+#include "model/model.h"
 
 namespace moetron {
 

@@ -1,6 +1,6 @@
 // The decode-time forward pass of the Mixtral / Mistral / Llama decoder over a KV cache: prefill
 // (many tokens at once, GEMMs: infer/gemm.h) and decode (one token, matrix-vector kernels).  Same model and
-// numerics as MixtralModel::forward -- RMSNorm, HF rotate-half RoPE, causal GQA attention with the
+// numerics as Model::forward -- RMSNorm, HF rotate-half RoPE, causal GQA attention with the
 // optional sliding window (query i sees key j iff i - W < j <= i), softmax top-K router with
 // renormalised weights, SwiGLU experts -- built from the ops in src/ops plus the kernels in kernels.h.
 // Dimensions: n new tokens, C hidden, NH heads, NKV kv heads, HD head dim, Q = NH*HD, KV = NKV*HD,

@@ -1,6 +1,6 @@
 // An inference model: the config, the parameter table and the weights of an HF model directory, used
 // in place from the mapped files -- and, beside them, what generation needs from the directory: the
-// tokenizer, the chat template and the end-of-sequence ids.  Unlike MixtralModel (training) it holds
+// tokenizer, the chat template and the end-of-sequence ids.  Unlike Model (training) it holds
 // no gradients or activations, and no fp32 copy of a bf16 checkpoint.
 #pragma once
 

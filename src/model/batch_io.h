@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "model/mixtral.h"
+#include "model/model.h"
 
 namespace moetron {
 

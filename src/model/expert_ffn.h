@@ -7,22 +7,16 @@
 #pragma once
 
 #include "backend/backend.h"
+#include "model/linear.h"
 
 namespace moetron {
 
 struct ExpertFfnWeights {
-  Tensor w13, w2;    // [E,2I,C], [E,C,I] in the act store
-  Tensor dw13, dw2;  // f32, +=; empty: the base is frozen
-  // LoRA factors (act store) and their gradients (f32, +=); empty when not adapted.
-  Tensor a13, b13, a2, b2;      // [E,r,C], [E,2I,r], [E,r,I], [E,C,r]
-  Tensor da13, db13, da2, db2;
-  int r = 0;
-  float scale = 0.0f;
-  // PEFT's separate gate_proj and up_proj adapters of a dense FFN / shared expert (E = 1): a13 [1, 2r, C]
-  // holds the gate factor then the up factor, b13 [1, 2I, r] the gate rows then the up rows; the gate
-  // rows read u13[:, :r], the up rows u13[:, r:] (u13 [M, 2r]).
-  bool split13 = false;
-  bool lora() const { return !a13.empty() || !a2.empty(); }
+  // w13 [E,2I,C] (gate rows then up rows per expert), w2 [E,C,I]: the weights in the act store, their
+  // gradients (f32, +=; empty: the base is frozen) and LoRA factors (A13 [E,r,C], B13 [E,2I,r], A2
+  // [E,r,I], B2 [E,C,r]; a dense FFN's separate gate / up adapters: w13.lora.split).
+  LinearWeights w13, w2;
+  bool lora() const { return w13.lora.on() || w2.lora.on(); }
 };
 
 // What the forward keeps for the backward: h13 [M,2I], act [M,I] and, with LoRA, u13 = x A13^T

@@ -11,7 +11,7 @@
 // as they serve a model.  Sharding follows the base: under tensor parallelism a column-parallel
 // base (q, k, v, gate_up: rows split) splits B by the same rows and keeps A whole; a row-parallel
 // base (o, down: columns split) splits A by the same columns and keeps B whole.  A whole factor's
-// gradient is then a partial sum on each tp rank (MixtralModel::reduce_replicated_grads sums it);
+// gradient is then a partial sum on each tp rank (Model::reduce_replicated_grads sums it);
 // expert adapters live with their experts under ep (ParamSpec::expert).
 //
 // Internal tensor names (the adapter table's hf_tensors, what checkpoints' optimizer state is keyed
@@ -51,7 +51,7 @@ struct LoraSpec {
   double alpha = 0.0;
   bool rslora = false;  // scale alpha / sqrt(r) (PEFT use_rslora)
   std::vector<LoraTarget> targets;  // sorted, unique
-  // How MixtralModel keeps the frozen base: bf16 (model.dtype bf16: 2 bytes a parameter, each
+  // How Model keeps the frozen base: bf16 (model.dtype bf16: 2 bytes a parameter, each
   // layer widened to fp32 when it runs) or fp32.  Not part of the adapter.
   bool base_bf16 = false;
   bool on() const { return rank > 0; }

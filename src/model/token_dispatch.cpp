@@ -93,8 +93,8 @@ class AllToAllDispatch final : public TokenDispatcher {
     s.rows = s.rows_buf.get(be_, act, Mr * C_, "expert-parallel rows");
     s.ep_h13 = s.h13_buf.get(be_, act, Mr * 2 * I_, "expert-parallel h13");
     s.ep_act = s.act_buf.get(be_, act, Mr * I_, "expert-parallel act");
-    s.ep_u13 = w.a13.empty() ? Tensor{} : s.u13_buf.get(be_, act, Mr * w.r, "expert-parallel LoRA u13");
-    s.ep_u2 = w.a2.empty() ? Tensor{} : s.u2_buf.get(be_, act, Mr * w.r, "expert-parallel LoRA u2");
+    s.ep_u13 = !w.w13.lora.on() ? Tensor{} : s.u13_buf.get(be_, act, Mr * w.w13.lora.r, "expert-parallel LoRA u13");
+    s.ep_u2 = !w.w2.lora.on() ? Tensor{} : s.u2_buf.get(be_, act, Mr * w.w2.lora.r, "expert-parallel LoRA u2");
     // Index arrays in backend memory: the two gathers and the local plan's identity rows.
     const Tensor idx = s.index_buf.get(be_, Store::i32, 4 * Mr, "expert-parallel indices");
     s.expert_major_idx = idx.part(0, Mr);

@@ -7,7 +7,7 @@
 //      expert, AllToAllDispatch under expert parallelism (per-expert counts exchanged, rows sent
 //      to the ranks owning their experts by all_to_all_v, the outputs returned the same way);
 //   4. the model combines yperm[M,C] on the token's own rank, weighted by the router.
-// The backward mirrors it.  Dimension letters as in model/mixtral.h; M = N*K routed rows, Mr rows
+// The backward mirrors it.  Dimension letters as in model/model.h; M = N*K routed rows, Mr rows
 // received by this rank.
 #pragma once
 

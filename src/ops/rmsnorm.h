@@ -20,7 +20,7 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
 //   forward:  rstd = 1/sqrt(ss * ss_scale / width + eps), out = weight * (x * rstd).
 //   backward: dx = r w dy - (r^3 / width) x (dot * dot_scale); dweight += sum_n dy x r.
 // (ss_scale, dot_scale: 1, or 1/rep for a head replicated on rep ranks whose partial sums count it rep
-// times in ss and not at all in the replicas' share of dot -- see MixtralModel.)
+// times in ss and not at all in the replicas' share of dot -- see Model.)
 void row_dot(float* out, const float* a, const float* b, const float* w, long N, int C);
 void rmsnorm_forward_stats(float* out, float* rstd, const float* inp, const float* weight, const float* ss, long N,
                            int C, int width, float ss_scale, float eps);

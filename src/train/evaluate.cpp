@@ -14,7 +14,7 @@
 #include "data/loader.h"
 #include "io/hf_config.h"
 #include "io/model_files.h"
-#include "model/mixtral.h"
+#include "model/model.h"
 #include "model/weights.h"
 #include "train/checkpoint.h"
 #include "train/layout.h"
@@ -108,7 +108,7 @@ EvalResult evaluate_model(const TrainConfig& cfg, const std::string& model_dir, 
   } catch (const Error& e) {
     throw SetupError(e.what());
   }
-  MixtralModel model(*backend, mcfg);
+  Model model(*backend, mcfg);
   {
     std::vector<float> params(model.table().total(), 0.0f);
     load_hf_weights(*files, model.table(), params.data(), model_dir);

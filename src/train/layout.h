@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "io/hf_config.h"
-#include "model/mixtral.h"
+#include "model/model.h"
 #include "model/params.h"
 #include "train/config.h"
 

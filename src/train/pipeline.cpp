@@ -13,16 +13,16 @@ PipelineLink::PipelineLink(Backend& be, dist::Comm& pp, int experts)
 void PipelineLink::recv_forward(size_t n) {
   if (!first()) transfer(-1, nullptr, nullptr, 0, stage_ - 1, hidden_buf_, hidden_in_, stats_in_, n);
 }
-void PipelineLink::send_forward(const MixtralModel& m, size_t n) {
+void PipelineLink::send_forward(const Model& m, size_t n) {
   if (!last())
     transfer(stage_ + 1, m.stage_output(), pack(m).data(), stats_in_.size(), -1, grad_buf_, grad_in_, aux_in_, n);
 }
-void PipelineLink::send_forward_recv_backward(const MixtralModel& m, size_t n) {
+void PipelineLink::send_forward_recv_backward(const Model& m, size_t n) {
   if (!last())
     transfer(stage_ + 1, m.stage_output(), pack(m).data(), stats_in_.size(), stage_ + 1, grad_buf_, grad_in_, aux_in_,
              n);
 }
-void PipelineLink::send_backward_recv_forward(const MixtralModel& m, size_t n) {
+void PipelineLink::send_backward_recv_forward(const Model& m, size_t n) {
   if (!first())
     transfer(stage_ - 1, m.input_grad(), m.input_aux_grad().data(), aux_in_.size(), stage_ - 1, hidden_buf_,
              hidden_in_, stats_in_, n);
@@ -30,7 +30,7 @@ void PipelineLink::send_backward_recv_forward(const MixtralModel& m, size_t n) {
 void PipelineLink::recv_backward(size_t n) {
   if (!last()) transfer(-1, nullptr, nullptr, 0, stage_ + 1, grad_buf_, grad_in_, aux_in_, n);
 }
-void PipelineLink::send_backward(const MixtralModel& m, size_t n) {
+void PipelineLink::send_backward(const Model& m, size_t n) {
   if (!first())
     transfer(stage_ - 1, m.input_grad(), m.input_aux_grad().data(), aux_in_.size(), -1, hidden_buf_, hidden_in_,
              stats_in_, n);
@@ -57,7 +57,7 @@ StageGrad PipelineLink::grad() const {
   return g;
 }
 
-const std::vector<double>& PipelineLink::pack(const MixtralModel& m) {
+const std::vector<double>& PipelineLink::pack(const Model& m) {
   stats_out_.assign(stats_in_.size(), 0.0);
   if (E_ > 0) {
     const ops::RouterLayerStats& st = m.pooled_stats();
@@ -79,7 +79,7 @@ void PipelineLink::transfer(int to, const float* hidden, const double* stats, si
                         dist::CommDType::f64, kStats);
 }
 
-void run_1f1b(MixtralModel& model, PipelineLink& link, const std::vector<Batch>& micro, const LossWeights& weights,
+void run_1f1b(Model& model, PipelineLink& link, const std::vector<Batch>& micro, const LossWeights& weights,
               int stage, int stages, const std::function<void(const Losses&)>& account) {
   const int P = stages, st = stage, m = (int)micro.size();
   const size_t C = (size_t)model.config().hidden_size;
@@ -114,7 +114,7 @@ void run_1f1b(MixtralModel& model, PipelineLink& link, const std::vector<Batch>&
   }
 }
 
-Losses stage_forward(MixtralModel& model, PipelineLink& link, const Batch& b, const LossWeights& w) {
+Losses stage_forward(Model& model, PipelineLink& link, const Batch& b, const LossWeights& w) {
   const size_t n = (size_t)b.B * b.T * model.config().hidden_size;
   link.recv_forward(n);
   const Losses l = model.forward(b, w, link.input());

@@ -7,7 +7,7 @@
 
 #include "backend/backend.h"
 #include "dist/comm.h"
-#include "model/mixtral.h"
+#include "model/model.h"
 
 namespace moetron {
 
@@ -24,14 +24,14 @@ class PipelineLink {
 
   // Receives the previous stage's output (the next forward's input); n floats.
   void recv_forward(size_t n);
-  void send_forward(const MixtralModel& m, size_t n);
+  void send_forward(const Model& m, size_t n);
   // The forward's output to the next stage while its gradient for the oldest pending micro-batch
   // comes back.
-  void send_forward_recv_backward(const MixtralModel& m, size_t n);
+  void send_forward_recv_backward(const Model& m, size_t n);
   // The backward's input gradient to the previous stage while the next forward's input arrives.
-  void send_backward_recv_forward(const MixtralModel& m, size_t n);
+  void send_backward_recv_forward(const Model& m, size_t n);
   void recv_backward(size_t n);
-  void send_backward(const MixtralModel& m, size_t n);
+  void send_backward(const Model& m, size_t n);
 
   StageInput input();
   StageGrad grad() const;
@@ -39,7 +39,7 @@ class PipelineLink {
  private:
   bool first() const { return stage_ == 0; }
   bool last() const { return stage_ == stages_ - 1; }
-  const std::vector<double>& pack(const MixtralModel& m);
+  const std::vector<double>& pack(const Model& m);
   // Hidden states (n floats) and the statistics that go with them, each one sendrecv.
   void transfer(int to, const float* hidden, const double* stats, size_t stats_n, int from, GrowableBuffer& hidden_in,
                 Tensor& hidden_view, std::vector<double>& stats_in, size_t n);
@@ -57,11 +57,11 @@ class PipelineLink {
 // min(stages - stage - 1, m) warm-up forwards, then one forward and one backward at a time, then the
 // remaining backwards; it keeps at most min(stages - stage, m) micro-batches' activations whatever
 // m.  `account` sees each forward's losses.  Without pipeline parallelism: forward, backward, ...
-void run_1f1b(MixtralModel& model, PipelineLink& link, const std::vector<Batch>& micro, const LossWeights& weights,
+void run_1f1b(Model& model, PipelineLink& link, const std::vector<Batch>& micro, const LossWeights& weights,
               int stage, int stages, const std::function<void(const Losses&)>& account);
 
 // One forward (no backward) on this stage: the previous stage's output is received first, this
 // stage's is sent on after.
-Losses stage_forward(MixtralModel& model, PipelineLink& link, const Batch& batch, const LossWeights& weights);
+Losses stage_forward(Model& model, PipelineLink& link, const Batch& batch, const LossWeights& weights);
 
 }  // namespace moetron

@@ -136,7 +136,7 @@ RankComm stage_comm(const Plan& p, const StagePlan& s) {
     // Per layer 2 forward (after o_proj, after w2) + 2 backward (inputs of qkv, w13), and for MoE the
     // routing weights' gradient (fp32 [N, K], backward); the vocab-parallel embedding's forward; the
     // head's input gradient; the vocab-parallel CE's row maxima (fp32 [N]) and exp sums and target
-    // logits (2 fp64 [N]) -- as model/mixtral.cpp and dist/tp_ops.cpp do it.
+    // logits (2 fp64 [N]) -- as model/ (the attention block) and dist/tp_ops.cpp do it.
     const double n_ar = 4.0 * s.num_layers + (first ? 1 : 0) + (last ? 1 : 0);
     const double routing = d.moe ? s.num_layers * ar * (double)d.N * d.K * 4 : 0.0;
     c.tp = std::llround(m * (n_ar * ar * S + routing + (last ? 5.0 * ar * d.N * 4 : 0)));
@@ -258,7 +258,7 @@ Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size,
     lora.alpha = cfg.lora.alpha;
     lora.targets = parse_lora_targets(cfg.lora.targets, model, "lora.targets");
     p.lora_rank = lora.rank;
-    // MixtralModel keeps a frozen base in bf16 (model.dtype bf16; one layer at a time widened to fp32,
+    // Model keeps a frozen base in bf16 (model.dtype bf16; one layer at a time widened to fp32,
     // not counted) or fp32; adapters are fp32 masters (+ their bf16 GEMM copy on cuda) with fp32 Adam
     // moments.
     p.base_bytes_per_param = bf16 ? 2 : 4 + (p.activation_dtype_bytes == 2 ? 2 : 0);

@@ -78,7 +78,7 @@ struct Plan {
   int micro_batches = 1;  // m: per step per data-parallel rank
   int64_t tokens_per_step = 0;
   int param_dtype_bytes = 4, grad_dtype_bytes = 4, optimizer_bytes_per_param = 8, activation_dtype_bytes = 4;
-  // LoRA (cfg.lora.rank > 0): the frozen base's bytes per parameter (as MixtralModel keeps it: fp32,
+  // LoRA (cfg.lora.rank > 0): the frozen base's bytes per parameter (as Model keeps it: fp32,
   // and on cuda its bf16 GEMM copy beside), the adapters in fp32 (their own masters) with their
   // gradients and Adam moments.
   int lora_rank = 0;

@@ -1,7 +1,7 @@
 // The training loop (trainer.h): setup, one optimizer step, the loop with logging, evaluation and
 // checkpoints.  The pieces it orchestrates live in their own files: the layout (layout.h), the 1F1B
 // schedule and stage links (pipeline.h), the checkpoint gather (checkpoint_gather.h), metrics
-// (metrics.h), the log (run_log.h); the model and its backend (model/mixtral.h, backend/).
+// (metrics.h), the log (run_log.h); the model and its backend (model/model.h, backend/).
 #include "train/trainer.h"
 
 #include <fmt/format.h>
@@ -30,7 +30,7 @@
 #include "io/hf_config.h"
 #include "io/model_files.h"
 #include "model/flops.h"
-#include "model/mixtral.h"
+#include "model/model.h"
 #include "model/params.h"
 #include "model/weights.h"
 #include "ops/matmul.h"
@@ -229,7 +229,7 @@ class Training {
   fs::path run_dir_;
   RunLog log_;
   ModelConfig mcfg_;
-  std::optional<MixtralModel> model_;
+  std::optional<Model> model_;
   LoraSpec lora_;  // rank 0: the whole model trains
   std::optional<PipelineLink> link_;
   std::optional<ShardedAdamW> opt_;      // every tensor, or (ep > 1) all but the experts, over dp

@@ -12,7 +12,7 @@
 // of the global batch (DataLoader dp sharding); the token counts that scale the loss are summed over
 // dp before the forward passes, so every layout optimises the same objective; the gradients are
 // reduced over dp (ZeRO-1: reduce-scatter, sharded AdamW, all-gather; else all-reduce); clipping
-// uses the global norm.  Tensor and expert parallelism are the model's (model/mixtral.h); under
+// uses the global norm.  Tensor and expert parallelism are the model's (model/model.h); under
 // ep > 1 the expert tensors have their own optimizer, reduced and sharded over edp (the ranks
 // holding the same experts), the others over dp.  Under pp > 1 the stages of one dp rank read the
 // same micro-batches and run them in the 1F1B schedule (warm-up forwards, one forward one backward,

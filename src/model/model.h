@@ -1,9 +1,15 @@
-// The Mixtral decoder (and dense Mistral/Llama through the same code): forward and backward as
-// flat, mirror-image lists of op calls over one parameter table, written ONCE over a Backend
-// (backend/backend.h) -- the CPU backend (fp32), the bf16-rounding CPU backend, the CUDA backend
-// (bf16 storage, fp32 accumulation) -- which owns the memory and supplies the kernels.
+// The model: every supported family (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, Mistral, Llama, Qwen3)
+// as one layer body -- forward and backward as flat, mirror-image lists of block calls over one
+// parameter table -- written ONCE over a Backend (backend/backend.h) -- the CPU backend (fp32), the
+// bf16-rounding CPU backend, the CUDA backend (bf16 storage, fp32 accumulation) -- which owns the
+// memory and supplies the kernels.
 //   h = x + Attn(RMSNorm(x)); out = h + FFN(RMSNorm(h)); final RMSNorm; lm_head (or, with
 //   tie_word_embeddings, the embedding matrix: one stage must then hold both ends).
+// The blocks (model/block.h): the attention block (model/attention_block.h), the MoE block (router ->
+// dispatch plan -> token dispatcher -> experts -> combine, plus the shared expert: model/moe_block.h),
+// the dense FFN (model/dense_ffn.h), and the linear layer, the one place a LoRA adapter is applied
+// (model/linear.h).  A family is its config, its tensor names, and which blocks with which options
+// each layer uses -- never a second body.
 // Dimensions: B batch, T sequence, N = B*T tokens, C hidden, NH heads, NKV kv heads, HD head dim,
 // Q = NH*HD, KV = NKV*HD, E experts (1 for dense), K experts per token (1 for dense),
 // M = N*K routed rows, I FFN width, L layers, V vocab.
@@ -59,10 +65,15 @@
 #include "backend/backend.h"
 #include "core/profile.h"
 #include "io/hf_config.h"
+#include "model/attention_block.h"
 #include "model/batch.h"
+#include "model/block.h"
+#include "model/dense_ffn.h"
 #include "model/expert_ffn.h"
+#include "model/linear.h"
 #include "model/lora.h"
 #include "model/losses.h"
+#include "model/moe_block.h"
 #include "model/params.h"
 #include "model/token_dispatch.h"
 #include "ops/moe_dispatch.h"
@@ -93,20 +104,20 @@ struct StageGrad {
   const double* aux_grad = nullptr;  // [E] host: the next stage's input_aux_grad() (MoE, hf_pooled aux loss)
 };
 
-class MixtralModel {
+class Model {
  public:
   // The model on its own CPU backend (fp32).  tp: the tensor-parallel group (null or size 1: the
   // whole model); ep: the expert-parallel group (null or size 1: every expert); both must outlive
   // the model.  Collective over tp (splits the group of ranks sharing a replicated kv head).
   // layers: the pipeline stage's decoder layers (default: all).
   // lora: adapters on a frozen base (model/lora.h; rank 0: none, the whole model trains).
-  explicit MixtralModel(const ModelConfig& cfg, dist::Comm* tp = nullptr, dist::Comm* ep = nullptr,
-                        LayerRange layers = {}, const LoraSpec& lora = {});
+  explicit Model(const ModelConfig& cfg, dist::Comm* tp = nullptr, dist::Comm* ep = nullptr, LayerRange layers = {},
+                 const LoraSpec& lora = {});
   // The model on `backend`, which must outlive it; tp / ep are groups over the backend's memory.
-  MixtralModel(Backend& backend, const ModelConfig& cfg, dist::Comm* tp = nullptr, dist::Comm* ep = nullptr,
-               LayerRange layers = {}, const LoraSpec& lora = {});
-  ~MixtralModel();
-  MixtralModel(MixtralModel&&) = delete;
+  Model(Backend& backend, const ModelConfig& cfg, dist::Comm* tp = nullptr, dist::Comm* ep = nullptr,
+        LayerRange layers = {}, const LoraSpec& lora = {});
+  ~Model();
+  Model(Model&&) = delete;
 
   const ModelConfig& config() const { return cfg_; }
   const ParamTable& table() const { return table_; }
@@ -222,25 +233,20 @@ class MixtralModel {
   // expert-parallel exchange); the overflow is dropped, padding first, then the lowest router
   // probability (ties: the later token).  A dropped assignment contributes nothing to the token's
   // output (the other weights are not renormalised).  0: dropless (the default).
-  void set_capacity_factor(double f) { capacity_factor_ = f; }
+  void set_capacity_factor(double f) {
+    if (moe_) moe_->set_capacity_factor(f);
+  }
   // Per layer of this stage of the last forward (0 for dense layers): assignments of real tokens
   // dropped by the capacity limit.
   const std::vector<long>& dropped() const { return dropped_; }
 
  private:
   struct LayerActs {
-    bool moe = false;  // a routed MoE block (else a dense FFN: one expert every token visits with weight 1)
-    Tensor x, ln1, rstd1, q, k, v, attn_saved, att, h, ln2, ln2f, rstd2;  // ln2f: the router's f32 input
-    Tensor qraw, kraw, rstdq, rstdk;  // qk_norm: f32 q/k projections before their norm
-    Tensor clipq, clipk, clipv;       // clip_qkv: u8 masks of the values kept (not clipped)
-    Tensor sh13, shact, shy, sgl, sg;  // shared expert: its FFN rows, output [N,C], gate logit and sigmoid [N]
-    Tensor uq, uk, uv, uo;             // LoRA: x A^T [N,r] of each adapted projection
-    Tensor shu13, shu2;                // LoRA on the shared expert: [N,2r], [N,r]
-    Tensor ur;                         // LoRA on the router: ln2f A^T [N,r] (f32)
-    Tensor rlogits, rprobs, topk_w, topk_idx, combine_w, xperm, yperm, row_token, row_of;
-    ops::MoePlan plan;
-    PlanView pv;
-    DispatchSaved dispatch;
+    bool moe = false;                           // a routed MoE block (else a dense FFN)
+    Tensor x, ln1, rstd1, h, ln2, ln2f, rstd2;  // ln2f: the router's f32 input (ln2 when act is f32)
+    AttentionSaved attn;
+    MoeSaved moe_saved;   // MoE layers
+    DenseFfnSaved dense;  // dense layers
   };
   // The dimension letters of this model (E = K = 1 for a dense FFN), per tensor-parallel rank:
   // V, I, NH, NKV, Q, KVd are this rank's parts (the whole model when tp = 1).  I is the experts'
@@ -259,7 +265,8 @@ class MixtralModel {
     std::vector<LayerActs> layers;  // this stage's layers
     Tensor x_final, lnf, rstdf, logits, lse;
     Tensor tokens, targets, positions, token_mask, attention_mask, segment_ids;  // backend copies
-    // The identity plan (every token one row, weight from the gate) of the shared expert.
+    // The identity plan (every token one row, weight 1): the shared expert's and LoRA's on the
+    // attention projections and the router (a grouped linear of one group).
     ops::MoePlan ident_plan;
     PlanView ident_pv;
     Tensor ident_rt, ident_ro;
@@ -271,6 +278,7 @@ class MixtralModel {
   };
   void init(dist::Comm* tp, dist::Comm* ep, LayerRange layers, const LoraSpec& lora);
   Dims dims() const;
+  BlockEnv env() const { return BlockEnv{be_, cfg_, tp_, tp_size_, profile_}; }
   void allocate(Activations& a, int B, int T);
   void allocate_scratch(int B, int T);
   Activations& acquire();
@@ -286,22 +294,21 @@ class MixtralModel {
   Tensor G(ParamKind kind, int layer = -1) const;
   // src (f32) in the act store: src itself when that is f32, else converted into `scratch`.
   Tensor as_act(Tensor src, Tensor scratch);
-  // src (act store) as f32: src itself when the act store is f32, else converted into `scratch`.
-  Tensor as_f32(Tensor src, Tensor scratch);
-  // Zeros the rows [M] of plan order past the computed ones (the overflow expert's: capacity drops).
-  void zero_dropped_rows(Tensor rows, const ops::MoePlan& plan, int C);
   void refresh_gemm_weights();
   // LoRA factor b (false: A) of base tensor `target` in layer l: as the GEMMs read it (act store) and
   // its gradient; empty when not adapted.
   Tensor LW(ParamKind target, int l, bool b) const;
   Tensor LG(ParamKind target, int l, bool b) const;
-  // out[N,OC] += scale * (x A^T) B^T over the rows of pv, keeping u = x A^T (a no-op when u is empty).
-  void lora_forward(Tensor out, Tensor u, Tensor x, ParamKind target, int l, const PlanView& pv, int IC, int OC);
-  // dx (+=) and the factors' gradients from dout (act store) of the adapted projection.
-  void lora_backward(Tensor dx, Tensor dout, Tensor x, Tensor u, ParamKind target, int l, const PlanView& pv, int IC,
-                     int OC);
+  // The f32 master of a LoRA factor (the router's adapters run in f32, as the router does).
+  Tensor LW32(ParamKind target, int l, bool b) const;
+  // Layer l's weights as the blocks read them.  base false: only the adapters (to lay out the
+  // activations; the base's tensors are left empty, so a frozen bf16 base is not widened).
+  LoraFactors lora_factors(ParamKind target, int l, bool f32 = false) const;
+  LinearWeights linear_weights(ParamKind kind, int l, bool base = true);
+  AttentionWeights attention_weights(int l, bool base = true);
+  MoeWeights moe_weights(int l, bool base = true);
   // The FFN weights of layer l (routed experts, or the dense FFN) or of its shared expert.
-  ExpertFfnWeights ffn_weights(int l, bool shared);
+  ExpertFfnWeights ffn_weights(int l, bool shared, bool base = true);
 
   std::unique_ptr<Backend> own_backend_;  // the CPU backend of the first constructor
   Backend& be_;
@@ -311,12 +318,9 @@ class MixtralModel {
   dist::Comm* ep_ = nullptr;
   int ep_size_ = 1;
   int layer_begin_ = 0, layer_end_ = 0;
-  std::unique_ptr<Allocation> bias_alloc_;
-  Tensor router_bias_;  // [E] f32, or empty
-  double capacity_factor_ = 0.0;
+  std::unique_ptr<Allocation> bias_alloc_;  // the router bias (test hook)
   std::vector<long> dropped_;
   std::unique_ptr<dist::Comm> kv_comm_;  // ranks sharing a replicated kv head (NKV < tp)
-  std::unique_ptr<TokenDispatcher> dispatch_;
   ParamTable table_;
   // Parameters and gradients: host vectors on host-memory backends (params()), else allocations.
   std::vector<float> params_, grads_;
@@ -330,25 +334,18 @@ class MixtralModel {
   Activations* last_ = nullptr;
   size_t peak_pending_ = 0, peak_activation_bytes_ = 0;
   std::vector<double> last_aux_grad_;  // of the last backward
-  // Backward scratch (and the forward's tensor-parallel partial sums), shared by every micro-batch.
+  // Backward scratch (and the forward's tensor-parallel partial sums), shared by every micro-batch:
+  // the body's (d of the residual stream, d of a norm's output, an [N,C] f32 temporary, the
+  // residual gradient in the act store) and the blocks'.
   int scratch_B_ = 0, scratch_T_ = 0;
   std::unique_ptr<Allocation> scratch_alloc_;
-  Tensor dres_, dln_, tmp_, datt_, dq_, dk_, dv_, drlogits_, dtopk_, dxperm_, dyperm_, dres_act_;
-  Tensor dq32_, dk32_, dqraw_, dkraw_;  // qk_norm / qkv_bias: f32 gradients around the q/k norms and biases
-  Tensor dv32_;                         // qkv_bias: f32 d(v)
-  Tensor stage32_;                      // act store not f32: a projection in f32 before its bias / clip
-  Tensor row_stat_;                     // qk_norm_full under tp: [N] partial row sums, all-reduced
-  // The q (or k) norm of layer l: per head (Qwen3), or over the whole projection (OLMoE), whose row
-  // statistics are summed over the tp ranks.  out = norm(raw); rows N, heads h of HD each.
-  void qk_norm_forward(Tensor out, Tensor rstd, Tensor raw, ParamKind w, int l, long N, int heads);
-  // d(raw) (f32, assign) and d(weight) (+=) from d(out) (f32).
-  void qk_norm_backward(Tensor draw, Tensor dout, Tensor raw, Tensor rstd, ParamKind w, int l, long N, int heads);
+  Tensor dres_, dln_, tmp_, dres_act_;
+  AttentionScratch attn_sc_;
+  MoeScratch moe_sc_;
   // Replicas of each kv head across the tp ranks (1 unless NKV < tp).
-  int kv_replicas() const { return tp_on() && cfg_.num_key_value_heads < tp_size_ ? tp_size_ / cfg_.num_key_value_heads : 1; }
-  Tensor dshy_, dsg_, dsgl_, dxs_;      // shared expert: d(its output), d(gate), d(gate logit), d(its input)
-  // Host copies of one layer's routing (device backends) and its capacity-limited weights.
-  std::vector<int32_t> topk_idx_host_;
-  std::vector<float> topk_w_host_, probs_host_, combine_host_;
+  int kv_replicas() const { return env().kv_replicas(); }
+  std::unique_ptr<MoeBlock> moe_;  // MoE models: the block's dispatcher and host state
+  DenseFfnBlock dense_;
 
   // LoRA: the spec, the adapter table and its parameters, gradients and GEMM copy (as the base's).
   LoraSpec lora_;
@@ -370,11 +367,6 @@ class MixtralModel {
   mutable int window_seg_ = -1;    // the segment widened in the window (-1: none)
   // The window's view of a base tensor, widening its segment first when another one is there.
   Tensor window_view(const ParamSpec& s) const;
-  Tensor du_;       // LoRA backward scratch [N,r]
-  Tensor dur_;      // the router's LoRA backward scratch [N,r] (f32)
-  // The f32 master of a LoRA factor (the router's adapters run in f32, as the router does).
-  Tensor LW32(ParamKind target, int l, bool b) const;
-  ExpertFfn ffn_;   // the dense FFN layers and the shared expert (their backward scratch)
 
   std::vector<ops::RouterLayerStats> router_stats_;  // of the last forward
   Profile* profile_ = nullptr;

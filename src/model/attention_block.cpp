@@ -1,0 +1,237 @@
+// The attention block; see attention_block.h.  The backward is the forward's call list in reverse.
+#include "model/attention_block.h"
+
+#include <algorithm>
+
+namespace moetron {
+
+namespace {
+
+// The q (or k) norm: per head (Qwen3), or over the whole projection (OLMoE), whose row statistics
+// are summed over the tp ranks.  out = norm(raw); rows N, heads h of HD each.
+void qk_norm_forward(const BlockEnv& env, AttentionScratch& sc, Tensor out, Tensor rstd, Tensor raw, Tensor weight,
+                     bool k, long N, int heads) {
+  Backend& be = env.be;
+  const ModelConfig& cfg = env.cfg;
+  const int HD = cfg.head_dim, width = heads * HD;  // this rank's part
+  const float eps = (float)cfg.rms_norm_eps;
+  if (!cfg.qk_norm_full) return be.rmsnorm_forward(out, rstd, raw, weight, N * heads, HD, eps);
+  if (!env.tp_on()) return be.rmsnorm_forward(out, rstd, raw, weight, N, width, eps);
+  // The sum of squares over every rank's heads; a kv head replicated on rep ranks is counted rep times.
+  const int full = (k ? cfg.num_key_value_heads : cfg.num_attention_heads) * HD;
+  be.row_dot(sc.row_stat, raw, raw, Tensor{}, N, width);
+  env.tp_all_reduce(sc.row_stat);
+  be.rmsnorm_forward_stats(out, rstd, raw, weight, sc.row_stat, N, width, full,
+                           k ? 1.0f / (float)env.kv_replicas() : 1.0f, eps);
+}
+
+// d(raw) (f32, assign) and d(weight) (+=) from d(out) (f32).
+void qk_norm_backward(const BlockEnv& env, AttentionScratch& sc, Tensor draw, Tensor dout, Tensor raw, Tensor rstd,
+                      Tensor weight, Tensor dweight, bool k, long N, int heads) {
+  Backend& be = env.be;
+  const ModelConfig& cfg = env.cfg;
+  const int HD = cfg.head_dim, width = heads * HD;
+  if (!cfg.qk_norm_full) return be.rmsnorm_backward(draw, dweight, dout, raw, weight, rstd, N * heads, HD, false);
+  if (!env.tp_on()) return be.rmsnorm_backward(draw, dweight, dout, raw, weight, rstd, N, width, false);
+  // sum_j w_j dy_j x_j over every rank's part.  A replicated kv head's d(out) is partial on each of its
+  // rep ranks (their own query heads' share): the all-rank sum is the true dot once, and each replica
+  // takes 1/rep of the term, so that summing d(raw) over the replicas (as the k_proj gradient and the
+  // layer input's are) gives the whole.
+  const int full = (k ? cfg.num_key_value_heads : cfg.num_attention_heads) * HD;
+  be.row_dot(sc.row_stat, dout, raw, weight, N, width);
+  env.tp_all_reduce(sc.row_stat);
+  be.rmsnorm_backward_stats(draw, dweight, dout, raw, weight, rstd, sc.row_stat, N, width, full,
+                            k ? 1.0f / (float)env.kv_replicas() : 1.0f);
+}
+
+// src (act store) as f32: src itself when the act store is f32, else converted into `scratch`.
+Tensor as_f32(Backend& be, Tensor src, Tensor scratch) {
+  if (src.store == Store::f32) return src;
+  be.convert(scratch, src);
+  return scratch;
+}
+
+// src (f32) in the act store: src itself when that is f32, else converted into `scratch`.
+Tensor as_act(Backend& be, Tensor src, Tensor scratch) {
+  if (be.act_store() == src.store) return src;
+  be.convert(scratch, src);
+  return scratch;
+}
+
+}  // namespace
+
+AttentionDims AttentionDims::of(const BlockEnv& env) {
+  const ModelConfig& cfg = env.cfg;
+  const int tp = env.tp_size;
+  const int NH = cfg.num_attention_heads / tp;
+  const int NKV = cfg.num_key_value_heads >= tp ? cfg.num_key_value_heads / tp : 1;
+  return AttentionDims{NH, NKV, cfg.head_dim, NH * cfg.head_dim, NKV * cfg.head_dim};
+}
+
+void AttentionSaved::carve(TensorCarver& c, const BlockEnv& env, const AttentionWeights& w, int B, int T) {
+  const long N = (long)B * T;
+  const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
+  (void)HD;
+  const Store act = env.be.act_store(), f32 = Store::f32;
+  const bool qkn = env.cfg.qk_norm, clip = env.cfg.clip_qkv > 0;
+  q = c.take(act, N * Q);
+  k = c.take(act, N * KVd);
+  v = c.take(act, N * KVd);
+  qraw = qkn ? c.take(f32, N * Q) : Tensor{};
+  kraw = qkn ? c.take(f32, N * KVd) : Tensor{};
+  rstdq = qkn ? c.take(f32, N * NH) : Tensor{};  // per head, or (full) N of them
+  rstdk = qkn ? c.take(f32, N * NKV) : Tensor{};
+  clipq = clip ? c.take(Store::u8, N * Q) : Tensor{};
+  clipk = clip ? c.take(Store::u8, N * KVd) : Tensor{};
+  clipv = clip ? c.take(Store::u8, N * KVd) : Tensor{};
+  attn_saved = c.take(f32, env.be.attention_saved_numel(B, T, NH));
+  att = c.take(act, N * Q);
+  const auto lu = [&](const LinearWeights& lw) { return lw.lora.on() ? c.take(act, N * lw.lora.u_width()) : Tensor{}; };
+  uq = lu(w.q);
+  uk = lu(w.k);
+  uv = lu(w.v);
+  uo = lu(w.o);
+}
+
+void AttentionScratch::carve(TensorCarver& c, const BlockEnv& env, int lora_rank, long N) {
+  const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
+  (void)NH;
+  (void)NKV;
+  (void)HD;
+  const Store act = env.be.act_store(), f32 = Store::f32;
+  const ModelConfig& cfg = env.cfg;
+  const bool qkn = cfg.qk_norm, bias = cfg.qkv_bias;
+  datt = c.take(act, N * Q);
+  dq = c.take(act, N * Q);
+  dk = c.take(act, N * KVd);
+  dv = c.take(act, N * KVd);
+  dq32 = (qkn || bias) && act != f32 ? c.take(f32, N * Q) : dq;
+  dk32 = (qkn || bias) && act != f32 ? c.take(f32, N * KVd) : dk;
+  dv32 = bias && act != f32 ? c.take(f32, N * KVd) : dv;
+  stage32 = (bias || cfg.clip_qkv > 0) && act != f32 ? c.take(f32, N * std::max(Q, KVd)) : Tensor{};
+  row_stat = cfg.qk_norm_full && env.tp_on() ? c.take(f32, N) : Tensor{};
+  du = lora_rank > 0 ? c.take(act, N * (long)lora_rank) : Tensor{};
+  dqraw = qkn ? c.take(f32, N * Q) : Tensor{};
+  dkraw = qkn ? c.take(f32, N * KVd) : Tensor{};
+}
+
+void AttentionBlock::forward(const BlockEnv& env, Tensor h, AttentionSaved& a, AttentionScratch& sc, Tensor ln,
+                             Tensor positions, const AttnMask& mask, const AttentionWeights& w, const PlanView& ident,
+                             int B, int T) {
+  Backend& be = env.be;
+  const ModelConfig& cfg = env.cfg;
+  const long N = (long)B * T;
+  const int C = cfg.hidden_size;
+  const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
+  const float theta = (float)cfg.rope_theta;
+  {
+    Section t(env, "fwd.attn_proj");
+    const bool bias = cfg.qkv_bias, clip = cfg.clip_qkv > 0, f32_act = be.act_store() == Store::f32;
+    const float c = (float)cfg.clip_qkv;
+    // What follows a projection (bias, norm, OLMoE's clip) runs in f32: in place when the act store is
+    // f32, else on the f32 staging buffer, rounded into the act store once at the end -- so which
+    // values are clipped is decided on f32 values, as the fp32 model decides (deciding on rounded
+    // values would flip the gradient of values near +-c).  The backward needs only d(q), d(k), d(v).
+    const auto finish = [&](Tensor out, Tensor t, Tensor keep, long n) {
+      if (clip) be.clamp_forward(t, keep, c, n);
+      if (t.data != out.data) be.convert(out, t);
+    };
+    // Each projection: x W^T (+ its LoRA), then bias, clip or norm.
+    const auto project = [&](Tensor out, const LinearWeights& lw, Tensor u, Tensor b, int OC, Tensor keep) {
+      const Tensor t = !f32_act && (bias || clip) ? sc.stage32.part(0, (size_t)N * OC) : out;
+      linear_forward(be, t, u, ln, lw, ident, N, C, OC, false);
+      if (bias) be.add_bias_rows(t, b, N, OC);
+      finish(out, t, keep, (long)N * OC);
+    };
+    if (cfg.qk_norm) {  // f32 projections (+ bias), then the q/k norms (before RoPE)
+      linear_forward(be, a.qraw, a.uq, ln, w.q, ident, N, C, Q, false);
+      linear_forward(be, a.kraw, a.uk, ln, w.k, ident, N, C, KVd, false);
+      if (bias) {
+        be.add_bias_rows(a.qraw, w.q_bias, N, Q);
+        be.add_bias_rows(a.kraw, w.k_bias, N, KVd);
+      }
+      const Tensor tq = !f32_act && clip ? sc.stage32.part(0, (size_t)N * Q) : a.q;
+      qk_norm_forward(env, sc, tq, a.rstdq, a.qraw, w.q_norm, false, N, NH);
+      finish(a.q, tq, a.clipq, (long)N * Q);
+      const Tensor tk = !f32_act && clip ? sc.stage32.part(0, (size_t)N * KVd) : a.k;
+      qk_norm_forward(env, sc, tk, a.rstdk, a.kraw, w.k_norm, true, N, NKV);
+      finish(a.k, tk, a.clipk, (long)N * KVd);
+    } else {
+      project(a.q, w.q, a.uq, w.q_bias, Q, a.clipq);
+      project(a.k, w.k, a.uk, w.k_bias, KVd, a.clipk);
+    }
+    project(a.v, w.v, a.uv, w.v_bias, KVd, a.clipv);
+  }
+  {
+    Section t(env, "fwd.rope");
+    be.rope_forward(a.q, positions, N, NH, HD, theta);
+    be.rope_forward(a.k, positions, N, NKV, HD, theta);
+  }
+  {
+    Section t(env, "fwd.attention");
+    be.attention_forward(a.att, a.attn_saved, a.q, a.k, a.v, mask, B, T, NH, NKV, HD);
+  }
+  Section t(env, "fwd.attn_proj");
+  if (!env.tp_on()) return linear_forward(be, h, a.uo, a.att, w.o, ident, N, Q, C, true);
+  // Row-parallel o_proj: each rank's heads give a partial sum of the output (its LoRA's too: u is
+  // partial, B whole).
+  linear_forward(be, sc.tmp, a.uo, a.att, w.o, ident, N, Q, C, false);
+  env.tp_all_reduce(sc.tmp);
+  be.add(h, sc.tmp);
+}
+
+void AttentionBlock::backward(const BlockEnv& env, Tensor dln, Tensor dh_act, const AttentionSaved& a,
+                              AttentionScratch& sc, Tensor ln, Tensor positions, const AttnMask& mask,
+                              const AttentionWeights& w, const PlanView& ident, int B, int T) {
+  Backend& be = env.be;
+  const ModelConfig& cfg = env.cfg;
+  const long N = (long)B * T;
+  const int C = cfg.hidden_size;
+  const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
+  const float theta = (float)cfg.rope_theta;
+  {
+    Section t(env, "bwd.attn_proj");
+    linear_backward(be, sc.datt, sc.du, dh_act, a.att, a.uo, w.o, ident, N, Q, C, false);
+  }
+  {
+    Section t(env, "bwd.attention");
+    be.attention_backward(sc.dq, sc.dk, sc.dv, sc.datt, a.att, a.attn_saved, a.q, a.k, a.v, mask, B, T, NH, NKV, HD);
+  }
+  {
+    Section t(env, "bwd.rope");
+    be.rope_backward(sc.dq, positions, N, NH, HD, theta);
+    be.rope_backward(sc.dk, positions, N, NKV, HD, theta);
+  }
+  Tensor dq = sc.dq, dk = sc.dk;  // d(the projections' outputs), in the act store
+  if (cfg.clip_qkv > 0) {         // clipped values pass no gradient
+    be.clamp_backward(sc.dq, a.clipq, N * Q);
+    be.clamp_backward(sc.dk, a.clipk, N * KVd);
+    be.clamp_backward(sc.dv, a.clipv, N * KVd);
+  }
+  if (cfg.qk_norm) {
+    Section t(env, "bwd.norms");
+    if (sc.dq32.data != sc.dq.data) {
+      be.convert(sc.dq32, sc.dq);
+      be.convert(sc.dk32, sc.dk);
+    }
+    qk_norm_backward(env, sc, sc.dqraw, sc.dq32, a.qraw, a.rstdq, w.q_norm, w.dq_norm, false, N, NH);
+    qk_norm_backward(env, sc, sc.dkraw, sc.dk32, a.kraw, a.rstdk, w.k_norm, w.dk_norm, true, N, NKV);
+    dq = as_act(be, sc.dqraw, sc.dq);
+    dk = as_act(be, sc.dkraw, sc.dk);
+  }
+  if (cfg.qkv_bias && !w.dq_bias.empty()) {
+    // d(bias) = column sums of d(the biased projection): after the norm's backward when there is one.
+    Section t(env, "bwd.bias");
+    const Tensor gq = cfg.qk_norm ? sc.dqraw : as_f32(be, sc.dq, sc.dq32);
+    const Tensor gk = cfg.qk_norm ? sc.dkraw : as_f32(be, sc.dk, sc.dk32);
+    be.bias_backward(w.dq_bias, gq, N, Q);
+    be.bias_backward(w.dk_bias, gk, N, KVd);
+    be.bias_backward(w.dv_bias, as_f32(be, sc.dv, sc.dv32), N, KVd);
+  }
+  Section t(env, "bwd.attn_proj");
+  linears_backward(be, dln, sc.du, ln, {{w.q, dq, a.uq, Q}, {w.k, dk, a.uk, KVd}, {w.v, sc.dv, a.uv, KVd}}, ident, N,
+                   C);
+  if (env.tp_on()) env.tp_all_reduce(dln);  // column-parallel q/k/v: partial input gradient
+}
+
+}  // namespace moetron

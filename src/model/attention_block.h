@@ -1,0 +1,74 @@
+// The attention block of the layer body: from the normalised input ln [N,C] to the residual stream
+//   h += o_proj(attention(rope(norm_q(clip(q_proj(ln) + bq))), rope(norm_k(clip(k_proj(ln) + bk))),
+//                         clip(v_proj(ln) + bv)))
+// with each family's options from the config -- q/k/v biases (qkv_bias), per-head or whole-projection
+// q/k RMSNorm (qk_norm, qk_norm_full), OLMoE's clip (clip_qkv) -- LoRA on the projections
+// (model/linear.h), causal GQA with the optional sliding window, segment and padding masks (AttnMask).
+// Under tensor parallelism (Megatron) q/k/v are column-parallel (this rank's heads; a kv head
+// replicated when NKV < tp) and o_proj row-parallel: the o_proj output is all-reduced before it
+// joins h, and d(ln) is all-reduced in the backward.  A whole-projection q/k norm sums its row
+// statistics over the tp group.
+// Dimensions (this tp rank's): N tokens (B sequences of T), C hidden, NH / NKV heads, HD head dim,
+// Q = NH*HD, KVd = NKV*HD.
+#pragma once
+
+#include "backend/backend.h"
+#include "model/block.h"
+#include "model/linear.h"
+
+namespace moetron {
+
+// This rank's share of the attention heads.
+struct AttentionDims {
+  int NH, NKV, HD, Q, KVd;
+  static AttentionDims of(const BlockEnv& env);
+};
+
+// One layer's attention parameters as the block reads them: the projections (act store, with their
+// adapters), and in f32 the biases (qkv_bias) and the q/k norm weights (qk_norm), each with its
+// gradient (f32, +=; empty when frozen).
+struct AttentionWeights {
+  LinearWeights q, k, v, o;
+  Tensor q_bias, k_bias, v_bias, dq_bias, dk_bias, dv_bias;
+  Tensor q_norm, k_norm, dq_norm, dk_norm;
+};
+
+// What the forward keeps for the backward (one micro-batch, one layer).
+struct AttentionSaved {
+  Tensor q, k, v;                   // [N,Q], [N,KVd] x 2 (act store): the attention's inputs after RoPE
+  Tensor qraw, kraw, rstdq, rstdk;  // qk_norm: f32 projections before their norm, its statistics
+  Tensor clipq, clipk, clipv;       // clip_qkv: u8 masks of the values kept (not clipped)
+  Tensor attn_saved;                // the backend's attention state (attention_saved_numel)
+  Tensor att;                       // [N,Q] attention output (act store)
+  Tensor uq, uk, uv, uo;            // LoRA: x A^T of each adapted projection
+  // Lays the tensors out (TensorCarver's two passes); w tells which projections are adapted.
+  void carve(TensorCarver& c, const BlockEnv& env, const AttentionWeights& w, int B, int T);
+};
+
+// Work buffers shared by every layer (the model sizes them once per batch shape).
+struct AttentionScratch {
+  Tensor datt, dq, dk, dv;  // act store
+  Tensor dq32, dk32, dv32;  // f32 gradients around the norms and biases (dq / dk / dv when act is f32)
+  Tensor dqraw, dkraw;      // qk_norm: d(the projections before the norm)
+  Tensor stage32;           // forward: an f32 projection before its bias / clip (act store not f32)
+  Tensor row_stat;          // whole-projection q/k norm under tp: [N] partial row sums, all-reduced
+  Tensor du;                // LoRA backward [N, r]
+  Tensor tmp;               // [N,C] f32: the o_proj output before its all-reduce (tp); the body's
+  void carve(TensorCarver& c, const BlockEnv& env, int lora_rank, long N);
+};
+
+class AttentionBlock {
+ public:
+  // h[N,C] (f32) += the block's output (complete: all-reduced under tp).  ln [N,C] act store;
+  // positions i32 [N]; ident: the identity plan of the N rows (LoRA's grouped products).
+  static void forward(const BlockEnv& env, Tensor h, AttentionSaved& s, AttentionScratch& sc, Tensor ln,
+                      Tensor positions, const AttnMask& mask, const AttentionWeights& w, const PlanView& ident, int B,
+                      int T);
+  // dln[N,C] (f32, assign; all-reduced under tp) from dh[N,C] (f32) = d loss / d(the block's
+  // output); dh_act: dh in the act store (dh itself when that is f32).  Parameter gradients +=.
+  static void backward(const BlockEnv& env, Tensor dln, Tensor dh_act, const AttentionSaved& s, AttentionScratch& sc,
+                       Tensor ln, Tensor positions, const AttnMask& mask, const AttentionWeights& w,
+                       const PlanView& ident, int B, int T);
+};
+
+}  // namespace moetron
