@@ -25,7 +25,9 @@
 //
 // The tolerances are fp32 reduction order: a layout sums the same gradients in another order
 // (micro-batches across ranks, partial sums of row-parallel matmuls and of the vocabulary-parallel
-// softmax), so values differ by a few ulps per step, amplified a little by Adam over 10 steps.
+// softmax), so values differ by a few ulps per step, amplified a little by Adam over 10 steps (with
+// the harness's adam_eps, which keeps Adam from turning a near-cancelled gradient's rounding into a
+// full step: test_dist_harness.h).
 #include <tuple>
 
 #include "test_dist_harness.h"
