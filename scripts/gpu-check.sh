@@ -4,7 +4,8 @@
 #   build (Release, CUDA on) -> device probe -> the op-case table and the CUDA kernel tests ->
 #   golden parity in bf16 -> LoRA parity (PEFT's references, fp32 and bf16 bases) -> 20 training steps beside the CPU (library and `moetron train` with
 #   device: cuda) -> 2 ranks sharing the GPU (MPI staging) at dp 2, tp 2, ep 2, pp 2 beside one
-#   process -> a checkpoint resumed CPU -> GPU -> CPU -> `moetron forward --device cuda` ->
+#   process -> a checkpoint resumed CPU -> GPU -> CPU -> `moetron forward --device cuda` -> greedy
+#   generation on the GPU (the model's body over KV caches) equal to the CPU's ->
 #   `moetron bench train --device cuda` on the Mixtral-shaped model -> transformers' eager training
 #   step on the same shape -> a profile of our step -> a summary of every figure and pass/fail.
 # Every stage has its own time limit (and the whole run a deadline); a failed stage is reported and
@@ -95,7 +96,8 @@ generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 stage configure 90 1 cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DMOETRON_CUDA=ON \
   -DMOETRON_BUILD_TESTS=ON
-stage build 300 1 cmake --build "$BUILD_DIR" -j "$JOBS" --target moetron test_cuda_ops test_cuda_model test_backend_ops
+stage build 300 1 cmake --build "$BUILD_DIR" -j "$JOBS" --target moetron test_cuda_ops test_cuda_model test_backend_ops \
+  test_model_infer test_infer_cli
 BIN=$BUILD_DIR/moetron
 
 stage probe 60 1 "$BIN" bench train --device cuda --layers 1 --hidden 128 --heads 4 --kv-heads 2 --experts 4 \
@@ -108,6 +110,10 @@ stage train20 90 1 "$BUILD_DIR/test_cuda_model" --gtest_filter='CudaTraining.*:C
 stage dist2 150 1 "$BUILD_DIR/test_cuda_model" --gtest_filter='CudaTrain.TwoRanksSharingTheGpuMatchOneProcess'
 stage resume 90 1 "$BUILD_DIR/test_cuda_model" --gtest_filter='CudaTrain.CheckpointsResumeAcrossDevices'
 stage cli 60 1 "$BUILD_DIR/test_cuda_model" --gtest_filter='CudaCli.*'
+# Inference: the model's layer body over KV caches on the GPU gives the CPU's greedy tokens, through the
+# library and through `moetron generate --device cuda`.
+stage infer 60 1 "$BUILD_DIR/test_model_infer" --gtest_filter='ModelInfer.Cuda*'
+stage infer-cli 60 1 "$BUILD_DIR/test_infer_cli" --gtest_filter='GenerateCli.DeviceCuda*'
 
 BENCH_LAYERS=$LAYERS
 stage bench 150 1 "$BIN" bench train --device cuda "${MODEL_FLAGS[@]}" --layers "$LAYERS" --grad-accum "$GRAD_ACCUM" \

@@ -9,7 +9,8 @@
 //                    exactly.
 // Inputs in the act store are bf16 values, so every backend sees the same numbers.  The MoE cases
 // cover an empty expert, skewed routing (every token on one expert), K = E and a capacity overflow
-// expert; attention covers GQA, a sliding window, padding and packed segments.
+// expert; attention covers GQA, a sliding window, padding and packed segments, and attention over a
+// KV cache (inference) a decode step and a prompt chunk under a sliding window.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -220,6 +221,21 @@ OpCase rope_case() {
     const Tensor g = e.act("g:x", N * H * HD);
     e.be().copy(g, e["d:y"]);
     e.be().rope_backward(g, e["pos"], N, H, HD, 10000.0f);
+  };
+  return c;
+}
+
+// Attention of the last n rows of a sequence over its KV cache (inference: a decode step, a chunk of
+// a prompt), forward only: the cache holds pos0 + n rows, the rows' own keys among them.
+OpCase attention_kv_case(const std::string& name, int n, int pos0, int NH, int NKV, int HD, int window) {
+  const size_t nq = (size_t)n * NH * HD, nk = (size_t)(pos0 + n) * NKV * HD;
+  OpCase c;
+  c.name = name;
+  c.inputs = {{"q", rnd_bf16(nq, 5, 1.5f)}, {"k", rnd_bf16(nk, 6, 1.5f)}, {"v", rnd_bf16(nk, 7)}};
+  c.act_inputs = {"q", "k", "v"};
+  c.outputs = {"out"};
+  c.forward = [=](Env& e) {
+    e.be().attention_kv_forward(e.act("out", nq), e["q"], e["k"], e["v"], n, pos0, window, NH, NKV, HD);
   };
   return c;
 }
@@ -637,6 +653,8 @@ std::vector<OpCase> all_cases() {
   cases.push_back(attention_case("attention_gqa", 2, 17, 4, 2, 8, 0, false, false));
   cases.push_back(attention_case("attention_window_padding", 2, 21, 4, 1, 16, 5, true, false));
   cases.push_back(attention_case("attention_segments", 1, 24, 2, 2, 8, 0, false, true));
+  cases.push_back(attention_kv_case("attention_kv_decode", 1, 40, 4, 2, 8, 0));
+  cases.push_back(attention_kv_case("attention_kv_chunk_window", 6, 13, 4, 1, 16, 5));
   // MoE routing: balanced; expert 2 empty; every token on expert 0 (skewed); K = E.
   const int E = 4;
   const auto balanced = routed(N, 2, [](long n, int k) { return (int)((n + 2 * k) % 4); });

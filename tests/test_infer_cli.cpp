@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "cuda/runtime.h"
 #include "temp_dir.h"
 
 namespace fs = std::filesystem;
@@ -213,4 +214,31 @@ TEST(BenchGenerateCli, ProfilePrintsEachSectionOfADecodeStep) {
     EXPECT_GT(ms["experts gate/up"], 0.0) << r.out;
     EXPECT_GT(ms["head"], 0.0) << r.out;
   }
+}
+
+// --device: cuda without a usable GPU (this build or machine) is refused with exit 2, naming the
+// reason, before anything is read (the model directory does not even exist); an unknown device names
+// the valid ones.  With a GPU, generate --device cuda gives transformers' greedy tokens.
+TEST(GenerateCli, DeviceCudaRunsOnAGpuOrExits2BeforeAnyWork) {
+  const std::string why = moetron::gpu::cuda_unavailable_reason();
+  if (why.empty()) {
+    const json exp = expected();
+    for (const json& c : exp["cases"]) {
+      const CliRun r = run("generate --device cuda --model " + (kGen / c["model"].get<std::string>()).string() +
+                           " --prompt-ids " + join_ids(c["prompt_ids"]) + " --max-new-tokens 32");
+      ASSERT_EQ(r.code, 0) << r.err;
+      EXPECT_EQ(r.out, join_ids(c["expected_ids"]) + "\n");
+    }
+    return;
+  }
+  for (const std::string cmd : {"generate --prompt-ids 1,2", "chat", "serve --port 0"}) {
+    SCOPED_TRACE(cmd);
+    const CliRun r = run(cmd + " --device cuda --model /nonexistent-moetron-model");
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_NE(r.err.find("--device cuda"), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("nonexistent"), std::string::npos) << r.err;
+  }
+  const CliRun r = run("generate --prompt-ids 1,2 --device tpu --model " + (kGen / "mixtral_gqa").string());
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("cpu, cuda"), std::string::npos) << r.err;
 }

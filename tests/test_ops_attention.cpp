@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "gradcheck.h"
 #include "ops/attention.h"
+#include "ops/attention_kv.h"
 #include "ops/rope.h"
 
 namespace moetron {
@@ -316,6 +317,39 @@ TEST(OpsAttention, DeterministicAcrossThreadCounts) {
   const auto a = run(1), b = run(2), d = run(3);
   EXPECT_EQ(a, b);
   EXPECT_EQ(a, d);
+}
+
+// Attention over a KV cache (inference): the last n rows of a sequence of T against the double
+// reference of the whole sequence's attention, which sees the same keys -- a decode step (n = 1), a
+// prompt chunk after cached rows, a chunk from position 0, each under a sliding window too, and MQA
+// / MHA.  Tolerance as check_forward's.  The result does not depend on the thread count.
+TEST(OpsAttention, KvCacheRowsAreTheFullSequencesLastRows) {
+  struct KvCase {
+    int T, n, NH, NKV, HD, window;
+  };
+  for (const KvCase& k : {KvCase{17, 1, 4, 2, 8, 0}, KvCase{17, 1, 4, 2, 8, 5}, KvCase{30, 7, 4, 1, 16, 0},
+                          KvCase{30, 7, 4, 1, 16, 6}, KvCase{12, 12, 2, 2, 8, 0}, KvCase{12, 12, 2, 2, 8, 4}}) {
+    SCOPED_TRACE(::testing::Message() << "T " << k.T << " n " << k.n << " window " << k.window);
+    Case c(1, k.T, k.NH, k.NKV, k.HD);
+    c.sliding_window = k.window;
+    const auto t = random_qkv(c, 50 + k.T + k.n);
+    std::vector<double> ref_out, ref_probs;
+    reference(c, t.q, t.k, t.v, ref_out, ref_probs);
+    const int pos0 = k.T - k.n;
+    const size_t row = (size_t)k.NH * k.HD;
+    const std::vector<float> q(t.q.begin() + pos0 * row, t.q.end());
+    std::vector<float> out(q.size(), 7.0f);
+    ops::attention_kv_forward(out.data(), q.data(), t.k.data(), t.v.data(), k.n, pos0, k.window, k.NH, k.NKV, k.HD);
+    for (size_t i = 0; i < out.size(); i++) ASSERT_NEAR(out[i], ref_out[pos0 * row + i], 1e-5) << "out " << i;
+    const int saved = omp_get_max_threads();
+    std::vector<float> one(out.size());
+    omp_set_num_threads(1);
+    ops::attention_kv_forward(one.data(), q.data(), t.k.data(), t.v.data(), k.n, pos0, k.window, k.NH, k.NKV, k.HD);
+    omp_set_num_threads(saved);
+    EXPECT_EQ(one, out);
+  }
+  std::vector<float> buf(64);
+  EXPECT_THROW(ops::attention_kv_forward(buf.data(), buf.data(), buf.data(), buf.data(), 1, 0, 0, 3, 2, 4), Error);
 }
 
 TEST(OpsAttention, BadHeadCountsAreErrors) {

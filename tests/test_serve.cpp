@@ -15,6 +15,7 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include "infer/decoder.h"
 #include "infer/generate.h"
 #include "infer/model.h"
 #include "server/engine.h"
@@ -67,7 +68,8 @@ class ServeTest : public ::testing::Test {
     o.model_name = "tiny-mixtral";
     o.read_timeout_ms = 2000;
     o.write_timeout_ms = 2000;
-    srv_ = std::make_unique<server::Server>(*model_, *tok_, ChatTemplate::mistral,
+    decoder_ = std::make_unique<Decoder>(*model_);
+    srv_ = std::make_unique<server::Server>(*decoder_, *tok_, ChatTemplate::mistral,
                                             model_eos_ids(kModel.string(), model_->cfg, tok_), o);
     port_ = srv_->bind();
     thread_ = std::thread([this] { srv_->run(); });
@@ -109,6 +111,7 @@ class ServeTest : public ::testing::Test {
 
   static InferenceModel* model_;
   static Tokenizer* tok_;
+  std::unique_ptr<Decoder> decoder_;  // destroyed after the server (declared before it)
   std::unique_ptr<server::Server> srv_;
   std::thread thread_;
   int port_ = 0;
@@ -404,7 +407,8 @@ TEST(OpenAiApi, TinyTemperaturesAreGreedy) {
 TEST(Engine, BoundedQueueRefusesWhenFull) {
   const auto model = load_inference_model(kModel.string());
   const auto tok = load_model_tokenizer(kModel.string(), "", model->cfg, true);
-  server::Engine engine(*model, *tok, 1);
+  Decoder dec(*model);
+  server::Engine engine(dec, *tok, 1);
   GenerateOptions o;
   o.max_new_tokens = 400;
   std::vector<std::shared_ptr<server::Job>> accepted;
@@ -461,7 +465,8 @@ TEST(Engine, BatchedJobsGetWhatEachGetsAlone) {
   }
   std::vector<GenerateResult> alone;  // each job on an engine of its own
   for (int i = 0; i < 9; i++) {
-    server::Engine solo(*model, *tok, 1, 1);
+    Decoder solo_dec(*model);
+    server::Engine solo(solo_dec, *tok, 1, 1);
     auto job = std::make_shared<server::Job>(prompts[i], opts[i], false);
     ASSERT_TRUE(solo.submit(job));
     job->wait_done();
@@ -472,7 +477,8 @@ TEST(Engine, BatchedJobsGetWhatEachGetsAlone) {
     KvCache c = d.new_cache();
     EXPECT_EQ(generate(d, c, prompts[i], opts[i], tok.get()).tokens, alone[i].tokens) << i;
   }
-  server::Engine engine(*model, *tok, 16, /*max_batch=*/4);
+  Decoder dec(*model);
+  server::Engine engine(dec, *tok, 16, /*max_batch=*/4);
   std::vector<std::shared_ptr<server::Job>> jobs;
   for (int i = 0; i < 9; i++) {
     jobs.push_back(std::make_shared<server::Job>(prompts[i], opts[i], /*stream=*/i % 2 == 0));
@@ -529,7 +535,8 @@ TEST(ServeChatml, QwenStyleModelAnswersAChatmlChat) {
   server::ServerOptions o;
   o.port = 0;
   o.model_name = "tiny-qwen3-moe";
-  server::Server srv(*model, *tok, tc.tmpl, eos, o);
+  Decoder dec(*model);
+  server::Server srv(dec, *tok, tc.tmpl, eos, o);
   const int port = srv.bind();
   std::thread th([&] { srv.run(); });
   for (bool stream : {false, true}) {

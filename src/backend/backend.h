@@ -205,6 +205,13 @@ class Backend {
                                   Tensor k, Tensor v, const AttnMask& mask, int B, int T, int NH, int NKV,
                                   int HD) = 0;
 
+  // ---- attention over a KV cache (inference; ops/attention_kv.h) -----------------------------------
+  // out[n,NH*HD] (act store, assign) for the n query rows q[n,NH*HD] (act store) at positions pos0 ..
+  // pos0+n-1 of one sequence, over the first pos0+n rows of its cache k/v [rows, NKV*HD] (act store),
+  // which hold the rows' own keys and values; causal, with the sliding window (0: none).
+  virtual void attention_kv_forward(Tensor out, Tensor q, Tensor k, Tensor v, int n, int pos0, int sliding_window,
+                                    int NH, int NKV, int HD) = 0;
+
   // ---- biases (ops/bias.h) and the sigmoid gate (ops/sigmoid.h) ------------------------------------
   // x[N,E] += bias[E] (f32): projection biases, and a test aid that skews routing.
   virtual void add_bias_rows(Tensor x, Tensor bias, long N, int E) = 0;

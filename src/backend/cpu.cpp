@@ -10,6 +10,7 @@
 #include "core/rng.h"
 #include "dist/tp_ops.h"
 #include "ops/attention.h"
+#include "ops/attention_kv.h"
 #include "ops/bias.h"
 #include "ops/clamp.h"
 #include "ops/cross_entropy.h"
@@ -199,6 +200,11 @@ void CpuBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout
   (void)mask;  // the saved probabilities are 0 wherever the mask hides a key
   ops::attention_backward(dq.f32(), dk.f32(), dv.f32(), dout.f32(), saved.f32(), q.f32(), k.f32(), v.f32(), B, T, NH,
                           NKV, HD);
+}
+
+void CpuBackend::attention_kv_forward(Tensor out, Tensor q, Tensor k, Tensor v, int n, int pos0, int sliding_window,
+                                      int NH, int NKV, int HD) {
+  ops::attention_kv_forward(out.f32(), q.f32(), k.f32(), v.f32(), n, pos0, sliding_window, NH, NKV, HD);
 }
 
 void CpuBackend::add_bias_rows(Tensor x, Tensor bias, long N, int E) {

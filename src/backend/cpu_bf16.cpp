@@ -80,6 +80,13 @@ void Bf16CpuBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor 
                           v.f32(), B, T, NH, NKV, HD, round_);
 }
 
+// The fp32 reference over the bf16 cache, its output rounded as CUDA stores it.
+void Bf16CpuBackend::attention_kv_forward(Tensor out, Tensor q, Tensor k, Tensor v, int n, int pos0,
+                                          int sliding_window, int NH, int NKV, int HD) {
+  CpuBackend::attention_kv_forward(out, q, k, v, n, pos0, sliding_window, NH, NKV, HD);
+  finish(out);
+}
+
 void Bf16CpuBackend::moe_combine_backward(Tensor dyperm, Tensor dw, Tensor dout, Tensor yperm, Tensor w,
                                           const PlanView& plan, int C) {
   CpuBackend::moe_combine_backward(dyperm, dw, dout, yperm, w, plan, C);

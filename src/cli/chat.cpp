@@ -38,18 +38,18 @@ int run_chat(int argc, char** argv) {
   }
   if (max_new_tokens < 1) fail("--max-new-tokens must be >= 1, got {}", max_new_tokens);
   apply_generation_options(g);
-  const std::unique_ptr<InferenceModel> model = load_model(m);
-  const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(m.dir, m.tokenizer_path, model->cfg, true);
+  const LoadedModel model = load_model(m);
+  const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(m.dir, m.tokenizer_path, model.cfg, true);
   const TemplateChoice tc = choose_chat_template(m.dir, m.template_name);
-  Decoder decoder(*model);
+  Runner& decoder = *model.runner;
   KvCache cache = decoder.new_cache();
   GenerateOptions o;
   o.max_new_tokens = max_new_tokens;
   o.sampling = g.sampling;
-  o.eos_ids = model_eos_ids(m.dir, model->cfg, tok.get());
-  add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model->cfg);
+  o.eos_ids = model_eos_ids(m.dir, model.cfg, tok.get());
+  add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model.cfg);
   o.stop = g.stop;
-  o.max_positions = model->cfg.max_position_embeddings;
+  o.max_positions = model.cfg.max_position_embeddings;
   o.chat_reply = true;
 
   const bool interactive = isatty(STDIN_FILENO);

@@ -95,29 +95,29 @@ int run_generate(int argc, char** argv) {
     fail("give exactly one of --prompt, --prompt-ids, --eval-chat or --perplexity");
   if (max_new_tokens < 0) fail("--max-new-tokens must be >= 0, got {}", max_new_tokens);
   apply_generation_options(g);
-  const std::unique_ptr<InferenceModel> model = load_model(m);
-  const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(m.dir, m.tokenizer_path, model->cfg,
+  const LoadedModel model = load_model(m);
+  const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(m.dir, m.tokenizer_path, model.cfg,
                                                               /*required=*/prompt_ids.empty());
-  Decoder decoder(*model);
+  Runner& decoder = *model.runner;
   if (!ppl_file.empty()) {
     const std::vector<int32_t> ids = completion_prompt_tokens(*tok, read_text(ppl_file));
     const PerplexityResult r = perplexity(decoder, ids, ppl);
     std::printf("perplexity: %.4f (%ld tokens scored in %d windows of up to %d; weights %s)\n", r.perplexity(),
-                r.scored, r.windows, ppl.ctx, model->storage_name().c_str());
+                r.scored, r.windows, ppl.ctx, model.storage.c_str());
     return 0;
   }
   KvCache cache = decoder.new_cache();
   GenerateOptions o;
   o.max_new_tokens = max_new_tokens;
   o.sampling = g.sampling;
-  o.eos_ids = model_eos_ids(m.dir, model->cfg, tok.get());
+  o.eos_ids = model_eos_ids(m.dir, model.cfg, tok.get());
   o.stop = g.stop;
-  o.max_positions = model->cfg.max_position_embeddings;
+  o.max_positions = model.cfg.max_position_embeddings;
   o.chat_reply = chat;
 
   if (!eval_chat.empty()) {
     const TemplateChoice tc = choose_chat_template(m.dir, m.template_name);
-    add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model->cfg);
+    add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model.cfg);
     const AnswerAccuracy acc = chat_answer_accuracy(decoder, *tok, tc.tmpl, o.eos_ids, eval_chat, max_new_tokens, limit);
     for (const std::string& e : acc.examples) std::printf("  %s\n", e.c_str());
     std::printf("exact-answer accuracy: %ld / %ld = %.1f%%\n", acc.correct, acc.total, 100.0 * acc.fraction());
@@ -134,7 +134,7 @@ int run_generate(int argc, char** argv) {
     std::vector<int32_t> ids;
     if (chat) {
       const TemplateChoice tc = choose_chat_template(m.dir, m.template_name);
-      add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model->cfg);
+      add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model.cfg);
       std::vector<ChatMessage> msgs;
       if (!system.empty()) msgs.push_back({Role::system, system});
       msgs.push_back({Role::user, prompt});

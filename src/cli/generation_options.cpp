@@ -4,7 +4,11 @@
 
 #include <omp.h>
 
+#include "backend/select.h"
 #include "cli/threads.h"
+#include "core/error.h"
+#include "infer/decoder.h"
+#include "infer/model_runner.h"
 
 namespace moetron::cli {
 
@@ -26,6 +30,9 @@ void add_quantize_option(CLI::App& app, std::string& value) {
 
 void add_model_options(CLI::App& app, ModelOptions& m) {
   app.add_option("--model", m.dir, "model directory")->required();
+  app.add_option("--device", m.device,
+                 "cpu (the default: the weights used in place, SIMD kernels) | cuda (one GPU: the model's layer "
+                 "body in bf16, the KV caches on the device)");
   app.add_option("--lora", m.lora_dir, "a PEFT LoRA adapter directory for the model (e.g. a LoRA run's checkpoint)");
   add_quantize_option(app, m.quantize);
   app.add_option("--tokenizer", m.tokenizer_path,
@@ -33,8 +40,26 @@ void add_model_options(CLI::App& app, ModelOptions& m) {
   app.add_option("--template", m.template_name, "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
 }
 
-std::unique_ptr<InferenceModel> load_model(const ModelOptions& m) {
-  return load_inference_model(m.dir, m.lora_dir, false, parse_weight_quant(m.quantize, "--quantize"));
+LoadedModel load_model(const ModelOptions& m) {
+  const WeightQuant quant = parse_weight_quant(m.quantize, "--quantize");
+  LoadedModel out;
+  if (m.device == "cpu") {
+    out.weights = load_inference_model(m.dir, m.lora_dir, false, quant);
+    out.cfg = out.weights->cfg;
+    out.storage = out.weights->storage_name();
+    out.runner = std::make_unique<Decoder>(*out.weights);
+    return out;
+  }
+  if (m.device != "cuda") throw InputError(fmt::format("--device: '{}' is not a device (cpu, cuda)", m.device));
+  const std::string why = device_unavailable_reason(m.device);
+  if (!why.empty()) throw InputError(fmt::format("--device cuda: {}", why));
+  if (quant != WeightQuant::none)
+    throw InputError("--quantize q8_0 runs on the CPU only (--device cuda keeps the weights in bf16)");
+  auto runner = std::make_unique<ModelRunner>(make_backend(m.device), m.dir, m.lora_dir);
+  out.cfg = runner->config();
+  out.storage = "cuda bf16";
+  out.runner = std::move(runner);
+  return out;
 }
 
 void apply_generation_options(GenerationOptions& g) {

@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 
 #include "infer/model.h"
+#include "infer/runner.h"
 #include "infer/sampler.h"
 
 namespace moetron::cli {
@@ -27,13 +28,25 @@ void add_generation_options(CLI::App& app, GenerationOptions& g);
 // load an inference model; parse the value with parse_weight_quant(value, "--quantize").
 void add_quantize_option(CLI::App& app, std::string& value);
 
-// The model generate, chat and serve run: --model (required) --lora --quantize --tokenizer --template.
+// The model generate, chat and serve run: --model (required) --device --lora --quantize --tokenizer
+// --template.
 struct ModelOptions {
-  std::string dir, lora_dir, quantize = "none", tokenizer_path, template_name = "auto";
+  std::string dir, device = "cpu", lora_dir, quantize = "none", tokenizer_path, template_name = "auto";
 };
 void add_model_options(CLI::App& app, ModelOptions& m);
-// After parsing: the model with its adapter, in the chosen weight format (load_inference_model).
-std::unique_ptr<InferenceModel> load_model(const ModelOptions& m);
+
+// The model on its device, with its adapter.  cpu: the weights used in place in the chosen format
+// (load_inference_model), run by the Decoder; cuda: the model's own layer body on the GPU
+// (ModelRunner: bf16 weights, the KV caches on the device).
+struct LoadedModel {
+  ModelConfig cfg;
+  std::unique_ptr<InferenceModel> weights;  // cpu only
+  std::unique_ptr<Runner> runner;
+  std::string storage;  // how the weights are held, for messages: "BF16", "Q8_0", "cuda bf16", ...
+};
+// After parsing.  --device cuda without a usable GPU, or with --quantize other than none, is an
+// InputError (exit 2) naming the reason, before anything is read.
+LoadedModel load_model(const ModelOptions& m);
 
 // After parsing: sets the seed (random when none was given), checks the sampling parameters (error
 // naming the option) and applies the thread count to OpenMP and BLAS.

@@ -189,6 +189,12 @@ void CudaBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dou
                           b16(v), device_mask(mask), B, T, NH, NKV, HD, 0, 0);
 }
 
+void CudaBackend::attention_kv_forward(Tensor out, Tensor q, Tensor k, Tensor v, int n, int pos0, int sliding_window,
+                                       int NH, int NKV, int HD) {
+  expect(out, Store::bf16, "attention_kv_forward", "out");
+  gpu::attention_kv_forward(*ctx_, b16(out), b16(q), b16(k), b16(v), n, pos0, sliding_window, NH, NKV, HD);
+}
+
 void CudaBackend::add_bias_rows(Tensor x, Tensor bias, long N, int E) {
   gpu::add_bias_rows(*ctx_, f32p(x), f32p(bias), N, E);
 }

@@ -102,6 +102,12 @@ void attention_backward(Context& ctx, Bf16* dq, Bf16* dk, Bf16* dv, float* scrat
                         const AttentionMask& mask, int B, int T, int NH, int NKV, int HD, long q_stride,
                         long kv_stride);
 
+// ---- attention over a KV cache (inference; ops/attention_kv.h) ------------------------------------
+// out[n,NH,HD] (bf16) for the n query rows q[n,NH,HD] at positions pos0 .. pos0+n-1 over the cache's
+// rows k/v[0 .. pos0+n-1, NKV, HD] (bf16); causal, sliding window (0: none).  HD <= 256.
+void attention_kv_forward(Context& ctx, Bf16* out, const Bf16* q, const Bf16* k, const Bf16* v, int n, int pos0,
+                          int sliding_window, int NH, int NKV, int HD);
+
 // ---- SwiGLU ---------------------------------------------------------------------------------
 // out[N,I] = silu(gate_up[:, :I]) * gate_up[:, I:]  (bf16)
 // ---- the grouped linear (ops/grouped_matmul.h) ------------------------------------------------

@@ -69,6 +69,9 @@ void attention_forward(Context&, Bf16*, float*, const Bf16*, const Bf16*, const 
                        int, int, int, long, long) {
   no_cuda("attention_forward");
 }
+void attention_kv_forward(Context&, Bf16*, const Bf16*, const Bf16*, const Bf16*, int, int, int, int, int, int) {
+  no_cuda("attention_kv_forward");
+}
 size_t attention_backward_scratch_floats(int B, int T, int NH, int HD) {
   return (size_t)B * T * NH * HD + (size_t)B * NH * T;
 }

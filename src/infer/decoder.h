@@ -18,6 +18,7 @@
 #include "infer/kernels.h"
 #include "infer/kv_cache.h"
 #include "infer/model.h"
+#include "infer/runner.h"
 #include "ops/moe_dispatch.h"
 
 namespace moetron {
@@ -51,7 +52,7 @@ class DecodeSplitTuner {
   bool choice_ = false, decided_ = false;
 };
 
-class Decoder {
+class Decoder final : public Runner {
  public:
   // prefill_chunk: the most tokens computed in one pass (bounds the scratch memory of long prompts).
   // row_attention_max_pairs: a prefill pass's attention runs per (query row, head) with dot products
@@ -60,21 +61,20 @@ class Decoder {
   // The weights are read where the model holds them, in their dtype (infer/kernels.h).
   explicit Decoder(const InferenceModel& model, int prefill_chunk = 256, long row_attention_max_pairs = -1);
 
-  const ModelConfig& config() const { return m_.cfg; }
-  int vocab_size() const { return m_.cfg.vocab_size; }
-  KvCache new_cache() const { return KvCache(m_.cfg.num_hidden_layers, KVd_); }
+  const ModelConfig& config() const override { return m_.cfg; }
+  KvCache new_cache() const override { return KvCache(m_.cfg.num_hidden_layers, KVd_); }
 
   // Feeds `tokens` at positions cache.len(), cache.len()+1, ...; appends their keys and values to the
   // cache and writes logits: [tokens.size(), V] when all_logits, else [V] for the last token only.
   // Error for an empty span or a token outside the vocabulary (the cache is then unchanged).
-  void forward(KvCache& cache, std::span<const int32_t> tokens, float* logits, bool all_logits = false);
+  void forward(KvCache& cache, std::span<const int32_t> tokens, float* logits, bool all_logits = false) override;
 
   // One decoding step of several sequences at once (continuous batching): tokens[i] is fed to
   // *caches[i] at its next position; logits [n, V].  Each weight is read once for the step -- an
   // expert once for all the sequences routed to it -- and row i's logits and cache are bitwise what
   // forward(*caches[i], {tokens[i]}) gives alone.  Error (nothing changed) for a count mismatch, a
   // token outside the vocabulary, a cache of another shape or one cache given twice.
-  void forward_batch(std::span<KvCache* const> caches, std::span<const int32_t> tokens, float* logits);
+  void forward_batch(std::span<KvCache* const> caches, std::span<const int32_t> tokens, float* logits) override;
 
   // Feeds several sequences' tokens at once, row by row with the decoding kernels (each weight read once
   // per pass of up to prefill_chunk rows): tokens[s] into *caches[s] at its next positions; logits
@@ -83,7 +83,7 @@ class Decoder {
   // else is in the pass (serve prefills short prompts this way, alone or together).  Error as
   // forward_batch (nothing changed).
   void prefill_rows(std::span<KvCache* const> caches, std::span<const std::span<const int32_t>> tokens,
-                    float* logits);
+                    float* logits) override;
 
   // Bytes of weights the matrix-vector kernels have read so far (decode steps, forward_batch,
   // prefill_rows): each matrix once per product -- an expert's only when a row was routed to it -- as

@@ -65,7 +65,7 @@ void check_options(std::span<const int32_t> prompt, const GenerateOptions& opts,
 
 }  // namespace
 
-Generation::Generation(Decoder& decoder, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
+Generation::Generation(Runner& decoder, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
                        const Tokenizer* tok, GenerateCallbacks callbacks, bool prefill)
     : cache_(cache), opts_((check_options(prompt, opts, tok), opts)), tok_(tok), cb_(std::move(callbacks)),
       V_(decoder.vocab_size()), logits_(V_), sampler_(opts.sampling, V_) {
@@ -143,7 +143,7 @@ GenerateResult Generation::finish() {
   return std::move(r_);
 }
 
-GenerateResult generate(Decoder& decoder, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
+GenerateResult generate(Runner& decoder, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
                         const Tokenizer* tok, const GenerateCallbacks& cb) {
   Generation g(decoder, cache, prompt, opts, tok, cb);
   while (g.advance()) {
@@ -154,7 +154,7 @@ GenerateResult generate(Decoder& decoder, KvCache& cache, std::span<const int32_
   return g.finish();
 }
 
-std::vector<int32_t> generate_greedy(Decoder& decoder, KvCache& cache, std::span<const int32_t> prompt,
+std::vector<int32_t> generate_greedy(Runner& decoder, KvCache& cache, std::span<const int32_t> prompt,
                                      int max_new_tokens, std::span<const int32_t> eos_ids) {
   GenerateOptions o;
   o.max_new_tokens = max_new_tokens;
@@ -175,7 +175,7 @@ std::vector<int32_t> completion_prompt_tokens(const Tokenizer& tok, const std::s
   return ids;
 }
 
-AnswerAccuracy chat_answer_accuracy(Decoder& decoder, const Tokenizer& tok, ChatTemplate tmpl,
+AnswerAccuracy chat_answer_accuracy(Runner& decoder, const Tokenizer& tok, ChatTemplate tmpl,
                                     std::span<const int32_t> eos_ids, const std::string& jsonl_path,
                                     int max_new_tokens, long limit) {
   LineReader in(jsonl_path);  // lines of up to kDefaultMaxLineBytes; longer ones are never held

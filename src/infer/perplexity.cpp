@@ -25,7 +25,7 @@ double nll_of(const float* logits, int V, int32_t target) {
 
 }  // namespace
 
-PerplexityResult perplexity(Decoder& dec, std::span<const int32_t> tokens, const PerplexityOptions& o) {
+PerplexityResult perplexity(Runner& dec, std::span<const int32_t> tokens, const PerplexityOptions& o) {
   const ModelConfig& cfg = dec.config();
   if (o.ctx < 2) fail("perplexity: the window must hold at least 2 tokens, got {}", o.ctx);
   if (o.step < 1) fail("perplexity: tokens per forward must be at least 1, got {}", o.step);

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <span>
 
-#include "infer/decoder.h"
+#include "infer/runner.h"
 
 namespace moetron {
 
@@ -25,6 +25,6 @@ struct PerplexityResult {
 
 // Error when fewer than 2 tokens, ctx < 2, step < 1, ctx beyond the model's positions, a token
 // outside the vocabulary, or more than 256 MiB of logits per forward (step x vocabulary).
-PerplexityResult perplexity(Decoder& dec, std::span<const int32_t> tokens, const PerplexityOptions& o);
+PerplexityResult perplexity(Runner& dec, std::span<const int32_t> tokens, const PerplexityOptions& o);
 
 }  // namespace moetron

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "core/error.h"
+
 namespace moetron {
 
 namespace {
@@ -68,7 +70,8 @@ AttentionDims AttentionDims::of(const BlockEnv& env) {
   return AttentionDims{NH, NKV, cfg.head_dim, NH * cfg.head_dim, NKV * cfg.head_dim};
 }
 
-void AttentionSaved::carve(TensorCarver& c, const BlockEnv& env, const AttentionWeights& w, int B, int T) {
+void AttentionSaved::carve(TensorCarver& c, const BlockEnv& env, const AttentionWeights& w, int B, int T,
+                           bool training) {
   const long N = (long)B * T;
   const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
   (void)HD;
@@ -84,7 +87,7 @@ void AttentionSaved::carve(TensorCarver& c, const BlockEnv& env, const Attention
   clipq = clip ? c.take(Store::u8, N * Q) : Tensor{};
   clipk = clip ? c.take(Store::u8, N * KVd) : Tensor{};
   clipv = clip ? c.take(Store::u8, N * KVd) : Tensor{};
-  attn_saved = c.take(f32, env.be.attention_saved_numel(B, T, NH));
+  attn_saved = training ? c.take(f32, env.be.attention_saved_numel(B, T, NH)) : Tensor{};
   att = c.take(act, N * Q);
   const auto lu = [&](const LinearWeights& lw) { return lw.lora.on() ? c.take(act, N * lw.lora.u_width()) : Tensor{}; };
   uq = lu(w.q);
@@ -115,15 +118,12 @@ void AttentionScratch::carve(TensorCarver& c, const BlockEnv& env, int lora_rank
   dkraw = qkn ? c.take(f32, N * KVd) : Tensor{};
 }
 
-void AttentionBlock::forward(const BlockEnv& env, Tensor h, AttentionSaved& a, AttentionScratch& sc, Tensor ln,
-                             Tensor positions, const AttnMask& mask, const AttentionWeights& w, const PlanView& ident,
-                             int B, int T) {
+void AttentionBlock::project(const BlockEnv& env, AttentionSaved& a, AttentionScratch& sc, Tensor ln, Tensor positions,
+                             const AttentionWeights& w, const PlanView& ident, long N) {
   Backend& be = env.be;
   const ModelConfig& cfg = env.cfg;
-  const long N = (long)B * T;
   const int C = cfg.hidden_size;
   const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
-  const float theta = (float)cfg.rope_theta;
   {
     Section t(env, "fwd.attn_proj");
     const bool bias = cfg.qkv_bias, clip = cfg.clip_qkv > 0, f32_act = be.act_store() == Store::f32;
@@ -162,15 +162,15 @@ void AttentionBlock::forward(const BlockEnv& env, Tensor h, AttentionSaved& a, A
     }
     project(a.v, w.v, a.uv, w.v_bias, KVd, a.clipv);
   }
-  {
-    Section t(env, "fwd.rope");
-    be.rope_forward(a.q, positions, N, NH, HD, theta);
-    be.rope_forward(a.k, positions, N, NKV, HD, theta);
-  }
-  {
-    Section t(env, "fwd.attention");
-    be.attention_forward(a.att, a.attn_saved, a.q, a.k, a.v, mask, B, T, NH, NKV, HD);
-  }
+  Section t(env, "fwd.rope");
+  be.rope_forward(a.q, positions, N, NH, HD, (float)cfg.rope_theta);
+  be.rope_forward(a.k, positions, N, NKV, HD, (float)cfg.rope_theta);
+}
+
+void AttentionBlock::output(const BlockEnv& env, Tensor h, AttentionSaved& a, AttentionScratch& sc,
+                            const AttentionWeights& w, const PlanView& ident, long N) {
+  Backend& be = env.be;
+  const int C = env.cfg.hidden_size, Q = AttentionDims::of(env).Q;
   Section t(env, "fwd.attn_proj");
   if (!env.tp_on()) return linear_forward(be, h, a.uo, a.att, w.o, ident, N, Q, C, true);
   // Row-parallel o_proj: each rank's heads give a partial sum of the output (its LoRA's too: u is
@@ -178,6 +178,42 @@ void AttentionBlock::forward(const BlockEnv& env, Tensor h, AttentionSaved& a, A
   linear_forward(be, sc.tmp, a.uo, a.att, w.o, ident, N, Q, C, false);
   env.tp_all_reduce(sc.tmp);
   be.add(h, sc.tmp);
+}
+
+void AttentionBlock::forward(const BlockEnv& env, Tensor h, AttentionSaved& a, AttentionScratch& sc, Tensor ln,
+                             Tensor positions, const AttnMask& mask, const AttentionWeights& w, const PlanView& ident,
+                             int B, int T) {
+  const long N = (long)B * T;
+  const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
+  project(env, a, sc, ln, positions, w, ident, N);
+  {
+    Section t(env, "fwd.attention");
+    env.be.attention_forward(a.att, a.attn_saved, a.q, a.k, a.v, mask, B, T, NH, NKV, HD);
+  }
+  output(env, h, a, sc, w, ident, N);
+}
+
+void AttentionBlock::forward_cached(const BlockEnv& env, Tensor h, AttentionSaved& a, AttentionScratch& sc, Tensor ln,
+                                    Tensor positions, std::span<const KvRows> seqs, const AttentionWeights& w,
+                                    const PlanView& ident, long N) {
+  Backend& be = env.be;
+  const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
+  project(env, a, sc, ln, positions, w, ident, N);
+  {
+    Section t(env, "fwd.attention");
+    // Every sequence's new keys and values join its cache first: its rows then see each other's.
+    for (const KvRows& r : seqs) {
+      MOETRON_ASSERT(r.k.numel >= (size_t)(r.pos0 + r.rows) * KVd && r.row0 + r.rows <= N);
+      be.copy(r.k.part((size_t)r.pos0 * KVd, (size_t)r.rows * KVd),
+              a.k.part((size_t)r.row0 * KVd, (size_t)r.rows * KVd));
+      be.copy(r.v.part((size_t)r.pos0 * KVd, (size_t)r.rows * KVd),
+              a.v.part((size_t)r.row0 * KVd, (size_t)r.rows * KVd));
+      be.attention_kv_forward(a.att.part((size_t)r.row0 * Q, (size_t)r.rows * Q),
+                              a.q.part((size_t)r.row0 * Q, (size_t)r.rows * Q), r.k, r.v, r.rows, r.pos0,
+                              env.cfg.sliding_window, NH, NKV, HD);
+    }
+  }
+  output(env, h, a, sc, w, ident, N);
 }
 
 void AttentionBlock::backward(const BlockEnv& env, Tensor dln, Tensor dh_act, const AttentionSaved& a,

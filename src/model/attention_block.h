@@ -12,6 +12,8 @@
 // Q = NH*HD, KVd = NKV*HD.
 #pragma once
 
+#include <span>
+
 #include "backend/backend.h"
 #include "model/block.h"
 #include "model/linear.h"
@@ -42,7 +44,8 @@ struct AttentionSaved {
   Tensor att;                       // [N,Q] attention output (act store)
   Tensor uq, uk, uv, uo;            // LoRA: x A^T of each adapted projection
   // Lays the tensors out (TensorCarver's two passes); w tells which projections are adapted.
-  void carve(TensorCarver& c, const BlockEnv& env, const AttentionWeights& w, int B, int T);
+  // training false: what an inference pass uses (no attention state for a backward).
+  void carve(TensorCarver& c, const BlockEnv& env, const AttentionWeights& w, int B, int T, bool training = true);
 };
 
 // Work buffers shared by every layer (the model sizes them once per batch shape).
@@ -57,6 +60,14 @@ struct AttentionScratch {
   void carve(TensorCarver& c, const BlockEnv& env, int lora_rank, long N);
 };
 
+// Inference over KV caches: one sequence's rows of a pass.  Rows [row0, row0 + rows) of the pass are
+// its positions pos0 .. pos0 + rows - 1; k / v: its cache's tensors of the layer being run ([capacity,
+// KVd] in the act store, capacity >= pos0 + rows), whose first pos0 rows are cached.
+struct KvRows {
+  int row0 = 0, rows = 0, pos0 = 0;
+  Tensor k, v;
+};
+
 class AttentionBlock {
  public:
   // h[N,C] (f32) += the block's output (complete: all-reduced under tp).  ln [N,C] act store;
@@ -64,11 +75,25 @@ class AttentionBlock {
   static void forward(const BlockEnv& env, Tensor h, AttentionSaved& s, AttentionScratch& sc, Tensor ln,
                       Tensor positions, const AttnMask& mask, const AttentionWeights& w, const PlanView& ident, int B,
                       int T);
+  // Inference: the same for N rows of one or more sequences (seqs, in row order; positions i32 [N]),
+  // each attending to its own cache, which its rows' keys and values join (rows pos0 .. pos0+rows-1
+  // written).  Only q, k, v, att (and the norms' and clip's tensors) of s are used.
+  static void forward_cached(const BlockEnv& env, Tensor h, AttentionSaved& s, AttentionScratch& sc, Tensor ln,
+                             Tensor positions, std::span<const KvRows> seqs, const AttentionWeights& w,
+                             const PlanView& ident, long N);
   // dln[N,C] (f32, assign; all-reduced under tp) from dh[N,C] (f32) = d loss / d(the block's
   // output); dh_act: dh in the act store (dh itself when that is f32).  Parameter gradients +=.
   static void backward(const BlockEnv& env, Tensor dln, Tensor dh_act, const AttentionSaved& s, AttentionScratch& sc,
                        Tensor ln, Tensor positions, const AttnMask& mask, const AttentionWeights& w,
                        const PlanView& ident, int B, int T);
+
+ private:
+  // q, k, v of the N rows: projections, biases, norms, clip, then RoPE at `positions`.
+  static void project(const BlockEnv& env, AttentionSaved& s, AttentionScratch& sc, Tensor ln, Tensor positions,
+                      const AttentionWeights& w, const PlanView& ident, long N);
+  // h += o_proj(s.att) (all-reduced under tp).
+  static void output(const BlockEnv& env, Tensor h, AttentionSaved& s, AttentionScratch& sc, const AttentionWeights& w,
+                     const PlanView& ident, long N);
 };
 
 }  // namespace moetron

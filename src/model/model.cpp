@@ -340,6 +340,14 @@ void Model::init_parameters(uint64_t seed) {
   }
 }
 
+void Model::release_gradients() {
+  grads_alloc_.reset();
+  lgrads_alloc_.reset();
+  std::vector<float>().swap(grads_);
+  std::vector<float>().swap(lgrads_);
+  grads_t_ = lgrads_t_ = Tensor{};
+}
+
 void Model::zero_grads() {
   const Tensor g = train_grad_tensor();
   if (!g.empty()) be_.fill_zero(g);
@@ -730,7 +738,7 @@ void Model::layer_forward(Activations& s, int l, Tensor x_next) {
     const uint8_t* hmask = s.prep.has_token_mask ? s.prep.token_mask.data() : nullptr;
     const int li = l - layer_begin_;
     dropped_[li] = moe_->forward(ev, x_next, a.moe_saved, moe_sc_, a.ln2, a.ln2f, tmask, hmask, moe_weights(l),
-                                 s.ident_pv, router_stats_[li]);
+                                 s.ident_pv, &router_stats_[li]);
   } else {
     dense_.forward(ev, x_next, a.dense, a.ln2, ffn_weights(l, false), ffn_width(l));
   }
@@ -740,6 +748,7 @@ void Model::layer_forward(Activations& s, int l, Tensor x_next) {
 
 void Model::backward(const StageGrad& grad) {
   if (pending_.empty()) fail("[Model::backward] needs a forward pass with labels first (none is pending)");
+  if (train_grad_tensor().empty()) fail("[Model::backward] the model keeps no gradients (release_gradients)");
   Activations& s = *pending_.front();
   if (!s.prep.has_labels) fail("[Model::backward] needs a forward pass with labels first");
   if (!last_stage() && grad.hidden == nullptr)
@@ -780,6 +789,127 @@ void Model::backward(const StageGrad& grad) {
   if (!first_stage() || grads_t_.empty()) return;  // dres: input_grad(); a frozen embedding has no gradient
   Section t(be_, profile_, "bwd.embedding");
   be_.embedding_backward(G(ParamKind::embedding), dres_, s.tokens, N, C, table_.vocab_begin(), V, !tp_on());
+}
+
+void Model::allocate_infer(long n) {
+  InferActs& a = infer_;
+  const int C = cfg_.hidden_size, V = cfg_.vocab_size;
+  const Store act = be_.act_store(), f32 = Store::f32, i32 = Store::i32;
+  const BlockEnv ev = env();
+  // Layouts by the first layer of each kind (every layer has the same adapters), the dense FFN's for
+  // the widest dense layer.
+  int first_moe = -1, first_dense = -1, dense_width = 0;
+  for (int l = 0; l < cfg_.num_hidden_layers; l++) {
+    if (layer_moe(l)) {
+      if (first_moe < 0) first_moe = l;
+    } else {
+      if (first_dense < 0) first_dense = l;
+      dense_width = std::max(dense_width, ffn_width(l));
+    }
+  }
+  // Views of exactly n rows, laid out in an arena that grows to the largest pass (every piece grows
+  // with n, so a smaller pass fits a larger pass's arena).
+  for (int pass = 0; pass < 2; pass++) {
+    TensorCarver c(be_, pass == 0 ? nullptr : a.arena->data());
+    a.x = c.take(f32, n * C);
+    a.h = c.take(f32, n * C);
+    a.ln1 = c.take(act, n * C);
+    a.rstd1 = c.take(f32, n);
+    a.ln2 = c.take(act, n * C);
+    a.ln2f = first_moe >= 0 && act != f32 ? c.take(f32, n * C) : a.ln2;
+    a.rstd2 = c.take(f32, n);
+    a.attn.carve(c, ev, attention_weights(0, false), 1, (int)n, /*training=*/false);
+    a.attn_sc.carve(c, ev, lora_.on() ? lora_.rank : 0, n);
+    a.attn_sc.tmp = c.take(f32, n * C);
+    if (first_moe >= 0) {
+      a.moe.carve(c, ev, moe_weights(first_moe, false), n, /*local_experts=*/true);
+      a.moe_sc.carve(c, ev, lora_.has(LoraTarget::router) ? lora_.rank : 0, n);
+      a.moe_sc.tmp = a.attn_sc.tmp;
+    }
+    if (first_dense >= 0) a.dense.carve(c, ev, ffn_weights(first_dense, false, false), n, dense_width);
+    a.tokens = c.take(i32, n);
+    a.positions = c.take(i32, n);
+    a.logit_index = c.take(i32, n);
+    a.xf = c.take(f32, n * C);
+    a.lnf = c.take(act, n * C);
+    a.rstdf = c.take(f32, n);
+    a.logits = c.take(f32, n * V);
+    a.ident_rt = c.take(i32, n);
+    a.ident_ro = c.take(i32, n);
+    if (pass == 0 && (!a.arena || a.arena->bytes() < c.used())) {
+      a.arena.reset();
+      a.arena = be_.allocate(c.used(), "inference activations");
+    }
+  }
+}
+
+void Model::infer(std::span<const InferSequence> seqs, std::span<const int32_t> tokens, std::span<const int> logit_rows,
+                  float* logits) {
+  if (tp_on() || ep_on() || !first_stage() || !last_stage() || lora_.base_bf16)
+    fail("[Model::infer] runs a whole model on one process (no tp, pp or ep; an fp32 LoRA base)");
+  const long n = (long)tokens.size();
+  const int C = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
+  if (n == 0) fail("[Model::infer] no tokens to feed");
+  long covered = 0;
+  for (const InferSequence& q : seqs) {
+    if (q.rows <= 0 || q.pos0 < 0 || q.k == nullptr || q.v == nullptr)
+      fail("[Model::infer] a sequence of {} rows at position {} (rows must be positive, with its cache)", q.rows,
+           q.pos0);
+    covered += q.rows;
+  }
+  if (covered != n) fail("[Model::infer] the sequences cover {} rows, the pass has {} tokens", covered, n);
+  for (long i = 0; i < n; i++)
+    if (tokens[i] < 0 || tokens[i] >= V)
+      fail("[Model::infer] token id {} at row {} is outside the vocabulary [0, {})", tokens[i], i, V);
+  for (size_t r = 0; r < logit_rows.size(); r++)
+    if (logit_rows[r] < 0 || logit_rows[r] >= n || (r > 0 && logit_rows[r] <= logit_rows[r - 1]))
+      fail("[Model::infer] logit rows must be ascending rows of the pass, got {} at {}", logit_rows[r], r);
+  refresh_gemm_weights();
+  allocate_infer(n);
+  InferActs& a = infer_;
+  const BlockEnv ev = env();
+  const float eps = (float)cfg_.rms_norm_eps;
+  const Tensor x = a.x, h = a.h, ln1 = a.ln1, ln2 = a.ln2, ln2f = a.ln2f;
+  std::vector<int32_t> pos;
+  pos.reserve(n);
+  for (const InferSequence& q : seqs)
+    for (int r = 0; r < q.rows; r++) pos.push_back(q.pos0 + r);
+  be_.upload(a.tokens, tokens.data());
+  be_.upload(a.positions, pos.data());
+  // The identity plan of the n rows (LoRA's grouped products, the shared expert, the dense FFN).
+  const std::vector<int32_t> zeros(n, 0);
+  ops::moe_plan_build(a.ident_plan, zeros.data(), n, 1, 1);
+  a.ident_pv = be_.upload_plan(a.ident_plan, a.ident_rt, a.ident_ro);
+  if (!a.dense.row_token.empty()) a.dense.build_plan(be_, n);
+  be_.embedding_forward(x, a.tokens, W(ParamKind::embedding), n, C, 0, V, true);
+  std::vector<KvRows> kv(seqs.size());
+  for (int l = 0; l < L; l++) {
+    for (size_t i = 0, row = 0; i < seqs.size(); row += seqs[i].rows, i++)
+      kv[i] = KvRows{(int)row, seqs[i].rows, seqs[i].pos0, seqs[i].k[l], seqs[i].v[l]};
+    be_.rmsnorm_forward(ln1, a.rstd1, x, W(ParamKind::input_norm, l), n, C, eps);
+    be_.copy(h, x);
+    AttentionBlock::forward_cached(ev, h, a.attn, a.attn_sc, ln1, a.positions, kv, attention_weights(l), a.ident_pv, n);
+    if (ln2f.data != ln2.data) {
+      be_.rmsnorm_forward(ln2f, a.rstd2, h, W(ParamKind::post_norm, l), n, C, eps);
+      be_.convert(ln2, ln2f);
+    } else {
+      be_.rmsnorm_forward(ln2, a.rstd2, h, W(ParamKind::post_norm, l), n, C, eps);
+    }
+    if (layer_moe(l))
+      moe_->forward(ev, x, a.moe, a.moe_sc, ln2, ln2f, Tensor{}, nullptr, moe_weights(l), a.ident_pv, nullptr);
+    else
+      dense_.forward(ev, x, a.dense, ln2, ffn_weights(l, false), ffn_width(l));
+    be_.add(x, h);
+  }
+  const long rows = (long)logit_rows.size();
+  if (rows == 0) return;
+  const Tensor xf = a.xf.part(0, rows * C), lnf = a.lnf.part(0, rows * C), out = a.logits.part(0, rows * V);
+  const Tensor index = a.logit_index.part(0, rows);
+  be_.upload(index, logit_rows.data());
+  be_.gather_rows(xf, x, index, rows, C);
+  be_.rmsnorm_forward(lnf, a.rstdf.part(0, rows), xf, W(ParamKind::final_norm), rows, C, eps);
+  be_.matmul_forward(out, lnf, Wg(table_.head_kind()), (int)rows, C, V, false);
+  be_.download(logits, out);
 }
 
 // Layer l in reverse; dres is d(x_next) on entry and d(x) of the layer on exit.

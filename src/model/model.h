@@ -60,6 +60,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "backend/backend.h"
@@ -164,6 +165,8 @@ class Model {
   const std::vector<float>& grads() const;
   // Zeros the trained gradients (train_grad_tensor()).
   void zero_grads();
+  // For inference only (infer()): frees the gradients' memory; backward() is then an Error.
+  void release_gradients();
 
   int layer_begin() const { return layer_begin_; }
   int layer_end() const { return layer_end_; }
@@ -219,6 +222,23 @@ class Model {
   // Time the forward/backward sections into `profile` (null: off; device backends synchronise
   // around each section).  The caller owns it.
   void set_profile(Profile* profile);
+
+  // ---- inference over KV caches: the same layer body -------------------------------------------
+  // One sequence's part of an inference pass: its `rows` consecutive rows are its positions pos0 ..
+  // pos0+rows-1; k[l] / v[l]: its cache's tensors of layer l ([capacity, NKV*HD] in the act store,
+  // capacity >= pos0 + rows), whose first pos0 rows hold the earlier positions.
+  struct InferSequence {
+    int pos0 = 0, rows = 0;
+    const Tensor* k = nullptr;
+    const Tensor* v = nullptr;
+  };
+  // One pass over tokens [n] (host): the rows of `seqs` in order (their rows sum to n), every row's
+  // key and value written into its sequence's cache.  logits [logit_rows.size(), V] (host, f32): the
+  // rows listed (ascending).  The embedding, each layer's attention over the caches, FFN and the head
+  // are the blocks training runs (no labels, no statistics, nothing kept).  A whole model only (no
+  // tp, pp or ep).  Error for a token outside the vocabulary (nothing written).
+  void infer(std::span<const InferSequence> seqs, std::span<const int32_t> tokens, std::span<const int> logit_rows,
+             float* logits);
 
   // Routing statistics per layer of this stage (layer_begin() + index) of the last forward (empty
   // for dense models; zeros for the dense layers of an MoE model).
@@ -367,6 +387,24 @@ class Model {
   mutable int window_seg_ = -1;    // the segment widened in the window (-1: none)
   // The window's view of a base tensor, widening its segment first when another one is there.
   Tensor window_view(const ParamSpec& s) const;
+
+  // An inference pass's buffers (one layer's worth: nothing is kept), views of the pass's rows in an
+  // arena grown to the largest pass.
+  struct InferActs {
+    std::unique_ptr<Allocation> arena;
+    Tensor x, h, ln1, rstd1, ln2, ln2f, rstd2;
+    Tensor tokens, positions, logit_index, xf, lnf, rstdf, logits;
+    AttentionSaved attn;
+    AttentionScratch attn_sc;
+    MoeSaved moe;
+    MoeScratch moe_sc;
+    DenseFfnSaved dense;
+    ops::MoePlan ident_plan;
+    PlanView ident_pv;
+    Tensor ident_rt, ident_ro;
+  };
+  InferActs infer_;
+  void allocate_infer(long n);
 
   std::vector<ops::RouterLayerStats> router_stats_;  // of the last forward
   Profile* profile_ = nullptr;

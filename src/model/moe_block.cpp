@@ -70,7 +70,7 @@ void MoeBlock::zero_dropped_rows(Backend& be, Tensor rows, const ops::MoePlan& p
 
 long MoeBlock::forward(const BlockEnv& env, Tensor out, MoeSaved& a, MoeScratch& sc, Tensor ln, Tensor lnf,
                        Tensor token_mask, const uint8_t* host_mask, const MoeWeights& w, const PlanView& ident,
-                       ops::RouterLayerStats& stats) {
+                       ops::RouterLayerStats* stats) {
   Backend& be = env.be;
   const ModelConfig& cfg = env.cfg;
   const int C = cfg.hidden_size, E = cfg.num_local_experts, K = cfg.num_experts_per_tok;
@@ -81,7 +81,7 @@ long MoeBlock::forward(const BlockEnv& env, Tensor out, MoeSaved& a, MoeScratch&
     linear_forward(be, a.rlogits, a.ur, lnf, w.router, ident, N, C, E, false);  // f32, its LoRA too
     if (!router_bias_.empty()) be.add_bias_rows(a.rlogits, router_bias_, N, E);
     be.router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, N, E, K, cfg.norm_topk_prob);
-    be.router_layer_stats(stats, a.rlogits, a.rprobs, a.topk_idx, token_mask, N, E, K);
+    if (stats) be.router_layer_stats(*stats, a.rlogits, a.rprobs, a.topk_idx, token_mask, N, E, K);
     // The plan is built on the host from the router's choices (copies on a device backend).
     const int32_t* idx = nullptr;
     const float *tw = nullptr, *probs = nullptr;

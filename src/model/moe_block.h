@@ -78,10 +78,10 @@ class MoeBlock {
 
   // out[N,C] (f32, assign; all-reduced under tp) = the block's output.  ln [N,C] act store, lnf the
   // same in f32 (ln itself when the act store is f32); token_mask u8 [N] (empty: every token real)
-  // and host_mask (its host copy, or null).  stats: the layer's router statistics (real tokens);
-  // returns the assignments of real tokens dropped by the capacity limit.
+  // and host_mask (its host copy, or null).  stats: the layer's router statistics (real tokens; null:
+  // not wanted, as in inference); returns the assignments of real tokens dropped by the capacity limit.
   long forward(const BlockEnv& env, Tensor out, MoeSaved& s, MoeScratch& sc, Tensor ln, Tensor lnf, Tensor token_mask,
-               const uint8_t* host_mask, const MoeWeights& w, const PlanView& ident, ops::RouterLayerStats& stats);
+               const uint8_t* host_mask, const MoeWeights& w, const PlanView& ident, ops::RouterLayerStats* stats);
   // dln[N,C] (f32, assign; all-reduced under tp) from dout[N,C] (f32).  aux_dprobs: host [E] d(aux
   // loss)/d probs of any real token (or null); z_coef and real_tokens: the router z-loss's.
   void backward(const BlockEnv& env, Tensor dln, Tensor dout, MoeSaved& s, MoeScratch& sc, Tensor ln, Tensor lnf,

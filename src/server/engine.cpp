@@ -48,9 +48,9 @@ struct Engine::Active {
   std::unique_ptr<Generation> gen;
 };
 
-Engine::Engine(const InferenceModel& model, const Tokenizer& tok, size_t queue_capacity, int max_batch)
-    : decoder_(model), tok_(tok), capacity_(queue_capacity), max_batch_(std::max(1, max_batch)) {
-  for (int i = 0; i < max_batch_; i++) caches_.push_back(decoder_.new_cache());
+Engine::Engine(Runner& runner, const Tokenizer& tok, size_t queue_capacity, int max_batch)
+    : runner_(runner), tok_(tok), capacity_(queue_capacity), max_batch_(std::max(1, max_batch)) {
+  for (int i = 0; i < max_batch_; i++) caches_.push_back(runner_.new_cache());
   cache_busy_.assign(caches_.size(), false);
   // OpenMP's thread count is per thread: the worker takes the constructing thread's (--threads).
   const int threads = omp_get_max_threads();
@@ -128,7 +128,7 @@ void Engine::admit(std::vector<std::shared_ptr<Job>> jobs, std::vector<std::uniq
       return !j->cancelled();
     };
     try {
-      a->gen = std::make_unique<Generation>(decoder_, caches_[best], job->prompt(), job->options(), &tok_, cb,
+      a->gen = std::make_unique<Generation>(runner_, caches_[best], job->prompt(), job->options(), &tok_, cb,
                                             /*prefill=*/false);
     } catch (const std::exception& e) {
       release(*a, GenerateResult{}, e.what());
@@ -146,7 +146,7 @@ void Engine::admit(std::vector<std::shared_ptr<Job>> jobs, std::vector<std::uniq
       continue;
     }
     try {
-      decoder_.forward(caches_[a->cache], a->gen->to_prefill(), a->gen->logits());
+      runner_.forward(caches_[a->cache], a->gen->to_prefill(), a->gen->logits());
     } catch (const std::exception& e) {
       release(*a, GenerateResult{}, e.what());
       a.reset();
@@ -168,11 +168,11 @@ void Engine::admit(std::vector<std::shared_ptr<Job>> jobs, std::vector<std::uniq
       caches.push_back(&caches_[active[i]->cache]);
       feed.push_back(std::span<const int32_t>(&next[i], 1));
     }
-    const size_t V = (size_t)decoder_.vocab_size();
+    const size_t V = (size_t)runner_.vocab_size();
     batch_logits_.resize(caches.size() * V);
     std::string error;
     try {
-      decoder_.prefill_rows(caches, feed, batch_logits_.data());
+      runner_.prefill_rows(caches, feed, batch_logits_.data());
       stepped = !active.empty();
       if (stepped) shared_passes_++;
     } catch (const std::exception& e) {
@@ -183,7 +183,7 @@ void Engine::admit(std::vector<std::shared_ptr<Job>> jobs, std::vector<std::uniq
       caches.resize(rows.size());
       feed.resize(rows.size());
       try {
-        decoder_.prefill_rows(caches, feed, batch_logits_.data());
+        runner_.prefill_rows(caches, feed, batch_logits_.data());
       } catch (const std::exception& e) {
         error = e.what();
       }
@@ -233,7 +233,7 @@ void Engine::step(std::vector<std::unique_ptr<Active>>& active) {
     if (n == 1) {
       Active& a = *active[0];
       const int32_t t = a.gen->next_token();
-      decoder_.forward(caches_[a.cache], std::span<const int32_t>(&t, 1), a.gen->logits());
+      runner_.forward(caches_[a.cache], std::span<const int32_t>(&t, 1), a.gen->logits());
     } else {
       std::vector<KvCache*> caches(n);
       std::vector<int32_t> tokens(n);
@@ -241,9 +241,9 @@ void Engine::step(std::vector<std::unique_ptr<Active>>& active) {
         caches[i] = &caches_[active[i]->cache];
         tokens[i] = active[i]->gen->next_token();
       }
-      const size_t V = (size_t)decoder_.vocab_size();
+      const size_t V = (size_t)runner_.vocab_size();
       batch_logits_.resize((size_t)n * V);
-      decoder_.forward_batch(caches, tokens, batch_logits_.data());
+      runner_.forward_batch(caches, tokens, batch_logits_.data());
       for (int i = 0; i < n; i++)
         std::copy(batch_logits_.begin() + i * V, batch_logits_.begin() + (i + 1) * V, active[i]->gen->logits());
     }

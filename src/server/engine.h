@@ -1,4 +1,4 @@
-// The generation engine behind moetron serve: one worker thread owns the decoder and max_batch KV
+// The generation engine behind moetron serve: one worker thread runs the model (a Runner) over max_batch KV
 // caches and runs up to max_batch requests at once by continuous batching, first come first served,
 // from a bounded queue.
 //
@@ -6,7 +6,7 @@
 // and tokenize prompts concurrently.  The worker admits waiting requests into the running batch at
 // token boundaries (short prompts prefilled together, row by row, in the same pass as the running
 // requests' next step; long ones alone), and decodes one token of every running request per step with
-// Decoder::forward_batch: each weight -- each routed expert -- is read once per
+// Runner::forward_batch: each weight -- each routed expert -- is read once per
 // step for all the sequences that use it, which is where batching gains on a CPU, where one sequence
 // spends its time streaming weights.  Each request keeps its own cache, sampling settings and stream;
 // a request's tokens are bitwise what it gets alone (greedy replies are equal).  At most
@@ -70,8 +70,9 @@ class Job {
 
 class Engine {
  public:
-  // Borrows the model and tokenizer; starts the worker.  max_batch >= 1 requests run at once.
-  Engine(const InferenceModel& model, const Tokenizer& tok, size_t queue_capacity, int max_batch = 1);
+  // Borrows the runner and tokenizer (only the worker uses the runner while the engine lives); starts
+  // the worker.  max_batch >= 1 requests run at once.
+  Engine(Runner& runner, const Tokenizer& tok, size_t queue_capacity, int max_batch = 1);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -103,7 +104,7 @@ class Engine {
   // batch_error: each samples its next token, and finished or failed ones leave the batch.
   void conclude(std::vector<std::unique_ptr<Active>>& active, const std::string& batch_error);
 
-  Decoder decoder_;
+  Runner& runner_;
   std::vector<KvCache> caches_;
   std::vector<bool> cache_busy_;
   const Tokenizer& tok_;

@@ -98,9 +98,9 @@ std::string http_error_body(int status, const std::string& message) {
 
 int auto_max_batch(int compute_threads) { return std::clamp(4 * compute_threads, 4, 16); }
 
-Server::Server(const InferenceModel& model, const Tokenizer& tok, ChatTemplate tmpl, std::vector<int32_t> eos_ids,
+Server::Server(Runner& runner, const Tokenizer& tok, ChatTemplate tmpl, std::vector<int32_t> eos_ids,
                ServerOptions opts)
-    : model_(model), tok_(tok), tmpl_(tmpl), eos_ids_(std::move(eos_ids)), opts_(std::move(opts)) {
+    : runner_(runner), tok_(tok), tmpl_(tmpl), eos_ids_(std::move(eos_ids)), opts_(std::move(opts)) {
   if (opts_.queue_size < 1) fail("serve: the queue size must be at least 1");
   if (opts_.max_tokens_limit < 1) fail("serve: the max_tokens limit must be at least 1");
   if (opts_.read_timeout_ms < 1 || opts_.write_timeout_ms < 1 || opts_.request_timeout_ms < 1)
@@ -111,7 +111,7 @@ Server::Server(const InferenceModel& model, const Tokenizer& tok, ChatTemplate t
   if (opts_.max_batch < 0 || opts_.max_batch > 256) fail("serve: the batch size must be in [0, 256] (0: auto)");
   if (opts_.max_batch == 0) opts_.max_batch = auto_max_batch(omp_get_max_threads());
   created_ = unix_now();
-  engine_ = std::make_unique<Engine>(model_, tok_, opts_.queue_size, opts_.max_batch);
+  engine_ = std::make_unique<Engine>(runner_, tok_, opts_.queue_size, opts_.max_batch);
   http::Options h;
   h.threads = opts_.http_threads > 0 ? opts_.http_threads : (int)opts_.queue_size + opts_.max_batch + 8;
   h.max_body_bytes = opts_.max_body_bytes;
@@ -150,7 +150,7 @@ void Server::stop() {
 }
 
 void Server::routes() {
-  const int positions = model_.cfg.max_position_embeddings > 0 ? model_.cfg.max_position_embeddings : INT_MAX;
+  const int positions = runner_.config().max_position_embeddings > 0 ? runner_.config().max_position_embeddings : INT_MAX;
 
   http_->route("GET", "/health", [this](const http::Request&, http::Response& res) {
     send_json(res, json{{"status", "ok"}, {"model", opts_.model_name}, {"waiting", engine_->waiting()},
@@ -214,7 +214,7 @@ void Server::routes() {
       go.sampling = r.sampling;
       go.eos_ids = eos_ids_;
       go.stop = r.stop;
-      go.max_positions = model_.cfg.max_position_embeddings;
+      go.max_positions = runner_.config().max_position_embeddings;
       go.chat_reply = ep == Endpoint::chat;
       try {
         validate_sampling(go.sampling);

@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "infer/model.h"
+#include "infer/runner.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -61,9 +61,8 @@ int auto_max_batch(int compute_threads);
 
 class Server {
  public:
-  // Borrows the model and tokenizer (they must outlive the server).
-  Server(const InferenceModel& model, const Tokenizer& tok, ChatTemplate tmpl, std::vector<int32_t> eos_ids,
-         ServerOptions opts);
+  // Borrows the runner (the model) and tokenizer (they must outlive the server).
+  Server(Runner& runner, const Tokenizer& tok, ChatTemplate tmpl, std::vector<int32_t> eos_ids, ServerOptions opts);
   ~Server();
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;
@@ -81,7 +80,7 @@ class Server {
  private:
   void routes();
 
-  const InferenceModel& model_;
+  Runner& runner_;
   const Tokenizer& tok_;
   ChatTemplate tmpl_;
   std::vector<int32_t> eos_ids_;
