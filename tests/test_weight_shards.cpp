@@ -198,12 +198,12 @@ TEST(ReleasePages, ReadTensorLeavesTheResidentSetAndRereadsTheSameBytes) {
   EXPECT_EQ(out, copy);
 }
 
-TEST(SplitRange, BalancedContiguousCover) {
+TEST(ShardRange, BalancedContiguousCover) {
   for (int64_t n : {0, 1, 7, 37, 64})
     for (int parts = 1; parts <= 5; parts++) {
       int64_t next = 0;
       for (int p = 0; p < parts; p++) {
-        const auto [b, e] = split_range(n, parts, p);
+        const auto [b, e] = shard_range(n, parts, p);
         EXPECT_EQ(b, next);
         EXPECT_TRUE(e - b == n / parts || e - b == n / parts + 1);
         next = e;

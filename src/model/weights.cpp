@@ -65,13 +65,6 @@ void check_finite(const float* values, size_t n, const TensorView& t, const std:
 
 }  // namespace
 
-std::pair<int64_t, int64_t> split_range(int64_t n, int parts, int part) {
-  if (parts <= 0 || part < 0 || part >= parts) fail("split_range: part {} of {} is invalid", part, parts);
-  const int64_t base = n / parts, extra = n % parts;
-  const int64_t begin = part * base + std::min<int64_t>(part, extra);
-  return {begin, begin + base + (part < extra ? 1 : 0)};
-}
-
 std::vector<int64_t> HfTensorSlice::shape() const {
   std::vector<int64_t> s = ref->shape;
   if (dim >= 0) s[static_cast<size_t>(dim)] = end - begin;

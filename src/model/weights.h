@@ -6,7 +6,6 @@
 #pragma once
 
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -39,10 +38,6 @@ struct WeightShard {
                                           // (heads / FFN width), o and w2 by columns, embedding and
                                           // head by vocabulary rows; norms and router whole
 };
-
-// The contiguous part [first, second) of n items that part `part` of `parts` holds: sizes differ
-// by at most one, the larger parts first.
-std::pair<int64_t, int64_t> split_range(int64_t n, int parts, int part);
 
 // One HF tensor, or the part of it a shard holds: dimension `dim` restricted to [begin, end)
 // (dim == -1: the whole tensor).
