@@ -30,6 +30,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/xxh64.h"
 #include "io/hf_config.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"

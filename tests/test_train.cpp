@@ -22,6 +22,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "core/xxh64.h"
 #include "io/indexed_dataset.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"

@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "core/json_limits.h"
+#include "core/xxh64.h"
 #include "fuzz_common.h"
 #include "io/safetensors.h"
 #include "train/checkpoint.h"
