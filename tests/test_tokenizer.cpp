@@ -17,7 +17,7 @@
 #include "mixtral_tokenizer.h"
 
 #include "core/error.h"
-#include "tokenizer/sha256.h"
+#include "core/sha256.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/trainer.h"
 

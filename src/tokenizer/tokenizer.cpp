@@ -10,9 +10,9 @@
 
 #include "core/error.h"
 #include "core/json_limits.h"
+#include "core/sha256.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/byte_bpe.h"
-#include "tokenizer/sha256.h"
 #include "tokenizer/sp_model.h"
 
 namespace moetron {

@@ -38,7 +38,7 @@
 #include "optim/lr_schedule.h"
 #include "optim/zero.h"
 #include "core/json_limits.h"
-#include "tokenizer/sha256.h"
+#include "core/sha256.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_gather.h"
 #include "train/evaluate.h"

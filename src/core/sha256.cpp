@@ -1,5 +1,5 @@
 // SHA-256 after FIPS 180-4 §6.2 (message schedule, 64 rounds, big-endian length padding).
-#include "tokenizer/sha256.h"
+#include "core/sha256.h"
 
 #include <algorithm>
 #include <cerrno>
