@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "data/prepare.h"
 #include "io/indexed_dataset.h"
+#include "io/line_reader.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/trainer.h"

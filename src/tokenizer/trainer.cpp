@@ -15,6 +15,7 @@
 #include <sentencepiece_trainer.h>
 
 #include "core/error.h"
+#include "io/line_reader.h"
 
 // Defined in libsentencepiece but not declared in its installed headers: the seed of the trainer's
 // sentence sampling (otherwise drawn from std::random_device).

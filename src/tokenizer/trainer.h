@@ -6,7 +6,7 @@
 // the Llama/Mistral tokenizers: BPE, byte fallback, digits split, identity normalisation, whitespace
 // kept as is, a dummy prefix, <unk>=0 <s>=1 </s>=2, no pad; the vocabulary has exactly vocab_size
 // pieces (Error when the data cannot fill it).  Bad JSONL lines, and lines longer than
-// kDefaultMaxLineBytes (16 MiB, data/jsonl.h), are skipped and counted.
+// kDefaultMaxLineBytes (16 MiB, io/line_reader.h), are skipped and counted.
 // Writes PREFIX.vocab (piece TAB score) and PREFIX.model, each through a temporary file beside it.
 // PREFIX is a prefix, not a directory: "dir/" or an existing directory is an Error (use
 // dir/tokenizer), as is a missing parent directory, and -- unless `overwrite` -- an existing
