@@ -5,31 +5,14 @@
 //   moetron export gguf --model DIR --output F.gguf [--type bf16|f16|f32|q8_0] [--tokenizer FILE]
 //                       [--name NAME] [--sliding-window-as-context] [--force]
 //
-// What is written follows llama.cpp's convert_hf_to_gguf.py and the loaders of its architectures
-// (src/models/*.cpp), which fix what each GGUF architecture computes:
-//   model_type                  general.architecture  tensors and keys beyond the common ones
-//   mixtral, mistral, llama     llama      q/k rows permuted (below); experts stacked as
-//                                          ffn_{gate,up,down}_exps, llama.expert_count / expert_used_count
-//   qwen3_moe                   qwen3moe   attn_{q,k}_norm [head_dim]; expert_feed_forward_length
-//   qwen2_moe                   qwen2moe   q/k/v biases; the shared expert ffn_*_shexp and its gate
-//                                          ffn_gate_inp_shexp [C]; expert_(shared_)feed_forward_length
-//   olmoe                       olmoe      attn_{q,k}_norm over all heads [C]
-//   qwen3                       qwen3      attn_{q,k}_norm [head_dim]
+// What is written follows llama.cpp's convert_hf_to_gguf.py; the GGUF architecture of each
+// model_type, what its graph computes and refuses, and its keys are io/gguf_arch.h's.
 // The Q/K permutation: HF rotates the two halves of each head (rotate-half RoPE); llama.cpp's llama
 // architecture rotates adjacent pairs. Row h*HD + 2i + j of the GGUF attn_q / attn_k is row
 // h*HD + j*HD/2 + i of the HF tensor (i < HD/2, j in {0, 1}), per head h of NH (q) or NKV (k); the
 // other architectures use rotate-half (NEOX) RoPE and take the rows as they are.
 // Tensor types: the --type for matrices, F32 for 1-D tensors, norms, biases and the routers
 // (ffn_gate_inp, ffn_gate_inp_shexp), as convert_hf_to_gguf.py does.
-//
-// A config llama.cpp's graph for the architecture would compute differently is refused, naming the
-// field: dense layers among MoE ones (mlp_only_layers, decoder_sparse_step), norm_topk_prob where
-// the graph hard-codes the other choice, clip_qkv (no clamp in llama.cpp's graphs), a head width
-// other than hidden_size where the graph assumes it (qwen2moe, olmoe: head_dim), GQA in olmoe
-// (num_key_value_heads), and a sliding_window shorter than max_position_embeddings (llama.cpp's
-// llama architecture attends to every position) unless --sliding-window-as-context writes
-// context_length = sliding_window, the positions over which the file computes exactly what moetron
-// computes.
 //
 // The vocabulary is required (DIR/tokenizer.model, else DIR/tokenizer.json, or --tokenizer): a
 // SentencePiece model becomes tokenizer.ggml.model "llama" (pieces, scores, SentencePiece types,
@@ -66,6 +49,7 @@
 #include "core/json_limits.h"
 #include "infer/model.h"
 #include "io/gguf.h"
+#include "io/gguf_arch.h"
 #include "io/hf_config.h"
 #include "io/model_files.h"
 #include "model/params.h"
@@ -102,99 +86,6 @@ std::string read_file(const fs::path& p) {
   return ss.str();
 }
 
-// ---- the GGUF architecture ----------------------------------------------------------------------
-
-// What llama.cpp's graph for a GGUF architecture computes (llama.cpp src/models/<arch>.cpp).
-struct Arch {
-  std::string name;
-  bool permute_qk = false;      // interleaved-pair RoPE (llama)
-  bool moe = false;             // every layer routed (false: every layer dense)
-  bool norm_topk = false;       // the top-K router weights renormalised (build_moe_ffn's norm_w)
-  bool shared_expert = false;   // a gated shared expert in every layer (qwen2moe)
-  int qk_norm = 0;              // 0: none, 1: per head [HD], 2: over all heads [C]
-  bool attn_is_hidden = false;  // the graph sizes q and o by n_embd (NH * HD must equal C)
-  bool kv_is_heads = false;     // k_norm sized n_embd: no GQA
-  bool needs_output = false;    // output.weight required (no fallback to token_embd for tied models)
-};
-
-Arch arch_for(const ModelConfig& cfg, const std::string& src) {
-  const std::string& t = cfg.model_type;
-  if (t == "mixtral" || t == "mistral" || t == "llama")
-    return {.name = "llama", .permute_qk = true, .moe = cfg.is_moe(), .norm_topk = true};
-  if (t == "qwen3_moe") return {.name = "qwen3moe", .moe = true, .norm_topk = true, .qk_norm = 1};
-  if (t == "qwen2_moe")
-    return {.name = "qwen2moe", .moe = true, .shared_expert = true, .attn_is_hidden = true, .needs_output = true};
-  if (t == "olmoe")
-    return {
-        .name = "olmoe", .moe = true, .qk_norm = 2, .attn_is_hidden = true, .kv_is_heads = true, .needs_output = true};
-  if (t == "qwen3") return {.name = "qwen3", .qk_norm = 1};
-  refuse(
-      fmt::format("{}: field 'model_type' = '{}' has no GGUF export (supported: mixtral, mistral, llama, qwen3_moe, "
-                  "qwen2_moe, olmoe, qwen3)",
-                  src, t));
-}
-
-// Refuses, naming the field, what `a`'s llama.cpp graph would compute differently; returns the
-// context length to write.
-int check_expressible(const ModelConfig& cfg, const Arch& a, bool window_as_context, const std::string& src) {
-  const std::string tail = " (a GGUF of this model would compute another one in llama.cpp, so none is written)";
-  const int L = cfg.num_hidden_layers;
-  if (a.moe) {
-    if (!cfg.is_moe()) refuse(fmt::format("{}: the model has no experts (num_experts){}", src, tail));
-    for (int l = 0; l < L; l++) {
-      if (cfg.is_moe_layer(l)) continue;
-      const bool listed =
-          std::find(cfg.mlp_only_layers.begin(), cfg.mlp_only_layers.end(), l) != cfg.mlp_only_layers.end();
-      refuse(
-          fmt::format("{}: field '{}' makes layer {} a dense FFN, and llama.cpp's {} graph runs every layer as MoE{}",
-                      src, listed ? "mlp_only_layers" : "decoder_sparse_step", l, a.name, tail));
-    }
-    if (cfg.norm_topk_prob != a.norm_topk)
-      refuse(fmt::format("{}: field 'norm_topk_prob' = {}: llama.cpp's {} graph {} the top-{} router weights{}", src,
-                         cfg.norm_topk_prob, a.name, a.norm_topk ? "always renormalises" : "never renormalises",
-                         cfg.num_experts_per_tok, tail));
-  } else if (cfg.is_moe()) {
-    refuse(fmt::format("{}: a dense {} model has experts (num_local_experts){}", src, cfg.model_type, tail));
-  }
-  if (cfg.has_shared_expert() != a.shared_expert)
-    refuse(fmt::format("{}: field 'shared_expert_intermediate_size' = {}: llama.cpp's {} graph {} a shared expert{}",
-                       src, cfg.shared_expert_intermediate_size, a.name, a.shared_expert ? "requires" : "has no",
-                       tail));
-  const int want_qk = cfg.qk_norm_full ? 2 : cfg.qk_norm ? 1 : 0;
-  auto qk_name = [](int k) { return k == 0 ? "none" : k == 1 ? "per head" : "over all heads"; };
-  if (want_qk != a.qk_norm)
-    refuse(fmt::format("{}: the model's q/k norms ({}) differ from llama.cpp's {} graph's ({}){}", src,
-                       qk_name(want_qk), a.name, qk_name(a.qk_norm), tail));
-  if (cfg.clip_qkv > 0)
-    refuse(fmt::format("{}: field 'clip_qkv' = {}: llama.cpp's {} graph does not clamp q, k and v{}", src, cfg.clip_qkv,
-                       a.name, tail));
-  if (cfg.qkv_bias && a.name != "qwen2moe" && a.name != "llama")
-    refuse(fmt::format("{}: field 'qkv_bias' = true: llama.cpp's {} graph has no q/k/v biases{}", src, a.name, tail));
-  if (a.attn_is_hidden && (int64_t)cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size)
-    refuse(
-        fmt::format("{}: field 'head_dim' = {}: num_attention_heads x head_dim = {} differs from hidden_size {}, which "
-                    "llama.cpp's {} graph assumes{}",
-                    src, cfg.head_dim, (int64_t)cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, a.name, tail));
-  if (a.kv_is_heads && cfg.num_key_value_heads != cfg.num_attention_heads)
-    refuse(
-        fmt::format("{}: field 'num_key_value_heads' = {} (grouped-query attention): llama.cpp's {} graph sizes the "
-                    "k norm for {} heads{}",
-                    src, cfg.num_key_value_heads, a.name, cfg.num_attention_heads, tail));
-  if (cfg.head_dim % 2 != 0)
-    refuse(fmt::format("{}: field 'head_dim' = {} is odd (RoPE pairs values)", src, cfg.head_dim));
-  int context = cfg.max_position_embeddings;
-  if (cfg.sliding_window > 0 && cfg.sliding_window < cfg.max_position_embeddings) {
-    if (!window_as_context)
-      refuse(fmt::format(
-          "{}: field 'sliding_window' = {} is shorter than max_position_embeddings {}: llama.cpp's {} graph attends to "
-          "every earlier position, so beyond {} positions the GGUF would compute another model. Pass "
-          "--sliding-window-as-context to export it with context_length {} (exact within it)",
-          src, cfg.sliding_window, cfg.max_position_embeddings, a.name, cfg.sliding_window, cfg.sliding_window));
-    context = cfg.sliding_window;
-  }
-  return context;
-}
-
 // ---- the tensors --------------------------------------------------------------------------------
 
 // One GGUF tensor: whole HF tensors (or an expert's part of a packed one) concatenated along
@@ -225,7 +116,7 @@ std::vector<std::vector<const HfTensorRef*>> refs_by_spec(const ParamTable& tabl
   return out;
 }
 
-std::vector<Planned> plan_tensors(const ModelConfig& cfg, const ParamTable& table, const Arch& a,
+std::vector<Planned> plan_tensors(const ModelConfig& cfg, const ParamTable& table, const gguf::Arch& a,
                                   TensorType matrix_type) {
   const auto refs = refs_by_spec(table);
   const int64_t C = cfg.hidden_size, HD = cfg.head_dim;
@@ -541,7 +432,7 @@ int run_export_gguf(int argc, char** argv) {
 
   // Everything about the input, checked before a byte is written.
   ModelConfig cfg;
-  Arch arch;
+  gguf::Arch arch;
   int context = 0;
   std::optional<ModelTensors> files;
   std::optional<ParamTable> table;
@@ -550,8 +441,8 @@ int run_export_gguf(int argc, char** argv) {
   std::string template_source;
   try {
     cfg = load_model_config(cfg_path);
-    arch = arch_for(cfg, cfg_path);
-    context = check_expressible(cfg, arch, o.window_as_context, cfg_path);
+    arch = gguf::arch_for(cfg, cfg_path);
+    context = gguf::check_expressible(cfg, arch, o.window_as_context, cfg_path);
     files.emplace(ModelTensors::open(o.model_dir));
     table.emplace(cfg);
     check_weights_size(*files, *table, o.model_dir);
@@ -562,33 +453,14 @@ int run_export_gguf(int argc, char** argv) {
                       "--tokenizer FILE",
                       o.model_dir));
 
-    const std::string& A = arch.name;
     std::string name = o.name;
     if (name.empty()) name = fs::weakly_canonical(fs::absolute(model)).filename().string();
-    kv.emplace_back("general.architecture", Value::str(A));
+    kv.emplace_back("general.architecture", Value::str(arch.name));
     kv.emplace_back("general.type", Value::str("model"));
     kv.emplace_back("general.name", Value::str(name));
     kv.emplace_back("general.file_type", Value::u32(file_type(type)));
     kv.emplace_back("general.quantization_version", Value::u32(2));
-    auto u32 = [&](const std::string& key, int64_t v) { kv.emplace_back(A + "." + key, Value::u32((uint32_t)v)); };
-    u32("vocab_size", cfg.vocab_size);
-    u32("context_length", context);
-    u32("embedding_length", cfg.hidden_size);
-    u32("block_count", cfg.num_hidden_layers);
-    u32("feed_forward_length", cfg.intermediate_size);
-    u32("attention.head_count", cfg.num_attention_heads);
-    u32("attention.head_count_kv", cfg.num_key_value_heads);
-    u32("attention.key_length", cfg.head_dim);
-    u32("attention.value_length", cfg.head_dim);
-    u32("rope.dimension_count", cfg.head_dim);
-    kv.emplace_back(A + ".rope.freq_base", Value::f32((float)cfg.rope_theta));
-    kv.emplace_back(A + ".attention.layer_norm_rms_epsilon", Value::f32((float)cfg.rms_norm_eps));
-    if (cfg.is_moe()) {
-      u32("expert_count", cfg.num_local_experts);
-      u32("expert_used_count", cfg.num_experts_per_tok);
-      if (A == "qwen3moe" || A == "qwen2moe") u32("expert_feed_forward_length", cfg.expert_intermediate_size());
-      if (cfg.has_shared_expert()) u32("expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size);
-    }
+    gguf::add_arch_keys(kv, cfg, arch, context);
     add_vocab(kv, *tok, cfg, o.model_dir);
     template_source = add_chat_template(kv, model);
   } catch (const InputError&) {
