@@ -1,10 +1,11 @@
 // AdamW over fp32 master weights, the global gradient norm and parameter initialisation on the
-// device; see ops.h and src/optim/adamw.h (torch.optim.AdamW semantics, same fp32 arithmetic).
+// device; see ops.h and src/optim/adamw.h (torch.optim.AdamW semantics, the arithmetic of ops/adamw.h).
 #include <cmath>
 #include <vector>
 
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
+#include "ops/adamw.h"
 
 namespace moetron::gpu {
 
@@ -13,16 +14,9 @@ namespace {
 constexpr size_t kNormChunk = 1 << 16;  // gradients per block of the norm's first pass
 
 __global__ void adamw_kernel(float* param, bf16* param_bf16, float* m, float* v, const float* grad, size_t n,
-                             float grad_scale, float step_size, float bc2_sqrt, float decay, float b1, float b2,
-                             float e) {
+                             float grad_scale, ops::AdamWStep s) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    const float g = grad[i] * grad_scale;
-    float p = param[i] * decay;
-    const float mi = b1 * m[i] + (1.0f - b1) * g;
-    const float vi = b2 * v[i] + (1.0f - b2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    p -= step_size * mi / (sqrtf(vi) / bc2_sqrt + e);
+    const float p = ops::adamw_element(param[i], grad[i] * grad_scale, m[i], v[i], s);
     param[i] = p;
     if (param_bf16) param_bf16[i] = __float2bfloat16_rn(p);
   }
@@ -81,12 +75,8 @@ void adamw_update(Context& ctx, float* param, Bf16* param_bf16, float* m, float*
                   long step) {
   MOETRON_OP_CHECK(step >= 1, "adamw_update", "step must be >= 1, got {}", step);
   if (n == 0) return;
-  const double bc1 = 1.0 - std::pow(beta1, (double)step);
-  const double bc2 = 1.0 - std::pow(beta2, (double)step);
   adamw_kernel<<<grid_for(n), 256, 0, stream_of(ctx)>>>(param, as_bf(param_bf16), m, v, grad, n, grad_scale,
-                                                         (float)(lr / bc1), (float)std::sqrt(bc2),
-                                                         (float)(1.0 - lr * weight_decay), (float)beta1,
-                                                         (float)beta2, (float)eps);
+                                                        ops::adamw_step(lr, beta1, beta2, eps, weight_decay, step));
   CUDA_LAUNCHED("adamw_update");
 }
 

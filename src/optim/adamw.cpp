@@ -2,27 +2,16 @@
 
 #include <cmath>
 
+#include "ops/adamw.h"
+
 namespace moetron {
 
 void adamw_update(float* param, float* m, float* v, const float* grad, size_t n, float grad_scale, double lr,
                   double beta1, double beta2, double eps, double weight_decay, long step) {
-  const double bc1 = 1.0 - std::pow(beta1, (double)step);
-  const double bc2 = 1.0 - std::pow(beta2, (double)step);
-  const float step_size = (float)(lr / bc1);
-  const float bc2_sqrt = (float)std::sqrt(bc2);
-  const float decay = (float)(1.0 - lr * weight_decay);
-  const float b1 = (float)beta1, b2 = (float)beta2, e = (float)eps;
-#pragma omp parallel for schedule(static)
-  for (size_t i = 0; i < n; i++) {
-    const float g = grad[i] * grad_scale;
-    float p = param[i] * decay;
-    const float mi = b1 * m[i] + (1.0f - b1) * g;
-    const float vi = b2 * v[i] + (1.0f - b2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    p -= step_size * mi / (std::sqrt(vi) / bc2_sqrt + e);
-    param[i] = p;
-  }
+  const ops::AdamWStep s = ops::adamw_step(lr, beta1, beta2, eps, weight_decay, step);
+  // firstprivate: each thread keeps the factors in registers (stores to m and v cannot alias them).
+#pragma omp parallel for schedule(static) firstprivate(s)
+  for (size_t i = 0; i < n; i++) param[i] = ops::adamw_element(param[i], grad[i] * grad_scale, m[i], v[i], s);
 }
 
 double global_grad_norm(const float* grad, size_t n) {

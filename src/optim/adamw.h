@@ -1,7 +1,8 @@
 // AdamW with decoupled weight decay, exactly as torch.optim.AdamW (non-amsgrad, non-foreach
 // semantics):  p *= 1 - lr*wd;  m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g^2;
 //              p -= (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-// and global-norm gradient clipping as torch.nn.utils.clip_grad_norm_.
+// (the arithmetic of ops/adamw.h, which the CUDA kernel shares) and global-norm gradient clipping as
+// torch.nn.utils.clip_grad_norm_.
 #pragma once
 
 #include <cstddef>
