@@ -1,8 +1,8 @@
 // The parallel layout, resolved once; see layout.h.
 #include "train/layout.h"
 
+#include "backend/select.h"
 #include "core/error.h"
-#include "cuda/backend.h"
 
 namespace moetron {
 
@@ -96,19 +96,16 @@ void check_device_rules(const TrainConfig& cfg, const ModelConfig& mc) {
       fail("model.dtype: '{}' is not supported on device cpu (it trains fp32 parameters; bf16 is for a LoRA run's "
            "frozen base); use fp32",
            cfg.model.dtype);
-    return;
-  }
-  if (cfg.device == "cuda") {
+  } else if (cfg.device == "cuda") {
     if (cfg.model.dtype != "bf16")
       fail(
           "model.dtype: '{}' on device cuda: the CUDA backend trains with bf16 GEMM weights copied from fp32 master "
           "weights (mixed precision); set model.dtype: bf16",
           cfg.model.dtype);
-    const std::string limit = gpu::cuda_model_limits(mc.head_dim, mc.is_moe() ? mc.num_local_experts : 0);
-    if (!limit.empty()) fail("device: cuda: {}", limit);
-    return;
+  } else {
+    fail("device: '{}' is not a device moetron trains on (cpu, cuda)", cfg.device);
   }
-  fail("device: '{}' is not a device moetron trains on (cpu, cuda)", cfg.device);
+  check_device_model(cfg.device, mc.head_dim, mc.is_moe() ? mc.num_local_experts : 0);
 }
 
 Layout resolve_layout(const TrainConfig& cfg, const ModelConfig& model, int world) {
