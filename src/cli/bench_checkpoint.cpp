@@ -26,6 +26,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/fd.h"
 #include "io/hf_config.h"
 #include "io/model_files.h"
 #include "model/params.h"
@@ -60,14 +61,6 @@ std::vector<fs::path> safetensors_files(const std::string& dir) {
   if (out.empty()) fail("{}: no .safetensors files", dir);
   return out;
 }
-
-struct Fd {
-  int fd;
-  explicit Fd(int f) : fd(f) {}
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
 
 // Reads every file sequentially into a buffer; when `out_dir` is given also writes each one there
 // and fsyncs it. Returns the bytes read.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/fd.h"
 
 namespace moetron {
 
@@ -101,20 +102,6 @@ uint64_t xxh64(const void* data, size_t n, uint64_t seed) {
 }
 
 std::string xxh64_hex(uint64_t h) { return fmt::format("{:016x}", h); }
-
-namespace {
-
-std::string errno_text(int err) { return std::generic_category().message(err); }
-
-// Closes a file descriptor on scope exit.
-struct Fd {
-  int fd = -1;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
-
-}  // namespace
 
 uint64_t xxh64_file(const std::string& path, uint64_t* size) {
   Fd f{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};

@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/fd.h"
 #include "core/xxh64.h"
 #include "data/loader.h"
 #include "model/weights.h"
@@ -31,16 +32,6 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
-
-std::string errno_text(int err) { return std::generic_category().message(err); }
-
-// Closes a file descriptor on scope exit.
-struct Fd {
-  int fd = -1;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
 
 void write_all_fd(int fd, const void* data, size_t n, const std::string& path) {
   const auto* p = static_cast<const uint8_t*>(data);
