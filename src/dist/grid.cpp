@@ -18,7 +18,7 @@ GridShape grid_shape(int world, int tp, int pp, int ep) {
   s.dp = world / (tp * pp);
   s.ep = ep;
   if (s.dp % ep != 0)
-    fail("parallel layout: ep {} does not divide the data-parallel size {} (= world {} / (tp {} x pp {}))", ep, s.dp,
+    fail("parallel.ep: ep {} does not divide the data-parallel size {} (= world {} / (tp {} x pp {}))", ep, s.dp,
          world, tp, pp);
   return s;
 }

@@ -26,8 +26,9 @@ struct GridShape {
   int world = 1, tp = 1, pp = 1, dp = 1, ep = 1;
 };
 
-// dp = world / (tp * pp).  Error naming the numbers when the world does not divide, or ep does not
-// divide dp.  (Model-dependent rules -- heads, layers, experts, vocabulary -- are make_plan's.)
+// dp = world / (tp * pp).  Error naming the numbers when a size is below 1, the world does not
+// divide, or ep does not divide dp (parallel.ep).  The model's rules are model/params.h's
+// (check_tp_split, check_ep_split); train/layout.h applies them all.
 GridShape grid_shape(int world, int tp, int pp, int ep);
 
 struct GridCoord {

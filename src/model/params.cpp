@@ -112,20 +112,7 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
   if (eb < 0 || eb >= ee || ee > E)
     fail("parameter shard: expert range [{}, {}) is outside the model's {} experts (num_local_experts)", eb, ee, E);
   if (tp < 1 || r < 0 || r >= tp) fail("parameter shard: tp_rank {} is outside [0, tp_size {})", r, tp);
-  if (NH % tp != 0) fail("parameter shard: num_attention_heads {} is not divisible by tp {}", NH, tp);
-  if (NKV % tp != 0 && tp % NKV != 0)
-    fail("parameter shard: num_key_value_heads {} and tp {}: neither divides the other", NKV, tp);
-  if (cfg.shared_expert_intermediate_size % tp != 0)
-    fail("parameter shard: shared_expert_intermediate_size {} is not divisible by tp {}",
-         cfg.shared_expert_intermediate_size, tp);
-  // Only under tp > 1 (every size divides by 1): a config built in code may have 2^31 layers, which
-  // the table's 2^44 bound below refuses after its first few thousand.
-  if (tp > 1)
-    for (int l = lb; l < le; l++)
-      if (cfg.ffn_size(l) % tp != 0)
-        fail("parameter shard: {} {} (layer {}) is not divisible by tp {}",
-             cfg.is_moe_layer(l) && cfg.moe_intermediate_size > 0 ? "moe_intermediate_size" : "intermediate_size",
-             cfg.ffn_size(l), l, tp);
+  check_tp_split(cfg, tp, lb, le);
   whole_ = lb == 0 && le == L && eb == 0 && ee == E && tp == 1;
   const bool split = tp > 1;
   // This rank's heads, kv heads (one replicated head when NKV < tp), FFN rows and vocabulary rows.
@@ -369,6 +356,38 @@ void for_each_run(const ParamTable& whole, const ParamTable& shard, F&& f) {
 
 }  // namespace
 
+void check_tp_split(const ModelConfig& cfg, int tp, int layer_begin, int layer_end) {
+  if (tp < 1) fail("parallel.tp: tp {} must be >= 1", tp);
+  if (cfg.num_attention_heads % tp != 0)
+    fail("parallel.tp: tp {} does not divide num_attention_heads {}", tp, cfg.num_attention_heads);
+  const int nkv = cfg.num_key_value_heads;
+  if (nkv % tp != 0 && tp % nkv != 0)
+    fail("parallel.tp: num_key_value_heads {} and tp {}: neither divides the other (kv heads are split over "
+         "tp, or replicated when tp is a multiple of them)",
+         nkv, tp);
+  if (cfg.shared_expert_intermediate_size % tp != 0)
+    fail("parallel.tp: tp {} does not divide shared_expert_intermediate_size {} (the FFN width is split over tp)", tp,
+         cfg.shared_expert_intermediate_size);
+  // Only under tp > 1 (every size divides by 1): a config built in code may have 2^31 layers, which
+  // the parameter table's 2^44 bound refuses after its first few thousand.
+  if (tp > 1) {
+    const int end = layer_end < 0 ? cfg.num_hidden_layers : layer_end;
+    for (int l = layer_begin; l < end; l++)
+      if (cfg.ffn_size(l) % tp != 0)
+        fail("parallel.tp: tp {} does not divide {} {} (the FFN width is split over tp)", tp,
+             cfg.is_moe_layer(l) && cfg.moe_intermediate_size > 0 ? "moe_intermediate_size" : "intermediate_size",
+             cfg.ffn_size(l));
+  }
+}
+
+void check_ep_split(const ModelConfig& cfg, int ep) {
+  if (ep < 1) fail("parallel.ep: ep {} must be >= 1", ep);
+  if (!cfg.is_moe() && ep != 1)
+    fail("parallel.ep: ep {} needs an MoE model; {} is dense (num_local_experts 0)", ep, cfg.architecture);
+  if (cfg.is_moe() && cfg.num_local_experts % ep != 0)
+    fail("parallel.ep: ep {} does not divide num_local_experts {}", ep, cfg.num_local_experts);
+}
+
 ParamShard make_param_shard(const ModelConfig& cfg, int layer_begin, int layer_end, int tp_rank, int tp_size,
                             int ep_rank, int ep_size) {
   ParamShard s;
@@ -377,10 +396,8 @@ ParamShard make_param_shard(const ModelConfig& cfg, int layer_begin, int layer_e
   s.tp_rank = tp_rank;
   s.tp_size = tp_size;
   if (ep_size > 1) {
-    if (!cfg.is_moe()) fail("parallel.ep: ep {} needs an MoE model (num_local_experts is 0)", ep_size);
-    const int E = cfg.num_local_experts;
-    if (E % ep_size != 0) fail("parallel.ep: ep {} does not divide num_local_experts {}", ep_size, E);
-    const int El = E / ep_size;
+    check_ep_split(cfg, ep_size);
+    const int El = cfg.num_local_experts / ep_size;
     s.expert_begin = ep_rank * El;
     s.expert_end = (ep_rank + 1) * El;
   }

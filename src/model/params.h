@@ -60,10 +60,19 @@ struct ParamShard {
   int tp_rank = 0, tp_size = 1;
 };
 
+// The model's rules for tensor parallelism over `tp` ranks (Error naming parallel.tp and the numbers):
+// tp divides num_attention_heads; num_key_value_heads and tp, one divides the other (kv heads are
+// split, or replicated when NKV < tp); tp divides shared_expert_intermediate_size and the FFN width
+// (intermediate_size, or an MoE layer's moe_intermediate_size) of layers [layer_begin, layer_end)
+// (-1: to the last).
+void check_tp_split(const ModelConfig& cfg, int tp, int layer_begin = 0, int layer_end = -1);
+// The model's rules for expert parallelism over `ep` ranks (Error naming parallel.ep): ep 1 for a
+// dense model, else ep divides num_local_experts.
+void check_ep_split(const ModelConfig& cfg, int ep);
+
 // The shard of the rank holding layers [layer_begin, layer_end) (-1: to the last), tensor-parallel
 // rank tp_rank of tp_size and expert-parallel rank ep_rank of ep_size (experts
-// [ep_rank E/ep, (ep_rank+1) E/ep)).  Error naming parallel.ep when ep_size > 1 does not fit the
-// model (a dense model, or ep not dividing the experts).
+// [ep_rank E/ep, (ep_rank+1) E/ep)).  Error as check_ep_split when ep_size does not fit the model.
 ParamShard make_param_shard(const ModelConfig& cfg, int layer_begin, int layer_end, int tp_rank, int tp_size,
                             int ep_rank, int ep_size);
 
@@ -111,7 +120,8 @@ struct HfTensorRef {
 
 class ParamTable {
  public:
-  // The whole model, or the part `shard` holds (Error naming the numbers when it does not fit).
+  // The whole model, or the part `shard` holds (Error naming the numbers when it does not fit: ranges
+  // outside the model, check_tp_split).
   explicit ParamTable(const ModelConfig& cfg, const ParamShard& shard = {});
   // The LoRA adapters of `lora`'s targets (model/lora.h), the part `shard` holds.
   ParamTable(const ModelConfig& cfg, const LoraSpec& lora, const ParamShard& shard = {});

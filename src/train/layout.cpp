@@ -3,6 +3,7 @@
 
 #include "backend/select.h"
 #include "core/error.h"
+#include "dist/grid.h"
 
 namespace moetron {
 
@@ -33,40 +34,18 @@ std::vector<int> stage_layer_starts(const TrainConfig& cfg, const ModelConfig& m
 
 namespace {
 
-void validate_layout(const TrainConfig& cfg, const ModelConfig& mc, int world) {
+// The process grid's shape, after every rule but the device's.
+dist::GridShape validate_layout(const TrainConfig& cfg, const ModelConfig& mc, int world) {
   const int tp = cfg.parallel.tp, pp = cfg.parallel.pp, ep = cfg.parallel.ep;
-  if (world < 1) fail("parallel layout: the world size must be >= 1, got {}", world);
-  if (tp < 1 || pp < 1 || ep < 1) fail("parallel layout: tp {}, pp {}, ep {} must all be >= 1", tp, pp, ep);
-  if (world % (tp * pp) != 0)
-    fail("parallel layout: world size {} is not divisible by tp {} x pp {} = {}", world, tp, pp, tp * pp);
-  const int dp = world / (tp * pp);
-  if (dp % ep != 0)
-    fail("parallel.ep: ep {} does not divide the data-parallel size {} (= world {} / (tp {} x pp {}))", ep, dp,
-         world, tp, pp);
-  if (mc.num_attention_heads % tp != 0)
-    fail("parallel.tp: tp {} does not divide num_attention_heads {}", tp, mc.num_attention_heads);
-  const int nkv = mc.num_key_value_heads;
-  if (nkv % tp != 0 && tp % nkv != 0)
-    fail("parallel.tp: num_key_value_heads {} and tp {}: neither divides the other (kv heads are split over "
-         "tp, or replicated when tp is a multiple of them)",
-         nkv, tp);
+  const dist::GridShape shape = dist::grid_shape(world, tp, pp, ep);
+  const int dp = shape.dp;
+  check_tp_split(mc, tp);
   stage_layer_starts(cfg, mc);
   if (mc.tie_word_embeddings && pp > 1)
     fail("parallel.pp: pp {} with tie_word_embeddings: the head is the embedding matrix, which the first and "
          "the last stage would both need (not supported; use pp 1)",
          pp);
-  if (!mc.is_moe() && ep != 1)
-    fail("parallel.ep: ep {} needs an MoE model; {} is dense (num_local_experts 0)", ep, mc.architecture);
-  if (mc.is_moe() && mc.num_local_experts % ep != 0)
-    fail("parallel.ep: ep {} does not divide num_local_experts {}", ep, mc.num_local_experts);
-  if (mc.shared_expert_intermediate_size % tp != 0)
-    fail("parallel.tp: tp {} does not divide shared_expert_intermediate_size {} (the FFN width is split over tp)", tp,
-         mc.shared_expert_intermediate_size);
-  for (int l = 0; l < mc.num_hidden_layers; l++)
-    if (mc.ffn_size(l) % tp != 0)
-      fail("parallel.tp: tp {} does not divide {} {} (the FFN width is split over tp)", tp,
-           mc.is_moe_layer(l) && mc.moe_intermediate_size > 0 ? "moe_intermediate_size" : "intermediate_size",
-           mc.ffn_size(l));
+  check_ep_split(mc, ep);
   if (mc.vocab_size % tp != 0)
     fail("parallel.tp: tp {} does not divide vocab_size {} (the embedding and the head are split over tp)", tp,
          mc.vocab_size);
@@ -77,6 +56,7 @@ void validate_layout(const TrainConfig& cfg, const ModelConfig& mc, int world) {
     fail("batch: train.global_batch_size {} is not divisible by micro_batch_size {} x data-parallel size {} = {}",
          gbs, mbs, dp, mbs * dp);
   check_seq_length(cfg, mc, "");
+  return shape;
 }
 
 }  // namespace
@@ -109,14 +89,14 @@ void check_device_rules(const TrainConfig& cfg, const ModelConfig& mc) {
 }
 
 Layout resolve_layout(const TrainConfig& cfg, const ModelConfig& model, int world) {
-  validate_layout(cfg, model, world);
+  const dist::GridShape shape = validate_layout(cfg, model, world);
   check_device_rules(cfg, model);
   Layout l;
-  l.world = world;
-  l.tp = cfg.parallel.tp;
-  l.pp = cfg.parallel.pp;
-  l.ep = cfg.parallel.ep;
-  l.dp = world / (l.tp * l.pp);
+  l.world = shape.world;
+  l.tp = shape.tp;
+  l.pp = shape.pp;
+  l.ep = shape.ep;
+  l.dp = shape.dp;
   l.zero1 = cfg.parallel.zero1;
   l.stage_starts = stage_layer_starts(cfg, model);
   l.micro_batches = cfg.train.global_batch_size / (cfg.train.micro_batch_size * l.dp);

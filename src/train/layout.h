@@ -8,7 +8,8 @@
 // NKV % tp or tp % NKV; E % ep (a dense model needs ep 1); I % tp; V % tp;
 // parallel.layers_per_stage: empty and L % pp, or pp entries >= 1 summing to L;
 // global_batch_size % (micro_batch_size * dp); 1 <= seq_length <= max_position_embeddings; and the
-// device's (check_device_rules).
+// device's (check_device_rules).  The world's rules are dist::grid_shape's, the model's tensor and
+// expert splits model/params.h's (check_tp_split, check_ep_split).
 #pragma once
 
 #include <string>
