@@ -190,7 +190,9 @@ TEST(MappedFile, HugePagesKeepEveryByte) {
   EXPECT_EQ(h.windows, 8 * kMiB);
   EXPECT_LE(h.huge, size_t{10} * kMiB);
   EXPECT_EQ(h.huge % (2 * kMiB), 0u);
-  if (h.reread) EXPECT_GE(h.huge, 2 * kMiB);
+  if (h.reread) {
+    EXPECT_GE(h.huge, 2 * kMiB);
+  }
   std::printf("2 MiB pages: %zu of %zu bytes%s\n", h.huge, h.windows, h.reread ? " (re-read)" : "");
   EXPECT_EQ(std::memcmp(m.data(), bytes.data(), bytes.size()), 0);
   // Without the descriptor it only counts: nothing dropped.

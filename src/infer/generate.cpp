@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
-#include "data/jsonl.h"
+#include "io/line_reader.h"
 #include "core/error.h"
 #include "infer/text_stream.h"
 
