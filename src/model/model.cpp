@@ -146,7 +146,7 @@ Tensor Model::LW32(ParamKind target, int l, bool b) const {
 }
 Tensor Model::LG(ParamKind target, int l, bool b) const {
   const ParamSpec* s = lora_table_ ? lora_table_->find_lora(target, l, b) : nullptr;
-  return s ? lgrads_t_.part(s->offset, s->numel) : Tensor{};
+  return s && !lgrads_t_.empty() ? lgrads_t_.part(s->offset, s->numel) : Tensor{};  // none once released
 }
 
 LoraFactors Model::lora_factors(ParamKind target, int l, bool f32) const {
