@@ -235,7 +235,8 @@ OpCase attention_kv_case(const std::string& name, int n, int pos0, int NH, int N
   c.act_inputs = {"q", "k", "v"};
   c.outputs = {"out"};
   c.forward = [=](Env& e) {
-    e.be().attention_kv_forward(e.act("out", nq), e["q"], e["k"], e["v"], n, pos0, window, NH, NKV, HD);
+    const Backend::KvSeq seq{0, n, pos0, e["k"], e["v"]};
+    e.be().attention_kv_forward(e.act("out", nq), e["q"], std::span(&seq, 1), window, NH, NKV, HD);
   };
   return c;
 }

@@ -31,9 +31,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "backend/weights.h"
 #include "core/error.h"
 #include "ops/moe_dispatch.h"
 #include "ops/router.h"
@@ -45,7 +47,7 @@ class Comm;
 class MemorySpace;
 }  // namespace dist
 
-enum class Store : uint8_t { f32, bf16, i32, u8 };
+enum class Store : uint8_t { f32, bf16, i32, u8, stored };
 const char* store_name(Store s);
 
 struct Tensor {
@@ -53,13 +55,22 @@ struct Tensor {
   size_t numel = 0;
   Store store = Store::f32;
   uint8_t elem_bytes = 4;  // physical bytes per element in the backend's memory
+  // Store::stored (a weight used where it lies, inference on a CPU: backend/weights.h): `data` is
+  // the WeightSource and the view covers its elements [offset, offset + numel); elem_bytes is 0.
+  size_t offset = 0;
 
   bool empty() const { return data == nullptr; }
   size_t nbytes() const { return numel * elem_bytes; }
   // Elements [begin, begin + n) of this tensor.
   Tensor part(size_t begin, size_t n) const {
     MOETRON_ASSERT(begin + n <= numel);
+    if (store == Store::stored) return Tensor{data, n, store, 0, offset + begin};
     return Tensor{static_cast<char*>(data) + begin * elem_bytes, n, store, elem_bytes};
+  }
+  // Store::stored: the source of the values.
+  const WeightSource& source() const {
+    MOETRON_ASSERT(store == Store::stored);
+    return *static_cast<const WeightSource*>(data);
   }
   // Typed access for backends whose memory the host (or a kernel) reads with these types: floats
   // are fp32 in memory (store f32, or bf16 values kept in fp32 by a CPU backend).
@@ -190,6 +201,18 @@ class Backend {
   virtual void matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, int N, int IC,
                                int OC, bool accumulate) = 0;
 
+  // Several products reading the same input (q, k and v): out_t[N,OC_t] (= or += when accumulate)
+  // inp[N,IC] @ weight_t^T, in the order given -- one call, which a backend may run in one parallel
+  // region.  The default calls matmul_forward for each.
+  struct MatmulTask {
+    Tensor out, weight;
+    int OC = 0;
+    bool accumulate = false;
+  };
+  virtual void matmul_forward_group(std::span<const MatmulTask> tasks, Tensor inp, int N, int IC) {
+    for (const MatmulTask& t : tasks) matmul_forward(t.out, inp, t.weight, N, IC, t.OC, t.accumulate);
+  }
+
   // ---- RoPE (HF rotate-half, in place) --------------------------------------------------------
   virtual void rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta) = 0;
   virtual void rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, float theta) = 0;
@@ -205,12 +228,28 @@ class Backend {
                                   Tensor k, Tensor v, const AttnMask& mask, int B, int T, int NH, int NKV,
                                   int HD) = 0;
 
+  // ---- inference passes (Model::infer) ---------------------------------------------------------------
+  // A pass over `rows` rows: decode when every row must get what it gets alone (one token, or rows
+  // of several sequences), else one sequence's prompt rows, which a backend may compute together
+  // (GEMMs whose rounding depends on the rows).  Backends whose results do not depend on it ignore it.
+  virtual void begin_inference_pass(bool decode, long rows) {
+    (void)decode;
+    (void)rows;
+  }
+  virtual void end_inference_pass() {}
+
   // ---- attention over a KV cache (inference; ops/attention_kv.h) -----------------------------------
-  // out[n,NH*HD] (act store, assign) for the n query rows q[n,NH*HD] (act store) at positions pos0 ..
-  // pos0+n-1 of one sequence, over the first pos0+n rows of its cache k/v [rows, NKV*HD] (act store),
-  // which hold the rows' own keys and values; causal, with the sliding window (0: none).
-  virtual void attention_kv_forward(Tensor out, Tensor q, Tensor k, Tensor v, int n, int pos0, int sliding_window,
-                                    int NH, int NKV, int HD) = 0;
+  // One sequence's rows of a pass: rows [row0, row0 + rows) are its positions pos0 .. pos0+rows-1;
+  // k / v: its cache's tensors of the layer ([capacity, NKV*HD], act store), whose first pos0 + rows
+  // rows hold its keys and values (the rows' own included).
+  struct KvSeq {
+    int row0 = 0, rows = 0, pos0 = 0;
+    Tensor k, v;
+  };
+  // out[N,NH*HD] (act store, assign) for the query rows q[N,NH*HD] (act store) of the sequences, each
+  // over its own cache; causal, with the sliding window (0: none).
+  virtual void attention_kv_forward(Tensor out, Tensor q, std::span<const KvSeq> seqs, int sliding_window, int NH,
+                                    int NKV, int HD) = 0;
 
   // ---- biases (ops/bias.h) and the sigmoid gate (ops/sigmoid.h) ------------------------------------
   // x[N,E] += bias[E] (f32): projection biases, and a test aid that skews routing.

@@ -35,6 +35,8 @@ const char* store_name(Store s) {
       return "i32";
     case Store::u8:
       return "u8";
+    case Store::stored:
+      return "stored";
   }
   return "?";
 }
@@ -202,9 +204,12 @@ void CpuBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout
                           NKV, HD);
 }
 
-void CpuBackend::attention_kv_forward(Tensor out, Tensor q, Tensor k, Tensor v, int n, int pos0, int sliding_window,
-                                      int NH, int NKV, int HD) {
-  ops::attention_kv_forward(out.f32(), q.f32(), k.f32(), v.f32(), n, pos0, sliding_window, NH, NKV, HD);
+void CpuBackend::attention_kv_forward(Tensor out, Tensor q, std::span<const KvSeq> seqs, int sliding_window, int NH,
+                                      int NKV, int HD) {
+  const size_t Q = (size_t)NH * HD;
+  for (const KvSeq& s : seqs)
+    ops::attention_kv_forward(out.f32() + s.row0 * Q, q.f32() + s.row0 * Q, s.k.f32(), s.v.f32(), s.rows, s.pos0,
+                              sliding_window, NH, NKV, HD);
 }
 
 void CpuBackend::add_bias_rows(Tensor x, Tensor bias, long N, int E) {

@@ -47,8 +47,8 @@ class CpuBackend : public Backend {
                          int NH, int NKV, int HD) override;
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor out, Tensor saved, Tensor q, Tensor k,
                           Tensor v, const AttnMask& mask, int B, int T, int NH, int NKV, int HD) override;
-  void attention_kv_forward(Tensor out, Tensor q, Tensor k, Tensor v, int n, int pos0, int sliding_window, int NH,
-                            int NKV, int HD) override;
+  void attention_kv_forward(Tensor out, Tensor q, std::span<const KvSeq> seqs, int sliding_window, int NH, int NKV,
+                            int HD) override;
   void add_bias_rows(Tensor x, Tensor bias, long N, int E) override;
   void bias_backward(Tensor dbias, Tensor dout, long N, int C) override;
   void sigmoid_forward(Tensor s, Tensor x, long n) override;

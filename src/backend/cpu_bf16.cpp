@@ -81,9 +81,9 @@ void Bf16CpuBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor 
 }
 
 // The fp32 reference over the bf16 cache, its output rounded as CUDA stores it.
-void Bf16CpuBackend::attention_kv_forward(Tensor out, Tensor q, Tensor k, Tensor v, int n, int pos0,
-                                          int sliding_window, int NH, int NKV, int HD) {
-  CpuBackend::attention_kv_forward(out, q, k, v, n, pos0, sliding_window, NH, NKV, HD);
+void Bf16CpuBackend::attention_kv_forward(Tensor out, Tensor q, std::span<const KvSeq> seqs, int sliding_window,
+                                          int NH, int NKV, int HD) {
+  CpuBackend::attention_kv_forward(out, q, seqs, sliding_window, NH, NKV, HD);
   finish(out);
 }
 

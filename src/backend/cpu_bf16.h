@@ -30,8 +30,8 @@ class Bf16CpuBackend final : public CpuBackend {
   size_t attention_saved_numel(int B, int T, int NH) const override;
   void attention_forward(Tensor out, Tensor saved, Tensor q, Tensor k, Tensor v, const AttnMask& mask, int B, int T,
                          int NH, int NKV, int HD) override;
-  void attention_kv_forward(Tensor out, Tensor q, Tensor k, Tensor v, int n, int pos0, int sliding_window, int NH,
-                            int NKV, int HD) override;
+  void attention_kv_forward(Tensor out, Tensor q, std::span<const KvSeq> seqs, int sliding_window, int NH, int NKV,
+                            int HD) override;
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor out, Tensor saved, Tensor q, Tensor k,
                           Tensor v, const AttnMask& mask, int B, int T, int NH, int NKV, int HD) override;
   void moe_combine_backward(Tensor dyperm, Tensor dw, Tensor dout, Tensor yperm, Tensor w, const PlanView& plan,

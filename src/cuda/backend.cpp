@@ -189,10 +189,13 @@ void CudaBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dou
                           b16(v), device_mask(mask), B, T, NH, NKV, HD, 0, 0);
 }
 
-void CudaBackend::attention_kv_forward(Tensor out, Tensor q, Tensor k, Tensor v, int n, int pos0, int sliding_window,
-                                       int NH, int NKV, int HD) {
+void CudaBackend::attention_kv_forward(Tensor out, Tensor q, std::span<const KvSeq> seqs, int sliding_window, int NH,
+                                       int NKV, int HD) {
   expect(out, Store::bf16, "attention_kv_forward", "out");
-  gpu::attention_kv_forward(*ctx_, b16(out), b16(q), b16(k), b16(v), n, pos0, sliding_window, NH, NKV, HD);
+  const size_t Q = (size_t)NH * HD;
+  for (const KvSeq& s : seqs)
+    gpu::attention_kv_forward(*ctx_, b16(out) + s.row0 * Q, b16(q) + s.row0 * Q, b16(s.k), b16(s.v), s.rows, s.pos0,
+                              sliding_window, NH, NKV, HD);
 }
 
 void CudaBackend::add_bias_rows(Tensor x, Tensor bias, long N, int E) {

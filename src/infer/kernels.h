@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend/weights.h"
 #include "core/dtype.h"
 
 namespace moetron::infer {
@@ -29,19 +30,8 @@ namespace moetron::infer {
 // whole blocks.
 constexpr int kQ8Block = kQ8_0Block;  // core/dtype.h: the rule
 
-// A weight matrix (or vector), row-major, in F32, BF16 or F16 (unaligned is fine) -- or Q8_0: int8
-// values at `data` (dtype U8, one byte a value) and one f16 scale per kQ8Block values at `scales`.
-struct WeightRef {
-  const void* data = nullptr;
-  DType dtype = DType::F32;
-  const uint16_t* scales = nullptr;  // Q8_0 only
-  bool q8() const { return scales != nullptr; }
-  // The same storage advanced by `elements` values (for Q8_0 a multiple of kQ8Block).
-  WeightRef at(size_t elements) const {
-    return {static_cast<const uint8_t*>(data) + elements * dtype_size(dtype), dtype,
-            scales ? scales + elements / kQ8Block : nullptr};
-  }
-};
+// Weights as the kernels read them: backend/weights.h.
+using moetron::WeightRef;
 
 // Quantizes `rows` rows of IC values (IC a multiple of kQ8Block) of W (F32, BF16 or F16) to Q8_0:
 // q[rows * IC], d[rows * IC / kQ8Block].  Rows in parallel; the result does not depend on threads.

@@ -208,10 +208,8 @@ void AttentionBlock::forward_cached(const BlockEnv& env, Tensor h, AttentionSave
               a.k.part((size_t)r.row0 * KVd, (size_t)r.rows * KVd));
       be.copy(r.v.part((size_t)r.pos0 * KVd, (size_t)r.rows * KVd),
               a.v.part((size_t)r.row0 * KVd, (size_t)r.rows * KVd));
-      be.attention_kv_forward(a.att.part((size_t)r.row0 * Q, (size_t)r.rows * Q),
-                              a.q.part((size_t)r.row0 * Q, (size_t)r.rows * Q), r.k, r.v, r.rows, r.pos0,
-                              env.cfg.sliding_window, NH, NKV, HD);
     }
+    be.attention_kv_forward(a.att, a.q, seqs, env.cfg.sliding_window, NH, NKV, HD);
   }
   output(env, h, a, sc, w, ident, N);
 }

@@ -60,13 +60,9 @@ struct AttentionScratch {
   void carve(TensorCarver& c, const BlockEnv& env, int lora_rank, long N);
 };
 
-// Inference over KV caches: one sequence's rows of a pass.  Rows [row0, row0 + rows) of the pass are
-// its positions pos0 .. pos0 + rows - 1; k / v: its cache's tensors of the layer being run ([capacity,
-// KVd] in the act store, capacity >= pos0 + rows), whose first pos0 rows are cached.
-struct KvRows {
-  int row0 = 0, rows = 0, pos0 = 0;
-  Tensor k, v;
-};
+// Inference over KV caches: one sequence's rows of a pass and its cache of the layer being run
+// (backend.h), whose first pos0 rows are cached.
+using KvRows = Backend::KvSeq;
 
 class AttentionBlock {
  public:
