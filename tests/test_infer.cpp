@@ -27,7 +27,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
-#include "infer/decoder.h"
+#include "infer/model_runner.h"
 #include "infer/generate.h"
 #include "infer/model.h"
 #include "infer/sampler.h"
@@ -103,7 +103,7 @@ TEST(Decoder, KvCacheEqualsRecomputationAtEveryStep) {
     const int V = model->cfg.vocab_size, T = 40, P = 7;
     const std::vector<int32_t> tokens = random_tokens(T, V, 7);
     const std::vector<float> ref = recompute_logits(dir, tokens);
-    Decoder dec(*model);
+    ModelRunner dec(*model);
     KvCache cache = dec.new_cache();
     std::vector<float> logits((size_t)P * V);
     dec.forward(cache, std::span(tokens).first(P), logits.data(), /*all_logits=*/true);
@@ -130,7 +130,7 @@ TEST(Decoder, ChunkedPrefillAndCacheContinuation) {
     const std::vector<float> ref = recompute_logits(dir, tokens);
     for (auto [chunk, row_pairs] : std::vector<std::pair<int, long>>{{3, -1}, {20, -1}, {3, 0}, {20, 0}, {256, 0}}) {
       SCOPED_TRACE(::testing::Message() << "chunk " << chunk << ", row attention up to " << row_pairs << " pairs");
-      Decoder dec(*model, chunk, row_pairs);
+      ModelRunner dec(*model, chunk, row_pairs);
       KvCache cache = dec.new_cache();
       std::vector<float> all((size_t)25 * V), last(V);
       dec.forward(cache, std::span(tokens).first(25), all.data(), true);
@@ -164,7 +164,7 @@ TEST(Decoder, Bf16InPlaceComputesBitwiseWhatItsFp32WideningDoes) {
     EXPECT_EQ(model->weight_bytes(), (wide->weight_bytes() - 4 * small) / 2 + 4 * small);
     const int V = model->cfg.vocab_size;
     const std::vector<int32_t> tokens = random_tokens(30, V, 3);
-    Decoder a(*model), b(*wide);
+    ModelRunner a(*model), b(*wide);
     KvCache ca = a.new_cache(), cb = b.new_cache();
     std::vector<float> la((size_t)9 * V), lb((size_t)9 * V);
     a.forward(ca, std::span(tokens).first(9), la.data(), /*all_logits=*/true);  // prefill: 9 rows
@@ -221,7 +221,7 @@ TEST(Decoder, UntiedEmbeddingIsReadByRowNeverMapped) {
     const auto wide = load_inference_model(dir, "", /*widen_to_fp32=*/true);
     std::vector<int32_t> tokens;
     for (int i = 0; i < 40; i++) tokens.push_back((int32_t)((i * 7919L) % cfg.vocab_size));
-    Decoder a(*model), b(*wide);
+    ModelRunner a(*model), b(*wide);
     KvCache ca = a.new_cache(), cb = b.new_cache();
     std::vector<float> la((size_t)cfg.vocab_size), lb(la.size());
     a.forward(ca, std::span(tokens).first(30), la.data());  // prefill
@@ -249,7 +249,7 @@ TEST(Decoder, UntiedEmbeddingIsReadByRowNeverMapped) {
     // So with Q8_0 weights: the embedding stays in the file (bf16, quantized per row on lookup).
     const auto q8 = load_inference_model(dir, "", false, WeightQuant::q8_0);
     EXPECT_EQ(q8->storage_name(), "Q8_0");
-    Decoder c(*q8);
+    ModelRunner c(*q8);
     KvCache cc = c.new_cache();
     c.forward(cc, tokens, la.data());
     ASSERT_NE(q8->embedding_in_file(), nullptr);
@@ -280,7 +280,7 @@ TEST(Decoder, LoadsNoBlasMpiOrNcclLibrary) {
   write_random_model(dir, cfg, 3, DType::BF16);
   for (const WeightQuant q : {WeightQuant::none, WeightQuant::q8_0}) {
     const auto model = load_inference_model(dir, "", false, q);
-    Decoder d(*model);
+    ModelRunner d(*model);
     KvCache c = d.new_cache();
     std::vector<int32_t> tokens(40);
     for (int i = 0; i < 40; i++) tokens[i] = (int32_t)((i * 37) % cfg.vocab_size);
@@ -580,7 +580,7 @@ TEST(Decoder, BatchedDecodingIsBitwiseEachSequenceAlone) {
     SCOPED_TRACE(dir);
     const auto model = load_inference_model(dir);
     const int V = model->cfg.vocab_size, S = 11;
-    Decoder batched(*model), alone(*model);
+    ModelRunner batched(*model), alone(*model);
     std::vector<KvCache> bc, ac;
     std::vector<int32_t> next(S);
     for (int s = 0; s < S; s++) {
@@ -644,7 +644,7 @@ TEST(Decoder, WeightsReadCountEachMatrixOnceAStepAndOnlyTheRoutedExperts) {
   const size_t head = (size_t)V * C * 4;
   const size_t one_step = L * (dense + K * expert) + head;
 
-  Decoder dec(*model);
+  ModelRunner dec(*model);
   const std::vector<int32_t> prompt = random_tokens(5, V, 7);
   KvCache a = dec.new_cache(), b = dec.new_cache();
   std::vector<float> l((size_t)3 * V);
@@ -683,7 +683,7 @@ TEST(Decoder, RowPrefillOfSeveralSequencesIsBitwiseTokenByToken) {
     const auto model = load_inference_model(dir);
     const int V = model->cfg.vocab_size;
     for (const int chunk : {256, 7}) {
-      Decoder rows(*model, chunk), alone(*model);
+      ModelRunner rows(*model, chunk), alone(*model);
       std::vector<KvCache> rc, ac;
       std::vector<std::vector<int32_t>> prompts;
       for (int s = 0; s < 4; s++) {
@@ -715,7 +715,7 @@ TEST(Decoder, RowPrefillOfSeveralSequencesIsBitwiseTokenByToken) {
 
 TEST(Decoder, RejectsBadTokensWithoutChangingTheCache) {
   const auto model = load_inference_model((kGenerate / "llama_dense").string());
-  Decoder dec(*model);
+  ModelRunner dec(*model);
   KvCache cache = dec.new_cache();
   std::vector<float> logits(model->cfg.vocab_size);
   const std::vector<int32_t> good = {1, 5, 9};
@@ -738,7 +738,7 @@ TEST(Generate, GreedyEqualsTransformersGenerate) {
     const auto model = load_inference_model(dir);
     const std::vector<int32_t> eos = model_eos_ids(dir, model->cfg, nullptr);
     EXPECT_EQ(eos, std::vector<int32_t>{2});
-    Decoder dec(*model);
+    ModelRunner dec(*model);
     KvCache cache = dec.new_cache();
     const auto prompt = c["prompt_ids"].get<std::vector<int32_t>>();
     const auto want = c["expected_ids"].get<std::vector<int32_t>>();
@@ -769,7 +769,7 @@ TEST(Generate, TextRepliesEqualTransformers) {
   const std::string dir = (kGenerate / "mixtral_gqa").string();
   const auto model = load_inference_model(dir);
   const auto tok = load_model_tokenizer(dir, "", model->cfg, true);
-  Decoder dec(*model);
+  ModelRunner dec(*model);
   KvCache cache = dec.new_cache();
   GenerateOptions o;
   o.max_new_tokens = t["max_tokens"].get<int>();
@@ -820,7 +820,7 @@ TEST(Generate, TextRepliesEqualTransformers) {
 
 TEST(Generate, PositionLimitAndZeroTokens) {
   const auto model = load_inference_model((kGenerate / "llama_dense").string());
-  Decoder dec(*model);
+  ModelRunner dec(*model);
   KvCache cache = dec.new_cache();
   GenerateOptions o;
   o.max_new_tokens = 100;
@@ -842,7 +842,7 @@ TEST(Generate, PositionLimitAndZeroTokens) {
 TEST(Generate, NonFiniteLogitsStopWithAnError) {
   auto model = load_inference_model((kGenerate / "llama_dense").string());
   const ParamSpec& norm = model->table.at(ParamKind::final_norm);
-  Decoder dec(*model);
+  ModelRunner dec(*model);
   const std::vector<int32_t> prompt = {1, 4, 5, 6};
   GenerateOptions o;
   o.max_new_tokens = 8;
@@ -1060,7 +1060,7 @@ TEST(EvalChat, AConversationBeyondTheModelsPositionsIsAnErrorNamingTheLine) {
   const std::string dir = (kGenerate / "mixtral_gqa").string();
   const auto model = load_inference_model(dir);
   const auto tok = load_model_tokenizer(dir, "", model->cfg, true);
-  Decoder decoder(*model);
+  ModelRunner decoder(*model);
   const fs::path path = fs::temp_directory_path() / ("moetron_evalchat_" + std::to_string(::getpid()) + ".jsonl");
   std::string long_text;
   for (int i = 0; i < 600; i++) long_text += "word" + std::to_string(i) + " ";

@@ -19,7 +19,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
-#include "infer/decoder.h"
+#include "infer/model_runner.h"
 #include "infer/generate.h"
 #include "infer/kernels.h"
 #include "infer/model.h"
@@ -326,7 +326,7 @@ TEST(Perplexity, EqualsTheTrainingForwardsLossPerWindow) {
       scored++;
     }
   }
-  Decoder dec(*model);
+  ModelRunner dec(*model);
   for (const int step : {5, 1}) {
     const PerplexityResult r = perplexity(dec, tokens, {ctx, step});
     EXPECT_EQ(r.scored, scored);
@@ -344,7 +344,7 @@ TEST(Perplexity, EqualsTheTrainingForwardsLossPerWindow) {
                             {"num_hidden_layers", 1}, {"num_attention_heads", 2}, {"num_key_value_heads", 1},
                             {"max_position_embeddings", 4096}, {"tie_word_embeddings", false}};
   InferenceModel wide(model_config_from_json(j, "test"));
-  Decoder wdec(wide);
+  ModelRunner wdec(wide);
   try {
     perplexity(wdec, std::vector<int32_t>(4096, 5), {4096, 4096});
     ADD_FAILURE() << "no error";
@@ -369,7 +369,7 @@ TEST(Q8Model, PerplexityChangesByLessThanOnePercentOnATrainedModel) {
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const std::vector<int32_t> ids = completion_prompt_tokens(*tok, text);
   ASSERT_GT(ids.size(), 2000u);
-  Decoder db(*bf), dq(*q8);
+  ModelRunner db(*bf), dq(*q8);
   const double p_bf = perplexity(db, ids, {256, 64}).perplexity();
   const double p_q8_prefill = perplexity(dq, ids, {256, 64}).perplexity();
   const double p_q8_decode = perplexity(dq, ids, {256, 1}).perplexity();
@@ -414,7 +414,7 @@ TEST(Decoder, ExpertParallelPrefillMatchesTheTrainingForwardAndIsDeterministic) 
   omp_set_num_threads(2);
   std::vector<float> first((size_t)T * V), again((size_t)T * V);
   for (std::vector<float>* out : {&first, &again}) {
-    Decoder dec(model);
+    ModelRunner dec(model);
     KvCache cache = dec.new_cache();
     dec.forward(cache, tokens, out->data(), /*all_logits=*/true);
   }

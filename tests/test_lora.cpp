@@ -23,7 +23,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "infer/decoder.h"
+#include "infer/model_runner.h"
 #include "infer/model.h"
 #include "io/hf_config.h"
 #include "io/model_files.h"
@@ -222,7 +222,7 @@ TEST_P(LoraGolden, DecoderWithTheAdapterUnmergedGivesPeftsLogits) {
     const std::unique_ptr<InferenceModel> m =
         load_inference_model(c.dir.string(), (c.dir / "adapter_final").string(), widen);
     ASSERT_TRUE(m->lora);
-    Decoder d(*m);
+    ModelRunner d(*m);
     KvCache prefill = d.new_cache();
     std::vector<float> got((size_t)T * V);
     d.forward(prefill, tokens, got.data(), true);

@@ -30,7 +30,7 @@
 #include "core/rng.h"
 #include "cuda_test_util.h"
 #include "golden_case.h"
-#include "infer/decoder.h"
+#include "infer/model_runner.h"
 #include "infer/generate.h"
 #include "infer/model.h"
 #include "infer/model_runner.h"
@@ -122,6 +122,31 @@ TEST(ModelInfer, PrefillAndDecodeEqualTheTrainingForward) {
             << "chunk " << chunk << " row " << t;
       chunked.forward(c, std::span(tokens).subspan(25), logits.data());  // the last row's only
       ASSERT_LE(rel_err(logits.data(), ref.data() + (size_t)(T - 1) * V, V), kTol) << "chunk " << chunk;
+    }
+  }
+}
+
+// The same on the CPU inference backend over the checkpoint used where it lies (bf16 / f32 in place,
+// the inference kernels), with prompts in chunks of 3 and 256 rows.
+TEST(ModelInfer, OverWeightsInPlacePrefillAndDecodeEqualTheTrainingForward) {
+  for (const std::string& dir : model_dirs()) {
+    SCOPED_TRACE(dir);
+    const auto weights = load_inference_model(dir);
+    const int V = weights->cfg.vocab_size, T = 40, P = 7;
+    const std::vector<int32_t> tokens = random_tokens(T, V, 7);
+    const std::vector<float> ref = recompute_logits(dir, tokens);
+    for (int chunk : {3, 256}) {
+      ModelRunner run(*weights, chunk);
+      KvCache cache = run.new_cache();
+      std::vector<float> logits((size_t)T * V);
+      run.forward(cache, std::span(tokens).first(P), logits.data(), /*all_logits=*/true);
+      for (int t = 0; t < P; t++)
+        ASSERT_LE(rel_err(logits.data() + (size_t)t * V, ref.data() + (size_t)t * V, V), kTol)
+            << "chunk " << chunk << " prefill row " << t;
+      for (int t = P; t < T; t++) {
+        run.forward(cache, std::span(tokens).subspan(t, 1), logits.data());
+        ASSERT_LE(rel_err(logits.data(), ref.data() + (size_t)t * V, V), kTol) << "decode step at position " << t;
+      }
     }
   }
 }
@@ -230,7 +255,7 @@ TEST(ModelInfer, Bf16BackendStaysWithinBf16AccuracyOfFp32) {
   }
 }
 
-// Bad input: a token outside the vocabulary, a cache of another runner (host floats, the Decoder's), one
+// Bad input: a token outside the vocabulary, a cache of another runner (or of host floats), one
 // cache twice in a batch, an empty feed -- an Error, and the caches keep what they held.
 TEST(ModelInfer, RejectsBadInputWithoutChangingTheCache) {
   const std::string dir = (kGolden / "mixtral_gqa").string();
@@ -247,8 +272,10 @@ TEST(ModelInfer, RejectsBadInputWithoutChangingTheCache) {
   EXPECT_THROW(run.forward(cache, {}, logits.data()), Error);
   EXPECT_EQ(cache.tokens(), ok);
   const auto model = load_inference_model(dir);
-  Decoder dec(*model);
-  KvCache host = dec.new_cache();
+  ModelRunner other(*model);  // the CPU inference backend's caches
+  KvCache theirs = other.new_cache();
+  EXPECT_THROW(run.forward(theirs, ok, logits.data()), Error);
+  KvCache host(run.config().num_hidden_layers, theirs.kv_dim());
   EXPECT_THROW(run.forward(host, ok, logits.data()), Error);
   KvCache* twice[2] = {&cache, &cache};
   const int32_t two[2] = {1, 2};

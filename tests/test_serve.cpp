@@ -15,7 +15,7 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
-#include "infer/decoder.h"
+#include "infer/model_runner.h"
 #include "infer/generate.h"
 #include "infer/model.h"
 #include "server/engine.h"
@@ -68,7 +68,7 @@ class ServeTest : public ::testing::Test {
     o.model_name = "tiny-mixtral";
     o.read_timeout_ms = 2000;
     o.write_timeout_ms = 2000;
-    decoder_ = std::make_unique<Decoder>(*model_);
+    decoder_ = std::make_unique<ModelRunner>(*model_);
     srv_ = std::make_unique<server::Server>(*decoder_, *tok_, ChatTemplate::mistral,
                                             model_eos_ids(kModel.string(), model_->cfg, tok_), o);
     port_ = srv_->bind();
@@ -111,7 +111,7 @@ class ServeTest : public ::testing::Test {
 
   static InferenceModel* model_;
   static Tokenizer* tok_;
-  std::unique_ptr<Decoder> decoder_;  // destroyed after the server (declared before it)
+  std::unique_ptr<ModelRunner> decoder_;  // destroyed after the server (declared before it)
   std::unique_ptr<server::Server> srv_;
   std::thread thread_;
   int port_ = 0;
@@ -407,7 +407,7 @@ TEST(OpenAiApi, TinyTemperaturesAreGreedy) {
 TEST(Engine, BoundedQueueRefusesWhenFull) {
   const auto model = load_inference_model(kModel.string());
   const auto tok = load_model_tokenizer(kModel.string(), "", model->cfg, true);
-  Decoder dec(*model);
+  ModelRunner dec(*model);
   server::Engine engine(dec, *tok, 1);
   GenerateOptions o;
   o.max_new_tokens = 400;
@@ -465,7 +465,7 @@ TEST(Engine, BatchedJobsGetWhatEachGetsAlone) {
   }
   std::vector<GenerateResult> alone;  // each job on an engine of its own
   for (int i = 0; i < 9; i++) {
-    Decoder solo_dec(*model);
+    ModelRunner solo_dec(*model);
     server::Engine solo(solo_dec, *tok, 1, 1);
     auto job = std::make_shared<server::Job>(prompts[i], opts[i], false);
     ASSERT_TRUE(solo.submit(job));
@@ -473,11 +473,11 @@ TEST(Engine, BatchedJobsGetWhatEachGetsAlone) {
     ASSERT_TRUE(job->error().empty()) << job->error();
     alone.push_back(job->result());
     // ... which is what generate() gives (the same model; prefill arithmetic aside).
-    Decoder d(*model);
+    ModelRunner d(*model);
     KvCache c = d.new_cache();
     EXPECT_EQ(generate(d, c, prompts[i], opts[i], tok.get()).tokens, alone[i].tokens) << i;
   }
-  Decoder dec(*model);
+  ModelRunner dec(*model);
   server::Engine engine(dec, *tok, 16, /*max_batch=*/4);
   std::vector<std::shared_ptr<server::Job>> jobs;
   for (int i = 0; i < 9; i++) {
@@ -535,7 +535,7 @@ TEST(ServeChatml, QwenStyleModelAnswersAChatmlChat) {
   server::ServerOptions o;
   o.port = 0;
   o.model_name = "tiny-qwen3-moe";
-  Decoder dec(*model);
+  ModelRunner dec(*model);
   server::Server srv(dec, *tok, tc.tmpl, eos, o);
   const int port = srv.bind();
   std::thread th([&] { srv.run(); });

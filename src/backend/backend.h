@@ -296,6 +296,9 @@ class Backend {
   // any float store; h13 and act are saved).  The overflow expert is not computed.
   virtual void moe_experts_forward(Tensor y, Tensor h13, Tensor act, Tensor xperm, Tensor w13, Tensor w2,
                                    const PlanView& plan, int C, int I) = 0;
+  // True when moe_experts_forward also takes empty h13 / act (nothing kept for a backward: the backend
+  // holds the hidden activations in scratch of its own), as an inference pass asks.
+  virtual bool experts_without_saved() const { return false; }
   // dxperm[M,C] (any float store, assign); dw13[E,2I,C], dw2[E,C,I] (f32, accumulate).  dy in the
   // act store.
   virtual void moe_experts_backward(Tensor dxperm, Tensor dw13, Tensor dw2, Tensor dy, Tensor h13, Tensor act,

@@ -58,9 +58,11 @@ class HostAllocation final : public Allocation {
 const uint8_t* mask_or_null(Tensor t) { return t.empty() ? nullptr : t.u8(); }
 const int32_t* i32_or_null(Tensor t) { return t.empty() ? nullptr : t.i32(); }
 
+constexpr long kParallelMin = 1 << 15;  // elements below which a copy or sum stays on one thread
+
 // y[n] += x[n]
 void add_inplace(float* y, const float* x, long n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (long i = 0; i < n; i++) y[i] += x[i];
 }
 
@@ -294,7 +296,7 @@ void CpuBackend::gather_rows(Tensor out, Tensor in, Tensor index, long rows, int
   float* o = out.f32();
   const float* x = in.f32();
   const int32_t* idx = index.i32();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * C >= kParallelMin)
   for (long m = 0; m < rows; m++) std::memcpy(o + m * C, x + (size_t)idx[m] * C, sizeof(float) * C);
 }
 

@@ -32,6 +32,9 @@ class WeightSource {
   // `count` values from element `offset`: they must lie in one stored piece (a stacked tensor's
   // pieces are the checkpoint's tensors: an expert's gate rows, its up rows, ...).
   virtual WeightRef at(size_t offset, size_t count) const = 0;
+  // The end (exclusive) of the stored piece holding element `offset`: at() may take any range
+  // [offset, end) -- a product over rows crossing a piece's end runs as one product per piece.
+  virtual size_t piece_end(size_t offset) const = 0;
   // out[n, C] (fp32) = rows idx[n] of the tensor read as a [rows, C] table (an embedding lookup).
   virtual void rows(float* out, const int32_t* idx, long n, int C) const = 0;
 };

@@ -22,7 +22,7 @@
 #include "core/error.h"
 #include "core/stats.h"
 #include "core/rng.h"
-#include "infer/decoder.h"
+#include "infer/model_runner.h"
 #include "infer/kernels.h"
 #include "infer/model.h"
 #include "infer/sampler.h"
@@ -65,7 +65,7 @@ int run_bench_generate(int argc, char** argv) {
   add_quantize_option(app, quantize);
   app.add_flag("--json", json, "also print one JSON line with the figures");
   app.add_option("--batch", batch,
-                 "also time B sequences decoded together (Decoder::forward_batch, as serve's continuous batching): "
+                 "also time B sequences decoded together (Runner::forward_batch, as serve's continuous batching): "
                  "total decode tokens/s");
   app.add_flag("--profile", profile, "print the time a decode step spends per section (one sequence, and --batch)");
   try {
@@ -101,7 +101,7 @@ int run_bench_generate(int argc, char** argv) {
   for (int i = 1; i < prompt_tokens; i++)
     prompt[i] = (int32_t)(3 + mix64((uint64_t)i * 7919 + 17) % (uint64_t)(cfg.vocab_size - 3));
 
-  Decoder dec(*model);
+  ModelRunner dec(*model);
   std::vector<float> logits(cfg.vocab_size);
   std::vector<double> prefill, decode;
   size_t kv_bytes = 0;

@@ -41,8 +41,8 @@ int run_chat(int argc, char** argv) {
   const LoadedModel model = load_model(m);
   const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(m.dir, m.tokenizer_path, model.cfg, true);
   const TemplateChoice tc = choose_chat_template(m.dir, m.template_name);
-  Runner& decoder = *model.runner;
-  KvCache cache = decoder.new_cache();
+  Runner& runner = *model.runner;
+  KvCache cache = runner.new_cache();
   GenerateOptions o;
   o.max_new_tokens = max_new_tokens;
   o.sampling = g.sampling;
@@ -106,7 +106,7 @@ int run_chat(int argc, char** argv) {
       std::fflush(stdout);
       return true;
     };
-    const GenerateResult r = generate(decoder, cache, prompt, o, tok.get(), cb);
+    const GenerateResult r = generate(runner, cache, prompt, o, tok.get(), cb);
     std::printf("\n");
     std::fflush(stdout);
     history.push_back({Role::assistant, r.text.empty() ? std::string(" ") : r.text});

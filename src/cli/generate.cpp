@@ -98,15 +98,15 @@ int run_generate(int argc, char** argv) {
   const LoadedModel model = load_model(m);
   const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(m.dir, m.tokenizer_path, model.cfg,
                                                               /*required=*/prompt_ids.empty());
-  Runner& decoder = *model.runner;
+  Runner& runner = *model.runner;
   if (!ppl_file.empty()) {
     const std::vector<int32_t> ids = completion_prompt_tokens(*tok, read_text(ppl_file));
-    const PerplexityResult r = perplexity(decoder, ids, ppl);
+    const PerplexityResult r = perplexity(runner, ids, ppl);
     std::printf("perplexity: %.4f (%ld tokens scored in %d windows of up to %d; weights %s)\n", r.perplexity(),
                 r.scored, r.windows, ppl.ctx, model.storage.c_str());
     return 0;
   }
-  KvCache cache = decoder.new_cache();
+  KvCache cache = runner.new_cache();
   GenerateOptions o;
   o.max_new_tokens = max_new_tokens;
   o.sampling = g.sampling;
@@ -118,7 +118,7 @@ int run_generate(int argc, char** argv) {
   if (!eval_chat.empty()) {
     const TemplateChoice tc = choose_chat_template(m.dir, m.template_name);
     add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model.cfg);
-    const AnswerAccuracy acc = chat_answer_accuracy(decoder, *tok, tc.tmpl, o.eos_ids, eval_chat, max_new_tokens, limit);
+    const AnswerAccuracy acc = chat_answer_accuracy(runner, *tok, tc.tmpl, o.eos_ids, eval_chat, max_new_tokens, limit);
     for (const std::string& e : acc.examples) std::printf("  %s\n", e.c_str());
     std::printf("exact-answer accuracy: %ld / %ld = %.1f%%\n", acc.correct, acc.total, 100.0 * acc.fraction());
     return 0;
@@ -127,7 +127,7 @@ int run_generate(int argc, char** argv) {
   if (!prompt_ids.empty()) {
     if (!g.stop.empty() && !tok) fail("--stop needs a tokenizer");
     const std::vector<int32_t> ids = parse_ids(prompt_ids);
-    r = generate(decoder, cache, ids, o, tok.get());
+    r = generate(runner, cache, ids, o, tok.get());
     for (size_t i = 0; i < r.tokens.size(); i++) std::printf("%s%d", i ? "," : "", r.tokens[i]);
     std::printf("\n");
   } else {
@@ -149,7 +149,7 @@ int run_generate(int argc, char** argv) {
       std::fflush(stdout);
       return true;
     };
-    r = generate(decoder, cache, ids, o, tok.get(), cb);
+    r = generate(runner, cache, ids, o, tok.get(), cb);
     std::printf("\n");
   }
   if (stats) {

@@ -7,7 +7,6 @@
 #include "backend/select.h"
 #include "cli/threads.h"
 #include "core/error.h"
-#include "infer/decoder.h"
 #include "infer/model_runner.h"
 
 namespace moetron::cli {
@@ -47,7 +46,7 @@ LoadedModel load_model(const ModelOptions& m) {
     out.weights = load_inference_model(m.dir, m.lora_dir, false, quant);
     out.cfg = out.weights->cfg;
     out.storage = out.weights->storage_name();
-    out.runner = std::make_unique<Decoder>(*out.weights);
+    out.runner = std::make_unique<ModelRunner>(*out.weights);
     return out;
   }
   if (m.device != "cuda") throw InputError(fmt::format("--device: '{}' is not a device (cpu, cuda)", m.device));

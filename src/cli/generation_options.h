@@ -35,9 +35,9 @@ struct ModelOptions {
 };
 void add_model_options(CLI::App& app, ModelOptions& m);
 
-// The model on its device, with its adapter.  cpu: the weights used in place in the chosen format
-// (load_inference_model), run by the Decoder; cuda: the model's own layer body on the GPU
-// (ModelRunner: bf16 weights, the KV caches on the device).
+// The model on its device, with its adapter, run by the model's layer body (infer/model_runner.h).
+// cpu: over the weights used in place in the chosen format (load_inference_model), on the CPU
+// inference backend; cuda: on the GPU (bf16 weights, the KV caches on the device).
 struct LoadedModel {
   ModelConfig cfg;
   std::unique_ptr<InferenceModel> weights;  // cpu only

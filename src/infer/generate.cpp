@@ -65,17 +65,17 @@ void check_options(std::span<const int32_t> prompt, const GenerateOptions& opts,
 
 }  // namespace
 
-Generation::Generation(Runner& decoder, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
+Generation::Generation(Runner& runner, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
                        const Tokenizer* tok, GenerateCallbacks callbacks, bool prefill)
     : cache_(cache), opts_((check_options(prompt, opts, tok), opts)), tok_(tok), cb_(std::move(callbacks)),
-      V_(decoder.vocab_size()), logits_(V_), sampler_(opts.sampling, V_) {
+      V_(runner.vocab_size()), logits_(V_), sampler_(opts.sampling, V_) {
   r_.prompt_tokens = (int)prompt.size();
   r_.reused_tokens = reusable_prefix(cache, prompt);
   cache.truncate(r_.reused_tokens);
   to_prefill_ = prompt.subspan(r_.reused_tokens);
   t0_ = Clock::now();
   if (prefill) {
-    decoder.forward(cache, to_prefill_, logits_.data());
+    runner.forward(cache, to_prefill_, logits_.data());
     prefilled();
   }
   context_.assign(prompt.begin(), prompt.end());
@@ -143,23 +143,23 @@ GenerateResult Generation::finish() {
   return std::move(r_);
 }
 
-GenerateResult generate(Runner& decoder, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
+GenerateResult generate(Runner& runner, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
                         const Tokenizer* tok, const GenerateCallbacks& cb) {
-  Generation g(decoder, cache, prompt, opts, tok, cb);
+  Generation g(runner, cache, prompt, opts, tok, cb);
   while (g.advance()) {
     const int32_t next = g.next_token();
-    decoder.forward(cache, std::span<const int32_t>(&next, 1), g.logits());
+    runner.forward(cache, std::span<const int32_t>(&next, 1), g.logits());
     g.fed();
   }
   return g.finish();
 }
 
-std::vector<int32_t> generate_greedy(Runner& decoder, KvCache& cache, std::span<const int32_t> prompt,
+std::vector<int32_t> generate_greedy(Runner& runner, KvCache& cache, std::span<const int32_t> prompt,
                                      int max_new_tokens, std::span<const int32_t> eos_ids) {
   GenerateOptions o;
   o.max_new_tokens = max_new_tokens;
   o.eos_ids.assign(eos_ids.begin(), eos_ids.end());
-  return generate(decoder, cache, prompt, o, nullptr).tokens;
+  return generate(runner, cache, prompt, o, nullptr).tokens;
 }
 
 std::vector<int32_t> chat_prompt_tokens(ChatTemplate tmpl, const Tokenizer& tok, const std::vector<ChatMessage>& messages) {
@@ -175,12 +175,12 @@ std::vector<int32_t> completion_prompt_tokens(const Tokenizer& tok, const std::s
   return ids;
 }
 
-AnswerAccuracy chat_answer_accuracy(Runner& decoder, const Tokenizer& tok, ChatTemplate tmpl,
+AnswerAccuracy chat_answer_accuracy(Runner& runner, const Tokenizer& tok, ChatTemplate tmpl,
                                     std::span<const int32_t> eos_ids, const std::string& jsonl_path,
                                     int max_new_tokens, long limit) {
   LineReader in(jsonl_path);  // lines of up to kDefaultMaxLineBytes; longer ones are never held
   AnswerAccuracy acc;
-  KvCache cache = decoder.new_cache();
+  KvCache cache = runner.new_cache();
   for (std::string line; (limit <= 0 || acc.total < limit) && in.next(line);) {
     const size_t line_no = in.line_number();
     if (in.too_long())
@@ -203,7 +203,7 @@ AnswerAccuracy chat_answer_accuracy(Runner& decoder, const Tokenizer& tok, ChatT
     msgs.pop_back();
     const std::vector<int32_t> prompt = chat_prompt_tokens(tmpl, tok, msgs);
     // The model's positions bound prompt + reply, as for --prompt.
-    const int positions = decoder.config().max_position_embeddings;
+    const int positions = runner.config().max_position_embeddings;
     if (positions > 0 && (long)prompt.size() > positions)
       fail("{}:{}: the conversation is {} tokens, more than the model's {} positions (max_position_embeddings)",
            jsonl_path, line_no, prompt.size(), positions);
@@ -211,7 +211,7 @@ AnswerAccuracy chat_answer_accuracy(Runner& decoder, const Tokenizer& tok, ChatT
     o.max_new_tokens = max_new_tokens;
     o.eos_ids.assign(eos_ids.begin(), eos_ids.end());
     o.max_positions = positions;
-    std::vector<int32_t> reply = generate(decoder, cache, prompt, o, nullptr).tokens;
+    std::vector<int32_t> reply = generate(runner, cache, prompt, o, nullptr).tokens;
     // Ids past the tokenizer (the model's padding rows) have no text (see text_stream.h).
     std::erase_if(reply, [&](int32_t id) { return id >= tok.vocab_size(); });
     const std::string text = trim(tok.decode(reply));

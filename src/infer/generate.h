@@ -50,7 +50,7 @@ struct GenerateCallbacks {
 };
 
 // One generation, step by step, so a server can run several in one batch (Runner::forward_batch):
-//   Generation g(decoder, cache, prompt, opts, tok, cb);      // validates, prefills
+//   Generation g(runner, cache, prompt, opts, tok, cb);      // validates, prefills
 //   while (g.advance()) { <logits of g.next_token() at g.cache()'s next position into g.logits()>; g.fed(); }
 //   GenerateResult r = g.finish();
 // generate() below is exactly this loop with Runner::forward.  Errors (bad options, non-finite
@@ -59,7 +59,7 @@ class Generation {
  public:
   // prefill false: the caller feeds to_prefill() into cache() itself (e.g. several prompts at once with
   // Runner::prefill_rows), writes the last token's logits into logits(), then calls prefilled().
-  Generation(Runner& decoder, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
+  Generation(Runner& runner, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
              const Tokenizer* tok, GenerateCallbacks callbacks = {}, bool prefill = true);
   // The prompt tokens not already in the cache (never empty).
   std::span<const int32_t> to_prefill() const { return to_prefill_; }
@@ -95,11 +95,11 @@ class Generation {
 
 // `tok` may be null for token-only generation (then `stop` must be empty).  The cache holds the
 // prompt and reply afterwards (except the last sampled token), ready for a follow-up prompt.
-GenerateResult generate(Runner& decoder, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
+GenerateResult generate(Runner& runner, KvCache& cache, std::span<const int32_t> prompt, const GenerateOptions& opts,
                         const Tokenizer* tok, const GenerateCallbacks& callbacks = {});
 
 // Greedy tokens (at most max_new_tokens; stops before any of eos_ids).
-std::vector<int32_t> generate_greedy(Runner& decoder, KvCache& cache, std::span<const int32_t> prompt,
+std::vector<int32_t> generate_greedy(Runner& runner, KvCache& cache, std::span<const int32_t> prompt,
                                      int max_new_tokens, std::span<const int32_t> eos_ids);
 
 // The prompt tokens for a chat: the template applied to `messages` (ending with a user turn) with the
@@ -118,7 +118,7 @@ struct AnswerAccuracy {
 // Exact-answer accuracy over a chat JSONL file: for each line's conversation the last assistant turn
 // is the expected answer, everything before it the prompt; the greedy reply (whitespace-trimmed) must
 // equal the answer (whitespace-trimmed).  Errors name file:line for unusable lines.
-AnswerAccuracy chat_answer_accuracy(Runner& decoder, const Tokenizer& tok, ChatTemplate tmpl,
+AnswerAccuracy chat_answer_accuracy(Runner& runner, const Tokenizer& tok, ChatTemplate tmpl,
                                     std::span<const int32_t> eos_ids, const std::string& jsonl_path,
                                     int max_new_tokens, long limit);
 

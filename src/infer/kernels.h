@@ -60,7 +60,7 @@ struct GemvTask {
 // fp32 weights, milliseconds of one core), gains even when other processes share the cores, where a
 // fork/join can cost a scheduler time slice (on the 2-core shared VM, splitting a 32000 x 256 head
 // with one core busy made decoding 2x slower).  On idle cores much smaller products gain (the same
-// head split over 2 threads: 1.4x faster decoding); DecodeSplitTuner (decoder.h) measures which case
+// head split over 2 threads: 1.4x faster decoding); DecodeSplitTuner (backend/cpu_infer.h) measures which case
 // holds and lowers the threshold to kGemvSplitMin when splitting pays.  kGemvSplitMin, 1M, splits a
 // 1024 x 1024 o_proj (2 MiB of bf16: one thread streamed it at ~16 GB/s): one sequence's decoding,
 // 0.49B bf16 model, 2 threads, idle 2-core Xeon VM, 4 alternating runs: 78-83 -> 83-85 tokens/s at

@@ -18,7 +18,7 @@ namespace moetron {
 
 class KvCache {
  public:
-  // Host floats (the decoder's).
+  // Host floats.
   KvCache(int layers, int kv_dim) : kv_dim_(kv_dim), k_(layers), v_(layers) {}
   // Backend memory in its act store (the model's inference over a backend: Model::infer), which must
   // outlive the cache: per layer one tensor of keys and one of values, [capacity, kv_dim].
@@ -53,7 +53,10 @@ class KvCache {
   // Used by the forward: grow every layer to len() + n rows, then commit the n tokens.
   void grow(int n) {
     const size_t rows = tokens_.size() + (size_t)n;
-    if (be_) return reserve_backend(std::max(rows, 2 * tokens_.size()));
+    if (be_) {  // twice the rows when it must grow, as a vector would
+      if (kt_.empty() || kt_[0].numel < rows * kv_dim_) reserve_backend(std::max(rows, 2 * tokens_.size()));
+      return;
+    }
     for (size_t l = 0; l < k_.size(); l++) {
       if (k_[l].capacity() < rows * kv_dim_) {
         const size_t cap = std::max(rows, 2 * tokens_.size()) * kv_dim_;
@@ -65,11 +68,11 @@ class KvCache {
     }
   }
   void commit(std::span<const int32_t> tokens) { tokens_.insert(tokens_.end(), tokens.begin(), tokens.end()); }
-  // Host storage only.
-  float* keys(int layer) { return host_layer(k_, layer).data(); }
-  float* values(int layer) { return host_layer(v_, layer).data(); }
-  const float* keys(int layer) const { return host_layer(k_, layer).data(); }
-  const float* values(int layer) const { return host_layer(v_, layer).data(); }
+  // Host memory only (host floats, or a host backend's tensors): the layer's rows.
+  float* keys(int layer) { return be_ ? host_tensor(kt_, layer) : host_layer(k_, layer).data(); }
+  float* values(int layer) { return be_ ? host_tensor(vt_, layer) : host_layer(v_, layer).data(); }
+  const float* keys(int layer) const { return be_ ? host_tensor(kt_, layer) : host_layer(k_, layer).data(); }
+  const float* values(int layer) const { return be_ ? host_tensor(vt_, layer) : host_layer(v_, layer).data(); }
   // Backend storage only: every layer's [capacity, kv_dim] tensors.
   const std::vector<Tensor>& key_tensors() const { return kt_; }
   const std::vector<Tensor>& value_tensors() const { return vt_; }
@@ -92,6 +95,10 @@ class KvCache {
   const V& host_layer(const std::vector<V>& v, int layer) const {
     MOETRON_ASSERT(be_ == nullptr);
     return v[layer];
+  }
+  float* host_tensor(const std::vector<Tensor>& t, int layer) const {
+    MOETRON_ASSERT(be_->host_memory());
+    return t[layer].f32();
   }
   // Backend storage for at least `rows` positions, keeping the cached ones.
   void reserve_backend(size_t rows) {

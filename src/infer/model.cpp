@@ -56,6 +56,7 @@ std::optional<ChatTemplate> template_from_jinja(const std::string& jinja) {
 }  // namespace
 
 InferenceModel::InferenceModel(const ModelConfig& c, bool allocate_owned) : cfg(c), table(c) {
+  for (size_t i = 0; i < table.specs().size(); i++) sources_.emplace_back(*this, i);
   spec_refs_.resize(table.specs().size());
   const auto& hf = table.hf_tensors();
   for (size_t i = 0; i < hf.size(); i++) spec_refs_[hf[i].spec_index].push_back(i);
@@ -142,20 +143,55 @@ float* InferenceModel::vec_mut(ParamKind kind, int layer) {
   return small_.data() + small_offset_[i];
 }
 
+size_t InferenceModel::ref_of(size_t i, size_t at) const {
+  // spec_refs_[i] is sorted by offset: the last tensor starting at or before `at`.
+  const auto& hf = table.hf_tensors();
+  const std::vector<size_t>& refs = spec_refs_[i];
+  const auto it = std::upper_bound(refs.begin(), refs.end(), at,
+                                   [&](size_t a, size_t r) { return a < hf[r].offset; });
+  if (it == refs.begin() || at >= hf[*(it - 1)].offset + hf[*(it - 1)].numel)
+    fail("[InferenceModel] element {} of {} is outside its tensors", at - table.specs()[i].offset,
+         table.specs()[i].name);
+  return *(it - 1);
+}
+
 infer::WeightRef InferenceModel::mat(ParamKind kind, int layer, size_t offset, size_t count) const {
   const ParamSpec& s = table.at(kind, layer);
-  const size_t i = (size_t)(&s - table.specs().data());
-  const auto& hf = table.hf_tensors();
+  return sources_[(size_t)(&s - table.specs().data())].at(offset, count);
+}
+
+WeightRef InferenceModel::Source::at(size_t offset, size_t count) const {
+  const ParamSpec& s = m_.table.specs()[spec_];
   const size_t at = s.offset + offset;
-  for (size_t r : spec_refs_[i]) {
-    const HfTensorRef& ref = hf[r];
-    if (at >= ref.offset && at < ref.offset + ref.numel) {
-      MOETRON_ASSERT(at + count <= ref.offset + ref.numel);  // within one tensor
-      MOETRON_ASSERT(refs_[r].data != nullptr);              // not read by row (embedding_row)
-      return refs_[r].at(at - ref.offset);
-    }
-  }
-  fail("[InferenceModel::mat] element {} of {} is outside its tensors", offset, s.name);
+  const size_t r = m_.ref_of(spec_, at);
+  const HfTensorRef& ref = m_.table.hf_tensors()[r];
+  MOETRON_ASSERT(at + count <= ref.offset + ref.numel);  // within one tensor
+  MOETRON_ASSERT(m_.refs_[r].data != nullptr);           // not read by row (embedding_row)
+  return m_.refs_[r].at(at - ref.offset);
+}
+
+size_t InferenceModel::Source::piece_end(size_t offset) const {
+  const ParamSpec& s = m_.table.specs()[spec_];
+  const HfTensorRef& ref = m_.table.hf_tensors()[m_.ref_of(spec_, s.offset + offset)];
+  return ref.offset + ref.numel - s.offset;
+}
+
+void InferenceModel::Source::rows(float* out, const int32_t* idx, long n, int C) const {
+  MOETRON_ASSERT(m_.table.specs()[spec_].kind == ParamKind::embedding && C == m_.cfg.hidden_size);
+  std::vector<uint8_t> scratch;
+  for (long i = 0; i < n; i++) m_.embedding_row(out + (size_t)i * C, (size_t)idx[i], scratch);
+}
+
+Tensor InferenceModel::weight(ParamKind kind, int layer) const {
+  const ParamSpec& s = table.at(kind, layer);
+  if (is_small(kind)) return Tensor{const_cast<float*>(vec(kind, layer)), s.numel, Store::f32, 4};
+  return Tensor{const_cast<Source*>(&sources_[(size_t)(&s - table.specs().data())]), s.numel, Store::stored, 0, 0};
+}
+
+Tensor InferenceModel::adapter_factor(ParamKind target, int layer, bool b) const {
+  const ParamSpec* s = lora ? lora->table.find_lora(target, layer, b) : nullptr;
+  if (s == nullptr) return Tensor{};
+  return Tensor{const_cast<float*>(lora->values.data() + s->offset), s->numel, Store::f32, 4};
 }
 
 std::string InferenceModel::storage_name() const {

@@ -17,6 +17,7 @@
 #include "io/safetensors.h"
 #include "model/lora.h"
 #include "model/params.h"
+#include "model/weight_provider.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -28,7 +29,7 @@ enum class WeightQuant { none, q8_0 };
 // "none" | "q8_0"; Error naming `what` (the option) otherwise.
 WeightQuant parse_weight_quant(const std::string& name, const char* what);
 
-struct InferenceModel {
+struct InferenceModel final : public WeightProvider {
   ModelConfig cfg;
   ParamTable table;
   // The model made in memory (this constructor): fp32 values of every parameter in table layout, for
@@ -92,7 +93,29 @@ struct InferenceModel {
   // Whether a parameter kind is copied to fp32 (vec) rather than used in place (mat).
   static bool is_small(ParamKind kind);
 
+  // The weights as a Model reads them (model/weight_provider.h): vec() as f32 tensors, the matrices
+  // as Store::stored views resolved through mat() (the embedding read by row: embedding_row).
+  const ModelConfig& config() const override { return cfg; }
+  Tensor weight(ParamKind kind, int layer) const override;
+  const LoraSpec* lora_spec() const override { return lora ? &lora->spec : nullptr; }
+  Tensor adapter_factor(ParamKind target, int layer, bool b) const override;
+
  private:
+  // One matrix parameter's storage (spec `spec` of the table).
+  class Source final : public WeightSource {
+   public:
+    Source(const InferenceModel& m, size_t spec) : m_(m), spec_(spec) {}
+    WeightRef at(size_t offset, size_t count) const override;
+    size_t piece_end(size_t offset) const override;
+    void rows(float* out, const int32_t* idx, long n, int C) const override;
+
+   private:
+    const InferenceModel& m_;
+    size_t spec_;
+  };
+  std::vector<Source> sources_;  // per spec (matrices only are used)
+  // The hf_tensors() entry of spec i holding element `at` of the flat table.
+  size_t ref_of(size_t i, size_t at) const;
   // Whether hf_tensors() entry i is Q8_0: quantized at load, or the embedding read by row (null data)
   // and quantized per lookup.
   bool held_q8(size_t i) const { return refs_[i].q8() || (!refs_[i].data && embedding_q8_); }
@@ -112,7 +135,7 @@ struct InferenceModel {
 // biases, router) are copied to fp32.  Every value is checked finite (Error naming the tensor).
 // widen_to_fp32: instead read everything into `owned` as fp32 (tests compare the two).
 // lora_dir: a PEFT LoRA adapter directory (model/lora.h) for this base ("": none), applied unmerged by
-// the Decoder (the base's weights stay as they are).
+// the model's linear layers (the base's weights stay as they are).
 // quant q8_0: the matrices are quantized to Q8_0 as they are read from the file in 1 MiB pieces
 // (read_stored_bytes, never through the mapping), so the process holds the Q8_0 copy, not the file.
 // An untied embedding is checked the same way and then read by row from the file (embedding_row),

@@ -34,6 +34,18 @@ ModelRunner::ModelRunner(std::unique_ptr<Backend> backend, const std::string& mo
   kv_dim_ = cfg.num_key_value_heads * cfg.head_dim;
 }
 
+ModelRunner::ModelRunner(const WeightProvider& weights, int prefill_chunk, long row_attention_max_pairs)
+    : chunk_(std::max(1, prefill_chunk)) {
+  auto be = std::make_unique<CpuInferenceBackend>(row_attention_max_pairs);
+  infer_be_ = be.get();
+  own_backend_ = std::move(be);
+  own_model_ = std::make_unique<Model>(*own_backend_, weights);
+  model_ = own_model_.get();
+  kv_dim_ = weights.config().num_key_value_heads * weights.config().head_dim;
+}
+
+void ModelRunner::set_profile(Profile* profile) { model_->set_profile(profile); }
+
 ModelRunner::ModelRunner(Model& model, int prefill_chunk)
     : model_(&model),
       chunk_(std::max(1, prefill_chunk)),
@@ -55,15 +67,18 @@ void ModelRunner::check_tokens(std::span<const int32_t> tokens, const char* op, 
            V);
 }
 
-void ModelRunner::pass(const std::vector<Piece>& pieces, bool last_rows, float* logits) {
-  std::vector<Model::InferSequence> seqs;
-  std::vector<int32_t> tokens;
-  std::vector<int> rows;
+void ModelRunner::pass(std::span<const Piece> pieces, Logits which, float* logits) {
+  std::vector<Model::InferSequence>& seqs = seqs_;
+  std::vector<int32_t>& tokens = tokens_;
+  std::vector<int>& rows = rows_;
+  seqs.clear();
+  tokens.clear();
+  rows.clear();
   for (const Piece& p : pieces) {
     p.cache->grow(p.count);  // room for the new rows (the backend storage keeps the cached ones)
     seqs.push_back({p.cache->len(), p.count, p.cache->key_tensors().data(), p.cache->value_tensors().data()});
     for (int i = 0; i < p.count; i++) {
-      if (!last_rows || i + 1 == p.count) rows.push_back((int)tokens.size());
+      if (which == Logits::all || (which == Logits::last && i + 1 == p.count)) rows.push_back((int)tokens.size());
       tokens.push_back(p.tokens[i]);
     }
   }
@@ -77,16 +92,15 @@ void ModelRunner::forward(KvCache& cache, std::span<const int32_t> tokens, float
   check_tokens(tokens, "ModelRunner::forward", 0);
   const int V = config().vocab_size;
   const int total = (int)tokens.size();
-  std::vector<float> last;
   for (int s = 0; s < total; s += chunk_) {
     const int n = std::min(chunk_, total - s);
     if (all_logits) {
-      pass({{&cache, tokens.data() + s, n}}, false, logits + (size_t)s * V);
+      const Piece p{&cache, tokens.data() + s, n};
+      pass(std::span(&p, 1), Logits::all, logits + (size_t)s * V);
     } else {
-      // Only the prompt's last row's logits are wanted: earlier passes compute their last row's into
-      // a scratch row.
-      last.resize(V);
-      pass({{&cache, tokens.data() + s, n}}, true, s + n == total ? logits : last.data());
+      // Only the prompt's last row's logits are wanted: earlier passes want none.
+      const Piece p{&cache, tokens.data() + s, n};
+      pass(std::span(&p, 1), s + n == total ? Logits::last : Logits::none, logits);
     }
   }
 }
@@ -95,7 +109,8 @@ void ModelRunner::forward_batch(std::span<KvCache* const> caches, std::span<cons
   const char* op = "ModelRunner::forward_batch";
   if (tokens.empty() || caches.size() != tokens.size())
     fail("[{}] {} caches for {} tokens (one token per sequence, at least one)", op, caches.size(), tokens.size());
-  std::vector<Piece> pieces;
+  std::vector<Piece>& pieces = pieces_;
+  pieces.clear();
   for (size_t i = 0; i < caches.size(); i++) {
     check_cache(*caches[i], op, i);
     check_tokens(tokens.subspan(i, 1), op, i);
@@ -103,7 +118,7 @@ void ModelRunner::forward_batch(std::span<KvCache* const> caches, std::span<cons
       if (caches[j] == caches[i]) fail("[{}] sequences {} and {} share a KV cache", op, j, i);
     pieces.push_back({caches[i], tokens.data() + i, 1});
   }
-  pass(pieces, true, logits);
+  pass(pieces, Logits::last, logits);
 }
 
 void ModelRunner::prefill_rows(std::span<KvCache* const> caches, std::span<const std::span<const int32_t>> tokens,
@@ -128,7 +143,7 @@ void ModelRunner::prefill_rows(std::span<KvCache* const> caches, std::span<const
   const auto flush = [&] {
     if (pieces.empty()) return;
     out.resize(pieces.size() * (size_t)V);
-    pass(pieces, true, out.data());
+    pass(pieces, Logits::last, out.data());
     for (size_t p = 0; p < pieces.size(); p++)
       if (pieces[p].tokens + pieces[p].count == tokens[seq_of[p]].data() + tokens[seq_of[p]].size())
         std::memcpy(logits + seq_of[p] * V, out.data() + p * V, sizeof(float) * V);

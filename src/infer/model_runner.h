@@ -9,12 +9,13 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu_infer.h"
 #include "infer/runner.h"
 #include "model/model.h"
 
 namespace moetron {
 
-class ModelRunner final : public Runner {
+class ModelRunner : public Runner {
  public:
   // Reads model_dir (config.json, safetensors; every tensor checked against the config before the
   // model is allocated) and lora_dir ("": none) onto `backend`.
@@ -22,6 +23,10 @@ class ModelRunner final : public Runner {
               int prefill_chunk = 256);
   // A model made by the caller (tests): both must outlive the runner.
   explicit ModelRunner(Model& model, int prefill_chunk = 256);
+  // On the CPU over weights used where they lie (infer/model.h InferenceModel: bf16/f16/f32 as stored,
+  // or Q8_0), which must outlive the runner: the CPU inference backend (backend/cpu_infer.h), the KV
+  // caches in host memory.  row_attention_max_pairs: CpuInferenceBackend's (-1: its default).
+  explicit ModelRunner(const WeightProvider& weights, int prefill_chunk = 256, long row_attention_max_pairs = -1);
 
   const ModelConfig& config() const override { return model_->config(); }
   KvCache new_cache() const override;
@@ -31,24 +36,36 @@ class ModelRunner final : public Runner {
                     float* logits) override;
 
   Model& model() { return *model_; }
+  // The CPU inference backend's bytes of weights read by decode passes, and its split tuner (null on
+  // another backend); set_profile times the blocks' sections of every pass into *profile (null: off).
+  size_t weights_read() const { return infer_be_ ? infer_be_->weights_read() : 0; }
+  const DecodeSplitTuner* tuner() const { return infer_be_ ? &infer_be_->tuner() : nullptr; }
+  void set_profile(Profile* profile);
 
  private:
-  // One pass: pieces of sequences (cache, its first token, count) in row order; logits of each
-  // piece's last row when `last_rows`, else of every row.
+  // One pass: pieces of sequences (cache, its first token, count) in row order; the logits of every
+  // row, of each piece's last row, or none.
   struct Piece {
     KvCache* cache;
     const int32_t* tokens;
     int count;
   };
-  void pass(const std::vector<Piece>& pieces, bool last_rows, float* logits);
+  enum class Logits { all, last, none };
+  void pass(std::span<const Piece> pieces, Logits which, float* logits);
   void check_cache(const KvCache& c, const char* op, size_t index) const;
   void check_tokens(std::span<const int32_t> tokens, const char* op, size_t seq) const;
 
   std::unique_ptr<Backend> own_backend_;
+  CpuInferenceBackend* infer_be_ = nullptr;  // own_backend_, when it is the CPU inference backend
   std::unique_ptr<Model> own_model_;
   Model* model_;
   int chunk_;
   int kv_dim_;
+  // A pass's sequences, tokens and logit rows (kept: decode steps allocate nothing).
+  std::vector<Model::InferSequence> seqs_;
+  std::vector<int32_t> tokens_;
+  std::vector<int> rows_;
+  std::vector<Piece> pieces_;
 };
 
 }  // namespace moetron

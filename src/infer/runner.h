@@ -1,9 +1,7 @@
 // What generation, chat, serve and perplexity run: a model's forward over per-sequence KV caches
-// (infer/kv_cache.h), prefill and decode, one sequence or a batch of them.
-//   Decoder      (infer/decoder.h)       the CPU forward over the weights used in place (bf16/f16/
-//                                        f32 as stored, or Q8_0), with its SIMD kernels;
-//   ModelRunner  (infer/model_runner.h)  the model's own layer body (model/model.h Model::infer) on a
-//                                        backend -- the training forward's blocks, on the CPU or a GPU.
+// (infer/kv_cache.h), prefill and decode, one sequence or a batch of them.  The implementation is
+// ModelRunner (infer/model_runner.h): the model's own layer body (Model::infer) on a backend -- over
+// the weights used in place on the CPU inference backend, or on a GPU.
 #pragma once
 
 #include <cstdint>
@@ -29,8 +27,8 @@ class Runner {
 
   // One decoding step of several sequences at once (continuous batching): tokens[i] is fed to
   // *caches[i] at its next position; logits [n, V].  Row i's logits and cache are what forward(*caches[i],
-  // {tokens[i]}) gives alone: bitwise on the Decoder (per-row kernels), to rounding on ModelRunner
-  // (its GEMMs see the batch's shape).  Error (nothing changed) for a count mismatch, a token outside
+  // {tokens[i]}) gives alone: bitwise on the CPU inference backend (per-row kernels), to rounding on
+  // backends whose GEMMs see the batch's shape.  Error (nothing changed) for a count mismatch, a token outside
   // the vocabulary, a cache of another runner or one cache given twice.
   virtual void forward_batch(std::span<KvCache* const> caches, std::span<const int32_t> tokens, float* logits) = 0;
 

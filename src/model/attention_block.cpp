@@ -96,7 +96,7 @@ void AttentionSaved::carve(TensorCarver& c, const BlockEnv& env, const Attention
   uo = lu(w.o);
 }
 
-void AttentionScratch::carve(TensorCarver& c, const BlockEnv& env, int lora_rank, long N) {
+void AttentionScratch::carve(TensorCarver& c, const BlockEnv& env, int lora_rank, long N, bool training) {
   const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
   (void)NH;
   (void)NKV;
@@ -104,6 +104,9 @@ void AttentionScratch::carve(TensorCarver& c, const BlockEnv& env, int lora_rank
   const Store act = env.be.act_store(), f32 = Store::f32;
   const ModelConfig& cfg = env.cfg;
   const bool qkn = cfg.qk_norm, bias = cfg.qkv_bias;
+  stage32 = (bias || cfg.clip_qkv > 0) && act != f32 ? c.take(f32, N * std::max(Q, KVd)) : Tensor{};
+  row_stat = cfg.qk_norm_full && env.tp_on() ? c.take(f32, N) : Tensor{};
+  if (!training) return;
   datt = c.take(act, N * Q);
   dq = c.take(act, N * Q);
   dk = c.take(act, N * KVd);
@@ -111,8 +114,6 @@ void AttentionScratch::carve(TensorCarver& c, const BlockEnv& env, int lora_rank
   dq32 = (qkn || bias) && act != f32 ? c.take(f32, N * Q) : dq;
   dk32 = (qkn || bias) && act != f32 ? c.take(f32, N * KVd) : dk;
   dv32 = bias && act != f32 ? c.take(f32, N * KVd) : dv;
-  stage32 = (bias || cfg.clip_qkv > 0) && act != f32 ? c.take(f32, N * std::max(Q, KVd)) : Tensor{};
-  row_stat = cfg.qk_norm_full && env.tp_on() ? c.take(f32, N) : Tensor{};
   du = lora_rank > 0 ? c.take(act, N * (long)lora_rank) : Tensor{};
   dqraw = qkn ? c.take(f32, N * Q) : Tensor{};
   dkraw = qkn ? c.take(f32, N * KVd) : Tensor{};
@@ -125,44 +126,52 @@ void AttentionBlock::project(const BlockEnv& env, AttentionSaved& a, AttentionSc
   const int C = cfg.hidden_size;
   const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
   {
-    Section t(env, "fwd.attn_proj");
-    const bool bias = cfg.qkv_bias, clip = cfg.clip_qkv > 0, f32_act = be.act_store() == Store::f32;
+    Section t(env, env.sec("fwd.attn_proj", "q/k/v"));
+    const bool bias = cfg.qkv_bias, clip = cfg.clip_qkv > 0, qkn = cfg.qk_norm;
     const float c = (float)cfg.clip_qkv;
     // What follows a projection (bias, norm, OLMoE's clip) runs in f32: in place when the act store is
     // f32, else on the f32 staging buffer, rounded into the act store once at the end -- so which
     // values are clipped is decided on f32 values, as the fp32 model decides (deciding on rounded
     // values would flip the gradient of values near +-c).  The backward needs only d(q), d(k), d(v).
+    // With q/k norms the q and k projections are f32 (qraw, kraw) and their norms write q and k.
+    const bool staged = be.act_store() != Store::f32 && (bias || clip);
     const auto finish = [&](Tensor out, Tensor t, Tensor keep, long n) {
       if (clip) be.clamp_forward(t, keep, c, n);
       if (t.data != out.data) be.convert(out, t);
     };
-    // Each projection: x W^T (+ its LoRA), then bias, clip or norm.
-    const auto project = [&](Tensor out, const LinearWeights& lw, Tensor u, Tensor b, int OC, Tensor keep) {
-      const Tensor t = !f32_act && (bias || clip) ? sc.stage32.part(0, (size_t)N * OC) : out;
-      linear_forward(be, t, u, ln, lw, ident, N, C, OC, false);
+    // After a projection's product t: its LoRA, bias, then its norm (q, k) and clip.
+    const auto complete = [&](Tensor out, Tensor t, const LinearWeights& lw, Tensor u, Tensor b, int OC, Tensor keep,
+                              bool norm, Tensor rstd, Tensor norm_w, bool k, int heads) {
+      lora_forward(be, t, u, ln, lw.lora, ident, C, OC);
       if (bias) be.add_bias_rows(t, b, N, OC);
-      finish(out, t, keep, (long)N * OC);
+      if (!norm) return finish(out, t, keep, (long)N * OC);
+      const Tensor tn = clip && be.act_store() != Store::f32 ? sc.stage32.part(0, (size_t)N * OC) : out;
+      qk_norm_forward(env, sc, tn, rstd, t, norm_w, k, N, heads);
+      finish(out, tn, keep, (long)N * OC);
     };
-    if (cfg.qk_norm) {  // f32 projections (+ bias), then the q/k norms (before RoPE)
-      linear_forward(be, a.qraw, a.uq, ln, w.q, ident, N, C, Q, false);
-      linear_forward(be, a.kraw, a.uk, ln, w.k, ident, N, C, KVd, false);
-      if (bias) {
-        be.add_bias_rows(a.qraw, w.q_bias, N, Q);
-        be.add_bias_rows(a.kraw, w.k_bias, N, KVd);
-      }
-      const Tensor tq = !f32_act && clip ? sc.stage32.part(0, (size_t)N * Q) : a.q;
-      qk_norm_forward(env, sc, tq, a.rstdq, a.qraw, w.q_norm, false, N, NH);
-      finish(a.q, tq, a.clipq, (long)N * Q);
-      const Tensor tk = !f32_act && clip ? sc.stage32.part(0, (size_t)N * KVd) : a.k;
-      qk_norm_forward(env, sc, tk, a.rstdk, a.kraw, w.k_norm, true, N, NKV);
-      finish(a.k, tk, a.clipk, (long)N * KVd);
-    } else {
-      project(a.q, w.q, a.uq, w.q_bias, Q, a.clipq);
-      project(a.k, w.k, a.uk, w.k_bias, KVd, a.clipk);
+    const Tensor tq = qkn ? a.qraw : a.q, tk = qkn ? a.kraw : a.k;
+    if (!staged) {  // the three products in one call (a backend may run them in one parallel region)
+      const Backend::MatmulTask tasks[3] = {{tq, w.q.w, Q}, {tk, w.k.w, KVd}, {a.v, w.v.w, KVd}};
+      be.matmul_forward_group(tasks, ln, (int)N, C);
+      complete(a.q, tq, w.q, a.uq, w.q_bias, Q, a.clipq, qkn, a.rstdq, w.q_norm, false, NH);
+      complete(a.k, tk, w.k, a.uk, w.k_bias, KVd, a.clipk, qkn, a.rstdk, w.k_norm, true, NKV);
+      complete(a.v, a.v, w.v, a.uv, w.v_bias, KVd, a.clipv, false, Tensor{}, Tensor{}, false, 0);
+    } else {  // one projection at a time through the shared staging buffer (f32 q/k products with norms)
+      const auto product = [&](Tensor t, const LinearWeights& lw, int OC) {
+        be.matmul_forward(t, ln, lw.w, (int)N, C, OC, false);
+      };
+      const Tensor sq = qkn ? a.qraw : sc.stage32.part(0, (size_t)N * Q);
+      product(sq, w.q, Q);
+      complete(a.q, sq, w.q, a.uq, w.q_bias, Q, a.clipq, qkn, a.rstdq, w.q_norm, false, NH);
+      const Tensor sk = qkn ? a.kraw : sc.stage32.part(0, (size_t)N * KVd);
+      product(sk, w.k, KVd);
+      complete(a.k, sk, w.k, a.uk, w.k_bias, KVd, a.clipk, qkn, a.rstdk, w.k_norm, true, NKV);
+      const Tensor sv = sc.stage32.part(0, (size_t)N * KVd);
+      product(sv, w.v, KVd);
+      complete(a.v, sv, w.v, a.uv, w.v_bias, KVd, a.clipv, false, Tensor{}, Tensor{}, false, 0);
     }
-    project(a.v, w.v, a.uv, w.v_bias, KVd, a.clipv);
   }
-  Section t(env, "fwd.rope");
+  Section t(env, env.sec("fwd.rope", "q/k/v"));
   be.rope_forward(a.q, positions, N, NH, HD, (float)cfg.rope_theta);
   be.rope_forward(a.k, positions, N, NKV, HD, (float)cfg.rope_theta);
 }
@@ -171,7 +180,7 @@ void AttentionBlock::output(const BlockEnv& env, Tensor h, AttentionSaved& a, At
                             const AttentionWeights& w, const PlanView& ident, long N) {
   Backend& be = env.be;
   const int C = env.cfg.hidden_size, Q = AttentionDims::of(env).Q;
-  Section t(env, "fwd.attn_proj");
+  Section t(env, env.sec("fwd.attn_proj", "o"));
   if (!env.tp_on()) return linear_forward(be, h, a.uo, a.att, w.o, ident, N, Q, C, true);
   // Row-parallel o_proj: each rank's heads give a partial sum of the output (its LoRA's too: u is
   // partial, B whole).
@@ -200,7 +209,7 @@ void AttentionBlock::forward_cached(const BlockEnv& env, Tensor h, AttentionSave
   const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
   project(env, a, sc, ln, positions, w, ident, N);
   {
-    Section t(env, "fwd.attention");
+    Section t(env, env.sec("fwd.attention", "attention"));
     // Every sequence's new keys and values join its cache first: its rows then see each other's.
     for (const KvRows& r : seqs) {
       MOETRON_ASSERT(r.k.numel >= (size_t)(r.pos0 + r.rows) * KVd && r.row0 + r.rows <= N);

@@ -57,7 +57,8 @@ struct AttentionScratch {
   Tensor row_stat;          // whole-projection q/k norm under tp: [N] partial row sums, all-reduced
   Tensor du;                // LoRA backward [N, r]
   Tensor tmp;               // [N,C] f32: the o_proj output before its all-reduce (tp); the body's
-  void carve(TensorCarver& c, const BlockEnv& env, int lora_rank, long N);
+  // training false: the forward's buffers only (stage32, row_stat).
+  void carve(TensorCarver& c, const BlockEnv& env, int lora_rank, long N, bool training = true);
 };
 
 // Inference over KV caches: one sequence's rows of a pass and its cache of the layer being run

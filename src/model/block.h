@@ -22,8 +22,11 @@ struct BlockEnv {
   dist::Comm* tp = nullptr;  // the tensor-parallel group (null: none)
   int tp_size = 1;
   Profile* profile = nullptr;
+  bool inference = false;  // a pass over KV caches (Model::infer): sections take their inference names
 
   bool tp_on() const { return tp_size > 1; }
+  // A section's name: training's, or inference's (bench generate --profile).
+  const char* sec(const char* train, const char* infer) const { return inference ? infer : train; }
   // x (f32) summed over the tp group, in place.
   void tp_all_reduce(Tensor x) const;
   // Replicas of each kv head across the tp ranks (1 unless NKV < tp).

@@ -6,6 +6,8 @@
 // Dimensions: N tokens, C hidden, I this rank's FFN width.
 #pragma once
 
+#include <vector>
+
 #include "backend/backend.h"
 #include "model/block.h"
 #include "model/expert_ffn.h"
@@ -19,8 +21,11 @@ struct DenseFfnSaved {
   ops::MoePlan plan;
   PlanView pv;
   ExpertFfnSaved ffn;  // h13 [N,2I], act [N,I], LoRA's u13 / u2
+  std::vector<int32_t> experts;  // the plan's expert of every row (all 0)
   // Lays the tensors out (TensorCarver's two passes); then build_plan makes the identity plan.
-  void carve(TensorCarver& c, const BlockEnv& env, const ExpertFfnWeights& w, long N, int I);
+  // training false: an inference pass's (no hidden activations on a backend that holds them itself,
+  // unless adapters need them: Backend::experts_without_saved).
+  void carve(TensorCarver& c, const BlockEnv& env, const ExpertFfnWeights& w, long N, int I, bool training = true);
   void build_plan(Backend& be, long N);
 };
 

@@ -39,6 +39,15 @@ Model::Model(Backend& backend, const ModelConfig& cfg, dist::Comm* tp, dist::Com
   init(tp, ep, layers, lora);
 }
 
+Model::Model(Backend& backend, const WeightProvider& weights)
+    : be_(backend), cfg_(weights.config()), table_(cfg_), borrowed_(&weights) {
+  lora_ = weights.lora_spec() ? *weights.lora_spec() : LoraSpec{};
+  layer_end_ = cfg_.num_hidden_layers;
+  be_.check_model(cfg_.head_dim, cfg_.is_moe() ? cfg_.num_local_experts : 0);
+  if (cfg_.is_moe()) moe_ = std::make_unique<MoeBlock>(be_, cfg_, nullptr, 1);
+  gemm_stale_ = lgemm_stale_ = false;  // nothing of its own to refresh
+}
+
 void Model::init(dist::Comm* tp, dist::Comm* ep, LayerRange layers, const LoraSpec& lora) {
   lora_ = lora;
   tp_ = tp;
@@ -137,10 +146,12 @@ void Model::init_lora(uint64_t seed) {
 }
 
 Tensor Model::LW(ParamKind target, int l, bool b) const {
+  if (borrowed_) return borrowed_->adapter_factor(target, l, b);
   const ParamSpec* s = lora_table_ ? lora_table_->find_lora(target, l, b) : nullptr;
   return s ? lgemm_t_.part(s->offset, s->numel) : Tensor{};
 }
 Tensor Model::LW32(ParamKind target, int l, bool b) const {
+  if (borrowed_) return borrowed_->adapter_factor(target, l, b);
   const ParamSpec* s = lora_table_ ? lora_table_->find_lora(target, l, b) : nullptr;
   return s ? lparams_t_.part(s->offset, s->numel) : Tensor{};
 }
@@ -151,7 +162,9 @@ Tensor Model::LG(ParamKind target, int l, bool b) const {
 
 LoraFactors Model::lora_factors(ParamKind target, int l, bool f32) const {
   LoraFactors f;
-  if (!lora_table_ || !lora_table_->find_lora(target, l, false)) return f;
+  if (borrowed_ ? borrowed_->adapter_factor(target, l, false).empty()
+                : !lora_table_ || !lora_table_->find_lora(target, l, false))
+    return f;
   f.a = f32 ? LW32(target, l, false) : LW(target, l, false);
   f.b = f32 ? LW32(target, l, true) : LW(target, l, true);
   f.da = LG(target, l, false);
@@ -229,6 +242,7 @@ Model::~Model() {
 }
 
 Tensor Model::param_tensor() {
+  if (borrowed_) fail("[Model] the parameters are the weight provider's (a model over borrowed weights)");
   gemm_stale_ = true;
   return params_t_;
 }
@@ -256,12 +270,14 @@ Tensor Model::window_view(const ParamSpec& sp) const {
 }
 
 std::vector<float>& Model::params() {
+  if (borrowed_) fail("[Model::params] the parameters are the weight provider's (a model over borrowed weights)");
   if (base16_) fail("[Model::params] the frozen base is kept in bf16; use get_params / set_params");
   if (!be_.host_memory()) fail("[Model::params] the parameters live in {} memory; use get_params", be_.name());
   gemm_stale_ = true;
   return params_;
 }
 const std::vector<float>& Model::params() const {
+  if (borrowed_) fail("[Model::params] the parameters are the weight provider's (a model over borrowed weights)");
   if (base16_) fail("[Model::params] the frozen base is kept in bf16; use get_params / set_params");
   if (!be_.host_memory()) fail("[Model::params] the parameters live in {} memory; use get_params", be_.name());
   return params_;
@@ -276,6 +292,7 @@ const std::vector<float>& Model::grads() const {
 }
 
 void Model::get_params(float* host) const {
+  if (borrowed_) fail("[Model] the parameters are the weight provider's (a model over borrowed weights)");
   if (!base16_) return be_.download(host, params_t_);
   if (be_.host_memory()) return widen_bf16(host, base16_host_.data(), base16_host_.size());
   std::vector<uint16_t> b(table_.total());
@@ -283,6 +300,7 @@ void Model::get_params(float* host) const {
   widen_bf16(host, b.data(), b.size());
 }
 void Model::set_params(const float* host) {
+  if (borrowed_) fail("[Model] the parameters are the weight provider's (a model over borrowed weights)");
   gemm_stale_ = true;
   if (!base16_) return be_.upload(params_t_, host);
   // Rounded to bf16 (nearest even): the frozen base is model.dtype.
@@ -300,6 +318,7 @@ void Model::set_params(const float* host) {
 }
 void Model::get_grads(float* host) const { be_.download(host, grads_t_); }
 void Model::set_param_tensor(const HfTensorRef& t, const float* host) {
+  if (borrowed_) fail("[Model] the parameters are the weight provider's (a model over borrowed weights)");
   gemm_stale_ = true;
   if (!base16_) return be_.upload(params_t_.part(t.offset, t.numel), host);
   if (be_.host_memory()) {
@@ -315,6 +334,7 @@ void Model::set_param_tensor(const HfTensorRef& t, const float* host) {
 }
 
 void Model::init_parameters(uint64_t seed) {
+  if (borrowed_) fail("[Model] the parameters are the weight provider's (a model over borrowed weights)");
   gemm_stale_ = true;
   if (base16_) {  // tensor by tensor: never a whole fp32 copy of the base
     std::vector<float> tmp;
@@ -361,11 +381,13 @@ void Model::refresh_gemm_weights() {
 }
 
 Tensor Model::W(ParamKind kind, int layer) const {
+  if (borrowed_) return borrowed_->weight(kind, layer);
   const ParamSpec& s = table_.at(kind, layer);
   if (base16_) return window_view(s);
   return params_t_.part(s.offset, s.numel);
 }
 Tensor Model::Wg(ParamKind kind, int layer) {
+  if (borrowed_) return borrowed_->weight(kind, layer);
   const ParamSpec& s = table_.at(kind, layer);
   if (base16_) {
     if (!be_.host_memory()) return base16_t_.part(s.offset, s.numel);  // the device's act store is bf16
@@ -390,7 +412,6 @@ Tensor Model::as_act(Tensor src, Tensor scratch) {
 
 void Model::set_profile(Profile* profile) {
   profile_ = profile;
-  if (moe_) moe_->set_profile(profile);
 }
 
 void BlockEnv::tp_all_reduce(Tensor x) const {
@@ -793,7 +814,7 @@ void Model::backward(const StageGrad& grad) {
 
 void Model::allocate_infer(long n) {
   InferActs& a = infer_;
-  const int C = cfg_.hidden_size, V = cfg_.vocab_size;
+  const int C = cfg_.hidden_size;
   const Store act = be_.act_store(), f32 = Store::f32, i32 = Store::i32;
   const BlockEnv ev = env();
   // Layouts by the first layer of each kind (every layer has the same adapters), the dense FFN's for
@@ -819,21 +840,20 @@ void Model::allocate_infer(long n) {
     a.ln2f = first_moe >= 0 && act != f32 ? c.take(f32, n * C) : a.ln2;
     a.rstd2 = c.take(f32, n);
     a.attn.carve(c, ev, attention_weights(0, false), 1, (int)n, /*training=*/false);
-    a.attn_sc.carve(c, ev, lora_.on() ? lora_.rank : 0, n);
+    a.attn_sc.carve(c, ev, lora_.on() ? lora_.rank : 0, n, /*training=*/false);
     a.attn_sc.tmp = c.take(f32, n * C);
     if (first_moe >= 0) {
-      a.moe.carve(c, ev, moe_weights(first_moe, false), n, /*local_experts=*/true);
-      a.moe_sc.carve(c, ev, lora_.has(LoraTarget::router) ? lora_.rank : 0, n);
-      a.moe_sc.tmp = a.attn_sc.tmp;
+      a.moe.carve(c, ev, moe_weights(first_moe, false), n, /*local_experts=*/true, /*training=*/false);
+      a.moe_sc.tmp = a.attn_sc.tmp;  // the forward's only buffer of the MoE scratch
     }
-    if (first_dense >= 0) a.dense.carve(c, ev, ffn_weights(first_dense, false, false), n, dense_width);
+    if (first_dense >= 0)
+      a.dense.carve(c, ev, ffn_weights(first_dense, false, false), n, dense_width, /*training=*/false);
     a.tokens = c.take(i32, n);
     a.positions = c.take(i32, n);
     a.logit_index = c.take(i32, n);
     a.xf = c.take(f32, n * C);
     a.lnf = c.take(act, n * C);
     a.rstdf = c.take(f32, n);
-    a.logits = c.take(f32, n * V);
     a.ident_rt = c.take(i32, n);
     a.ident_ro = c.take(i32, n);
     if (pass == 0 && (!a.arena || a.arena->bytes() < c.used())) {
@@ -867,49 +887,75 @@ void Model::infer(std::span<const InferSequence> seqs, std::span<const int32_t> 
   refresh_gemm_weights();
   allocate_infer(n);
   InferActs& a = infer_;
-  const BlockEnv ev = env();
+  if (infer_w_.empty()) {  // resolved once: the tensors are views that do not move
+    for (int l = 0; l < L; l++) {
+      InferLayer w;
+      w.input_norm = W(ParamKind::input_norm, l);
+      w.post_norm = W(ParamKind::post_norm, l);
+      w.attn = attention_weights(l);
+      if (layer_moe(l))
+        w.moe = moe_weights(l);
+      else
+        w.ffn = ffn_weights(l, false);
+      infer_w_.push_back(std::move(w));
+    }
+  }
+  BlockEnv ev = env();
+  ev.inference = true;
+  // Rows of several sequences, or one token: each row must get what it gets alone.
+  be_.begin_inference_pass(/*decode=*/n == 1 || seqs.size() > 1, n);
   const float eps = (float)cfg_.rms_norm_eps;
   const Tensor x = a.x, h = a.h, ln1 = a.ln1, ln2 = a.ln2, ln2f = a.ln2f;
-  std::vector<int32_t> pos;
-  pos.reserve(n);
+  std::vector<int32_t>& pos = a.host_positions;
+  pos.clear();
   for (const InferSequence& q : seqs)
     for (int r = 0; r < q.rows; r++) pos.push_back(q.pos0 + r);
   be_.upload(a.tokens, tokens.data());
   be_.upload(a.positions, pos.data());
   // The identity plan of the n rows (LoRA's grouped products, the shared expert, the dense FFN).
-  const std::vector<int32_t> zeros(n, 0);
-  ops::moe_plan_build(a.ident_plan, zeros.data(), n, 1, 1);
-  a.ident_pv = be_.upload_plan(a.ident_plan, a.ident_rt, a.ident_ro);
+  if (lora_.on() || cfg_.has_shared_expert()) {
+    a.zeros.assign(n, 0);
+    ops::moe_plan_build(a.ident_plan, a.zeros.data(), n, 1, 1);
+    a.ident_pv = be_.upload_plan(a.ident_plan, a.ident_rt, a.ident_ro);
+  }
   if (!a.dense.row_token.empty()) a.dense.build_plan(be_, n);
   be_.embedding_forward(x, a.tokens, W(ParamKind::embedding), n, C, 0, V, true);
-  std::vector<KvRows> kv(seqs.size());
+  std::vector<KvRows>& kv = a.kv;
+  kv.resize(seqs.size());
   for (int l = 0; l < L; l++) {
     for (size_t i = 0, row = 0; i < seqs.size(); row += seqs[i].rows, i++)
       kv[i] = KvRows{(int)row, seqs[i].rows, seqs[i].pos0, seqs[i].k[l], seqs[i].v[l]};
-    be_.rmsnorm_forward(ln1, a.rstd1, x, W(ParamKind::input_norm, l), n, C, eps);
+    const InferLayer& w = infer_w_[l];
+    be_.rmsnorm_forward(ln1, a.rstd1, x, w.input_norm, n, C, eps);
     be_.copy(h, x);
-    AttentionBlock::forward_cached(ev, h, a.attn, a.attn_sc, ln1, a.positions, kv, attention_weights(l), a.ident_pv, n);
+    AttentionBlock::forward_cached(ev, h, a.attn, a.attn_sc, ln1, a.positions, kv, w.attn, a.ident_pv, n);
     if (ln2f.data != ln2.data) {
-      be_.rmsnorm_forward(ln2f, a.rstd2, h, W(ParamKind::post_norm, l), n, C, eps);
+      be_.rmsnorm_forward(ln2f, a.rstd2, h, w.post_norm, n, C, eps);
       be_.convert(ln2, ln2f);
     } else {
-      be_.rmsnorm_forward(ln2, a.rstd2, h, W(ParamKind::post_norm, l), n, C, eps);
+      be_.rmsnorm_forward(ln2, a.rstd2, h, w.post_norm, n, C, eps);
     }
     if (layer_moe(l))
-      moe_->forward(ev, x, a.moe, a.moe_sc, ln2, ln2f, Tensor{}, nullptr, moe_weights(l), a.ident_pv, nullptr);
+      moe_->forward(ev, x, a.moe, a.moe_sc, ln2, ln2f, Tensor{}, nullptr, w.moe, a.ident_pv, nullptr);
     else
-      dense_.forward(ev, x, a.dense, ln2, ffn_weights(l, false), ffn_width(l));
+      dense_.forward(ev, x, a.dense, ln2, w.ffn, ffn_width(l));
     be_.add(x, h);
   }
   const long rows = (long)logit_rows.size();
-  if (rows == 0) return;
-  const Tensor xf = a.xf.part(0, rows * C), lnf = a.lnf.part(0, rows * C), out = a.logits.part(0, rows * V);
-  const Tensor index = a.logit_index.part(0, rows);
-  be_.upload(index, logit_rows.data());
-  be_.gather_rows(xf, x, index, rows, C);
-  be_.rmsnorm_forward(lnf, a.rstdf.part(0, rows), xf, W(ParamKind::final_norm), rows, C, eps);
-  be_.matmul_forward(out, lnf, Wg(table_.head_kind()), (int)rows, C, V, false);
-  be_.download(logits, out);
+  if (rows > 0) {
+    Section t(ev, "head");
+    const Tensor xf = a.xf.part(0, rows * C), lnf = a.lnf.part(0, rows * C);
+    const Tensor index = a.logit_index.part(0, rows);
+    be_.upload(index, logit_rows.data());
+    be_.gather_rows(xf, x, index, rows, C);
+    be_.rmsnorm_forward(lnf, a.rstdf.part(0, rows), xf, W(ParamKind::final_norm), rows, C, eps);
+    // Host backends write the caller's buffer; others a buffer of the logits' size, downloaded.
+    const Tensor out = be_.host_memory() ? be_.view(logits, Store::f32, (size_t)rows * V)
+                                         : a.logits.get(be_, Store::f32, (size_t)rows * V, "inference logits");
+    be_.matmul_forward(out, lnf, Wg(table_.head_kind()), (int)rows, C, V, false);
+    if (!be_.host_memory()) be_.download(logits, out);
+  }
+  be_.end_inference_pass();
 }
 
 // Layer l in reverse; dres is d(x_next) on entry and d(x) of the layer on exit.

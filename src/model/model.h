@@ -77,6 +77,7 @@
 #include "model/moe_block.h"
 #include "model/params.h"
 #include "model/token_dispatch.h"
+#include "model/weight_provider.h"
 #include "ops/moe_dispatch.h"
 #include "ops/router.h"
 
@@ -117,6 +118,11 @@ class Model {
   // The model on `backend`, which must outlive it; tp / ep are groups over the backend's memory.
   Model(Backend& backend, const ModelConfig& cfg, dist::Comm* tp = nullptr, dist::Comm* ep = nullptr,
         LayerRange layers = {}, const LoraSpec& lora = {});
+  // A whole model over weights it does not hold (inference over a checkpoint used in place; the
+  // provider -- infer/model.h InferenceModel -- must outlive the model): no parameters, gradients or
+  // GEMM copies of its own; infer() and forward() read the provider's tensors, whose stores the
+  // backend must take (Store::stored: a CPU inference backend).  The parameter accessors are Errors.
+  Model(Backend& backend, const WeightProvider& weights);
   ~Model();
   Model(Model&&) = delete;
 
@@ -342,6 +348,7 @@ class Model {
   std::vector<long> dropped_;
   std::unique_ptr<dist::Comm> kv_comm_;  // ranks sharing a replicated kv head (NKV < tp)
   ParamTable table_;
+  const WeightProvider* borrowed_ = nullptr;  // the weights of a model that holds none
   // Parameters and gradients: host vectors on host-memory backends (params()), else allocations.
   std::vector<float> params_, grads_;
   std::unique_ptr<Allocation> params_alloc_, grads_alloc_, gemm_alloc_;
@@ -393,7 +400,8 @@ class Model {
   struct InferActs {
     std::unique_ptr<Allocation> arena;
     Tensor x, h, ln1, rstd1, ln2, ln2f, rstd2;
-    Tensor tokens, positions, logit_index, xf, lnf, rstdf, logits;
+    Tensor tokens, positions, logit_index, xf, lnf, rstdf;
+    GrowableBuffer logits;  // [rows, V] on backends whose memory the host does not read
     AttentionSaved attn;
     AttentionScratch attn_sc;
     MoeSaved moe;
@@ -402,8 +410,18 @@ class Model {
     ops::MoePlan ident_plan;
     PlanView ident_pv;
     Tensor ident_rt, ident_ro;
+    std::vector<int32_t> host_positions, zeros;  // a pass's host-side rows
+    std::vector<KvRows> kv;                      // a layer's view of the pass's caches
   };
   InferActs infer_;
+  // Each layer's weights as the blocks read them, resolved at the first inference pass.
+  struct InferLayer {
+    Tensor input_norm, post_norm;
+    AttentionWeights attn;
+    MoeWeights moe;
+    ExpertFfnWeights ffn;
+  };
+  std::vector<InferLayer> infer_w_;
   void allocate_infer(long n);
 
   std::vector<ops::RouterLayerStats> router_stats_;  // of the last forward

@@ -6,7 +6,8 @@
 
 namespace moetron {
 
-void MoeSaved::carve(TensorCarver& c, const BlockEnv& env, const MoeWeights& w, long N, bool local_experts) {
+void MoeSaved::carve(TensorCarver& c, const BlockEnv& env, const MoeWeights& w, long N, bool local_experts,
+                     bool training) {
   const ModelConfig& cfg = env.cfg;
   const Store act = env.be.act_store(), f32 = Store::f32, i32 = Store::i32;
   const int C = cfg.hidden_size, E = cfg.num_local_experts, K = cfg.num_experts_per_tok;
@@ -20,8 +21,11 @@ void MoeSaved::carve(TensorCarver& c, const BlockEnv& env, const MoeWeights& w, 
   yperm = c.take(act, M * C);
   row_token = c.take(i32, M);
   row_of = c.take(i32, M);
-  dispatch.h13 = local_experts ? c.take(act, 2 * M * I) : Tensor{};
-  dispatch.act = local_experts ? c.take(act, M * I) : Tensor{};
+  // The pieces path (adapters) writes them; the fused op may keep them itself.
+  const bool own = !training && env.be.experts_without_saved();
+  const bool hidden = local_experts && (!own || w.experts.lora());
+  dispatch.h13 = hidden ? c.take(act, 2 * M * I) : Tensor{};
+  dispatch.act = hidden ? c.take(act, M * I) : Tensor{};
   // LoRA: each adapted projection keeps u = x A^T [rows, r].
   const auto lu = [&](const LinearWeights& lw, long rows) {
     return lw.lora.on() ? c.take(act, rows * lw.lora.u_width()) : Tensor{};
@@ -31,10 +35,11 @@ void MoeSaved::carve(TensorCarver& c, const BlockEnv& env, const MoeWeights& w, 
   ur = w.router.lora.on() ? c.take(f32, N * (long)w.router.lora.r) : Tensor{};
   const bool sh = cfg.has_shared_expert();
   const long Is = sh ? cfg.shared_expert_intermediate_size / env.tp_size : 0;
+  const bool sh_hidden = sh && (!own || w.shared.lora());
   shu13 = sh ? lu(w.shared.w13, N) : Tensor{};
   shu2 = sh ? lu(w.shared.w2, N) : Tensor{};
-  sh13 = sh ? c.take(act, N * 2 * Is) : Tensor{};
-  shact = sh ? c.take(act, N * Is) : Tensor{};
+  sh13 = sh_hidden ? c.take(act, N * 2 * Is) : Tensor{};
+  shact = sh_hidden ? c.take(act, N * Is) : Tensor{};
   shy = sh ? c.take(act, N * C) : Tensor{};
   sgl = sh ? c.take(f32, N) : Tensor{};
   sg = sh ? c.take(f32, N) : Tensor{};
@@ -77,7 +82,7 @@ long MoeBlock::forward(const BlockEnv& env, Tensor out, MoeSaved& a, MoeScratch&
   const long N = (long)ln.numel / C;
   long dropped = 0;
   {
-    Section t(env, "fwd.router");
+    Section t(env, env.sec("fwd.router", "router and gathering"));
     linear_forward(be, a.rlogits, a.ur, lnf, w.router, ident, N, C, E, false);  // f32, its LoRA too
     if (!router_bias_.empty()) be.add_bias_rows(a.rlogits, router_bias_, N, E);
     be.router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, N, E, K, cfg.norm_topk_prob);
@@ -107,18 +112,23 @@ long MoeBlock::forward(const BlockEnv& env, Tensor out, MoeSaved& a, MoeScratch&
     a.pv = be.upload_plan(a.plan, a.row_token, a.row_of);
   }
   {
-    Section t(env, "fwd.moe_permute");
+    Section t(env, env.sec("fwd.moe_permute", "router and gathering"));
     be.moe_permute_forward(a.xperm, ln, a.pv, C);
   }
-  dispatch_->forward(a.dispatch, a.yperm, a.xperm, a.pv, w.experts);
+  if (env.inference) {  // one section for the experts (the dispatcher's sections are training's)
+    Section t(env, "experts");
+    dispatch_->forward(a.dispatch, a.yperm, a.xperm, a.pv, w.experts, nullptr);
+  } else {
+    dispatch_->forward(a.dispatch, a.yperm, a.xperm, a.pv, w.experts, env.profile);
+  }
   zero_dropped_rows(be, a.yperm, a.plan, C);  // dropped rows (capacity) computed nothing: zeros
   {
-    Section t(env, "fwd.moe_permute");
+    Section t(env, env.sec("fwd.moe_permute", "experts combine"));
     be.moe_combine_forward(out, a.yperm, a.plan.overflow ? a.combine_w : a.topk_w, a.pv, C);
   }
   if (!a.shy.empty()) {
     // The shared expert (Qwen2-MoE): out += sigmoid(ln . w_gate) * FFN_shared(ln), every token.
-    Section t(env, "fwd.shared_expert");
+    Section t(env, env.sec("fwd.shared_expert", "shared expert"));
     const int Is = cfg.shared_expert_intermediate_size / env.tp_size;
     shared_ffn_.forward(be, a.shy, ExpertFfnSaved{a.sh13, a.shact, a.shu13, a.shu2}, ln, ident, w.shared, C, Is);
     linear_forward(be, a.sgl, Tensor{}, lnf, w.shared_gate, ident, N, C, 1, false);
@@ -144,7 +154,7 @@ void MoeBlock::backward(const BlockEnv& env, Tensor dln, Tensor dout, MoeSaved& 
   }
   // yperm is this rank's partial expert output, so the routing-weight gradient is partial too.
   if (env.tp_on()) env.tp_all_reduce(sc.dtopk);
-  dispatch_->backward(sc.dxperm, sc.dyperm, a.dispatch, a.xperm, a.pv, w.experts);
+  dispatch_->backward(sc.dxperm, sc.dyperm, a.dispatch, a.xperm, a.pv, w.experts, env.profile);
   zero_dropped_rows(be, sc.dxperm, a.plan, C);  // dropped rows pass no gradient to the input
   {
     Section t(env, "bwd.moe_permute");

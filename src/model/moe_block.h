@@ -49,8 +49,11 @@ struct MoeSaved {
   PlanView pv;
   DispatchSaved dispatch;
   // Lays the tensors out (TensorCarver's two passes); local_experts: the experts' activations live
-  // here (else the all-to-all dispatcher keeps them).
-  void carve(TensorCarver& c, const BlockEnv& env, const MoeWeights& w, long N, bool local_experts);
+  // here (else the all-to-all dispatcher keeps them); training false: an inference pass's, whose
+  // fused experts keep no hidden activations on a backend that holds them itself
+  // (experts_without_saved).
+  void carve(TensorCarver& c, const BlockEnv& env, const MoeWeights& w, long N, bool local_experts,
+             bool training = true);
 };
 
 // Work buffers shared by every layer.
@@ -74,7 +77,6 @@ class MoeBlock {
   void set_capacity_factor(double f) { capacity_factor_ = f; }
   // Test hook: bias[E] (f32, backend memory; empty: none) added to the router logits.
   void set_router_bias(Tensor bias) { router_bias_ = bias; }
-  void set_profile(Profile* p) { dispatch_->set_profile(p); }
 
   // out[N,C] (f32, assign; all-reduced under tp) = the block's output.  ln [N,C] act store, lnf the
   // same in f32 (ln itself when the act store is f32); token_mask u8 [N] (empty: every token real)

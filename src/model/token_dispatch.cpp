@@ -58,14 +58,14 @@ dist::CommDType comm_dtype_of(const Tensor& t) {
 class LocalDispatch final : public TokenDispatcher {
  public:
   LocalDispatch(Backend& be, int C, int I) : be_(be), C_(C), I_(I) {}
-  void forward(DispatchSaved& s, Tensor yperm, Tensor xperm, const PlanView& plan,
-               const ExpertFfnWeights& w) override {
-    ScopedTimer t(profile_, "fwd.experts");
+  void forward(DispatchSaved& s, Tensor yperm, Tensor xperm, const PlanView& plan, const ExpertFfnWeights& w,
+               Profile* profile) override {
+    ScopedTimer t(profile, "fwd.experts");
     ffn_.forward(be_, yperm, ExpertFfnSaved{s.h13, s.act, s.u13, s.u2}, xperm, plan, w, C_, I_);
   }
   void backward(Tensor dxperm, Tensor dyperm, DispatchSaved& s, Tensor xperm, const PlanView& plan,
-                const ExpertFfnWeights& w) override {
-    ScopedTimer t(profile_, "bwd.experts");
+                const ExpertFfnWeights& w, Profile* profile) override {
+    ScopedTimer t(profile, "bwd.experts");
     ffn_.backward(be_, dxperm, dyperm, ExpertFfnSaved{s.h13, s.act, s.u13, s.u2}, xperm, plan, w, C_, I_);
   }
 
@@ -85,8 +85,9 @@ class AllToAllDispatch final : public TokenDispatcher {
     MOETRON_ASSERT(E % ep.size() == 0);
   }
 
-  void forward(DispatchSaved& s, Tensor yperm, Tensor xperm, const PlanView& plan,
-               const ExpertFfnWeights& w) override {
+  void forward(DispatchSaved& s, Tensor yperm, Tensor xperm, const PlanView& plan, const ExpertFfnWeights& w,
+               Profile* profile) override {
+    profile_ = profile;  // for the exchange's sections
     exchange_counts(s, *plan.plan);
     const size_t Mr = s.local.row_token.size();
     const Store act = be_.act_store();
@@ -114,9 +115,10 @@ class AllToAllDispatch final : public TokenDispatcher {
   }
 
   void backward(Tensor dxperm, Tensor dyperm, DispatchSaved& s, Tensor xperm, const PlanView& plan,
-                const ExpertFfnWeights& w) override {
+                const ExpertFfnWeights& w, Profile* profile) override {
     (void)xperm;
     (void)plan;
+    profile_ = profile;
     const size_t Mr = s.local.row_token.size();
     const Store act = be_.act_store();
     Tensor dy = y_buf_.get(be_, act, Mr * C_, "expert-parallel output gradients");
@@ -207,6 +209,7 @@ class AllToAllDispatch final : public TokenDispatcher {
     ep_.all_to_all_v(out.data, rc, buf.data, sc, comm_dtype_of(out));
   }
 
+  Profile* profile_ = nullptr;  // the current call's
   Backend& be_;
   dist::Comm& ep_;
   int P_, El_, C_, I_;

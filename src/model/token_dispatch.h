@@ -64,16 +64,13 @@ class TokenDispatcher {
   // yperm[M,C] (act store) = experts(xperm[M,C]) for the plan's computed rows (the overflow rows
   // are left as they are); w: this rank's experts (model/expert_ffn.h).  Collective over the
   // expert-parallel group.
-  virtual void forward(DispatchSaved& s, Tensor yperm, Tensor xperm, const PlanView& plan,
-                       const ExpertFfnWeights& w) = 0;
+  // profile: where the dispatcher times its sections (null: nowhere).
+  virtual void forward(DispatchSaved& s, Tensor yperm, Tensor xperm, const PlanView& plan, const ExpertFfnWeights& w,
+                       Profile* profile) = 0;
   // dxperm[M,C] (assign, computed rows) from dyperm[M,C]; the weight gradients of w accumulate every
   // row this rank's experts saw (all the ep group's tokens under expert parallelism).
   virtual void backward(Tensor dxperm, Tensor dyperm, DispatchSaved& s, Tensor xperm, const PlanView& plan,
-                        const ExpertFfnWeights& w) = 0;
-  void set_profile(Profile* p) { profile_ = p; }
-
- protected:
-  Profile* profile_ = nullptr;
+                        const ExpertFfnWeights& w, Profile* profile) = 0;
 };
 
 // Every expert on this rank.

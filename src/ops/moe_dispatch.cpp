@@ -18,6 +18,9 @@ namespace moetron::ops {
 
 namespace {
 
+// Below this many elements (rows x C elements) a parallel region costs more than it saves.
+constexpr long kParallelMin = 1 << 15;
+
 void check_plan(const MoePlan& plan, const char* op) {
   MOETRON_OP_CHECK(plan.E >= 1 && plan.K >= 1 && plan.N >= 0, op,
                    "plan is not built (N={}, E={}, K={})", plan.N, plan.E, plan.K);
@@ -61,7 +64,7 @@ void moe_plan_build(MoePlan& plan, const int32_t* topk_idx, long N, int E, int K
 void moe_permute_forward(float* xperm, const float* x, const MoePlan& plan, int C) {
   check_plan(plan, "moe_permute_forward");
   const long M = plan.N * plan.K;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (M * C >= kParallelMin)
   for (long m = 0; m < M; m++)
     std::memcpy(xperm + m * C, x + (long)plan.row_token[m] * C, sizeof(float) * C);
 }
@@ -69,7 +72,7 @@ void moe_permute_forward(float* xperm, const float* x, const MoePlan& plan, int 
 void moe_permute_backward(float* dx, const float* dxperm, const MoePlan& plan, int C) {
   check_plan(plan, "moe_permute_backward");
   const int K = plan.K;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (plan.N * K * (long)C >= kParallelMin)
   for (long n = 0; n < plan.N; n++) {
     float* d = dx + n * C;
     std::memcpy(d, dxperm + (long)plan.row_of[n * K] * C, sizeof(float) * C);
@@ -84,7 +87,7 @@ void moe_combine_forward(float* out, const float* yperm, const float* topk_weigh
                          const MoePlan& plan, int C) {
   check_plan(plan, "moe_combine_forward");
   const int K = plan.K;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (plan.N * K * (long)C >= kParallelMin)
   for (long n = 0; n < plan.N; n++) {
     float* o = out + n * C;
     for (int k = 0; k < K; k++) {
@@ -102,7 +105,7 @@ void moe_combine_backward(float* dyperm, float* dtopk_weight, const float* dout,
                           const float* topk_weight, const MoePlan& plan, int C) {
   check_plan(plan, "moe_combine_backward");
   const int K = plan.K;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (plan.N * K * (long)C >= kParallelMin)
   for (long n = 0; n < plan.N; n++) {
     const float* g = dout + n * C;
     for (int k = 0; k < K; k++) {

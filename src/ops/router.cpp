@@ -16,6 +16,9 @@ namespace moetron::ops {
 
 namespace {
 
+// Below this many elements (N x E logits) a parallel region costs more than it saves.
+constexpr long kParallelMin = 1 << 15;
+
 bool is_real(const uint8_t* token_mask, long n) { return token_mask == nullptr || token_mask[n] != 0; }
 
 // logsumexp of one row of logits, in double.
@@ -60,7 +63,7 @@ void route_token(float* p, int32_t* idx, float* w, const float* l, int E, int K,
 void router_forward(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, long N,
                     int E, int K, bool renormalize) {
   check_dims("router_forward", N, E, K);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * E >= kParallelMin)
   for (long n = 0; n < N; n++)
     route_token(probs + n * E, topk_idx + n * K, topk_weight + n * K, logits + n * E, E, K, renormalize);
 }
