@@ -4,6 +4,8 @@
 //                    outputs of a fixed random cotangent times the output; tests/gradcheck.h);
 //   Bf16CpuBackend   against the CPU within bf16 accuracy (5e-2 of each tensor's max: bf16 keeps 8
 //                    bits per stored value; a wrong op misses by O(1));
+//   CpuInferenceBackend  the forward ops against the CPU to fp32 rounding, in decode and prompt
+//                    passes (the inference kernels);
 //   CudaBackend      (with a GPU) against the CPU with the bf16 rule, the Bf16CpuBackend result
 //                    being the naive implementation (tests/cuda_test_util.h); integer outputs
 //                    exactly.
@@ -23,6 +25,7 @@
 
 #include "backend/cpu.h"
 #include "backend/cpu_bf16.h"
+#include "backend/cpu_infer.h"
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "cuda/backend.h"
@@ -708,6 +711,29 @@ TEST_P(BackendOps, Bf16CpuWithinBf16AccuracyOfTheCpu) {
       continue;
     }
     testing::expect_close(got.at(name), v, 5e-2, 1e-6, c.name + " " + name);
+  }
+}
+
+// Every machine: the CPU inference backend's forward ops (the inference kernels: matrix-vector tasks in
+// decode passes, the prefill GEMM in prompt passes, the fused experts, attention over a cache) give the
+// CPU backend's outputs to fp32 rounding (1e-5 of each tensor's max: the same fp32 arithmetic summed
+// in another order; a wrong row, expert or mask misses by O(1)).  Integer outputs exactly.
+TEST_P(BackendOps, CpuInferenceForwardMatchesTheCpu) {
+  const OpCase& c = GetParam();
+  CpuBackend cpu;
+  const std::unique_ptr<Env> ref = run_forward(cpu, c, c.inputs);
+  for (const bool decode : {true, false}) {
+    CpuInferenceBackend infer;
+    infer.begin_inference_pass(decode, 16);
+    const std::unique_ptr<Env> got = run_forward(infer, c, c.inputs);
+    infer.end_inference_pass();
+    for (const std::string& o : c.outputs) {
+      const std::string what = c.name + " " + o + (decode ? " (decode)" : " (prompt)");
+      if (o == "idx")
+        EXPECT_EQ(got->get(o), ref->get(o)) << what;
+      else
+        testing::expect_close(got->get(o), ref->get(o), 1e-5, 1e-6, what);
+    }
   }
 }
 
