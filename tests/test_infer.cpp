@@ -2,11 +2,7 @@
 // forward), greedy generation against transformers' generate(do_sample=False), sampling, and the
 // incremental detokenizer with stop strings.
 //
-// Tolerance of the KV-vs-recompute comparison: max|a-b| <= 1e-5 * max|b| over each step's logits.
-// Both paths are fp32 with the same formulas; they differ only in summation order (matrix-vector
-// kernels and per-row attention here, BLAS GEMMs and blocked attention there), which moves logits
-// by ~1e-7 relative on these 2-layer models.  A wrong position, cache slot, window or mask moves them
-// by far more (the golden models scale q/k so attention is sharp).
+// The KV-vs-recompute tolerance: tests/infer_test_util.h.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -25,6 +21,7 @@
 #include <omp.h>
 #include <nlohmann/json.hpp>
 
+#include "backend/cpu.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "infer/model_runner.h"
@@ -37,6 +34,7 @@
 #include "proc_maps.h"
 #include "model/model.h"
 #include "model/weights.h"
+#include "infer_test_util.h"
 #include "temp_dir.h"
 
 namespace fs = std::filesystem;
@@ -52,58 +50,33 @@ nlohmann::json expected_json() {
   return nlohmann::json::parse(in);
 }
 
-std::vector<int32_t> random_tokens(int n, int V, uint64_t seed) {
-  std::vector<int32_t> t(n);
-  for (int i = 0; i < n; i++) t[i] = (int32_t)(mix64(seed * 1000003 + i) % (uint64_t)V);
-  return t;
-}
 
-// [T, V] logits of the training model's forward over the whole sequence.
-std::vector<float> recompute_logits(const std::string& dir, const std::vector<int32_t>& tokens) {
-  const ModelConfig cfg = load_model_config(dir + "/config.json");
-  Model model(cfg);
-  load_hf_weights(ModelTensors::open(dir), model.table(), model.params().data(), dir);
-  Batch b;
-  b.B = 1;
-  b.T = (int)tokens.size();
-  b.input_ids = tokens;
-  model.forward(b, {});
-  return std::vector<float>(model.logits(), model.logits() + tokens.size() * (size_t)cfg.vocab_size);
-}
 
-double rel_err(const float* a, const float* b, int n) {
-  double err = 0, ref = 0;
-  for (int i = 0; i < n; i++) {
-    err = std::max(err, std::fabs((double)a[i] - b[i]));
-    ref = std::max(ref, std::fabs((double)b[i]));
-  }
-  return err / ref;
-}
 
-constexpr double kTol = 1e-5;
+constexpr double kTol = moetron::testing::kKvTol;
+using moetron::testing::random_tokens;
+using moetron::testing::recompute_logits;
+using moetron::testing::rel_err;
+std::vector<std::string> model_dirs() { return moetron::testing::inference_model_dirs(); }
 
-// Every model directory with weights: the forward goldens and the generation goldens.
-std::vector<std::string> model_dirs() {
-  std::vector<std::string> dirs;
-  for (const char* c : {"mixtral_gqa", "mixtral_e3_k1", "mixtral_swa_padded", "mistral_dense", "llama_dense",
-                        "qwen3_moe_mixed", "qwen3_moe_norm_topk_padded", "qwen2_moe_shared", "olmoe_clip", "olmoe_plain", "qwen3_dense"})
-    dirs.push_back((kGolden / c).string());
-  for (const char* c : {"mixtral_gqa", "llama_dense", "qwen3_moe", "olmoe"}) dirs.push_back((kGenerate / c).string());
-  return dirs;
-}
 
 }  // namespace
 
 // Prefill of a prompt, then one token at a time: the logits of every position equal the full
-// recomputation's.  The sequences are longer than the sliding windows (5 and 16) of the window cases.
+// recomputation's -- over the weights used in place (the CPU inference backend) and on the CPU backend
+// (the model's fp32 copy, BLAS: the path a GPU runs).  The sequences are longer than the sliding
+// windows (5 and 16) of the window cases.
 TEST(Decoder, KvCacheEqualsRecomputationAtEveryStep) {
-  for (const std::string& dir : model_dirs()) {
-    SCOPED_TRACE(dir);
+  for (const std::string& dir : model_dirs())
+    for (const bool in_place : {true, false}) {
+    SCOPED_TRACE(dir + (in_place ? " in place" : " on the CPU backend"));
     const auto model = load_inference_model(dir);
     const int V = model->cfg.vocab_size, T = 40, P = 7;
     const std::vector<int32_t> tokens = random_tokens(T, V, 7);
     const std::vector<float> ref = recompute_logits(dir, tokens);
-    ModelRunner dec(*model);
+    std::unique_ptr<ModelRunner> runner = in_place ? std::make_unique<ModelRunner>(*model)
+                                                   : std::make_unique<ModelRunner>(std::make_unique<CpuBackend>(), dir);
+    ModelRunner& dec = *runner;
     KvCache cache = dec.new_cache();
     std::vector<float> logits((size_t)P * V);
     dec.forward(cache, std::span(tokens).first(P), logits.data(), /*all_logits=*/true);
@@ -738,7 +711,11 @@ TEST(Generate, GreedyEqualsTransformersGenerate) {
     const auto model = load_inference_model(dir);
     const std::vector<int32_t> eos = model_eos_ids(dir, model->cfg, nullptr);
     EXPECT_EQ(eos, std::vector<int32_t>{2});
-    ModelRunner dec(*model);
+    for (const bool in_place : {true, false}) {  // the CPU inference backend, and the CPU backend
+    SCOPED_TRACE(in_place ? "in place" : "on the CPU backend");
+    std::unique_ptr<ModelRunner> runner = in_place ? std::make_unique<ModelRunner>(*model)
+                                                   : std::make_unique<ModelRunner>(std::make_unique<CpuBackend>(), dir);
+    ModelRunner& dec = *runner;
     KvCache cache = dec.new_cache();
     const auto prompt = c["prompt_ids"].get<std::vector<int32_t>>();
     const auto want = c["expected_ids"].get<std::vector<int32_t>>();
@@ -759,6 +736,7 @@ TEST(Generate, GreedyEqualsTransformersGenerate) {
     EXPECT_EQ(r2.reused_tokens, (int)longer.size() - 1);
     EXPECT_EQ(std::vector<int32_t>(r2.tokens.begin(), r2.tokens.begin() + 22),
               std::vector<int32_t>(want.begin() + 10, want.end()));
+    }
   }
 }
 

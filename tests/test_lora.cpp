@@ -21,6 +21,8 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "backend/cpu.h"
 #include <nlohmann/json.hpp>
 
 #include "infer/model_runner.h"
@@ -210,26 +212,33 @@ TEST_P(LoraGolden, FrozenBf16BaseComputesBitwiseWhatTheFp32BaseDoes) {
   EXPECT_EQ(grads[0], grads[1]);
 }
 
-// Inference with the adapter unmerged (generate / chat / serve --lora): the KV-cache decoder's logits
-// for the first sequence equal PEFT's, prefilled at once and fed token by token.
+// Inference with the adapter unmerged (generate / chat / serve --lora): the KV-cache runner's logits
+// for the first sequence equal PEFT's, prefilled at once and fed token by token -- over the weights in
+// place (the file's dtype) and widened to fp32 on the CPU inference backend, and on the CPU backend (the
+// path a GPU runs).
 TEST_P(LoraGolden, DecoderWithTheAdapterUnmergedGivesPeftsLogits) {
   const LoraCase c = load_case(GetParam());
   const int T = c.batch.T, V = c.cfg.vocab_size;
   const std::vector<int32_t> tokens(c.batch.input_ids.begin(), c.batch.input_ids.begin() + T);  // row 0: no padding
   const std::vector<float> all = to_f32(c.expected.get("logits_final"));
   const std::vector<float> want(all.begin(), all.begin() + (size_t)T * V);
-  for (bool widen : {false, true}) {  // in place (the file's dtype), and widened to fp32
+  for (int variant = 0; variant < 3; variant++) {  // in place, widened to fp32, the CPU backend
+    const bool widen = variant == 1;
     const std::unique_ptr<InferenceModel> m =
         load_inference_model(c.dir.string(), (c.dir / "adapter_final").string(), widen);
     ASSERT_TRUE(m->lora);
-    ModelRunner d(*m);
+    std::unique_ptr<ModelRunner> runner =
+        variant < 2 ? std::make_unique<ModelRunner>(*m)
+                    : std::make_unique<ModelRunner>(std::make_unique<CpuBackend>(), c.dir.string(),
+                                                    (c.dir / "adapter_final").string());
+    ModelRunner& d = *runner;
     KvCache prefill = d.new_cache();
     std::vector<float> got((size_t)T * V);
     d.forward(prefill, tokens, got.data(), true);
-    EXPECT_LE(normalized_max_error(got, want), 1e-5) << "prefill, widened " << widen;
+    EXPECT_LE(normalized_max_error(got, want), 1e-5) << "prefill, variant " << variant;
     KvCache step = d.new_cache();
     for (int t = 0; t < T; t++) d.forward(step, std::span<const int32_t>(&tokens[t], 1), got.data() + (size_t)t * V);
-    EXPECT_LE(normalized_max_error(got, want), 1e-5) << "token by token, widened " << widen;
+    EXPECT_LE(normalized_max_error(got, want), 1e-5) << "token by token, variant " << variant;
   }
 }
 

@@ -1,12 +1,13 @@
 // The model's own layer body over KV caches (Model::infer, run by ModelRunner): the training forward's
 // blocks, with attention over per-sequence caches in the backend's memory.
-//   - on the CPU backend, prefill (at once, in chunks, after cached positions) and decode give the
+//   - on the CPU backend, prefill in chunks after cached positions (and prefill then decode:
+//     test_infer's Decoder.KvCacheEqualsRecomputationAtEveryStep) gives the
 //     training forward's logits of the whole sequence (max|a-b| <= 1e-5 max|b|: both fp32, the same
 //     ops over different shapes -- BLAS blocks and attention over a cache instead of the batch --
 //     move logits by ~1e-7; a wrong position, cache row or window moves them by far more), for every
 //     golden model (the 7 families, sliding windows, shared experts, clip, q/k norms, tied head);
-//   - greedy generation equals transformers' on the generation references, and with a PEFT adapter
-//     unmerged the logits equal PEFT's;
+//   - (greedy generation equal to transformers' and PEFT's logits with an adapter unmerged: test_infer's
+//     Generate.GreedyEqualsTransformersGenerate and test_lora's LoraGolden run this runner too);
 //   - a decode batch and a row prefill of several sequences give each sequence what it gets alone;
 //   - on the bf16-rounding CPU backend (what CUDA stores in bf16: the act-store branches of every
 //     block) the logits stay within bf16 accuracy of fp32;
@@ -30,10 +31,10 @@
 #include "core/rng.h"
 #include "cuda_test_util.h"
 #include "golden_case.h"
-#include "infer/model_runner.h"
 #include "infer/generate.h"
 #include "infer/model.h"
 #include "infer/model_runner.h"
+#include "infer_test_util.h"
 #include "io/model_files.h"
 #include "model/model.h"
 #include "model/weights.h"
@@ -45,45 +46,13 @@ namespace {
 
 const fs::path kGolden = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden";
 const fs::path kGenerate = kGolden / "generate";
-constexpr double kTol = 1e-5;
-
-std::vector<std::string> model_dirs() {
-  std::vector<std::string> dirs;
-  for (const char* c :
-       {"mixtral_gqa", "mixtral_e3_k1", "mixtral_swa_padded", "mistral_dense", "llama_dense", "qwen3_moe_mixed",
-        "qwen3_moe_norm_topk_padded", "qwen2_moe_shared", "olmoe_clip", "olmoe_plain", "qwen3_dense"})
-    dirs.push_back((kGolden / c).string());
-  for (const char* c : {"mixtral_gqa", "llama_dense", "qwen3_moe", "olmoe"}) dirs.push_back((kGenerate / c).string());
-  return dirs;
-}
-
-std::vector<int32_t> random_tokens(int n, int V, uint64_t seed) {
-  std::vector<int32_t> t(n);
-  for (int i = 0; i < n; i++) t[i] = (int32_t)(mix64(seed * 1000003 + i) % (uint64_t)V);
-  return t;
-}
+constexpr double kTol = moetron::testing::kKvTol;
+using moetron::testing::random_tokens;
+using moetron::testing::recompute_logits;
+using moetron::testing::rel_err;
+std::vector<std::string> model_dirs() { return moetron::testing::inference_model_dirs(); }
 
 // [T, V] logits of the training forward over the whole sequence.
-std::vector<float> recompute_logits(const std::string& dir, const std::vector<int32_t>& tokens) {
-  const ModelConfig cfg = load_model_config(dir + "/config.json");
-  Model model(cfg);
-  load_hf_weights(ModelTensors::open(dir), model.table(), model.params().data(), dir);
-  Batch b;
-  b.B = 1;
-  b.T = (int)tokens.size();
-  b.input_ids = tokens;
-  model.forward(b, {});
-  return std::vector<float>(model.logits(), model.logits() + tokens.size() * (size_t)cfg.vocab_size);
-}
-
-double rel_err(const float* a, const float* b, int n) {
-  double err = 0, ref = 0;
-  for (int i = 0; i < n; i++) {
-    err = std::max(err, std::fabs((double)a[i] - b[i]));
-    ref = std::max(ref, std::fabs((double)b[i]));
-  }
-  return err / ref;
-}
 
 ModelRunner cpu_runner(const std::string& dir, int chunk = 256, const std::string& lora = "") {
   return ModelRunner(std::make_unique<CpuBackend>(), dir, lora, chunk);
@@ -91,28 +60,17 @@ ModelRunner cpu_runner(const std::string& dir, int chunk = 256, const std::strin
 
 }  // namespace
 
-// Prefill P tokens, then one token at a time; and prefill in chunks of 3 and 20 over a cache already
-// holding positions: every logit row equals the recomputation's.  The sequences are longer than the
-// sliding windows (5 and 16) of the window cases.
-TEST(ModelInfer, PrefillAndDecodeEqualTheTrainingForward) {
+// Prefill in chunks of 3 and 20 over a cache already holding positions: every logit row equals the
+// recomputation's (prefill then decode: Decoder.KvCacheEqualsRecomputationAtEveryStep runs this runner
+// too).  The sequences are longer than the sliding windows (5 and 16) of the window cases.
+TEST(ModelInfer, ChunkedPrefillEqualsTheTrainingForward) {
   for (const std::string& dir : model_dirs()) {
     SCOPED_TRACE(dir);
     const ModelConfig cfg = load_model_config(dir + "/config.json");
-    const int V = cfg.vocab_size, T = 40, P = 7;
+    const int V = cfg.vocab_size, T = 40;
     const std::vector<int32_t> tokens = random_tokens(T, V, 7);
     const std::vector<float> ref = recompute_logits(dir, tokens);
-    ModelRunner run = cpu_runner(dir);
-    KvCache cache = run.new_cache();
     std::vector<float> logits((size_t)T * V);
-    run.forward(cache, std::span(tokens).first(P), logits.data(), /*all_logits=*/true);
-    for (int t = 0; t < P; t++)
-      ASSERT_LE(rel_err(logits.data() + (size_t)t * V, ref.data() + (size_t)t * V, V), kTol) << "prefill row " << t;
-    for (int t = P; t < T; t++) {
-      run.forward(cache, std::span(tokens).subspan(t, 1), logits.data());
-      ASSERT_LE(rel_err(logits.data(), ref.data() + (size_t)t * V, V), kTol) << "decode step at position " << t;
-    }
-    EXPECT_EQ(cache.len(), T);
-    EXPECT_EQ(cache.tokens(), tokens);
     for (int chunk : {3, 20}) {
       ModelRunner chunked = cpu_runner(dir, chunk);
       KvCache c = chunked.new_cache();
@@ -123,76 +81,6 @@ TEST(ModelInfer, PrefillAndDecodeEqualTheTrainingForward) {
       chunked.forward(c, std::span(tokens).subspan(25), logits.data());  // the last row's only
       ASSERT_LE(rel_err(logits.data(), ref.data() + (size_t)(T - 1) * V, V), kTol) << "chunk " << chunk;
     }
-  }
-}
-
-// The same on the CPU inference backend over the checkpoint used where it lies (bf16 / f32 in place,
-// the inference kernels), with prompts in chunks of 3 and 256 rows.
-TEST(ModelInfer, OverWeightsInPlacePrefillAndDecodeEqualTheTrainingForward) {
-  for (const std::string& dir : model_dirs()) {
-    SCOPED_TRACE(dir);
-    const auto weights = load_inference_model(dir);
-    const int V = weights->cfg.vocab_size, T = 40, P = 7;
-    const std::vector<int32_t> tokens = random_tokens(T, V, 7);
-    const std::vector<float> ref = recompute_logits(dir, tokens);
-    for (int chunk : {3, 256}) {
-      ModelRunner run(*weights, chunk);
-      KvCache cache = run.new_cache();
-      std::vector<float> logits((size_t)T * V);
-      run.forward(cache, std::span(tokens).first(P), logits.data(), /*all_logits=*/true);
-      for (int t = 0; t < P; t++)
-        ASSERT_LE(rel_err(logits.data() + (size_t)t * V, ref.data() + (size_t)t * V, V), kTol)
-            << "chunk " << chunk << " prefill row " << t;
-      for (int t = P; t < T; t++) {
-        run.forward(cache, std::span(tokens).subspan(t, 1), logits.data());
-        ASSERT_LE(rel_err(logits.data(), ref.data() + (size_t)t * V, V), kTol) << "decode step at position " << t;
-      }
-    }
-  }
-}
-
-// Greedy generation through the model's body equals transformers' generate(do_sample=False), also
-// with the prompt cached (reused) from the previous generation.
-TEST(ModelInfer, GreedyEqualsTransformersGenerate) {
-  std::ifstream in(kGenerate / "expected.json");
-  const nlohmann::json exp = nlohmann::json::parse(in);
-  ASSERT_EQ(exp["cases"].size(), 4u);  // Mixtral, Llama, Qwen3-MoE, OLMoE
-  for (const auto& c : exp["cases"]) {
-    const std::string dir = (kGenerate / c["model"].get<std::string>()).string();
-    SCOPED_TRACE(dir);
-    ModelRunner run = cpu_runner(dir);
-    KvCache cache = run.new_cache();
-    const auto prompt = c["prompt_ids"].get<std::vector<int32_t>>();
-    const auto want = c["expected_ids"].get<std::vector<int32_t>>();
-    const std::vector<int32_t> eos = {2};
-    EXPECT_EQ(generate_greedy(run, cache, prompt, 32, eos), want);
-    GenerateOptions o;
-    o.max_new_tokens = 32;
-    o.eos_ids = eos;
-    const GenerateResult r = generate(run, cache, prompt, o, nullptr);
-    EXPECT_EQ(r.tokens, want);
-    EXPECT_EQ(r.reused_tokens, (int)prompt.size() - 1);
-  }
-}
-
-// A PEFT adapter applied unmerged: the first sequence's logits equal PEFT's, prefilled at once and fed
-// token by token.
-TEST(ModelInfer, LoraAdapterUnmergedGivesPeftsLogits) {
-  for (const char* name : {"mixtral", "qwen3_moe", "qwen2_moe", "mixtral_router"}) {
-    SCOPED_TRACE(name);
-    const moetron::testing::GoldenCase c = moetron::testing::load_golden_case(kGolden / "lora" / name);
-    const int T = c.batch.T, V = c.cfg.vocab_size;
-    const std::vector<int32_t> tokens(c.batch.input_ids.begin(), c.batch.input_ids.begin() + T);  // row 0: unpadded
-    const std::vector<float> all = to_f32(c.expected.get("logits_final"));
-    const std::vector<float> want(all.begin(), all.begin() + (size_t)T * V);
-    ModelRunner run = cpu_runner(c.dir.string(), 256, (c.dir / "adapter_final").string());
-    KvCache prefill = run.new_cache();
-    std::vector<float> got((size_t)T * V);
-    run.forward(prefill, tokens, got.data(), true);
-    EXPECT_LE(moetron::testing::normalized_max_error(got, want), 1e-5) << "prefill";
-    KvCache step = run.new_cache();
-    for (int t = 0; t < T; t++) run.forward(step, std::span<const int32_t>(&tokens[t], 1), got.data() + (size_t)t * V);
-    EXPECT_LE(moetron::testing::normalized_max_error(got, want), 1e-5) << "token by token";
   }
 }
 
