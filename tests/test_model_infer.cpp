@@ -143,7 +143,7 @@ TEST(ModelInfer, Bf16BackendStaysWithinBf16AccuracyOfFp32) {
   }
 }
 
-// Bad input: a token outside the vocabulary, a cache of another runner (or of host floats), one
+// Bad input: a token outside the vocabulary, a cache of another runner (or backend), one
 // cache twice in a batch, an empty feed -- an Error, and the caches keep what they held.
 TEST(ModelInfer, RejectsBadInputWithoutChangingTheCache) {
   const std::string dir = (kGolden / "mixtral_gqa").string();
@@ -163,8 +163,9 @@ TEST(ModelInfer, RejectsBadInputWithoutChangingTheCache) {
   ModelRunner other(*model);  // the CPU inference backend's caches
   KvCache theirs = other.new_cache();
   EXPECT_THROW(run.forward(theirs, ok, logits.data()), Error);
-  KvCache host(run.config().num_hidden_layers, theirs.kv_dim());
-  EXPECT_THROW(run.forward(host, ok, logits.data()), Error);
+  CpuBackend another;
+  KvCache shaped_alike(run.config().num_hidden_layers, theirs.kv_dim(), another);
+  EXPECT_THROW(run.forward(shaped_alike, ok, logits.data()), Error);
   KvCache* twice[2] = {&cache, &cache};
   const int32_t two[2] = {1, 2};
   EXPECT_THROW(run.forward_batch(twice, two, logits.data()), Error);

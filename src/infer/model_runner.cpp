@@ -54,9 +54,9 @@ ModelRunner::ModelRunner(Model& model, int prefill_chunk)
 KvCache ModelRunner::new_cache() const { return KvCache(config().num_hidden_layers, kv_dim_, model_->backend()); }
 
 void ModelRunner::check_cache(const KvCache& c, const char* op, size_t index) const {
-  if (c.backend() != &model_->backend() || c.layers() != config().num_hidden_layers || c.kv_dim() != kv_dim_)
-    fail("[{}] KV cache {} is not one of this model's (new_cache()): {} layers of width {} on {}", op, index,
-         c.layers(), c.kv_dim(), c.backend() ? c.backend()->name() : "the host");
+  if (&c.backend() != &model_->backend() || c.layers() != config().num_hidden_layers || c.kv_dim() != kv_dim_)
+    fail("[{}] KV cache {} is not one of this model's (new_cache()): {} layers of width {} on another backend", op,
+         index, c.layers(), c.kv_dim());
 }
 
 void ModelRunner::check_tokens(std::span<const int32_t> tokens, const char* op, size_t seq) const {
