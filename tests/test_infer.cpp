@@ -22,6 +22,10 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/cpu.h"
+#include "backend/kernels/argmax.h"
+#include "backend/kernels/attention_rows.h"
+#include "backend/kernels/gemv.h"
+#include "backend/kernels/q8.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "infer/model_runner.h"
@@ -207,7 +211,7 @@ TEST(Decoder, UntiedEmbeddingIsReadByRowNeverMapped) {
 
     const size_t page = (size_t)sysconf(_SC_PAGESIZE), margin = 2u << 20, bytes = la.size() * cfg.hidden_size * 2;
     const size_t middle_pages = (bytes - 2 * margin) / page;
-    const infer::WeightRef head = model->mat(tied ? ParamKind::embedding : ParamKind::lm_head, -1, 0, 0);
+    const WeightRef head = model->mat(tied ? ParamKind::embedding : ParamKind::lm_head, -1, 0, 0);
     EXPECT_GE(present_pages(static_cast<const uint8_t*>(head.data) + margin, bytes - 2 * margin), middle_pages)
         << "the head, read whole by every forward, is mapped (a check that this test sees mappings)";
     if (tied) {
@@ -236,7 +240,7 @@ TEST(Decoder, UntiedEmbeddingIsReadByRowNeverMapped) {
 
 // The tuner tries 4 serial then 4 split steps every 64 and keeps the faster way (by the fastest step of
 // each four) for the other 56.
-// Inference loads no BLAS or transport library: its GEMM is its own (infer/gemm.h), and MPI and NCCL
+// Inference loads no BLAS or transport library: its GEMM is its own (backend/kernels/gemm.h), and MPI and NCCL
 // (with what they pull in: Open MPI's stack, hwloc, libevent) are loaded only by a launched or
 // GPU-distributed process, so they take no memory in generate, chat, serve or bench generate.
 // OpenBLAS is checked when this process had not loaded it before (ctest runs each test alone; the
@@ -313,8 +317,8 @@ TEST(DecodeKernels, GemvBatchIsBitwiseTheSameSplitOrNot) {
   const int OC = 1000;
   const int saved = omp_get_max_threads();
   for (const int IC : {2100, 700}) {  // 2.1M and 0.7M multiply-adds: split at kGemvSplitMin, not at the default
-    ASSERT_GE((long)OC * IC, infer::kGemvSplitMin);
-    ASSERT_LT((long)OC * IC, infer::kGemvParallelMin);
+    ASSERT_GE((long)OC * IC, kernels::kGemvSplitMin);
+    ASSERT_LT((long)OC * IC, kernels::kGemvParallelMin);
     std::vector<float> W((size_t)OC * IC), x(IC);
     std::vector<uint16_t> Wh(W.size());
     for (size_t i = 0; i < W.size(); i++) {
@@ -326,17 +330,17 @@ TEST(DecodeKernels, GemvBatchIsBitwiseTheSameSplitOrNot) {
       SCOPED_TRACE(::testing::Message() << "IC " << IC << " bf16 " << bf16);
       std::vector<float> ref(OC), whole(OC), y(OC);
       omp_set_num_threads(1);
-      const infer::WeightRef w =
-          bf16 ? infer::WeightRef{Wh.data(), DType::BF16} : infer::WeightRef{W.data(), DType::F32};
-      infer::GemvTask t{ref.data(), w, x.data(), OC};
-      infer::gemv_batch(&t, 1, IC);
-      infer::gemv_at(infer::simd_level(), whole.data(), w, x.data(), OC, IC);
+      const WeightRef w =
+          bf16 ? WeightRef{Wh.data(), DType::BF16} : WeightRef{W.data(), DType::F32};
+      kernels::GemvTask t{ref.data(), w, x.data(), OC};
+      kernels::gemv_batch(&t, 1, IC);
+      kernels::gemv_at(kernels::simd_level(), whole.data(), w, x.data(), OC, IC);
       EXPECT_EQ(0, std::memcmp(ref.data(), whole.data(), sizeof(float) * OC)) << "pieces vs the whole matrix";
       for (const int threads : {2, 3}) {
         omp_set_num_threads(threads);
-        for (const long min_macs : {infer::kGemvParallelMin, infer::kGemvSplitMin, 1L}) {
+        for (const long min_macs : {kernels::kGemvParallelMin, kernels::kGemvSplitMin, 1L}) {
           t.y = y.data();
-          infer::gemv_batch(&t, 1, IC, min_macs);
+          kernels::gemv_batch(&t, 1, IC, min_macs);
           EXPECT_EQ(0, std::memcmp(ref.data(), y.data(), sizeof(float) * OC))
               << "threads " << threads << " threshold " << min_macs;
         }
@@ -350,9 +354,9 @@ TEST(DecodeKernels, GemvBatchIsBitwiseTheSameSplitOrNot) {
 // product of their fp32 widening, for widths with and without tails; each level is within
 // 2^-20 * sum_c |w x| of the exact (double) product (so the levels agree within twice that).
 TEST(DecodeKernels, EverySimdLevelMeetsTheFp32WideningAndTheExactProduct) {
-  std::vector<infer::SimdLevel> levels = {infer::SimdLevel::generic};
-  if ((int)infer::simd_level() >= (int)infer::SimdLevel::avx2) levels.push_back(infer::SimdLevel::avx2);
-  if (infer::simd_level() == infer::SimdLevel::avx512) levels.push_back(infer::SimdLevel::avx512);
+  std::vector<kernels::SimdLevel> levels = {kernels::SimdLevel::generic};
+  if ((int)kernels::simd_level() >= (int)kernels::SimdLevel::avx2) levels.push_back(kernels::SimdLevel::avx2);
+  if (kernels::simd_level() == kernels::SimdLevel::avx512) levels.push_back(kernels::SimdLevel::avx512);
   if (levels.size() < 3) std::printf("note: this CPU runs only %zu of the 3 SIMD levels\n", levels.size());
   for (const int IC : {7, 16, 24, 40, 64, 100, 1031}) {
     const int OC = 37;
@@ -366,13 +370,13 @@ TEST(DecodeKernels, EverySimdLevelMeetsTheFp32WideningAndTheExactProduct) {
       fh[i] = f16_to_f32(wh[i]);
     }
     for (int c = 0; c < IC; c++) x[c] = (float)((mix64(77 + c) % 2001) / 1000.0 - 1.0);
-    for (const infer::SimdLevel level : levels) {
-      SCOPED_TRACE(::testing::Message() << infer::simd_name(level) << " IC " << IC);
+    for (const kernels::SimdLevel level : levels) {
+      SCOPED_TRACE(::testing::Message() << kernels::simd_name(level) << " IC " << IC);
       std::vector<float> yb(OC), yfb(OC), yh(OC), yfh(OC);
-      infer::gemv_at(level, yb.data(), {wb.data(), DType::BF16}, x.data(), OC, IC);
-      infer::gemv_at(level, yfb.data(), {fb.data(), DType::F32}, x.data(), OC, IC);
-      infer::gemv_at(level, yh.data(), {wh.data(), DType::F16}, x.data(), OC, IC);
-      infer::gemv_at(level, yfh.data(), {fh.data(), DType::F32}, x.data(), OC, IC);
+      kernels::gemv_at(level, yb.data(), {wb.data(), DType::BF16}, x.data(), OC, IC);
+      kernels::gemv_at(level, yfb.data(), {fb.data(), DType::F32}, x.data(), OC, IC);
+      kernels::gemv_at(level, yh.data(), {wh.data(), DType::F16}, x.data(), OC, IC);
+      kernels::gemv_at(level, yfh.data(), {fh.data(), DType::F32}, x.data(), OC, IC);
       EXPECT_EQ(0, std::memcmp(yb.data(), yfb.data(), sizeof(float) * OC)) << "bf16 vs its fp32 widening";
       EXPECT_EQ(0, std::memcmp(yh.data(), yfh.data(), sizeof(float) * OC)) << "f16 vs its fp32 widening";
       for (int r = 0; r < OC; r++) {
@@ -402,19 +406,19 @@ TEST(DecodeKernels, GemvRowsIsBitwiseGemvPerInput) {
         wh[i] = f32_to_f16(wf[i]);
       }
       const int ld_x = IC + 3, ld_out = OC + 5;
-      std::vector<float> x((size_t)infer::kMaxGemvInputs * ld_x);
+      std::vector<float> x((size_t)kernels::kMaxGemvInputs * ld_x);
       for (size_t i = 0; i < x.size(); i++) x[i] = (float)((mix64(31 + i) % 2001) / 1000.0 - 1.0);
-      for (const infer::WeightRef w :
-           {infer::WeightRef{wf.data(), DType::F32}, infer::WeightRef{wb.data(), DType::BF16},
-            infer::WeightRef{wh.data(), DType::F16}})
-        for (int n = 1; n <= infer::kMaxGemvInputs; n++)
+      for (const WeightRef w :
+           {WeightRef{wf.data(), DType::F32}, WeightRef{wb.data(), DType::BF16},
+            WeightRef{wh.data(), DType::F16}})
+        for (int n = 1; n <= kernels::kMaxGemvInputs; n++)
           for (const bool acc : {false, true}) {
             SCOPED_TRACE(::testing::Message()
                          << dtype_name(w.dtype) << " OC " << OC << " IC " << IC << " n " << n << " acc " << acc);
             std::vector<float> out((size_t)n * ld_out, 0.25f), want(out);
-            infer::gemv_rows(out.data(), ld_out, x.data(), ld_x, w, n, IC, OC, acc, 1);  // split at any size
+            kernels::gemv_rows(out.data(), ld_out, x.data(), ld_x, w, n, IC, OC, acc, 1);  // split at any size
             for (int j = 0; j < n; j++)
-              infer::gemv(want.data() + (size_t)j * ld_out, w, x.data() + (size_t)j * ld_x, OC, IC, acc);
+              kernels::gemv(want.data() + (size_t)j * ld_out, w, x.data() + (size_t)j * ld_x, OC, IC, acc);
             ASSERT_EQ(0, std::memcmp(out.data(), want.data(), sizeof(float) * out.size()));
           }
     }
@@ -433,31 +437,31 @@ TEST(DecodeKernels, GemvBatchTasksOfOneMatrixGetWhatEachGetsAlone) {
   std::vector<uint16_t> wb(W.size()), wb2(W.size());
   for (size_t i = 0; i < W.size(); i++) wb[i] = f32_to_bf16(W[i]), wb2[i] = f32_to_bf16(W2[i]);
   std::vector<int8_t> q(W.size()), q2(W.size());
-  std::vector<uint16_t> d(W.size() / infer::kQ8Block), d2(d.size());
-  ASSERT_TRUE(infer::quantize_q8_0({W.data()}, OC, IC, q.data(), d.data()));
-  ASSERT_TRUE(infer::quantize_q8_0({W2.data()}, OC, IC, q2.data(), d2.data()));
+  std::vector<uint16_t> d(W.size() / kernels::kQ8Block), d2(d.size());
+  ASSERT_TRUE(kernels::quantize_q8_0({W.data()}, OC, IC, q.data(), d.data()));
+  ASSERT_TRUE(kernels::quantize_q8_0({W2.data()}, OC, IC, q2.data(), d2.data()));
   const int rows = 21;  // tasks of 8, 8 and 5 inputs on the first matrix, then one of 3 on the second
   std::vector<float> x((size_t)rows * IC);
   for (size_t i = 0; i < x.size(); i++) x[i] = (float)((mix64(123 + i) % 2001) / 1000.0 - 1.0);
   const int saved = omp_get_max_threads();
-  const std::pair<infer::WeightRef, infer::WeightRef> mats[] = {
+  const std::pair<WeightRef, WeightRef> mats[] = {
       {{wb.data(), DType::BF16}, {wb2.data(), DType::BF16}},
       {{q.data(), DType::U8, d.data()}, {q2.data(), DType::U8, d2.data()}}};
   for (const auto& [A, B] : mats) {
-    std::vector<infer::GemvTask> tasks;
+    std::vector<kernels::GemvTask> tasks;
     std::vector<float> got((size_t)(rows + 3) * OC, 0.5f), want(got);  // the second matrix's 3 rows last
     const int split[][2] = {{0, 8}, {8, 8}, {16, 5}};
     for (const auto& [j, n] : split) tasks.push_back({got.data() + (size_t)j * OC, A, x.data() + (size_t)j * IC, OC, true, n, IC, OC});
     tasks.push_back({got.data() + (size_t)rows * OC, B, x.data() + (size_t)18 * IC, OC, true, 3, IC, OC});
     for (const auto& [j, n] : split)
-      infer::gemv_rows(want.data() + (size_t)j * OC, OC, x.data() + (size_t)j * IC, IC, A, n, IC, OC, true);
-    infer::gemv_rows(want.data() + (size_t)rows * OC, OC, x.data() + (size_t)18 * IC, IC, B, 3, IC, OC, true);
+      kernels::gemv_rows(want.data() + (size_t)j * OC, OC, x.data() + (size_t)j * IC, IC, A, n, IC, OC, true);
+    kernels::gemv_rows(want.data() + (size_t)rows * OC, OC, x.data() + (size_t)18 * IC, IC, B, 3, IC, OC, true);
     for (const int threads : {1, 2, 3})
-      for (const long min_macs : {infer::kGemvParallelMin, 1L}) {
+      for (const long min_macs : {kernels::kGemvParallelMin, 1L}) {
         SCOPED_TRACE(::testing::Message() << (A.q8() ? "Q8_0" : "bf16") << " threads " << threads << " threshold " << min_macs);
         omp_set_num_threads(threads);
         std::fill(got.begin(), got.end(), 0.5f);
-        infer::gemv_batch(tasks.data(), (int)tasks.size(), IC, min_macs);
+        kernels::gemv_batch(tasks.data(), (int)tasks.size(), IC, min_macs);
         ASSERT_EQ(0, std::memcmp(got.data(), want.data(), sizeof(float) * got.size()));
       }
   }
@@ -470,9 +474,9 @@ TEST(DecodeKernels, GemvBatchTasksOfOneMatrixGetWhatEachGetsAlone) {
 // Greedy sampling's argmax: at every SIMD level, the index std::max_element gives -- the first of
 // tied largest values, -0 and +0 as one value, infinities, and NaNs wherever they lie.
 TEST(DecodeKernels, ArgmaxIsTheIndexMaxElementGives) {
-  std::vector<infer::SimdLevel> levels = {infer::SimdLevel::generic};
-  if ((int)infer::simd_level() >= (int)infer::SimdLevel::avx2) levels.push_back(infer::SimdLevel::avx2);
-  if (infer::simd_level() == infer::SimdLevel::avx512) levels.push_back(infer::SimdLevel::avx512);
+  std::vector<kernels::SimdLevel> levels = {kernels::SimdLevel::generic};
+  if ((int)kernels::simd_level() >= (int)kernels::SimdLevel::avx2) levels.push_back(kernels::SimdLevel::avx2);
+  if (kernels::simd_level() == kernels::SimdLevel::avx512) levels.push_back(kernels::SimdLevel::avx512);
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
   int cases = 0;
   for (const int n : {1, 2, 7, 8, 9, 15, 16, 17, 33, 1000, 32000, 32003})
@@ -494,11 +498,11 @@ TEST(DecodeKernels, ArgmaxIsTheIndexMaxElementGives) {
       if (kind == 6) x[0] = nan;
       if (kind == 7) x[n - 1] = nan;
       const int want = (int)(std::max_element(x.begin(), x.end()) - x.begin());
-      for (const infer::SimdLevel level : levels) {
-        SCOPED_TRACE(::testing::Message() << infer::simd_name(level) << " n " << n << " kind " << kind);
-        ASSERT_EQ(infer::argmax_at(level, x.data(), n), want);
+      for (const kernels::SimdLevel level : levels) {
+        SCOPED_TRACE(::testing::Message() << kernels::simd_name(level) << " n " << n << " kind " << kind);
+        ASSERT_EQ(kernels::argmax_at(level, x.data(), n), want);
       }
-      ASSERT_EQ(infer::argmax(x.data(), n), want);
+      ASSERT_EQ(kernels::argmax(x.data(), n), want);
       cases++;
     }
   EXPECT_EQ(cases, 96);
@@ -515,7 +519,7 @@ TEST(DecodeKernels, AttentionDotAndWeightedSumFollowTheirStatedOrder) {
       for (int j = 0; j < count; j++) w[j] = (float)((mix64(13 * j + 9) % 1001) / 1000.0);
       for (int i = 0; i < n; i++) o[i] = want[i] = (float)((mix64(17 * i + 3) % 2001) / 1000.0 - 1.0);
       std::vector<float> s(count);
-      infer::dot_rows(s.data(), q.data(), k.data(), ld, count, n, 0.125f);
+      kernels::dot_rows(s.data(), q.data(), k.data(), ld, count, n, 0.125f);
       for (int j = 0; j < count; j++) {
         const float* kj = k.data() + j * ld;
         float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -524,22 +528,22 @@ TEST(DecodeKernels, AttentionDotAndWeightedSumFollowTheirStatedOrder) {
           for (int t = 0; t < 8; t++) l[t] = std::fma(q[i + t], kj[i + t], l[t]);
         float ref = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
         for (; i < n; i++) ref = std::fma(q[i], kj[i], ref);
-        ASSERT_EQ(infer::dot(q.data(), kj, n), ref) << "key " << j;
+        ASSERT_EQ(kernels::dot(q.data(), kj, n), ref) << "key " << j;
         ASSERT_EQ(s[j], ref * 0.125f) << "key " << j;
-        infer::axpy(want.data(), w[j], kj, n);
+        kernels::axpy(want.data(), w[j], kj, n);
       }
       std::vector<float> o2(o), w2(count), want2(o2);  // axpy_rows2: a second output, its own weights
       for (int j = 0; j < count; j++) w2[j] = (float)((mix64(19 * j + 4) % 1001) / 1000.0);
-      infer::axpy_rows(want2.data(), w2.data(), k.data(), ld, count, n);
-      infer::axpy_rows(o.data(), w.data(), k.data(), ld, count, n);
+      kernels::axpy_rows(want2.data(), w2.data(), k.data(), ld, count, n);
+      kernels::axpy_rows(o.data(), w.data(), k.data(), ld, count, n);
       ASSERT_EQ(0, std::memcmp(o.data(), want.data(), sizeof(float) * n));
       std::vector<float> p1(o2);
-      infer::axpy_rows2(p1.data(), o2.data(), w.data(), w2.data(), k.data(), ld, count, n);
+      kernels::axpy_rows2(p1.data(), o2.data(), w.data(), w2.data(), k.data(), ld, count, n);
       ASSERT_EQ(0, std::memcmp(o2.data(), want2.data(), sizeof(float) * n));
       ASSERT_EQ(0, std::memcmp(p1.data(), o.data(), sizeof(float) * n));
       // axpy itself: one fma per value.
       std::vector<float> y(q);
-      infer::axpy(y.data(), w[0], k.data(), n);
+      kernels::axpy(y.data(), w[0], k.data(), n);
       for (int i = 0; i < n; i++) ASSERT_EQ(y[i], std::fma(w[0], k[i], q[i])) << i;
     }
 }

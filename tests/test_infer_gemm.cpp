@@ -1,5 +1,5 @@
-// infer::gemm_nt, the prefill GEMM (infer/gemm.h): every SIMD level gives exactly the stated fma chain,
-// writes only the [n, OC] entries of out, and does not depend on the thread count.
+// kernels::gemm_nt, the prefill GEMM (backend/kernels/gemm.h): every SIMD level gives exactly the stated
+// fma chain, writes only the [n, OC] entries of out, and does not depend on the thread count.
 #include <omp.h>
 
 #include <cmath>
@@ -8,11 +8,13 @@
 
 #include <gtest/gtest.h>
 
+#include "backend/kernels/gemm.h"
+#include "backend/kernels/gemv.h"
+#include "backend/kernels/q8.h"
 #include "core/rng.h"
-#include "infer/gemm.h"
 
 using namespace moetron;
-using namespace moetron::infer;
+using namespace moetron::kernels;
 
 namespace {
 

@@ -1,4 +1,4 @@
-// Q8_0 weights (quantized at load, infer::quantize_q8_0) and the int8 products: the quantization is
+// Q8_0 weights (quantized at load, kernels::quantize_q8_0) and the int8 products: the quantization is
 // llama.cpp's rule; every SIMD level computes bitwise the same products, each the exact int8 block sums
 // scaled in fp32 (within fp32 summation rounding of a double reference) and within the quantization
 // bound of the unquantized product; batched inputs equal single ones; a model loaded with Q8_0 holds
@@ -16,12 +16,13 @@
 #include <nlohmann/json.hpp>
 #include <omp.h>
 
+#include "backend/kernels/gemv.h"
+#include "backend/kernels/q8.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "infer/model_runner.h"
 #include "infer/generate.h"
-#include "infer/kernels.h"
 #include "infer/model.h"
 #include "infer/perplexity.h"
 #include "io/hf_config.h"
@@ -52,24 +53,24 @@ void reference_quantize(const float* x, int n, std::vector<int8_t>& q, std::vect
   }
 }
 
-std::vector<infer::SimdLevel> levels() {
-  std::vector<infer::SimdLevel> l = {infer::SimdLevel::generic};
-  if ((int)infer::simd_level() >= (int)infer::SimdLevel::avx2) l.push_back(infer::SimdLevel::avx2);
-  if (infer::simd_level() == infer::SimdLevel::avx512) l.push_back(infer::SimdLevel::avx512);
+std::vector<kernels::SimdLevel> levels() {
+  std::vector<kernels::SimdLevel> l = {kernels::SimdLevel::generic};
+  if ((int)kernels::simd_level() >= (int)kernels::SimdLevel::avx2) l.push_back(kernels::SimdLevel::avx2);
+  if (kernels::simd_level() == kernels::SimdLevel::avx512) l.push_back(kernels::SimdLevel::avx512);
   return l;
 }
 
 struct Q8Matrix {
   std::vector<int8_t> q;
   std::vector<uint16_t> d;
-  infer::WeightRef ref() const { return {q.data(), DType::U8, d.data()}; }
+  WeightRef ref() const { return {q.data(), DType::U8, d.data()}; }
 };
 
 Q8Matrix quantized(const std::vector<float>& w, int OC, int IC) {
   Q8Matrix m;
   m.q.resize((size_t)OC * IC);
   m.d.resize((size_t)OC * IC / 32);
-  EXPECT_TRUE(infer::quantize_q8_0({w.data(), DType::F32}, OC, IC, m.q.data(), m.d.data()));
+  EXPECT_TRUE(kernels::quantize_q8_0({w.data(), DType::F32}, OC, IC, m.q.data(), m.d.data()));
   return m;
 }
 
@@ -89,7 +90,7 @@ TEST(Q8Kernels, QuantizationIsLlamaCppsRule) {
   const Q8Matrix m = quantized(w, OC, IC);
   std::vector<int8_t> qb(w.size());
   std::vector<uint16_t> db(w.size() / 32);
-  ASSERT_TRUE(infer::quantize_q8_0({wb.data(), DType::BF16}, OC, IC, qb.data(), db.data()));
+  ASSERT_TRUE(kernels::quantize_q8_0({wb.data(), DType::BF16}, OC, IC, qb.data(), db.data()));
   EXPECT_EQ(m.q, qb);
   EXPECT_EQ(m.d, db);
   std::vector<int8_t> rq;
@@ -115,7 +116,7 @@ TEST(Q8Kernels, QuantizationIsLlamaCppsRule) {
   std::vector<float> big(32, 1e7f);
   std::vector<int8_t> q(32);
   std::vector<uint16_t> d(1);
-  EXPECT_FALSE(infer::quantize_q8_0({big.data(), DType::F32}, 1, 32, q.data(), d.data()));
+  EXPECT_FALSE(kernels::quantize_q8_0({big.data(), DType::F32}, 1, 32, q.data(), d.data()));
 }
 
 // Every SIMD level gives bitwise the same Q8_0 product; it equals, within fp32 summation rounding,
@@ -134,10 +135,10 @@ TEST(Q8Kernels, EverySimdLevelIsBitwiseTheSameAndWithinTheQuantizationBound) {
     std::vector<float> xd;
     reference_quantize(x.data(), IC, xq, xd);
     std::vector<float> first;
-    for (const infer::SimdLevel level : levels()) {
-      SCOPED_TRACE(::testing::Message() << infer::simd_name(level) << " IC " << IC);
+    for (const kernels::SimdLevel level : levels()) {
+      SCOPED_TRACE(::testing::Message() << kernels::simd_name(level) << " IC " << IC);
       std::vector<float> y(OC);
-      infer::gemv_at(level, y.data(), m.ref(), x.data(), OC, IC);
+      kernels::gemv_at(level, y.data(), m.ref(), x.data(), OC, IC);
       if (first.empty()) first = y;
       EXPECT_EQ(0, std::memcmp(first.data(), y.data(), sizeof(float) * OC)) << "differs from the generic level";
       for (int r = 0; r < OC; r++) {
@@ -166,18 +167,18 @@ TEST(Q8Kernels, GemvRowsIsBitwiseGemvPerInput) {
   for (size_t i = 0; i < w.size(); i++) w[i] = uniform(i * 5 + 3);
   const Q8Matrix m = quantized(w, OC, IC);
   const int ld_x = IC + 3, ld_out = OC + 5;
-  std::vector<float> x((size_t)infer::kMaxGemvInputs * ld_x);
+  std::vector<float> x((size_t)kernels::kMaxGemvInputs * ld_x);
   for (size_t i = 0; i < x.size(); i++) x[i] = uniform(31 + i);
   const int saved = omp_get_max_threads();
   omp_set_num_threads(2);
-  for (int n = 1; n <= infer::kMaxGemvInputs; n++)
+  for (int n = 1; n <= kernels::kMaxGemvInputs; n++)
     for (const bool acc : {false, true})
-      for (const long split : {1L, infer::kGemvParallelMin}) {
+      for (const long split : {1L, kernels::kGemvParallelMin}) {
         SCOPED_TRACE(::testing::Message() << "n " << n << " acc " << acc << " split at " << split);
         std::vector<float> out((size_t)n * ld_out, 0.25f), want(out);
-        infer::gemv_rows(out.data(), ld_out, x.data(), ld_x, m.ref(), n, IC, OC, acc, split);
+        kernels::gemv_rows(out.data(), ld_out, x.data(), ld_x, m.ref(), n, IC, OC, acc, split);
         for (int j = 0; j < n; j++)
-          infer::gemv(want.data() + (size_t)j * ld_out, m.ref(), x.data() + (size_t)j * ld_x, OC, IC, acc);
+          kernels::gemv(want.data() + (size_t)j * ld_out, m.ref(), x.data() + (size_t)j * ld_x, OC, IC, acc);
         ASSERT_EQ(0, std::memcmp(out.data(), want.data(), sizeof(float) * out.size()));
       }
   omp_set_num_threads(saved);
@@ -196,12 +197,12 @@ TEST(Q8Kernels, GemvBatchPiecesAreBitwiseTheWholeMatrix) {
     for (int c = 0; c < IC; c++) x[c] = uniform(555 + c);
     const Q8Matrix m = quantized(w, OC, IC);
     std::vector<float> whole(OC), y(OC);
-    infer::gemv_at(infer::simd_level(), whole.data(), m.ref(), x.data(), OC, IC);
+    kernels::gemv_at(kernels::simd_level(), whole.data(), m.ref(), x.data(), OC, IC);
     for (const int threads : {1, 2, 3})
-      for (const long split : {1L, infer::kGemvParallelMin}) {
+      for (const long split : {1L, kernels::kGemvParallelMin}) {
         omp_set_num_threads(threads);
-        infer::GemvTask t{y.data(), m.ref(), x.data(), OC};
-        infer::gemv_batch(&t, 1, IC, split);
+        kernels::GemvTask t{y.data(), m.ref(), x.data(), OC};
+        kernels::gemv_batch(&t, 1, IC, split);
         EXPECT_EQ(0, std::memcmp(whole.data(), y.data(), sizeof(float) * OC))
             << "threads " << threads << " split at " << split;
       }
@@ -218,9 +219,9 @@ TEST(Q8Kernels, NonFiniteInputsGiveNaN) {
   for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
     std::vector<float> x(IC, 0.5f), y(OC);
     x[40] = bad;
-    for (const infer::SimdLevel level : levels()) {
-      infer::gemv_at(level, y.data(), m.ref(), x.data(), OC, IC);
-      for (int r = 0; r < OC; r++) EXPECT_TRUE(std::isnan(y[r])) << infer::simd_name(level) << " row " << r;
+    for (const kernels::SimdLevel level : levels()) {
+      kernels::gemv_at(level, y.data(), m.ref(), x.data(), OC, IC);
+      for (int r = 0; r < OC; r++) EXPECT_TRUE(std::isnan(y[r])) << kernels::simd_name(level) << " row " << r;
     }
   }
 }
@@ -249,27 +250,27 @@ TEST(Q8Model, LoadQuantizesWholeBlockMatricesAndKeepsTheRest) {
         ASSERT_NE(e, nullptr);
         EXPECT_EQ(e->dtype, DType::BF16);
         EXPECT_EQ(e->nbytes, ref.numel * 2);
-        const infer::WeightRef stored = {bf->embedding_in_file()->data, DType::BF16};
+        const WeightRef stored = {bf->embedding_in_file()->data, DType::BF16};
         const size_t rows = ref.numel / IC;
         std::vector<int8_t> q(ref.numel);
         std::vector<uint16_t> d(ref.numel / 32);
-        ASSERT_TRUE(infer::quantize_q8_0(stored, rows, IC, q.data(), d.data()));
+        ASSERT_TRUE(kernels::quantize_q8_0(stored, rows, IC, q.data(), d.data()));
         std::vector<float> want(IC), got(IC), plain(IC);
         std::vector<uint8_t> scratch;
         for (size_t r = 0; r < rows; r++) {
-          infer::widen_row(want.data(), {q.data(), DType::U8, d.data()}, r, IC);
+          kernels::widen_row(want.data(), {q.data(), DType::U8, d.data()}, r, IC);
           q8->embedding_row(got.data(), r, scratch);
           ASSERT_EQ(0, std::memcmp(want.data(), got.data(), IC * sizeof(float))) << "row " << r;
           bf->embedding_row(plain.data(), r, scratch);
-          infer::widen_row(want.data(), stored, r, IC);
+          kernels::widen_row(want.data(), stored, r, IC);
           ASSERT_EQ(0, std::memcmp(want.data(), plain.data(), IC * sizeof(float))) << "bf16 row " << r;
         }
         want_bytes += ref.numel + ref.numel / 16;
         quantized_values += ref.numel;
         continue;
       }
-      const infer::WeightRef a = q8->mat(s.kind, s.layer, ref.offset - s.offset, ref.numel);
-      const infer::WeightRef b = bf->mat(s.kind, s.layer, ref.offset - s.offset, ref.numel);
+      const WeightRef a = q8->mat(s.kind, s.layer, ref.offset - s.offset, ref.numel);
+      const WeightRef b = bf->mat(s.kind, s.layer, ref.offset - s.offset, ref.numel);
       ASSERT_EQ(b.dtype, DType::BF16);
       if (IC % 32 != 0) {
         EXPECT_FALSE(a.q8()) << ref.name;
@@ -281,7 +282,7 @@ TEST(Q8Model, LoadQuantizesWholeBlockMatricesAndKeepsTheRest) {
       ASSERT_TRUE(a.q8()) << ref.name;
       std::vector<int8_t> q(ref.numel);
       std::vector<uint16_t> d(ref.numel / 32);
-      ASSERT_TRUE(infer::quantize_q8_0(b, ref.numel / IC, IC, q.data(), d.data()));
+      ASSERT_TRUE(kernels::quantize_q8_0(b, ref.numel / IC, IC, q.data(), d.data()));
       EXPECT_EQ(0, std::memcmp(a.data, q.data(), q.size())) << ref.name;
       EXPECT_EQ(0, std::memcmp(a.scales, d.data(), d.size() * 2)) << ref.name;
       want_bytes += ref.numel + ref.numel / 16;

@@ -9,8 +9,9 @@
 #include <cstring>
 
 #include "backend/cpu_infer_threads.h"
+#include "backend/kernels/gemm.h"
+#include "backend/kernels/q8.h"
 #include "core/error.h"
-#include "infer/gemm.h"
 #include "ops/moe_dispatch.h"
 #include "ops/rope.h"
 #include "ops/router.h"
@@ -76,8 +77,8 @@ void CpuInferenceBackend::begin_inference_pass(bool decode, long rows) {
   // 2-core Zen 4 EPYC VM: the 32000 x 256 head 0.93 -> 0.55 ms).
   const bool threads = omp_get_max_threads() > 1;
   tuning_ = rows == 1 && threads;
-  gemv_min_ = tuning_ ? (tuner_.split_next() ? infer::kGemvSplitMin : infer::kGemvParallelMin)
-                      : (threads ? infer::kGemvSplitMin : infer::kGemvParallelMin);
+  gemv_min_ = tuning_ ? (tuner_.split_next() ? kernels::kGemvSplitMin : kernels::kGemvParallelMin)
+                      : (threads ? kernels::kGemvSplitMin : kernels::kGemvParallelMin);
   if (tuning_) pass_start_ = now_seconds();
 }
 
@@ -120,15 +121,15 @@ void CpuInferenceBackend::for_each_piece(const Tensor& w, int OC, int IC, Fn&& f
   }
 }
 
-void CpuInferenceBackend::add_row_tasks(std::vector<infer::GemvTask>& tasks, float* y, int ld_y, WeightRef W,
+void CpuInferenceBackend::add_row_tasks(std::vector<kernels::GemvTask>& tasks, float* y, int ld_y, WeightRef W,
                                         const float* x, int ld_x, int n, int OC, bool accumulate) const {
   // Up to kMaxGemvInputs rows: one task.  More (a batched prefill): tasks of at most 6, as equal as
   // possible -- the AVX-512 kernels take 6 inputs in one pass and 8 in two of 4, and 6 a pass did
   // 8-9% more multiply-adds a second than 8 (one thread, 1024-wide bf16 rows, in L2 or from memory).
-  const int tasks_n = n <= infer::kMaxGemvInputs ? 1 : (n + 5) / 6;
+  const int tasks_n = n <= kernels::kMaxGemvInputs ? 1 : (n + 5) / 6;
   for (int k = 0, j = 0; k < tasks_n; k++) {
     const int m = n / tasks_n + (k < n % tasks_n ? 1 : 0);
-    infer::GemvTask t{y + (size_t)j * ld_y, W, x + (size_t)j * ld_x, OC, accumulate};
+    kernels::GemvTask t{y + (size_t)j * ld_y, W, x + (size_t)j * ld_x, OC, accumulate};
     j += m;
     t.n = m;
     t.ld_x = ld_x;
@@ -137,25 +138,26 @@ void CpuInferenceBackend::add_row_tasks(std::vector<infer::GemvTask>& tasks, flo
   }
 }
 
-void CpuInferenceBackend::run_tasks(std::vector<infer::GemvTask>& tasks, int IC) {
-  for (const infer::GemvTask& t : tasks) {
+void CpuInferenceBackend::run_tasks(std::vector<kernels::GemvTask>& tasks, int IC) {
+  for (const kernels::GemvTask& t : tasks) {
     const size_t values = (size_t)t.OC * IC;
-    weights_read_ += t.W.q8() ? values + values / infer::kQ8Block * sizeof(uint16_t) : values * dtype_size(t.W.dtype);
+    weights_read_ += t.W.q8() ? values + values / kernels::kQ8Block * sizeof(uint16_t) : values * dtype_size(t.W.dtype);
   }
-  for (size_t t = 0; t < tasks.size(); t += infer::kMaxGemvTasks)
-    infer::gemv_batch(tasks.data() + t, (int)std::min<size_t>(infer::kMaxGemvTasks, tasks.size() - t), IC, gemv_min_);
+  for (size_t t = 0; t < tasks.size(); t += kernels::kMaxGemvTasks)
+    kernels::gemv_batch(tasks.data() + t, (int)std::min<size_t>(kernels::kMaxGemvTasks, tasks.size() - t), IC,
+                        gemv_min_);
   tasks.clear();
 }
 
 void CpuInferenceBackend::linear(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n, int IC, int OC,
                                  bool accumulate) {
   if (n == 1) {
-    const infer::GemvTask t{out, W, x, OC, accumulate};
-    infer::gemv_batch(&t, 1, IC, gemv_min_);
+    const kernels::GemvTask t{out, W, x, OC, accumulate};
+    kernels::gemv_batch(&t, 1, IC, gemv_min_);
     return;
   }
   ThreadLimit lim((long)n * IC * OC);
-  infer::matmul(out, ld_out, x, ld_x, W, n, IC, OC, accumulate, widen_);
+  kernels::matmul(out, ld_out, x, ld_x, W, n, IC, OC, accumulate, widen_);
 }
 
 void CpuInferenceBackend::matmul_forward(Tensor out, Tensor inp, Tensor weight, int N, int IC, int OC,
@@ -299,7 +301,7 @@ void CpuInferenceBackend::experts_prefill(float* y, float* h13, float* act, cons
       const auto product = [&](float* out, int ld_out, const float* in, int ld_in, const Tensor& w, int ic, int oc) {
         for_each_piece(w, oc, ic, [&](WeightRef W, int r0, int n) {
           if (parallel)
-            infer::matmul(out + r0, ld_out, in, ld_in, W, m, ic, n, false, sc.gemm);
+            kernels::matmul(out + r0, ld_out, in, ld_in, W, m, ic, n, false, sc.gemm);
           else
             linear(out + r0, ld_out, in, ld_in, W, m, ic, n, false);
         });
@@ -339,8 +341,8 @@ void CpuInferenceBackend::grouped_matmul_forward(Tensor out, Tensor inp, Tensor 
     if (m == 0) continue;
     const Tensor w = weight.part((size_t)e * per, per);
     if (w.store != Store::stored) {
-      infer::gemm_nt(o + g0 * ld_out, ld_out, x + g0 * ld_in, ld_in, WeightRef{w.f32(), DType::F32}, IC, (int)m, IC, OC,
-                     alpha, accumulate, widen_);
+      kernels::gemm_nt(o + g0 * ld_out, ld_out, x + g0 * ld_in, ld_in, WeightRef{w.f32(), DType::F32}, IC, (int)m, IC,
+                       OC, alpha, accumulate, widen_);
       continue;
     }
     MOETRON_ASSERT(alpha == 1.0f);

@@ -1,7 +1,7 @@
 // The CPU backend's inference ops: what Model::infer runs on a CPU over a checkpoint used where it lies
 // (infer/model.h InferenceModel, a WeightProvider).  The CPU backend's ops, with
 //   - the products over weights in their stored dtype -- bf16, f16, f32 or Q8_0, through a
-//     WeightSource (backend/weights.h) -- by the inference kernels (infer/kernels.h, infer/gemm.h):
+//     WeightSource (backend/weights.h) -- by the inference kernels (backend/kernels/: gemv.h, gemm.h):
 //     decode rows by matrix-vector products (each row bitwise what it gets alone, up to 8 rows per
 //     pass over a matrix, every task of a step in one parallel region), a sequence's prompt rows by
 //     the prefill GEMM; LoRA factors (plain f32) by the GEMM, whose every value is one fma chain;
@@ -17,14 +17,14 @@
 #include <vector>
 
 #include "backend/cpu.h"
-#include "infer/kernels.h"
+#include "backend/kernels/gemv.h"
 #include "ops/moe_dispatch.h"
 
 namespace moetron {
 
 // Decides, from measured decode steps, whether mid-sized products (kGemvSplitMin up to kGemvParallelMin
 // multiply-adds) are split across threads: splitting is faster on idle cores and much slower when
-// other processes share them (infer/kernels.h).  At the start of each period it times 4 steps each way
+// other processes share them (backend/kernels/gemv.h).  At the start of each period it times 4 steps each way
 // (the fastest of each four) and uses the faster way for the rest; the results are the same either
 // way.  The first period is kPeriod steps; each trial that keeps the choice doubles the period, up to
 // kMaxPeriod, and one that changes it starts again from kPeriod.  The trials of the slower way cost
@@ -103,9 +103,9 @@ class CpuInferenceBackend final : public CpuBackend {
   void for_each_piece(const Tensor& w, int OC, int IC, Fn&& fn) const;
   // Tasks y_j (row stride ld_y) (=, or +=) W x_j for the n rows of x (stride ld_x), up to
   // kMaxGemvInputs per task; run_tasks runs (and clears) them, kMaxGemvTasks per parallel region.
-  void add_row_tasks(std::vector<infer::GemvTask>& tasks, float* y, int ld_y, WeightRef W, const float* x, int ld_x,
+  void add_row_tasks(std::vector<kernels::GemvTask>& tasks, float* y, int ld_y, WeightRef W, const float* x, int ld_x,
                      int n, int OC, bool accumulate) const;
-  void run_tasks(std::vector<infer::GemvTask>& tasks, int IC);
+  void run_tasks(std::vector<kernels::GemvTask>& tasks, int IC);
   // out[n, OC] (row stride ld_out; =, or +=) x[n, IC] (row stride ld_x) W^T: one row as a gemv with the
   // step's split threshold, more as a prefill product.
   void linear(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n, int IC, int OC, bool accumulate);
@@ -120,14 +120,14 @@ class CpuInferenceBackend final : public CpuBackend {
 
   long row_pairs_;
   bool in_pass_ = false, decode_ = false, tuning_ = false;
-  long gemv_min_ = infer::kGemvParallelMin;
+  long gemv_min_ = kernels::kGemvParallelMin;
   DecodeSplitTuner tuner_;
   double pass_start_ = 0;
   size_t weights_read_ = 0;
-  std::vector<infer::GemvTask> tasks_;
+  std::vector<kernels::GemvTask> tasks_;
   std::vector<float> widen_;  // prefill products' scratch (gemm_nt: x packed, weight rows widened)
   struct ExpertScratch {
-    std::vector<float> gemm;      // infer::matmul's (experts run in parallel: the thread's own)
+    std::vector<float> gemm;      // kernels::matmul's (experts run in parallel: the thread's own)
     std::vector<float> h13, act;  // hidden activations when the caller keeps none
   };
   std::vector<ExpertScratch> expert_widen_;  // one per thread, experts run in parallel

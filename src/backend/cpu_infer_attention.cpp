@@ -12,8 +12,8 @@
 
 #include "backend/cpu_infer.h"
 #include "backend/cpu_infer_threads.h"
-#include "infer/gemm.h"
-#include "infer/kernels.h"
+#include "backend/kernels/attention_rows.h"
+#include "backend/kernels/gemm.h"
 #include "ops/softmax.h"
 
 namespace moetron {
@@ -40,29 +40,29 @@ void attend_heads(float* o, const float* q, const float* layer_keys, const float
   for (int j = 0; j < cnt; j += kBlock) {
     const int m = std::min(kBlock, cnt - j);
     if (j + kBlock < cnt)
-      infer::prefetch_rows(keys + (size_t)(j + kBlock) * KVd + (size_t)g0 * HD, KVd, std::min(kBlock, cnt - j - kBlock),
-                           width);
+      kernels::prefetch_rows(keys + (size_t)(j + kBlock) * KVd + (size_t)g0 * HD, KVd,
+                             std::min(kBlock, cnt - j - kBlock), width);
     else
-      infer::prefetch_rows(values + (size_t)g0 * HD, KVd, std::min(kBlock, cnt), width);
+      kernels::prefetch_rows(values + (size_t)g0 * HD, KVd, std::min(kBlock, cnt), width);
     for (int h = h0; h < h1; h++)
-      infer::dot_rows(s + (size_t)(h - h0) * cnt + j, q + (size_t)h * HD, keys + (size_t)j * KVd + (size_t)(h / G) * HD,
-                      KVd, m, HD, scale);
+      kernels::dot_rows(s + (size_t)(h - h0) * cnt + j, q + (size_t)h * HD,
+                        keys + (size_t)j * KVd + (size_t)(h / G) * HD, KVd, m, HD, scale);
   }
   ops::softmax_rows(s, h1 - h0, cnt, cnt);
   std::fill(o + (size_t)h0 * HD, o + (size_t)h1 * HD, 0.0f);
   for (int j = 0; j < cnt; j += kBlock) {
     const int m = std::min(kBlock, cnt - j);
     if (j + kBlock < cnt)
-      infer::prefetch_rows(values + (size_t)(j + kBlock) * KVd + (size_t)g0 * HD, KVd,
-                           std::min(kBlock, cnt - j - kBlock), width);
+      kernels::prefetch_rows(values + (size_t)(j + kBlock) * KVd + (size_t)g0 * HD, KVd,
+                             std::min(kBlock, cnt - j - kBlock), width);
     for (int h = h0; h < h1;) {
       const float* v = values + (size_t)j * KVd + (size_t)(h / G) * HD;
       const float* w = s + (size_t)(h - h0) * cnt + j;
       if (h + 1 < h1 && (h + 1) / G == h / G) {  // two heads of one kv head: each value row read once for both
-        infer::axpy_rows2(o + (size_t)h * HD, o + (size_t)(h + 1) * HD, w, w + cnt, v, KVd, m, HD);
+        kernels::axpy_rows2(o + (size_t)h * HD, o + (size_t)(h + 1) * HD, w, w + cnt, v, KVd, m, HD);
         h += 2;
       } else {
-        infer::axpy_rows(o + (size_t)h * HD, w, v, KVd, m, HD);
+        kernels::axpy_rows(o + (size_t)h * HD, w, v, KVd, m, HD);
         h++;
       }
     }
@@ -161,8 +161,8 @@ void CpuInferenceBackend::attention_prompt(float* out, const float* q, const flo
     if (h % G == 0)
       for (int c = 0; c < cols; c++)
         for (int d = 0; d < HD; d++) vt[(size_t)d * cols + c] = values[(size_t)(lo_all + c) * KVd + (size_t)g * HD + d];
-    infer::gemm_nt(S, cols, q + (size_t)h * HD, Q, {keys + (size_t)lo_all * KVd + (size_t)g * HD}, KVd, n, HD, cols,
-                   scale, false, widen_);
+    kernels::gemm_nt(S, cols, q + (size_t)h * HD, Q, {keys + (size_t)lo_all * KVd + (size_t)g * HD}, KVd, n, HD, cols,
+                     scale, false, widen_);
 #pragma omp parallel for schedule(static) if ((long)n * cols >= kThreadLimitMin)
     for (int i = 0; i < n; i++) {
       const int p = pos0 + i, lo = first_key(p, window) - lo_all, hi = p - lo_all;  // visible columns [lo, hi]
@@ -171,7 +171,7 @@ void CpuInferenceBackend::attention_prompt(float* out, const float* q, const flo
       ops::softmax_inplace(row + lo, hi - lo + 1);
       std::fill(row + hi + 1, row + cols, 0.0f);
     }
-    infer::gemm_nt(out + (size_t)h * HD, Q, S, cols, {vt}, cols, n, cols, HD, 1.0f, false, widen_);
+    kernels::gemm_nt(out + (size_t)h * HD, Q, S, cols, {vt}, cols, n, cols, HD, 1.0f, false, widen_);
   }
 }
 

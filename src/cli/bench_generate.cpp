@@ -15,6 +15,8 @@
 #include <CLI/CLI.hpp>
 #include <omp.h>
 
+#include "backend/kernels/argmax.h"
+#include "backend/kernels/simd.h"
 #include "cli/bench_model_shape.h"
 #include "cli/commands.h"
 #include "cli/generation_options.h"
@@ -23,7 +25,6 @@
 #include "core/stats.h"
 #include "core/rng.h"
 #include "infer/model_runner.h"
-#include "infer/kernels.h"
 #include "infer/model.h"
 #include "infer/sampler.h"
 
@@ -76,7 +77,7 @@ int run_bench_generate(int argc, char** argv) {
   check_thread_count("--threads", threads);
   if (prompt_tokens < 1 || new_tokens < 2 || runs < 1)
     fail("need --prompt-tokens >= 1, --new-tokens >= 2 and --runs >= 1");
-  if (threads > 0) omp_set_num_threads(threads);  // inference uses no BLAS library (infer/gemm.h)
+  if (threads > 0) omp_set_num_threads(threads);  // inference uses no BLAS library (backend/kernels/gemm.h)
   const WeightQuant quant = parse_weight_quant(quantize, "--quantize");
   if (quant != WeightQuant::none && model_dir.empty()) fail("--quantize needs --model (a model read from files)");
   std::unique_ptr<InferenceModel> model;
@@ -91,7 +92,7 @@ int run_bench_generate(int argc, char** argv) {
               prompt_tokens, new_tokens, omp_get_max_threads());
   std::printf("weights: %s, %.1f MB, %s (kernels: %s)\n", model->storage_name().c_str(),
               model->weight_bytes() / 1e6, model->owned.empty() ? "used in place from the mapped files" : "in memory",
-              infer::simd_name(infer::simd_level()));
+              kernels::simd_name(kernels::simd_level()));
   if (const MappedFile::HugePages& h = model->huge_pages; h.windows > 0)
     std::printf("2 MiB pages: %.1f of %.1f MB of mapped weights%s\n", h.huge / 1e6, h.windows / 1e6,
                 h.reread ? " (dropped from the page cache and read again to get them)" : "");
@@ -146,7 +147,7 @@ int run_bench_generate(int argc, char** argv) {
       std::vector<int32_t> p = prompt;
       for (int i = 1; i < prompt_tokens; i++) p[i] = (int32_t)(3 + mix64((uint64_t)(i + 7 * b) * 7919) % (cfg.vocab_size - 3));
       dec.forward(caches.back(), p, logits.data());
-      next[b] = (int32_t)infer::argmax(logits.data(), cfg.vocab_size);
+      next[b] = (int32_t)kernels::argmax(logits.data(), cfg.vocab_size);
     }
     std::vector<KvCache*> ptrs;
     for (auto& c : caches) ptrs.push_back(&c);
@@ -158,7 +159,7 @@ int run_bench_generate(int argc, char** argv) {
       dec.forward_batch(ptrs, next, bl.data());
       for (int b = 0; b < batch; b++) {
         const float* l = bl.data() + (size_t)b * cfg.vocab_size;
-        next[b] = (int32_t)infer::argmax(l, cfg.vocab_size);
+        next[b] = (int32_t)kernels::argmax(l, cfg.vocab_size);
       }
     }
     const double batch_s = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -190,8 +191,8 @@ int run_bench_generate(int argc, char** argv) {
                 "\"simd\": \"%s\", \"batch\": %d, \"batch_decode_tokens_per_s\": %.2f, \"weights_read_per_token\": %.0f, "
                 "\"weights_read_per_batch_step\": %.0f}\n",
                 p, d, omp_get_max_threads(), (long)ru.ru_maxrss * 1024, model->weight_bytes(), kv_bytes,
-                model->storage_name().c_str(), infer::simd_name(infer::simd_level()), batch, batch_tps, read_token,
-                read_step);
+                model->storage_name().c_str(), kernels::simd_name(kernels::simd_level()), batch, batch_tps,
+                read_token, read_step);
   return 0;
 }
 

@@ -65,7 +65,7 @@ void apply_generation_options(GenerationOptions& g) {
   g.sampling.seed = g.seed >= 0 ? (uint64_t)g.seed : std::random_device{}();
   validate_sampling(g.sampling);
   check_thread_count("--threads", g.threads);
-  if (g.threads > 0) omp_set_num_threads(g.threads);  // inference uses no BLAS library (infer/gemm.h)
+  if (g.threads > 0) omp_set_num_threads(g.threads);  // inference uses no BLAS library (backend/kernels/gemm.h)
 }
 
 }  // namespace moetron::cli

@@ -61,7 +61,7 @@ int run_serve(int argc, char** argv) {
   }
   check_thread_count("--threads", threads);
   check_thread_count("--http-threads", o.http_threads, 4096);
-  if (threads > 0) omp_set_num_threads(threads);  // inference uses no BLAS library (infer/gemm.h)
+  if (threads > 0) omp_set_num_threads(threads);  // inference uses no BLAS library (backend/kernels/gemm.h)
   o.log_requests = !quiet;
   if (o.model_name.empty()) o.model_name = std::filesystem::path(m.dir).lexically_normal().filename().string();
   if (o.model_name.empty()) o.model_name = std::filesystem::absolute(m.dir).parent_path().filename().string();

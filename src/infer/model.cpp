@@ -9,6 +9,8 @@
 #include <optional>
 #include <sstream>
 
+#include "backend/kernels/gemv.h"
+#include "backend/kernels/q8.h"
 #include "core/error.h"
 #include "core/json_limits.h"
 #include "core/mmap.h"
@@ -91,7 +93,7 @@ WeightQuant parse_weight_quant(const std::string& name, const char* what) {
   fail("{}: '{}' is not a weight format (expected none or q8_0)", what, name);
 }
 
-void InferenceModel::set_weights(std::vector<infer::WeightRef> refs, std::shared_ptr<const void> keep_alive,
+void InferenceModel::set_weights(std::vector<WeightRef> refs, std::shared_ptr<const void> keep_alive,
                                  std::vector<float> small, std::vector<size_t> small_offset,
                                  HugeVector<int8_t> quantized, HugeVector<uint16_t> scales,
                                  std::optional<TensorView> embedding, bool embedding_q8) {
@@ -111,24 +113,24 @@ void InferenceModel::embedding_row(float* out, size_t token, std::vector<uint8_t
   if (token >= (size_t)cfg.vocab_size)
     fail("[InferenceModel::embedding_row] token {} is outside the vocabulary of {}", token, cfg.vocab_size);
   if (!embedding_file_) {
-    infer::widen_row(out, mat(ParamKind::embedding, -1, 0, (size_t)cfg.vocab_size * C), token, C);
+    kernels::widen_row(out, mat(ParamKind::embedding, -1, 0, (size_t)cfg.vocab_size * C), token, C);
     return;
   }
   // scratch: the row as stored, then (Q8_0) its int8 values and f16 scales -- 2-byte aligned, as the
   // row's bytes and C (whole blocks) are even.
   const size_t row_bytes = (size_t)C * dtype_size(embedding_file_->dtype);
-  scratch.resize(row_bytes + (embedding_q8_ ? (size_t)C + (size_t)C / infer::kQ8Block * sizeof(uint16_t) : 0));
+  scratch.resize(row_bytes + (embedding_q8_ ? (size_t)C + (size_t)C / kernels::kQ8Block * sizeof(uint16_t) : 0));
   read_stored_bytes(*embedding_file_, token * row_bytes, row_bytes, scratch.data());
-  const infer::WeightRef stored{scratch.data(), embedding_file_->dtype};
+  const WeightRef stored{scratch.data(), embedding_file_->dtype};
   if (!embedding_q8_) {
-    infer::widen_row(out, stored, 0, C);
+    kernels::widen_row(out, stored, 0, C);
     return;
   }
   int8_t* q = reinterpret_cast<int8_t*>(scratch.data() + row_bytes);
   uint16_t* d = reinterpret_cast<uint16_t*>(scratch.data() + row_bytes + C);
   // (checked at load: every block's scale is within f16)
-  MOETRON_ASSERT(infer::quantize_q8_0(stored, 1, C, q, d));
-  infer::widen_row(out, {q, DType::U8, d}, 0, C);
+  MOETRON_ASSERT(kernels::quantize_q8_0(stored, 1, C, q, d));
+  kernels::widen_row(out, {q, DType::U8, d}, 0, C);
 }
 
 const float* InferenceModel::vec(ParamKind kind, int layer) const {
@@ -155,7 +157,7 @@ size_t InferenceModel::ref_of(size_t i, size_t at) const {
   return *(it - 1);
 }
 
-infer::WeightRef InferenceModel::mat(ParamKind kind, int layer, size_t offset, size_t count) const {
+WeightRef InferenceModel::mat(ParamKind kind, int layer, size_t offset, size_t count) const {
   const ParamSpec& s = table.at(kind, layer);
   return sources_[(size_t)(&s - table.specs().data())].at(offset, count);
 }
@@ -211,7 +213,7 @@ size_t InferenceModel::weight_bytes() const {
     if (is_small(table.spec_of(hf[i]).kind))
       b += hf[i].numel * sizeof(float);
     else if (held_q8(i))
-      b += hf[i].numel + hf[i].numel / infer::kQ8Block * sizeof(uint16_t);
+      b += hf[i].numel + hf[i].numel / kernels::kQ8Block * sizeof(uint16_t);
     else
       b += hf[i].numel * dtype_size(refs_[i].dtype);
   }
@@ -280,7 +282,7 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
       for (size_t i = 0; i < files->num_files(); i++) files->file(i).mapping().advise_huge_pages();
     std::map<const uint8_t*, std::vector<std::pair<size_t, size_t>>> in_place;  // per mapping: file ranges
     const ParamTable& t = m->table;
-    std::vector<infer::WeightRef> refs;
+    std::vector<WeightRef> refs;
     std::vector<float> small;
     std::vector<size_t> small_offset(t.specs().size(), 0);
     for (size_t i = 0; i < t.specs().size(); i++)
@@ -296,13 +298,13 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
     };
     auto quantized = [&](const HfTensorRef& ref) {
       return quant == WeightQuant::q8_0 && !InferenceModel::is_small(t.spec_of(ref).kind) && !by_row(ref) &&
-             row_length(ref) % infer::kQ8Block == 0;
+             row_length(ref) % kernels::kQ8Block == 0;
     };
     size_t q8_total = 0;
     for (const HfTensorRef& ref : t.hf_tensors())
       if (quantized(ref)) q8_total += ref.numel;
     HugeVector<int8_t> q8(q8_total);  // on 2 MiB pages, as the mapped matrices
-    HugeVector<uint16_t> q8_scales(q8_total / infer::kQ8Block);
+    HugeVector<uint16_t> q8_scales(q8_total / kernels::kQ8Block);
     size_t q8_at = 0;
     std::vector<uint8_t> piece_buffer;                       // one piece of a tensor read in pieces, as stored
     std::optional<TensorView> embedding;                     // read by row
@@ -323,7 +325,7 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
               fail("{}: tensor '{}' holds a non-finite value (NaN or Inf) at element {}: the weights are corrupt, "
                    "and a model computed from them would give NaN logits",
                    sv.file, sv.name, bad);
-            infer::widen_row(dst, {part.data, sv.dtype}, 0, (int)ref.numel);
+            kernels::widen_row(dst, {part.data, sv.dtype}, 0, (int)ref.numel);
           });
           continue;
         }
@@ -349,15 +351,15 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
       const size_t IC = row_length(ref), rows = ref.numel / IC;
       if (by_row(ref)) {
         // Checked here (and, for Q8_0, that it quantizes: embedding_row quantizes a row per lookup).
-        embedding_q8 = quant == WeightQuant::q8_0 && IC % infer::kQ8Block == 0;
+        embedding_q8 = quant == WeightQuant::q8_0 && IC % kernels::kQ8Block == 0;
         std::vector<int8_t> q;  // one piece's Q8_0, only to check it quantizes
         std::vector<uint16_t> d;
         for_each_stored_piece(v, rows, IC, piece_buffer, [&](const TensorView& part, size_t n, size_t at) {
           if (const size_t bad = first_non_finite_stored(part, n * IC); bad < n * IC) non_finite(at + bad);
           if (embedding_q8) {
             q.resize(n * IC);
-            d.resize(n * IC / infer::kQ8Block);
-            if (!infer::quantize_q8_0({part.data, v.dtype}, n, (int)IC, q.data(), d.data())) beyond_q8();
+            d.resize(n * IC / kernels::kQ8Block);
+            if (!kernels::quantize_q8_0({part.data, v.dtype}, n, (int)IC, q.data(), d.data())) beyond_q8();
           }
         });
         embedding = v;
@@ -367,10 +369,11 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
       if (quantized(ref)) {
         // Each piece checked and quantized: the process holds the Q8_0 copy and one piece.
         int8_t* q = q8.data() + q8_at;
-        uint16_t* d = q8_scales.data() + q8_at / infer::kQ8Block;
+        uint16_t* d = q8_scales.data() + q8_at / kernels::kQ8Block;
         for_each_stored_piece(v, rows, IC, piece_buffer, [&](const TensorView& part, size_t n, size_t at) {
           if (const size_t bad = first_non_finite_stored(part, n * IC); bad < n * IC) non_finite(at + bad);
-          if (!infer::quantize_q8_0({part.data, v.dtype}, n, (int)IC, q + at, d + at / infer::kQ8Block)) beyond_q8();
+          if (!kernels::quantize_q8_0({part.data, v.dtype}, n, (int)IC, q + at, d + at / kernels::kQ8Block))
+            beyond_q8();
         });
         refs.push_back({q, DType::U8, d});
         q8_at += ref.numel;

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "backend/weights.h"
 #include "core/huge_pages.h"
 #include "core/mmap.h"
-#include "infer/kernels.h"
 #include "io/hf_config.h"
 #include "io/safetensors.h"
 #include "model/lora.h"
@@ -24,7 +24,7 @@
 namespace moetron {
 
 // How load_inference_model holds the matrices: as stored, or quantized to Q8_0 at load
-// (infer::quantize_q8_0; rows that are not whole blocks of 32 stay as stored).
+// (kernels::quantize_q8_0, backend/kernels/q8.h; rows that are not whole blocks of 32 stay as stored).
 enum class WeightQuant { none, q8_0 };
 // "none" | "q8_0"; Error naming `what` (the option) otherwise.
 WeightQuant parse_weight_quant(const std::string& name, const char* what);
@@ -64,7 +64,7 @@ struct InferenceModel final : public WeightProvider {
   // gate rows of ffn_w13: offset e * 2IC, count IC), where they lie: in the mapped file, in the
   // file's dtype, or in `owned`.  The range must lie within one HF tensor (gate and up rows are two).
   // Not for an embedding that is read by row from its file (embedding_row).
-  infer::WeightRef mat(ParamKind kind, int layer, size_t offset, size_t count) const;
+  WeightRef mat(ParamKind kind, int layer, size_t offset, size_t count) const;
   // out[hidden] = row `token` of the embedding as fp32.  An untied embedding of a model used in place
   // is read from its file per lookup (read_stored_bytes into scratch), never mapped: a prompt looks up
   // a few hundred of its rows, and a fault would map the page-cache folios around each (most of the
@@ -86,7 +86,7 @@ struct InferenceModel final : public WeightProvider {
   // quantized / scales: what Q8_0 refs point into (empty when none).  embedding: the embedding's
   // tensor in the kept files, to be read by row (its ref is then {null, its dtype}), quantized to
   // Q8_0 per row when embedding_q8.
-  void set_weights(std::vector<infer::WeightRef> refs, std::shared_ptr<const void> keep_alive, std::vector<float> small,
+  void set_weights(std::vector<WeightRef> refs, std::shared_ptr<const void> keep_alive, std::vector<float> small,
                    std::vector<size_t> small_offset, HugeVector<int8_t> quantized = {},
                    HugeVector<uint16_t> scales = {}, std::optional<TensorView> embedding = std::nullopt,
                    bool embedding_q8 = false);
@@ -119,7 +119,7 @@ struct InferenceModel final : public WeightProvider {
   // Whether hf_tensors() entry i is Q8_0: quantized at load, or the embedding read by row (null data)
   // and quantized per lookup.
   bool held_q8(size_t i) const { return refs_[i].q8() || (!refs_[i].data && embedding_q8_); }
-  std::vector<infer::WeightRef> refs_;          // per table.hf_tensors() entry
+  std::vector<WeightRef> refs_;                 // per table.hf_tensors() entry
   std::vector<std::vector<size_t>> spec_refs_;  // per spec: its hf_tensors() indices, by offset
   std::shared_ptr<const void> files_;           // what refs_ point into (the mapped files), when not owned
   std::vector<float> small_;

@@ -4,9 +4,9 @@
 #include <cmath>
 #include <limits>
 
+#include "backend/kernels/argmax.h"
 #include "core/error.h"
 #include "core/rng.h"
-#include "infer/kernels.h"
 
 namespace moetron {
 
@@ -48,7 +48,7 @@ int32_t Sampler::next(float* logits, std::span<const int32_t> context, std::span
     for (int v = 0; v < V_; v++)
       if (counts_[v]) logits[v] -= p_.presence_penalty + p_.frequency_penalty * (float)counts_[v];
   }
-  if (p_.greedy()) return (int32_t)infer::argmax(logits, V_);
+  if (p_.greedy()) return (int32_t)kernels::argmax(logits, V_);
 
   const float inv_t = 1.0f / p_.temperature;
   for (int v = 0; v < V_; v++) logits[v] *= inv_t;

@@ -18,9 +18,10 @@
 
 #include <vector>
 
-#include "infer/kernels.h"
+#include "backend/kernels/simd.h"
+#include "backend/weights.h"
 
-namespace moetron::infer {
+namespace moetron::kernels {
 
 // See above.  W: fp32 rows at stride ld_w, or bf16 / f16 / Q8_0 rows stored contiguously (ld_w == IC),
 // which the thread that uses them widens to fp32 a few rows at a time (bf16 with AVX-512: in registers;
@@ -35,4 +36,4 @@ void gemm_nt(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int 
 void gemm_nt_at(SimdLevel level, float* out, int ld_out, const float* x, int ld_x, WeightRef W, int ld_w, int n,
                 int IC, int OC, float alpha, bool accumulate, std::vector<float>& scratch);
 
-}  // namespace moetron::infer
+}  // namespace moetron::kernels

@@ -20,29 +20,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend/kernels/simd.h"
 #include "backend/weights.h"
-#include "core/dtype.h"
 
-namespace moetron::infer {
-
-// Q8_0, llama.cpp's 8-bit layout with the scales apart: blocks of kQ8Block consecutive values of a row
-// w[i] ~ d * q[i], d = max|w| / 127 (stored f16), q = round(w / d) in [-127, 127].  Rows must hold
-// whole blocks.
-constexpr int kQ8Block = kQ8_0Block;  // core/dtype.h: the rule
-
-// Weights as the kernels read them: backend/weights.h.
-using moetron::WeightRef;
-
-// Quantizes `rows` rows of IC values (IC a multiple of kQ8Block) of W (F32, BF16 or F16) to Q8_0:
-// q[rows * IC], d[rows * IC / kQ8Block].  Rows in parallel; the result does not depend on threads.
-// False when a block's scale is beyond f16 (|w| > 65504 * 127: not representable in Q8_0).
-bool quantize_q8_0(WeightRef W, size_t rows, int IC, int8_t* q, uint16_t* d);
-
-enum class SimdLevel { generic, avx2, avx512 };
-// The level used (the best this CPU has; MOETRON_SIMD=generic|avx2|avx512 lowers it, for tests and
-// benchmarks).  Read once.
-SimdLevel simd_level();
-const char* simd_name(SimdLevel level);
+namespace moetron::kernels {
 
 // Several products with the same input width in one parallel region (fewer fork/join points per
 // token): y_t[OC_t] (=, or += when accumulate) W_t[OC_t, IC] x_t[IC] for each task t -- or, with
@@ -86,7 +67,7 @@ void gemv_rows(float* out, int ld_out, const float* x, int ld_x, WeightRef W, in
                long parallel_min_macs = kGemvParallelMin);
 
 // out[n, OC] (row stride ld_out; =, or += when accumulate) = x[n, IC] (row stride ld_x) W[OC, IC]^T.
-// Up to kMaxGemvInputs rows run as gemv_rows; more as a GEMM (infer/gemm.h: W's rows widened to fp32 a
+// Up to kMaxGemvInputs rows run as gemv_rows; more as a GEMM (gemm.h: W's rows widened to fp32 a
 // few at a time per thread in `scratch`, so a bf16 matrix is never copied).  For a given n, a bf16 matrix and its fp32
 // widening give bitwise the same result.  OpenMP threads follow the caller's omp_get_max_threads().
 void matmul(float* out, int ld_out, const float* x, int ld_x, WeightRef W, int n, int IC, int OC, bool accumulate,
@@ -98,29 +79,4 @@ void widen_row(float* out, WeightRef W, size_t row, int n);
 // a GEMM's few rows (a WeightRef passed by value per row cost a stalled copy each).
 void widen_rows(float* out, const WeightRef& W, size_t row, int rows, int n);
 
-// sum_i a[i] b[i], in eight fma lanes (lane k: i = k mod 8), then ((l0 + l4) + (l1 + l5)) + ((l2 + l6) +
-// (l3 + l7)) and the tail in order: the same operations at every SIMD level.
-float dot(const float* a, const float* b, int n);
-
-// y[n] += alpha * x[n] (fma per value)
-void axpy(float* y, float alpha, const float* x, int n);
-
-// Asks L2 for rows p + j * ld, j < count, of n floats each (no effect on any result).
-void prefetch_rows(const float* p, size_t ld, int count, int n);
-
-// The index std::max_element gives for x[0, n), n >= 1: the first of the largest values (greedy
-// sampling over a vocabulary; two vectorised passes unless x holds a NaN, where std::max_element's
-// own comparisons decide).  argmax_at: with the kernels of `level` (at most simd_level()), for tests.
-int argmax(const float* x, int n);
-int argmax_at(SimdLevel level, const float* x, int n);
-
-// Attention over a KV cache, one query and head at a time (k_j = k + j * ld, j < count):
-// s[j] = dot(q, k_j, n) * scale, each bitwise what dot gives ...
-void dot_rows(float* s, const float* q, const float* k, size_t ld, int count, int n, float scale);
-// ... and o[n] += sum_j w[j] v_j (v_j = v + j * ld), j in order: bitwise `for j: axpy(o, w[j], v_j, n)`.
-void axpy_rows(float* o, const float* w, const float* v, size_t ld, int count, int n);
-// ... and the same for two outputs over the same rows (two heads sharing a kv head), bitwise
-// axpy_rows(o0, w0, ...) then axpy_rows(o1, w1, ...).
-void axpy_rows2(float* o0, float* o1, const float* w0, const float* w1, const float* v, size_t ld, int count, int n);
-
-}  // namespace moetron::infer
+}  // namespace moetron::kernels
