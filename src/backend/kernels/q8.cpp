@@ -1,5 +1,4 @@
-// The Q8_0 products (q8_impl.h): a product's inputs quantized once, the portable kernel, and rows sent
-// to the kernels of the CPU's level (q8_avx2.cpp, q8_vnni.cpp).
+// The Q8_0 products (q8_impl.h): a product's inputs quantized once, and the portable kernel.
 #include <cmath>
 #include <cstdlib>
 
@@ -50,6 +49,8 @@ float q8_dot_generic(const int8_t* W, const uint16_t* S, const Q8Inputs& x, int 
   return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
 }
 
+}  // namespace
+
 void q8_rows_generic(float* out, int ld_out, const int8_t* W, const uint16_t* S, const Q8Inputs& x, int n, int r0,
                      int r1, int IC, bool acc) {
   for (int r = r0; r < r1; r++)
@@ -58,34 +59,6 @@ void q8_rows_generic(float* out, int ld_out, const int8_t* W, const uint16_t* S,
       float& o = out[(size_t)j * ld_out + r];
       o = acc ? o + s : s;
     }
-}
-
-}  // namespace
-
-// Rows [r0, r1) of a Q8_0 matrix against n inputs (q8_quantize_inputs), out_j = out + j * ld_out.
-void q8_rows(SimdLevel level, float* out, int ld_out, WeightRef Wr, const Q8Inputs& x, int n, int r0, int r1, int IC,
-             bool acc) {
-  const int8_t* W = static_cast<const int8_t*>(Wr.data);
-  if (level == SimdLevel::generic) return q8_rows_generic(out, ld_out, W, Wr.scales, x, n, r0, r1, IC, acc);
-  const bool vnni = level == SimdLevel::avx512 && has_avx512_vnni();
-  if (n == 1) {
-    using BlockFn = void (*)(float*, const int8_t*, const uint16_t*, const Q8Inputs&, int, int, int, bool);
-    const Prefetch pf = one_input_prefetch((size_t)IC, kQ8RowsApartBytes, Prefetch::l2);
-    const BlockFn two = !vnni                  ? q8_block_avx2<2>
-                        : pf == Prefetch::none ? q8_block_vnni<2, Prefetch::none>
-                        : pf == Prefetch::l2   ? q8_block_vnni<2, Prefetch::l2>
-                                               : q8_block_vnni<2, Prefetch::l1>;
-    const BlockFn one = !vnni                  ? q8_block_avx2<1>
-                        : pf == Prefetch::none ? q8_block_vnni<1, Prefetch::none>
-                        : pf == Prefetch::l2   ? q8_block_vnni<1, Prefetch::l2>
-                                               : q8_block_vnni<1, Prefetch::l1>;
-    const RowPairs p(r0, r1, (size_t)IC, kQ8RowsApartBytes);
-    for (int i = 0; i < p.pairs; i++) two(out, W, Wr.scales, x, p.first(i), p.stride, IC, acc);
-    if (p.odd) one(out, W, Wr.scales, x, r1 - 1, 0, IC, acc);
-    return;
-  }
-  const Q8MultiFn f = vnni ? q8_multi_fn_vnni(n) : q8_multi_fn_avx2(n);
-  for (int r = r0; r < r1; r++) f(out, ld_out, W, Wr.scales, x, r, IC, acc);
 }
 
 }  // namespace moetron::kernels
