@@ -114,9 +114,10 @@ void CpuInferenceBackend::for_each_piece(const Tensor& w, int OC, int IC, Fn&& f
   const WeightSource& src = w.source();
   for (int r = 0; r < OC;) {
     const size_t at = w.offset + (size_t)r * IC;
-    const int rows = (int)std::min<size_t>((size_t)(OC - r), (src.piece_end(at) - at) / IC);
+    const WeightSource::Piece p = src.piece(at);
+    const int rows = (int)std::min<size_t>((size_t)(OC - r), p.count / IC);
     MOETRON_ASSERT(rows > 0);  // pieces hold whole rows
-    fn(src.at(at, (size_t)rows * IC), r, rows);
+    fn(p.ref, r, rows);
     r += rows;
   }
 }

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "core/dtype.h"
+#include "core/error.h"
 
 namespace moetron {
 
@@ -29,12 +30,20 @@ struct WeightRef {
 class WeightSource {
  public:
   virtual ~WeightSource() = default;
-  // `count` values from element `offset`: they must lie in one stored piece (a stacked tensor's
-  // pieces are the checkpoint's tensors: an expert's gate rows, its up rows, ...).
-  virtual WeightRef at(size_t offset, size_t count) const = 0;
-  // The end (exclusive) of the stored piece holding element `offset`: at() may take any range
-  // [offset, end) -- a product over rows crossing a piece's end runs as one product per piece.
-  virtual size_t piece_end(size_t offset) const = 0;
+  // The stored piece holding element `offset` (a stacked tensor's pieces are the checkpoint's tensors:
+  // an expert's gate rows, its up rows, ...): its storage from that element, and the values from
+  // there to the piece's end -- a product over rows crossing a piece's end runs as one per piece.
+  struct Piece {
+    WeightRef ref;
+    size_t count = 0;
+  };
+  virtual Piece piece(size_t offset) const = 0;
+  // `count` values from element `offset`, which must lie in one piece.
+  WeightRef at(size_t offset, size_t count) const {
+    const Piece p = piece(offset);
+    MOETRON_ASSERT(count <= p.count);
+    return p.ref;
+  }
   // out[n, C] (fp32) = rows idx[n] of the tensor read as a [rows, C] table (an embedding lookup).
   virtual void rows(float* out, const int32_t* idx, long n, int C) const = 0;
 };

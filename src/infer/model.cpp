@@ -162,26 +162,18 @@ WeightRef InferenceModel::mat(ParamKind kind, int layer, size_t offset, size_t c
   return sources_[(size_t)(&s - table.specs().data())].at(offset, count);
 }
 
-WeightRef InferenceModel::Source::at(size_t offset, size_t count) const {
+WeightSource::Piece InferenceModel::Source::piece(size_t offset) const {
   const ParamSpec& s = m_.table.specs()[spec_];
   const size_t at = s.offset + offset;
   const size_t r = m_.ref_of(spec_, at);
   const HfTensorRef& ref = m_.table.hf_tensors()[r];
-  MOETRON_ASSERT(at + count <= ref.offset + ref.numel);  // within one tensor
-  MOETRON_ASSERT(m_.refs_[r].data != nullptr);           // not read by row (embedding_row)
-  return m_.refs_[r].at(at - ref.offset);
-}
-
-size_t InferenceModel::Source::piece_end(size_t offset) const {
-  const ParamSpec& s = m_.table.specs()[spec_];
-  const HfTensorRef& ref = m_.table.hf_tensors()[m_.ref_of(spec_, s.offset + offset)];
-  return ref.offset + ref.numel - s.offset;
+  MOETRON_ASSERT(m_.refs_[r].data != nullptr);  // not read by row (embedding_row)
+  return {m_.refs_[r].at(at - ref.offset), ref.offset + ref.numel - at};
 }
 
 void InferenceModel::Source::rows(float* out, const int32_t* idx, long n, int C) const {
   MOETRON_ASSERT(m_.table.specs()[spec_].kind == ParamKind::embedding && C == m_.cfg.hidden_size);
-  std::vector<uint8_t> scratch;
-  for (long i = 0; i < n; i++) m_.embedding_row(out + (size_t)i * C, (size_t)idx[i], scratch);
+  for (long i = 0; i < n; i++) m_.embedding_row(out + (size_t)i * C, (size_t)idx[i], scratch_);
 }
 
 Tensor InferenceModel::weight(ParamKind kind, int layer) const {

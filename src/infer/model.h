@@ -105,13 +105,13 @@ struct InferenceModel final : public WeightProvider {
   class Source final : public WeightSource {
    public:
     Source(const InferenceModel& m, size_t spec) : m_(m), spec_(spec) {}
-    WeightRef at(size_t offset, size_t count) const override;
-    size_t piece_end(size_t offset) const override;
+    Piece piece(size_t offset) const override;
     void rows(float* out, const int32_t* idx, long n, int C) const override;
 
    private:
     const InferenceModel& m_;
     size_t spec_;
+    mutable std::vector<uint8_t> scratch_;  // rows(): an embedding row as stored (one caller at a time)
   };
   std::vector<Source> sources_;  // per spec (matrices only are used)
   // The hf_tensors() entry of spec i holding element `at` of the flat table.

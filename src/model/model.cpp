@@ -814,6 +814,7 @@ void Model::backward(const StageGrad& grad) {
 
 void Model::allocate_infer(long n) {
   InferActs& a = infer_;
+  if (a.arena && a.laid_rows == n) return;  // the views of the last pass fit (decode steps)
   const int C = cfg_.hidden_size;
   const Store act = be_.act_store(), f32 = Store::f32, i32 = Store::i32;
   const BlockEnv ev = env();
@@ -861,6 +862,7 @@ void Model::allocate_infer(long n) {
       a.arena = be_.allocate(c.used(), "inference activations");
     }
   }
+  a.laid_rows = n;
 }
 
 void Model::infer(std::span<const InferSequence> seqs, std::span<const int32_t> tokens, std::span<const int> logit_rows,

@@ -399,6 +399,7 @@ class Model {
   // arena grown to the largest pass.
   struct InferActs {
     std::unique_ptr<Allocation> arena;
+    long laid_rows = -1;  // the rows the views below are laid out for
     Tensor x, h, ln1, rstd1, ln2, ln2f, rstd2;
     Tensor tokens, positions, logit_index, xf, lnf, rstdf;
     GrowableBuffer logits;  // [rows, V] on backends whose memory the host does not read
