@@ -126,7 +126,7 @@ TEST(Decoder, Bf16InPlaceComputesBitwiseWhatItsFp32WideningDoes) {
   const auto fp32_file = load_inference_model((kGolden / "mixtral_gqa").string());
   EXPECT_TRUE(fp32_file->owned.empty());
   EXPECT_EQ(fp32_file->storage_name(), "F32");
-  for (const char* name : {"mixtral_gqa", "llama_dense", "qwen3_moe", "olmoe"}) {
+  for (const char* name : {"mixtral_gqa", "llama_dense", "qwen3_moe", "olmoe", "qwen2_moe", "mistral_dense", "qwen3_dense"}) {
     SCOPED_TRACE(name);
     const auto model = load_inference_model((kGenerate / name).string());
     const auto wide = load_inference_model((kGenerate / name).string(), "", /*widen_to_fp32=*/true);
@@ -708,7 +708,7 @@ TEST(Decoder, RejectsBadTokensWithoutChangingTheCache) {
 // transformers' generate(do_sample=False), 32 new tokens (tools/make_generate_reference.py).
 TEST(Generate, GreedyEqualsTransformersGenerate) {
   const nlohmann::json exp = expected_json();
-  ASSERT_EQ(exp["cases"].size(), 4u);  // Mixtral, Llama, Qwen3-MoE, OLMoE
+  ASSERT_EQ(exp["cases"].size(), 7u);  // Mixtral, Llama, Qwen3-MoE, OLMoE, Qwen2-MoE, Mistral, Qwen3
   for (const auto& c : exp["cases"]) {
     const std::string dir = (kGenerate / c["model"].get<std::string>()).string();
     SCOPED_TRACE(dir);

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Write the generation references under tests/golden/generate/ (see its README.md).
 
-Two tiny random models (a Mixtral with GQA and a sliding window shorter than prompt + reply, and a
-dense Llama with multi-head attention), saved with save_pretrained in bfloat16 (half the bytes;
+Tiny random models of the seven families (a Mixtral with GQA and a sliding window shorter than prompt
++ reply, a dense Llama with multi-head attention, Qwen3-MoE, OLMoE, Qwen2-MoE, a Mistral with a sliding
+window, a dense Qwen3 with tied embeddings), saved with save_pretrained in bfloat16 (half the bytes;
 moetron and transformers both compute in float32 on the bf16 values, loaded with dtype=float32),
 plus a tiny SentencePiece tokenizer in the Mixtral directory so the server tests have a complete
 model directory. For each model, `generate(do_sample=False)` of transformers in float32 gives the
@@ -25,8 +26,9 @@ import tempfile
 import sentencepiece as spm
 import torch
 import transformers
-from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, OlmoeConfig,
-                          OlmoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 NEW_TOKENS = 32
 MIN_GAP = 2e-3  # float64 top-1 minus top-2 logit at every greedy step
@@ -58,6 +60,18 @@ CASES = {
     # OLMoE: q/k norms over the whole projections, clip_qkv 2.0 (clipping part of q and k), norm_topk_prob false.
     "olmoe": dict(arch="olmoe", seed=35, vocab=144, hidden=32, inter=24, layers=2, heads=4, kv_heads=4, experts=4,
                   top_k=2, clip_qkv=2.0, rope_theta=1e4, sliding_window=None, prompt_len=9, tokenizer=False),
+    # Qwen2-MoE: q/k/v biases (drawn, not HF's zeros), a sigmoid-gated shared expert of its own width in
+    # the sparse layers, layer 2 dense (mlp_only_layers), norm_topk_prob false.
+    "qwen2_moe": dict(arch="qwen2_moe", seed=39, vocab=160, hidden=32, inter=40, moe_inter=16, shared_inter=24,
+                      layers=3, heads=4, kv_heads=2, experts=4, top_k=2, mlp_only_layers=[2], rope_theta=1e6,
+                      sliding_window=None, prompt_len=9, tokenizer=False),
+    # Dense Mistral, GQA, sliding window 12 < prompt + 32 new tokens.
+    "mistral_dense": dict(arch="mistral", seed=38, vocab=128, hidden=32, inter=48, layers=2, heads=4, kv_heads=2,
+                          rope_theta=1e6, sliding_window=12, prompt_len=9, tokenizer=False),
+    # Dense Qwen3: q/k norms, head_dim 16 != 32 / 4.  Untied: a random model with a tied head repeats
+    # its last token (its own embedding's logit dominates); tying is the training golden's.
+    "qwen3_dense": dict(arch="qwen3", seed=37, vocab=120, hidden=32, inter=56, layers=2, heads=4, kv_heads=2,
+                        head_dim=16, rope_theta=1e6, sliding_window=None, prompt_len=9, tokenizer=False),
 }
 TINY_TOKENIZER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data",
                                    "tiny-bytelevel-tokenizer.json")
@@ -94,6 +108,18 @@ def build(c):
                              norm_topk_prob=False, mlp_only_layers=c["mlp_only_layers"], router_aux_loss_coef=0.02,
                              attention_bias=False, use_sliding_window=False)
         cls = Qwen3MoeForCausalLM
+    elif c["arch"] == "qwen2_moe":
+        cfg = Qwen2MoeConfig(**common, num_experts=c["experts"], num_experts_per_tok=c["top_k"],
+                             moe_intermediate_size=c["moe_inter"], shared_expert_intermediate_size=c["shared_inter"],
+                             norm_topk_prob=False, mlp_only_layers=c["mlp_only_layers"], decoder_sparse_step=1,
+                             router_aux_loss_coef=0.02, qkv_bias=True, use_sliding_window=False)
+        cls = Qwen2MoeForCausalLM
+    elif c["arch"] == "mistral":
+        cfg = MistralConfig(**common, sliding_window=c["sliding_window"])
+        cls = MistralForCausalLM
+    elif c["arch"] == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=c["head_dim"], attention_bias=False, use_sliding_window=False)
+        cls = Qwen3ForCausalLM
     else:
         cfg = LlamaConfig(**common, attention_bias=False, mlp_bias=False)
         cls = LlamaForCausalLM
@@ -107,6 +133,8 @@ def build(c):
                 p.mul_(QK_SCALE)
             elif name.endswith("mlp.gate.weight"):
                 p.mul_(GATE_SCALE)
+            elif name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                p.copy_(0.1 * torch.randn(p.shape))
             elif name == "lm_head.weight":
                 p.mul_(HEAD_SCALE)
             # bf16 storage: round now so the float32 model is exactly the saved one
@@ -181,7 +209,7 @@ def make_case(name, c, out_root):
     model32 = cls.from_pretrained(d, dtype=torch.float32).eval()
     for (n1, p1), (n2, p2) in zip(model.named_parameters(), model32.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2), f"reload changed {n1}"
-    kw = {"experts_implementation": "eager"} if c["arch"] in ("mixtral", "qwen3_moe", "olmoe") else {}  # no float64 grouped_mm
+    kw = {"experts_implementation": "eager"} if c["arch"] in ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe") else {}  # no float64 grouped_mm
     model64 = cls.from_pretrained(d, dtype=torch.float32, attn_implementation="eager", **kw).double().eval()
 
     eos = 2
