@@ -175,6 +175,11 @@ void write_merged(const fs::path& in, const std::string& adapter_dir, std::optio
   std::vector<float> params(table.total(), 0.0f);
   load_hf_weights(files, table, params.data(), in.string());
   merge_lora(table, params.data(), ParamTable(cfg, adapter.spec), adapter.values.data(), adapter.spec);
+  for (const HfTensorRef& ref : table.hf_tensors())  // finite adapters can still overflow the sum
+    if (const size_t bad = first_non_finite(params.data() + ref.offset, ref.numel); bad < ref.numel)
+      fail("--merge-lora {}: the merged tensor '{}' is not finite at element {} (the base plus scale x B A overflowed "
+           "float32)",
+           adapter_dir, ref.name, bad);
   DType dtype = DType::F32;
   if (target) {
     dtype = *target;

@@ -8,12 +8,14 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/json_limits.h"
 #include "core/rng.h"
@@ -536,12 +538,13 @@ PeftAdapter read_peft_adapter_unchecked(const std::string& dir, const ModelConfi
   if (names.empty()) fail("{}: fields 'target_modules' / 'target_parameters': no targets", cpath);
   spec.targets = parse_lora_targets(names, cfg, cpath + ": targets");
   const ParamTable table(cfg, spec);
-  out.values.assign(table.total(), 0.0f);
   if (!fs::is_regular_file(wpath, ec)) fail("{}: missing (the adapter's weights)", wpath);
   const SafetensorsFile f = SafetensorsFile::open(wpath);
   // PEFT nests the expert wrappers in the experts module's parameter order (gate_up_proj, then
   // down_proj), whatever order adapter_config.json lists them in (it saves a set).
   const std::vector<PeftTensor> want = peft_tensors(cfg, spec, table, expert_targets(spec));
+  // Every name and shape is checked against the file's header before the table is allocated: the
+  // config's r alone sizes it, so an absurd r with tiny tensors would otherwise allocate gigabytes.
   std::set<std::string> expected;
   for (const PeftTensor& t : want) {
     expected.insert(t.name);
@@ -552,18 +555,53 @@ PeftAdapter read_peft_adapter_unchecked(const std::string& dir, const ModelConfi
     if (v->shape != t.shape)
       fail("{}: tensor '{}' has shape [{}], the base implies [{}] (an adapter for another model, or another rank)",
            wpath, t.name, fmt::join(v->shape, ", "), fmt::join(t.shape, ", "));
-    float* dst = out.values.data() + t.offset;
-    if (!t.expert_b) {
-      read_f32(*v, dst, t.numel);
-    } else {
-      const std::vector<float> tmp = to_f32(*v);
-      expert_b_from_peft(tmp.data(), dst, t.spec->shape[0], t.spec->shape[1], t.spec->shape[2]);
-    }
   }
   for (const std::string& n : f.names())
     if (!expected.count(n))
       fail("{}: unexpected tensor '{}' (not an adapter of {} with targets {})", wpath, n, cfg.architecture,
            fmt::join(names, ", "));
+  out.values.assign(table.total(), 0.0f);
+  // For the bound below: the largest |A| value and the largest row sum of |B| (a row: one output's r
+  // values, of one expert).
+  double peak_a = 0.0, row_b = 0.0;
+  for (const PeftTensor& t : want) {
+    const TensorView& v = *f.find(t.name);
+    float* dst = out.values.data() + t.offset;
+    // NaN / Inf would turn every logit NaN (perplexity nan, serve answering 500s, a merged model
+    // every loader refuses): refused here, naming the element in the file's order, as base weights are.
+    auto refuse_non_finite = [&](const float* p) {
+      if (const size_t bad = first_non_finite(p, t.numel); bad < t.numel)
+        fail("{}: tensor '{}' holds a non-finite value ({}) at element {}: the adapter is corrupt", wpath, t.name,
+             p[bad], bad);
+    };
+    if (!t.expert_b) {
+      read_f32(v, dst, t.numel);
+      refuse_non_finite(dst);
+    } else {
+      const std::vector<float> tmp = to_f32(v);
+      refuse_non_finite(tmp.data());
+      expert_b_from_peft(tmp.data(), dst, t.spec->shape[0], t.spec->shape[1], t.spec->shape[2]);
+    }
+    if (t.spec->kind == ParamKind::lora_b) {
+      const size_t r = (size_t)t.spec->shape.back();
+      for (size_t row = 0; row < t.numel / r; row++) {
+        double sum = 0.0;
+        for (size_t j = 0; j < r; j++) sum += std::fabs(dst[row * r + j]);
+        row_b = std::max(row_b, sum);
+      }
+    } else {
+      for (size_t i = 0; i < t.numel; i++) peak_a = std::max(peak_a, (double)std::fabs(dst[i]));
+    }
+  }
+  // |(s B A)_ij| <= |s| max_i sum_k |B_ik| max|A|.  A trained adapter changes a weight by well under 1;
+  // an update that can reach f16's largest value (65504) is a lora_alpha typed wrong (1e30), and makes
+  // the activations overflow to Inf/NaN (generate stops, perplexity would print nan, serve answer 500s).
+  constexpr double kMaxUpdate = 65504.0;
+  const double bound = std::fabs((double)spec.scale()) * row_b * peak_a;
+  if (!std::isfinite(spec.scale()) || !(bound <= kMaxUpdate))
+    fail("{}: field 'lora_alpha': {} with r {} gives the scale {} and weight updates of up to {:.3g} (scale x the "
+         "largest row sum of |lora_B| x the largest |lora_A|), beyond {}: the model's activations would overflow",
+         cpath, spec.alpha, spec.rank, spec.scale(), bound, kMaxUpdate);
   return out;
 }
 }  // namespace
