@@ -258,3 +258,37 @@ TEST(Convert, RefusesBadOptions) {
                  {"not a directory"});
   EXPECT_FALSE(fs::exists(t.path / "out"));
 }
+
+// Finite weights beyond f16's range (65504) are refused naming the tensor and the element, by
+// --dtype fp16 and by --merge-lora --dtype fp16 (the review's runs wrote Inf with exit 0); nothing is
+// left behind.  bf16 holds the value.
+TEST(Convert, WeightsBeyondF16AreRefusedNotWrittenAsInf) {
+  TempDir t;
+  const fs::path lora = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "lora" / "mixtral";
+  const fs::path big = t.path / "big";
+  fs::create_directories(big);
+  for (const char* f : {"config.json", "generation_config.json"}) fs::copy_file(lora / f, big / f);
+  {
+    const ModelTensors m = ModelTensors::open(lora.string());
+    SafetensorsWriter w;
+    std::vector<float> v;
+    for (const std::string& n : m.names()) {
+      if (n == "model.layers.1.self_attn.o_proj.weight") {
+        v = to_f32(m.get(n));
+        v[5] = 70000.0f;
+        w.add_f32(n, m.get(n).shape, v.data());
+      } else {
+        w.add_copy(n, m.get(n).dtype, m.get(n).shape, m.get(n).data);
+      }
+    }
+    w.write((big / "model.safetensors").string());
+  }
+  const std::string in = "--input " + big.string() + " --output " + (t.path / "out").string() + " --dtype ";
+  for (const std::string& extra : {std::string(), " --merge-lora " + (lora / "adapter_final").string()}) {
+    SCOPED_TRACE(extra);
+    const CliRun r = convert(t, in + "fp16" + extra);
+    expect_refused(r, {"model.layers.1.self_attn.o_proj.weight", "element 5", "70000", "65504"});
+    EXPECT_EQ(entries_of(t.path), (std::vector<std::string>{"big", "stderr.txt", "stdout.txt"}));  // no temp dir
+  }
+  ASSERT_EQ(convert(t, in + "bf16").exit_code, 0);
+}

@@ -2,6 +2,7 @@
 // against independent references, NaN/inf handling, and the bulk converters.
 #include <gtest/gtest.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -254,4 +255,34 @@ TEST(DType, ConvertFromF32ToIntegerIsAnError) {
   float src[1] = {1.0f};
   int32_t out[1];
   EXPECT_THROW(convert_from_f32(out, DType::I32, src, 1), Error);
+}
+
+// first_unrepresentable finds exactly the finite values the conversion turns into infinity: checked
+// against f32_to_f16 / f32_to_bf16 themselves around each boundary (65504 | 65520 for f16; bf16's
+// largest 0x7f7f and the halfway point above it), with NaN and infinities passed over (not finite).
+TEST(DType, FirstUnrepresentableIsWhereConversionOverflows) {
+  const float below_f16 = std::nextafter(65520.0f, 0.0f), bf16_max = bf16_to_f32(0x7f7f);
+  const float bf16_half = f32_from_bits(0x7f7f8000u), below_half = f32_from_bits(0x7f7f7fffu);
+  const std::vector<float> values = {0.0f,       65504.0f,  -65504.0f, below_f16, 65520.0f,  -65520.0f, 1e10f,
+                                     bf16_max,   below_half, bf16_half, -bf16_half, FLT_MAX,  NAN,       INFINITY};
+  for (DType to : {DType::F16, DType::BF16}) {
+    for (size_t i = 0; i < values.size(); i++) {
+      const float v = values[i];
+      const uint16_t h = to == DType::F16 ? f32_to_f16(v) : f32_to_bf16(v);
+      const bool inf = to == DType::F16 ? (h & 0x7fffu) == 0x7c00u : (h & 0x7fffu) == 0x7f80u;
+      EXPECT_EQ(first_unrepresentable(&values[i], 1, to), std::isfinite(v) && inf ? 0u : 1u)
+          << dtype_name(to) << " " << v;
+    }
+  }
+  EXPECT_EQ(first_unrepresentable(values.data(), values.size(), DType::F16), 4u);
+  EXPECT_EQ(first_unrepresentable(values.data(), values.size(), DType::BF16), 9u);
+  EXPECT_EQ(first_unrepresentable(values.data(), values.size(), DType::F32), values.size());
+  try {
+    check_representable(values.data(), values.size(), DType::F16, "tensor 'w'", 100);
+    FAIL() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'w': element 104 is 65520, beyond F16's range (largest 65504)"),
+              std::string::npos)
+        << e.what();
+  }
 }

@@ -113,6 +113,7 @@ std::vector<ShardTensor> reencode(const std::vector<const TensorView*>& views, s
       for (size_t i = 0; i < n; i += kChunk) {
         const size_t m = std::min(kChunk, n - i);
         convert_to_f32(tmp.data(), v->data + i * dtype_size(v->dtype), v->dtype, m);
+        check_representable(tmp.data(), m, to, fmt::format("tensor '{}'", v->name), i);
         convert_from_f32(scratch.data() + i * dtype_size(to), to, tmp.data(), m);
       }
       return scratch.data();

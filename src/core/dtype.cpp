@@ -183,6 +183,29 @@ size_t first_non_finite(const float* p, size_t n) {
   return first;
 }
 
+size_t first_unrepresentable(const float* p, size_t n, DType to) {
+  // Magnitude bits from which round-to-nearest-even gives infinity, below the infinity itself.
+  uint32_t from = 0;
+  switch (to) {
+    case DType::F16: from = f32_bits(65520.0f); break;  // halfway between 65504 and 2^16
+    case DType::BF16: from = 0x7f7f8000u; break;        // halfway above bf16's largest, 0x7f7f
+    default: return n;                                  // F32 and the integer types: nothing to lose
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t m = f32_bits(p[i]) & 0x7fffffffu;
+    if (m >= from && m < 0x7f800000u) return i;
+  }
+  return n;
+}
+
+void check_representable(const float* p, size_t n, DType to, const std::string& what, size_t offset) {
+  const size_t i = first_unrepresentable(p, n, to);
+  if (i == n) return;
+  const double largest = to == DType::F16 ? 65504.0 : (double)bf16_to_f32(0x7f7f);
+  fail("{}: element {} is {}, beyond {}'s range (largest {:g}): it would be written as Inf (keep a wider dtype)",
+       what, i + offset, p[i], dtype_name(to), largest);
+}
+
 void quantize_q8_0_block(const float* x, int8_t* q, float& d) {
   float amax = 0;
   bool finite = true;

@@ -68,4 +68,12 @@ void convert_from_f32(void* out, DType dtype, const float* src, size_t n);
 // (parallel for large n): cheap beside the conversion that produced the values.
 size_t first_non_finite(const float* p, size_t n);
 
+// The index of the first FINITE value among p[0, n) that `to` cannot hold -- convert_from_f32 would
+// round it to infinity (f16: |v| >= 65520; bf16: beyond 3.3961e38) -- or n when there is none.
+// Writers call it before converting: a finite weight must never be written as Inf.
+size_t first_unrepresentable(const float* p, size_t n, DType to);
+// Throws Error when first_unrepresentable finds a value: "<what>: element <i + offset> is <v>, beyond
+// F16's range (largest 65504): it would be written as Inf".  `what` names the tensor (and file).
+void check_representable(const float* p, size_t n, DType to, const std::string& what, size_t offset = 0);
+
 }  // namespace moetron

@@ -210,6 +210,9 @@ class FileSink final : public TensorSink {
     if (n % static_cast<size_t>(tr.block_elems) != 0)
       fail("gguf: tensor '{}': {} values is not a whole number of {}-value blocks", t_.name, n, tr.block_elems);
     if (n > numel_ - done_) fail("gguf: tensor '{}' was given more than its {} values", t_.name, numel_);
+    if (t_.type == TensorType::F16 || t_.type == TensorType::BF16)
+      check_representable(values, n, t_.type == TensorType::F16 ? DType::F16 : DType::BF16,
+                          fmt::format("gguf: tensor '{}'", t_.name), done_);
     encode_f32(t_.type, values, n, out_.reserve(n / static_cast<size_t>(tr.block_elems) * tr.block_bytes));
     out_.maybe_flush();
     done_ += n;
