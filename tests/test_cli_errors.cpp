@@ -250,4 +250,28 @@ TEST_F(CliErrors, ThreadCountsAreBounded) {
   EXPECT_FALSE(fs::exists(tmp_ / "tok.model"));
 }
 
+// forward --force replaces an earlier output, never an input: the model's weights (through a
+// symlink too), --input, or the --output file given again as --grads.  Refused with exit 2 before any
+// work, every input left as it was.
+TEST_F(CliErrors, ForwardNeverWritesOverAnInputEvenWithForce) {
+  const std::string weights = read_bytes(model_ / "model.safetensors"), input = read_bytes(input_);
+  fs::create_symlink(model_ / "model.safetensors", tmp_ / "link.safetensors");
+  const std::string base = "forward --force --model " + model_.string() + " --input " + input_.string();
+  for (const fs::path& target : {model_ / "model.safetensors", input_, tmp_ / "link.safetensors", model_ / "config.json"}) {
+    SCOPED_TRACE(target.string());
+    expect_error(run_cli(base + " --output " + target.string()), 2, {"one of the input files", "never replaced"});
+    expect_error(run_cli(base + " --output " + out().string() + " --grads " + target.string()), 2,
+                 {"--grads", "one of the input files"});
+  }
+  expect_error(run_cli(base + " --output " + out().string() + " --grads " + out().string()), 2,
+               {"--grads", "is the --output file too"});
+  EXPECT_EQ(read_bytes(model_ / "model.safetensors"), weights);
+  EXPECT_EQ(read_bytes(input_), input);
+  EXPECT_FALSE(fs::exists(out()));
+  // An earlier output is replaced with --force.
+  write_bytes(out(), "old");
+  ASSERT_EQ(run_cli(base + " --output " + out().string()).exit_code, 0);
+  EXPECT_NE(read_bytes(out()), "old");
+}
+
 }  // namespace

@@ -924,6 +924,74 @@ TEST(GgufExport, BadInputIsRefusedAndNothingIsWritten) {
   EXPECT_EQ(entries(out_dir), std::set<std::string>{"m.gguf"});
 }
 
+// --force replaces an earlier GGUF, never a file the export reads (the review destroyed a model and a
+// tokenizer_config.json this way): the tokenizer_config.json beside --tokenizer (read for BOS/EOS), a
+// shard that the index places in a subdirectory, and a symlink to that shard.
+TEST(GgufExport, ForceNeverReplacesAnInputBesideTheTokenizerOrInAnIndexSubdirectory) {
+  Dir d;
+  const fs::path model = d.path / "model", tok = d.path / "tok";
+  derive(kGolden / "generate" / "mixtral_gqa", model, [](json&) {});
+  fs::create_directories(tok);
+  fs::rename(model / "tokenizer.model", tok / "tokenizer.model");
+  write_text(tok / "tokenizer_config.json", R"({"bos_token": "<s>", "eos_token": "</s>"})");
+  const fs::path shard = model / "sub" / "model-00001-of-00001.safetensors";
+  fs::create_directories(model / "sub");
+  fs::rename(model / "model.safetensors", shard);
+  json index = {{"metadata", json::object()}, {"weight_map", json::object()}};
+  for (const std::string& n : SafetensorsFile::open(shard.string()).names())
+    index["weight_map"][n] = "sub/model-00001-of-00001.safetensors";
+  write_text(model / "model.safetensors.index.json", index.dump());
+  fs::create_symlink(shard, d.path / "link.gguf");
+  const std::string args = " --sliding-window-as-context --force --tokenizer " + q(tok / "tokenizer.model");
+  const std::string tok_config = read_text(tok / "tokenizer_config.json"), weights = read_text(shard);
+  for (const fs::path& out : {tok / "tokenizer_config.json", shard, d.path / "link.gguf"}) {
+    SCOPED_TRACE(out.string());
+    const std::set<std::string> before = entries(out.parent_path());
+    expect_refused(run_export(d, "--model " + q(model) + " --output " + q(out) + args),
+                   {"one of the input files", "never replaced"}, out.parent_path(), before);
+  }
+  EXPECT_EQ(read_text(tok / "tokenizer_config.json"), tok_config);
+  EXPECT_EQ(read_text(shard), weights);
+  // The same model and tokenizer export fine to a new file, inside the model directory too.
+  const CliRun ok = run_export(d, "--model " + q(model) + " --output " + q(model / "m.gguf") + args);
+  ASSERT_EQ(ok.exit_code, 0) << ok.err;
+  EXPECT_TRUE(fs::exists(model / "m.gguf"));
+}
+
+// Finite weights beyond f16's range (65504) are refused by --type f16 naming the tensor, not written
+// as Inf (the review's export exited 0 with an Inf in the file).
+TEST(GgufExport, WeightsBeyondF16AreRefusedNotWrittenAsInf) {
+  Dir d;
+  const fs::path model = d.path / "big";
+  derive(kGolden / "generate" / "mixtral_gqa", model, [](json&) {});
+  {
+    const ModelTensors m = ModelTensors::open(model.string());
+    SafetensorsWriter w;
+    std::vector<float> big;
+    for (const std::string& n : m.names()) {
+      if (n == "model.layers.1.self_attn.o_proj.weight") {
+        big = to_f32(m.get(n));
+        big[5] = 70000.0f;  // bf16 holds it (as 70144); f16 tops out at 65504
+        w.add_f32(n, m.get(n).shape, big.data(), DType::BF16);
+      } else {
+        w.add_copy(n, m.get(n).dtype, m.get(n).shape, m.get(n).data);
+      }
+    }
+    w.write((d.path / "tmp.safetensors").string());
+  }
+  fs::rename(d.path / "tmp.safetensors", model / "model.safetensors");
+  const fs::path out_dir = d.path / "out";
+  fs::create_directories(out_dir);
+  const std::string args = "--model " + q(model) + " --sliding-window-as-context --output ";
+  const CliRun r = run_export(d, args + q(out_dir / "m.gguf") + " --type f16");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  for (const char* needle : {"blk.1.attn_output.weight", "element 5", "70144", "65504"})
+    EXPECT_NE(r.err.find(needle), std::string::npos) << "missing '" << needle << "' in: " << r.err;
+  EXPECT_TRUE(entries(out_dir).empty());
+  // bf16 and f32 hold the value.
+  EXPECT_EQ(run_export(d, args + q(out_dir / "m.gguf") + " --type bf16").exit_code, 0);
+}
+
 TEST(GgufExport, CorruptWeightsFoundWhileWritingLeaveNoFile) {
   Dir d;
   const fs::path model = d.path / "nan";

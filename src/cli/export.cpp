@@ -52,6 +52,7 @@
 #include "io/gguf_arch.h"
 #include "io/hf_config.h"
 #include "io/model_files.h"
+#include "io/output_guard.h"
 #include "model/params.h"
 #include "model/weights.h"
 #include "tokenizer/sp_model.h"
@@ -380,7 +381,9 @@ uint32_t file_type(TensorType t) {
   }
 }
 
-void check_output(const Options& o, const fs::path& model) {
+// Where the GGUF goes: a file path in an existing directory, replaced only with --force.  (That it is
+// none of the inputs is refuse_output_over_inputs' job, once they are open.)
+void check_output(const Options& o) {
   const fs::path out(o.output);
   std::error_code ec;
   if (fs::is_directory(out, ec)) refuse(fmt::format("--output {}: is a directory (expected a file path)", o.output));
@@ -389,13 +392,6 @@ void check_output(const Options& o, const fs::path& model) {
     refuse(fmt::format("--output {}: directory {} does not exist", o.output, parent.string()));
   if (!fs::exists(out, ec)) return;
   if (!fs::is_regular_file(out, ec)) refuse(fmt::format("--output {}: exists and is not a regular file", o.output));
-  // Never replace what the export reads: a file of the model directory other than a GGUF, or --tokenizer.
-  const bool is_tokenizer = !o.tokenizer.empty() && fs::equivalent(out, o.tokenizer, ec);
-  bool in_model = false;
-  for (const auto& e : fs::directory_iterator(model, ec))
-    if (e.path().extension() != ".gguf" && fs::equivalent(out, e.path(), ec)) in_model = true;
-  if (is_tokenizer || in_model)
-    refuse(fmt::format("--output {}: is one of the input files; write the GGUF elsewhere", o.output));
   if (!o.force) refuse(fmt::format("--output {}: already exists (pass --force to replace it)", o.output));
 }
 
@@ -428,7 +424,7 @@ int run_export_gguf(int argc, char** argv) {
   if (!fs::is_directory(model, ec)) refuse(fmt::format("--model {}: not a directory", o.model_dir));
   const std::string cfg_path = (model / "config.json").string();
   if (!fs::is_regular_file(cfg_path, ec)) refuse(fmt::format("--model {}: no config.json", o.model_dir));
-  check_output(o, model);
+  check_output(o);
 
   // Everything about the input, checked before a byte is written.
   ModelConfig cfg;
@@ -463,6 +459,14 @@ int run_export_gguf(int argc, char** argv) {
     gguf::add_arch_keys(kv, cfg, arch, context);
     add_vocab(kv, *tok, cfg, o.model_dir);
     template_source = add_chat_template(kv, model);
+    // What the export read, --force or not, never becomes its output: every file of the model
+    // directory but a GGUF (its subdirectories too, where an index may place shards), each shard
+    // wherever it lies, --tokenizer and the files beside it (tokenizer_config.json gives BOS/EOS).
+    InputPaths inputs;
+    inputs.add_tree(model, ".gguf");
+    for (size_t i = 0; i < files->num_files(); i++) inputs.files.emplace_back(files->file(i).path());
+    if (!o.tokenizer.empty()) inputs.add_with_siblings(o.tokenizer, ".gguf");
+    refuse_output_over_inputs(o.output, inputs, "--output");
   } catch (const InputError&) {
     throw;
   } catch (const Error& e) {

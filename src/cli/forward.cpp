@@ -13,6 +13,7 @@
 #include "backend/select.h"
 #include "io/hf_config.h"
 #include "io/model_files.h"
+#include "io/output_guard.h"
 #include "io/safetensors.h"
 #include "model/batch_io.h"
 #include "model/lora.h"
@@ -66,6 +67,17 @@ int run_forward(int argc, char** argv) {
   w.z_coef = z_coef;
   w.aux_kind = aux_kind == "per_layer" ? AuxLossKind::per_layer : AuxLossKind::hf_pooled;
   const ModelTensors files = ModelTensors::open(model_dir);
+  {  // --force replaces an earlier output, never an input (the model's files, --input, the adapter)
+    InputPaths inputs;
+    inputs.add_tree(model_dir);
+    for (size_t i = 0; i < files.num_files(); i++) inputs.files.emplace_back(files.file(i).path());
+    inputs.files.emplace_back(input);
+    if (!lora_dir.empty()) inputs.dirs.emplace_back(lora_dir);
+    refuse_output_over_inputs(output, inputs, "--output");
+    if (!grads_path.empty()) refuse_output_over_inputs(grads_path, inputs, "--grads");
+    if (!grads_path.empty() && std::filesystem::weakly_canonical(grads_path) == std::filesystem::weakly_canonical(output))
+      throw InputError(fmt::format("--grads {}: is the --output file too; give each its own path", grads_path));
+  }
 
   // The same model on either backend; the parameters are read on the host and uploaded.
   check_weights_size(files, ParamTable(cfg), model_dir);  // before allocating from config.json
