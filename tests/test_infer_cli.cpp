@@ -4,12 +4,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -174,6 +176,58 @@ TEST(GenerateCli, PerplexityOfATextWithAndWithoutQ8) {
   EXPECT_EQ(bf.out.rfind("perplexity: 36.5338 (7717 tokens scored in 31 windows of up to 256; weights BF16)", 0), 0u) << bf.out;
   EXPECT_EQ(q8.out.rfind("perplexity: 36.60", 0), 0u) << q8.out;
   EXPECT_NE(q8.out.find("weights Q8_0"), std::string::npos) << q8.out;
+}
+
+// A model whose activations overflow (every final-norm weight 1e38, finite in bf16): --perplexity
+// printed "-nan" with exit 0 as if it were a measurement; it stops naming the non-finite logits now.
+TEST(GenerateCli, PerplexityOfOverflowingActivationsIsAnError) {
+  moetron::testing::TempDir tmp("ppl_overflow");
+  const fs::path model = tmp.path() / "model";
+  fs::copy(fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "perplexity", model);
+  {
+    std::fstream f(model / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    uint64_t n = 0;
+    f.read(reinterpret_cast<char*>(&n), 8);
+    std::string header(n, '\0');
+    f.read(header.data(), (std::streamsize)n);
+    const json t = json::parse(header)["model.norm.weight"];
+    ASSERT_EQ(t["dtype"], "BF16");
+    const uint16_t big = 0x7e96;  // bf16 1.0e38
+    const uint64_t begin = t["data_offsets"][0], end = t["data_offsets"][1];
+    f.seekp((std::streamoff)(8 + n + begin));
+    for (uint64_t i = begin; i < end; i += 2) f.write(reinterpret_cast<const char*>(&big), 2);
+  }
+  const CliRun r = run("generate --model " + model.string() + " --perplexity " + std::string(MOETRON_SOURCE_DIR) +
+                       "/tests/data/apache-2.0.txt --ppl-ctx 256");
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("perplexity: the logits at position 0 are not finite"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("perplexity: "), std::string::npos) << r.out;
+}
+
+// The bench commands' sizes are bounded before anything is allocated, naming the flag and its range
+// (--batch 1000000 ran past a minute at ~2 GB; --new-tokens 1e9 ended in std::bad_alloc; --batch -1 was
+// taken; CLI11's check printed "not in range 0.000000 to 1.797...e308").
+TEST(BenchGenerateCli, SizesAreBoundedNamingTheFlag) {
+  const std::string model = " --model " + (kGen / "mixtral_gqa").string();
+  struct Case {
+    std::string args, needle;
+  };
+  const std::vector<Case> cases = {
+      {"bench generate" + model + " --batch 1000000", "--batch 1000000: expected an integer in [0, 1024]"},
+      {"bench generate" + model + " --batch -1", "--batch -1: expected an integer in [0, 1024]"},
+      {"bench generate" + model + " --prompt-tokens 1000000000", "--prompt-tokens 1000000000: expected an integer"},
+      {"bench generate" + model + " --new-tokens 1", "--new-tokens 1: expected an integer in [2, "},
+      {"bench generate" + model + " --prompt-tokens 500 --new-tokens 13", "513 positions; the model's max_position_embeddings is 512"},
+      {"bench generate --hidden 16384 --intermediate 65536", "at most 1073741824 (2^30)"},
+      {"bench train --hidden 16384 --intermediate 65536", "at most 1073741824 (2^30)"},
+      {"bench train --seq 1", "--seq 1: expected an integer in [2, "},
+      {"bench checkpoint --make-model /nonexistent/m --experts 0", "--experts 0: expected an integer in [1, 1048576]"},
+  };
+  for (const Case& c : cases) {
+    const CliRun r = run(c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.err;
+    EXPECT_NE(r.err.find(c.needle), std::string::npos) << c.args << "\n" << r.err;
+  }
 }
 
 TEST(BenchGenerateCli, PrintsPrefillAndDecodeRates) {

@@ -17,6 +17,7 @@
 
 #include "cli/bench_model_shape.h"
 #include "cli/commands.h"
+#include "cli/flag_range.h"
 #include "cli/threads.h"
 #include "core/error.h"
 #include "core/stats.h"
@@ -85,9 +86,11 @@ int run_bench_train(int argc, char** argv) {
     return app.exit(e);
   }
   check_thread_count("--threads", threads);
-  if (steps < 1) fail("--steps must be at least 1");
-  if (grad_accum < 1) fail("--grad-accum must be at least 1");
-  if (micro_batch < 1 || seq < 2) fail("--micro-batch must be >= 1 and --seq >= 2");
+  check_flag_range("--steps", steps, 1, 100000);
+  check_flag_range("--warmup", warmup, 0, 100000);
+  check_flag_range("--grad-accum", grad_accum, 1, 4096);
+  check_flag_range("--micro-batch", micro_batch, 1, kMaxBenchBatch);
+  check_flag_range("--seq", seq, 2, kMaxBenchPositions);
   if (threads > 0) {
     omp_set_num_threads(threads);
     ops::blas_set_num_threads(threads);
@@ -98,6 +101,7 @@ int run_bench_train(int argc, char** argv) {
   } else {
     cfg = bench_model_config(shape, "bench train flags");
   }
+  check_bench_model_size(cfg);  // the model is allocated, with gradients and Adam's moments
   const bool cuda = device == "cuda";
   const std::unique_ptr<Backend> backend = make_backend(device);  // Error naming the reason without a GPU
   const int nthreads = omp_get_max_threads();

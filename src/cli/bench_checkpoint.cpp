@@ -25,6 +25,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "cli/flag_range.h"
 #include "core/error.h"
 #include "core/fd.h"
 #include "io/hf_config.h"
@@ -121,6 +122,8 @@ int make_model(const std::string& dir, int hidden, int layers, int experts, int 
        {"num_attention_heads", heads}, {"num_key_value_heads", kv_heads}, {"num_local_experts", experts},
        {"num_experts_per_tok", 2}, {"torch_dtype", "bfloat16"}},
       "bench checkpoint --make-model");
+  if (const int64_t n = ParamTable(cfg).total(); n > (int64_t{1} << 32))
+    throw InputError(fmt::format("--make-model: {} parameters ({:.1f} GB in bf16); at most 2^32", n, n * 2 / 1e9));
   // The directory is the command's output: it must be new or empty (nothing of the user's is
   // overwritten).
   if (fs::exists(dir) && (!fs::is_directory(dir) || !fs::is_empty(dir)))
@@ -141,21 +144,25 @@ int run_bench_checkpoint(int argc, char** argv) {
   app.add_option("--output", out_dir,
                  "where to make the scratch directory for the saves and copies: a fresh DIR/moetron-bench-XXXXXX, "
                  "removed at the end (nothing else there is touched; default: the system temporary directory)");
-  app.add_option("--repeats", repeats, "timed runs of each step; medians are reported")->check(CLI::PositiveNumber);
+  app.add_option("--repeats", repeats, "timed runs of each step; medians are reported");
   app.add_option("--make-model", make_dir, "write a random bf16 Mixtral to this directory and exit");
-  app.add_option("--hidden", hidden, "--make-model: hidden_size")->check(CLI::PositiveNumber);
-  app.add_option("--layers", layers, "--make-model: num_hidden_layers")->check(CLI::PositiveNumber);
-  app.add_option("--experts", experts, "--make-model: num_local_experts")->check(CLI::PositiveNumber);
-  app.add_option("--intermediate", intermediate, "--make-model: intermediate_size")->check(CLI::PositiveNumber);
-  app.add_option("--vocab", vocab, "--make-model: vocab_size")->check(CLI::PositiveNumber);
-  app.add_option("--heads", heads, "--make-model: num_attention_heads (dividing hidden_size)")->check(CLI::PositiveNumber);
-  app.add_option("--kv-heads", kv_heads, "--make-model: num_key_value_heads (dividing --heads)")
-      ->check(CLI::PositiveNumber);
+  app.add_option("--hidden", hidden, "--make-model: hidden_size");
+  app.add_option("--layers", layers, "--make-model: num_hidden_layers");
+  app.add_option("--experts", experts, "--make-model: num_local_experts");
+  app.add_option("--intermediate", intermediate, "--make-model: intermediate_size");
+  app.add_option("--vocab", vocab, "--make-model: vocab_size");
+  app.add_option("--heads", heads, "--make-model: num_attention_heads (dividing hidden_size)");
+  app.add_option("--kv-heads", kv_heads, "--make-model: num_key_value_heads (dividing --heads)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  check_flag_range("--repeats", repeats, 1, 1000);
+  for (const auto& [flag, v] : {std::pair<const char*, int>{"--hidden", hidden}, {"--layers", layers},
+                                {"--experts", experts}, {"--intermediate", intermediate}, {"--vocab", vocab},
+                                {"--heads", heads}, {"--kv-heads", kv_heads}})
+    check_flag_range(flag, v, 1, 1 << 20);
   if (!make_dir.empty()) return make_model(make_dir, hidden, layers, experts, intermediate, vocab, heads, kv_heads);
   if (model_dir.empty()) {
     std::fprintf(stderr, "moetron bench checkpoint: give --model DIR (or --make-model DIR to create one)\n");

@@ -19,6 +19,7 @@
 #include "backend/kernels/simd.h"
 #include "cli/bench_model_shape.h"
 #include "cli/commands.h"
+#include "cli/flag_range.h"
 #include "cli/generation_options.h"
 #include "cli/threads.h"
 #include "core/error.h"
@@ -75,8 +76,12 @@ int run_bench_generate(int argc, char** argv) {
     return app.exit(e);
   }
   check_thread_count("--threads", threads);
-  if (prompt_tokens < 1 || new_tokens < 2 || runs < 1)
-    fail("need --prompt-tokens >= 1, --new-tokens >= 2 and --runs >= 1");
+  // Every size is bounded before anything is allocated: --batch 1000000 or --new-tokens 1e9 is a typo,
+  // not a run that takes the machine's memory.
+  check_flag_range("--prompt-tokens", prompt_tokens, 1, kMaxBenchPositions);
+  check_flag_range("--new-tokens", new_tokens, 2, kMaxBenchPositions);
+  check_flag_range("--runs", runs, 1, 10000);
+  check_flag_range("--batch", batch, 0, kMaxBenchBatch);
   if (threads > 0) omp_set_num_threads(threads);  // inference uses no BLAS library (backend/kernels/gemm.h)
   const WeightQuant quant = parse_weight_quant(quantize, "--quantize");
   if (quant != WeightQuant::none && model_dir.empty()) fail("--quantize needs --model (a model read from files)");
@@ -84,10 +89,13 @@ int run_bench_generate(int argc, char** argv) {
   if (!model_dir.empty()) {
     model = load_inference_model(model_dir, "", false, quant);
   } else {
-    model = std::make_unique<InferenceModel>(bench_model_config(shape, "bench generate flags"));
+    const ModelConfig shape_cfg = bench_model_config(shape, "bench generate flags");
+    check_bench_model_size(shape_cfg);
+    model = std::make_unique<InferenceModel>(shape_cfg);
     init_parameters(model->table, model->cfg, 1234, model->owned.data());
   }
   const ModelConfig& cfg = model->cfg;
+  check_bench_positions(cfg, prompt_tokens, new_tokens, 1 + batch);
   std::printf("bench generate: %s; prompt %d, new tokens %d, %d threads\n", describe_model_shape(cfg).c_str(),
               prompt_tokens, new_tokens, omp_get_max_threads());
   std::printf("weights: %s, %.1f MB, %s (kernels: %s)\n", model->storage_name().c_str(),

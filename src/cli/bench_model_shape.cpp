@@ -1,7 +1,12 @@
 #include "cli/bench_model_shape.h"
 
+#include <unistd.h>
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "model/params.h"
 
 namespace moetron::cli {
 
@@ -36,6 +41,30 @@ ModelConfig bench_model_config(const BenchModelShape& s, const std::string& wher
     j["num_experts_per_tok"] = s.top_k;
   }
   return model_config_from_json(j, where);
+}
+
+void check_bench_model_size(const ModelConfig& cfg) {
+  const int64_t n = ParamTable(cfg).total();
+  if (n > kMaxBenchRandomParams)
+    throw InputError(fmt::format("--hidden/--layers/--experts/--intermediate/--vocab: a random model of {} parameters "
+                                 "({:.1f} GiB in fp32); at most {} (2^30) -- time a larger model from files with --model",
+                                 n, n * 4.0 / (1 << 30), kMaxBenchRandomParams));
+}
+
+void check_bench_positions(const ModelConfig& cfg, int prompt_tokens, int new_tokens, int sequences) {
+  const long positions = (long)prompt_tokens + new_tokens;
+  if (cfg.max_position_embeddings > 0 && positions > cfg.max_position_embeddings)
+    throw InputError(fmt::format("--prompt-tokens {} + --new-tokens {} = {} positions; the model's "
+                                 "max_position_embeddings is {}",
+                                 prompt_tokens, new_tokens, positions, cfg.max_position_embeddings));
+  // fp32 keys and values of every layer (an upper bound of the cache's bytes).
+  const double kv = (double)sequences * positions * 2.0 * cfg.num_hidden_layers * cfg.num_key_value_heads *
+                    cfg.head_dim * sizeof(float);
+  const double ram = (double)::sysconf(_SC_PHYS_PAGES) * (double)::sysconf(_SC_PAGE_SIZE);
+  if (ram > 0 && kv > ram / 2)
+    throw InputError(fmt::format("--batch / --prompt-tokens / --new-tokens: {} sequences of {} positions need {:.1f} "
+                                 "GiB of KV cache; this machine has {:.1f} GiB of memory",
+                                 sequences, positions, kv / (1 << 30), ram / (1 << 30)));
 }
 
 std::string describe_model_shape(const ModelConfig& cfg) {
