@@ -357,6 +357,71 @@ TEST_F(ServeTest, ErrorsAreOpenAiErrorObjects) {
   EXPECT_EQ(json::parse(ok->body)["choices"][0]["message"]["content"], t["chat"]["content"]);
 }
 
+// Every OpenAI parameter is honoured or refused with a 400 naming it (the review saw logit_bias,
+// response_format json_object and tool_choice "required" answered 200 as if absent).  logit_bias is
+// honoured as OpenAI's client sends it ({"<token id>": bias}): +100 on one id makes the greedy reply
+// that id throughout, -100 on the greedy reply's first token changes that token.
+TEST_F(ServeTest, EveryParameterIsHonouredOrRefused) {
+  start();
+  const std::string chat = "/v1/chat/completions", comp = "/v1/completions";
+  const std::string msgs = R"("messages":[{"role":"user","content":"hi"}])";
+  expect_error(chat, "{" + msgs + R"(,"frobnicate":1})", 400, "frobnicate", "unrecognized_parameter");
+  expect_error(comp, R"({"prompt":"x","messages":[]})", 400, "messages", "unrecognized_parameter");
+  expect_error(comp, R"({"prompt":"x","response_format":{"type":"text"}})", 400, "response_format",
+               "unrecognized_parameter");
+  expect_error(chat, "{" + msgs + R"(,"response_format":{"type":"json_object"}})", 400, "response_format",
+               "unsupported_parameter");
+  expect_error(chat, "{" + msgs + R"(,"response_format":{"type":"json_schema","json_schema":{"name":"x"}}})", 400,
+               "response_format", "unsupported_parameter");
+  expect_error(chat, "{" + msgs + R"(,"tool_choice":"required"})", 400, "tool_choice", "unsupported_parameter");
+  expect_error(chat, "{" + msgs + R"(,"tool_choice":{"type":"function","function":{"name":"f"}}})", 400,
+               "tool_choice", "unsupported_parameter");
+  expect_error(chat, "{" + msgs + R"(,"store":true})", 400, "store", "unsupported_parameter");
+  expect_error(chat, "{" + msgs + R"(,"metadata":{"k":"v"}})", 400, "metadata", "unsupported_parameter");
+  expect_error(chat, "{" + msgs + R"(,"service_tier":"flex"})", 400, "service_tier", "unsupported_parameter");
+  expect_error(chat, "{" + msgs + R"(,"modalities":["text","audio"]})", 400, "modalities", "unsupported_parameter");
+  expect_error(chat, "{" + msgs + R"(,"parallel_tool_calls":"no"})", 400, "parallel_tool_calls", "invalid_type");
+  expect_error(chat, "{" + msgs + R"(,"logit_bias":[1]})", 400, "logit_bias", "invalid_type");
+  expect_error(chat, "{" + msgs + R"(,"logit_bias":{"abc":1}})", 400, "logit_bias", "invalid_value");
+  expect_error(chat, "{" + msgs + R"(,"logit_bias":{"-3":1}})", 400, "logit_bias", "invalid_value");
+  expect_error(chat, "{" + msgs + R"(,"logit_bias":{"5":101}})", 400, "logit_bias", "invalid_value");
+  expect_error(chat, "{" + msgs + R"(,"logit_bias":{"5":"up"}})", 400, "logit_bias", "invalid_type");
+  expect_error(chat, "{" + msgs + R"(,"logit_bias":{"999999":1}})", 400, "logit_bias", "invalid_value");
+
+  // Harmless values of the parameters that change nothing here are accepted, with the plain reply.
+  const json t = expected_text();
+  json body = chat_body(t, false);
+  body["response_format"] = {{"type", "text"}};
+  body["tool_choice"] = "none";
+  body["parallel_tool_calls"] = false;
+  body["store"] = false;
+  body["service_tier"] = "auto";
+  body["modalities"] = {"text"};
+  auto ok = post(chat, body);
+  ASSERT_TRUE(ok);
+  ASSERT_EQ(ok->status, 200) << ok->body;
+  EXPECT_EQ(json::parse(ok->body)["choices"][0]["message"]["content"], t["chat"]["content"]);
+
+  // logit_bias, honoured.
+  auto complete = [&](const json& bias) {
+    json b = {{"prompt", t["completion"]["prompt"]}, {"max_tokens", 6}, {"temperature", 0}};
+    if (!bias.is_null()) b["logit_bias"] = bias;
+    auto r = post(comp, b);
+    EXPECT_TRUE(r && r->status == 200) << (r ? r->body : httplib::to_string(r.error()));
+    return r ? json::parse(r->body) : json();
+  };
+  const int32_t forced = 100;
+  const json all = complete({{std::to_string(forced), 100}});
+  EXPECT_EQ(all["usage"]["completion_tokens"], 6);
+  const std::vector<int32_t> six(6, forced);
+  EXPECT_EQ(all["choices"][0]["text"], tok_->decode(six));
+  const json plain = complete(nullptr);
+  const std::vector<int32_t> first = tok_->encode_literal(plain["choices"][0]["text"].get<std::string>());
+  ASSERT_FALSE(first.empty());
+  const json banned = complete({{std::to_string(first[0]), -100}});
+  EXPECT_NE(banned["choices"][0]["text"], plain["choices"][0]["text"]);
+}
+
 // Concurrent clients: with room in the queue every request is served, each with the right reply.
 TEST_F(ServeTest, ConcurrentRequestsAreQueued) {
   server::ServerOptions o;
@@ -569,6 +634,19 @@ TEST(ServeChatml, QwenStyleModelAnswersAChatmlChat) {
     EXPECT_EQ(content, t["chat"]["content"].get<std::string>());
     EXPECT_EQ(finish, t["chat"]["finish_reason"].get<std::string>());
   }
+  // "" (or [""]) has no tokens with this tokenizer, which adds no BOS: a 400 naming 'prompt' (it was a
+  // 500 "server_error"; streamed, a 200 and then an error event).
+  for (const json& prompt : {json(""), json::array({""})})
+    for (bool stream : {false, true}) {
+      SCOPED_TRACE(prompt.dump() + (stream ? " streaming" : ""));
+      httplib::Client cli("127.0.0.1", port);
+      auto r = cli.Post("/v1/completions", json{{"prompt", prompt}, {"stream", stream}}.dump(), "application/json");
+      ASSERT_TRUE(r);
+      EXPECT_EQ(r->status, 400) << r->body;
+      const json e = json::parse(r->body)["error"];
+      EXPECT_EQ(e["param"], "prompt") << e.dump();
+      EXPECT_EQ(e["type"], "invalid_request_error") << e.dump();
+    }
   srv.stop();
   th.join();
 }

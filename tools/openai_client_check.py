@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The official `openai` Python client against `moetron serve`: plain and streaming chat completions and
-completions, the model list, and an error, checked against transformers' replies on the committed tiny
+completions, the model list, logit_bias, refused parameters and errors, checked against transformers' replies on the committed tiny
 model (tests/golden/generate/expected.json, written by tools/make_generate_reference.py).
 
     pip install openai
@@ -115,6 +115,24 @@ def main():
             check("empty messages rejected", "accepted", "BadRequestError")
         except openai.BadRequestError as e:
             check("empty messages rejected", (e.status_code, e.body.get("param")), (400, "messages"))
+
+        # logit_bias, as the client sends it ({"token id": bias}): +100 on one id makes the greedy reply
+        # that id six times over (tests/test_serve.cpp checks the text against the tokenizer's).
+        r = client.completions.create(model=args.model_name, prompt=t["completion"]["prompt"], max_tokens=6,
+                                      temperature=0, logit_bias={"100": 100})
+        check("logit_bias +100: 6 tokens, another reply", (r.usage.completion_tokens,
+                                                           r.choices[0].text != t["completion"]["text"]), (6, True))
+        # Parameters moetron would not honour are refused naming them, never ignored.
+        for name, kwargs in [("response_format json_object", {"response_format": {"type": "json_object"}}),
+                             ("tool_choice required", {"tool_choice": "required"}),
+                             ("an unknown parameter", {"extra_body": {"frobnicate": 1}})]:
+            want_param = {"response_format json_object": "response_format", "tool_choice required": "tool_choice",
+                          "an unknown parameter": "frobnicate"}[name]
+            try:
+                client.chat.completions.create(model=args.model_name, messages=messages, max_tokens=4, **kwargs)
+                check(f"{name} refused", "accepted", "BadRequestError")
+            except openai.BadRequestError as e:
+                check(f"{name} refused", (e.status_code, e.body.get("param")), (400, want_param))
     finally:
         if proc:
             proc.terminate()

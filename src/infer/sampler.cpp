@@ -10,7 +10,7 @@
 
 namespace moetron {
 
-void validate_sampling(const SamplingParams& p) {
+void validate_sampling(const SamplingParams& p, int vocab_size) {
   auto finite = [](float v, const char* name) {
     if (!std::isfinite(v)) fail("sampling: {} must be a finite number", name);
   };
@@ -23,10 +23,15 @@ void validate_sampling(const SamplingParams& p) {
   if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) fail("sampling: top_p must be in (0, 1], got {}", p.top_p);
   if (p.top_k < 0) fail("sampling: top_k must be >= 0 (0 = off), got {}", p.top_k);
   if (p.repetition_penalty <= 0.0f) fail("sampling: repetition_penalty must be > 0, got {}", p.repetition_penalty);
+  for (const auto& [id, bias] : p.logit_bias) {
+    if (id < 0 || (vocab_size > 0 && id >= vocab_size))
+      fail("sampling: logit_bias token {} is outside the vocabulary [0, {})", id, vocab_size);
+    finite(bias, "a logit_bias value");
+  }
 }
 
 Sampler::Sampler(const SamplingParams& params, int vocab_size) : p_(params), V_(vocab_size) {
-  validate_sampling(p_);
+  validate_sampling(p_, vocab_size);
   MOETRON_ASSERT(V_ > 0);
 }
 
@@ -48,6 +53,7 @@ int32_t Sampler::next(float* logits, std::span<const int32_t> context, std::span
     for (int v = 0; v < V_; v++)
       if (counts_[v]) logits[v] -= p_.presence_penalty + p_.frequency_penalty * (float)counts_[v];
   }
+  for (const auto& [id, bias] : p_.logit_bias) logits[id] += bias;
   if (p_.greedy()) return (int32_t)kernels::argmax(logits, V_);
 
   const float inv_t = 1.0f / p_.temperature;

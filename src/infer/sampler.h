@@ -4,6 +4,7 @@
 //     reply so far, a positive logit is divided by the penalty, a negative one multiplied by it),
 //   presence / frequency penalties (OpenAI: logit -= presence * [count > 0] + frequency * count,
 //     counting the reply's tokens),
+//   logit bias (OpenAI logit_bias: logit[id] += bias, for greedy decoding too),
 //   then greedy (temperature below kGreedyTemperature, 0 included: the first index of the largest
 //     logit, like torch.argmax -- the limit of sampling as the temperature falls; dividing by a
 //     denormal temperature such as 1e-45 would overflow every logit to infinity), or
@@ -15,6 +16,7 @@
 
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace moetron {
@@ -29,13 +31,15 @@ struct SamplingParams {
   float repetition_penalty = 1.0f;  // 1: off
   float presence_penalty = 0.0f;
   float frequency_penalty = 0.0f;
+  std::vector<std::pair<int32_t, float>> logit_bias;  // (token id, added to its logit); ids < the vocabulary
   uint64_t seed = 0;
   bool greedy() const { return temperature < kGreedyTemperature; }
 };
 
 // Error naming the field for values outside their domain (temperature < 0, top_p outside (0, 1],
-// top_k < 0, repetition_penalty <= 0, non-finite values).
-void validate_sampling(const SamplingParams& p);
+// top_k < 0, repetition_penalty <= 0, non-finite values, a logit_bias id outside [0, vocab_size)
+// when vocab_size > 0).
+void validate_sampling(const SamplingParams& p, int vocab_size = 0);
 
 class Sampler {
  public:

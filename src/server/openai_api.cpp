@@ -1,8 +1,12 @@
 #include "server/openai_api.h"
 #include "core/json_limits.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <set>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -95,6 +99,76 @@ void reject_if_set(const json& body, const char* name, const char* why) {
   if (!harmless) bad(name, fmt::format("'{}' is not supported: {}", name, why), "unsupported_parameter");
 }
 
+// Every request parameter is honoured or refused with a 400 naming it, never ignored (a client that
+// sends response_format or tool_choice expects them to take effect).  Honoured: the fields parsed
+// below; harmless values of those that change nothing here (store false, a default service tier,
+// text modalities, tool_choice "none"/"auto" without tools, parallel_tool_calls without tools).
+void refuse_unknown_parameters(const json& body, Endpoint endpoint) {
+  static const std::set<std::string> common = {
+      "model",     "max_tokens", "n",         "temperature",    "top_p",        "top_k",        "repetition_penalty",
+      "presence_penalty", "frequency_penalty", "seed", "stream", "stream_options", "stop", "user", "logprobs",
+      "logit_bias", "store",    "service_tier", "metadata"};
+  static const std::set<std::string> chat = {"messages", "max_completion_tokens", "tools", "functions",
+                                             "top_logprobs", "response_format", "tool_choice", "function_call",
+                                             "parallel_tool_calls", "modalities"};
+  static const std::set<std::string> completion = {"prompt", "echo", "best_of", "suffix"};
+  const std::set<std::string>& own = endpoint == Endpoint::chat ? chat : completion;
+  for (const auto& [name, value] : body.items()) {
+    if (common.count(name) || own.count(name)) continue;
+    bad(name, fmt::format("Unrecognized request argument supplied: '{}' (moetron refuses what it would not honour)",
+                          name.substr(0, 64)),
+        "unrecognized_parameter");
+  }
+  auto refuse = [&](const char* name, const std::string& why) {
+    bad(name, fmt::format("'{}' is not supported: {}", name, why), "unsupported_parameter");
+  };
+  if (const json* v = field(body, "store"); v && !(v->is_boolean() && !v->get<bool>()))
+    refuse("store", "completions are not stored");
+  if (const json* v = field(body, "metadata"); v && !(v->is_object() && v->empty()))
+    refuse("metadata", "completions are not stored, so they carry no metadata");
+  if (const json* v = field(body, "service_tier"); v && !(v->is_string() && (v->get<std::string>() == "auto" ||
+                                                                            v->get<std::string>() == "default")))
+    refuse("service_tier", "one tier is served (\"auto\" or \"default\")");
+  if (endpoint != Endpoint::chat) return;
+  if (const json* v = field(body, "response_format")) {
+    const json* type = v->is_object() ? field(*v, "type") : nullptr;
+    if (!type || !type->is_string() || type->get<std::string>() != "text")
+      refuse("response_format", "only {\"type\": \"text\"}: structured output (json_object, json_schema) is not "
+                                "implemented");
+  }
+  for (const char* name : {"tool_choice", "function_call"})
+    if (const json* v = field(body, name);
+        v && !(v->is_string() && (v->get<std::string>() == "none" || v->get<std::string>() == "auto")))
+      refuse(name, "tool calls are not implemented (only \"none\" or \"auto\", which call nothing)");
+  if (const json* v = field(body, "parallel_tool_calls")) get_bool(*v, "parallel_tool_calls");
+  if (const json* v = field(body, "modalities"); v && !(*v == json::array({"text"})))
+    refuse("modalities", "only [\"text\"]");
+}
+
+// logit_bias: {"token id": bias in [-100, 100]} (OpenAI's range), at most kMaxLogitBias entries.  The
+// ids are checked against the vocabulary by the server.
+constexpr size_t kMaxLogitBias = 1024;
+std::vector<std::pair<int32_t, float>> parse_logit_bias(const json& v) {
+  if (!v.is_object()) bad("logit_bias", fmt::format("'logit_bias' must be an object, got {}", v.type_name()),
+                          "invalid_type");
+  if (v.size() > kMaxLogitBias)
+    bad("logit_bias", fmt::format("'logit_bias' may hold at most {} tokens, got {}", kMaxLogitBias, v.size()),
+        "invalid_value");
+  std::vector<std::pair<int32_t, float>> out;
+  for (const auto& [key, bias] : v.items()) {
+    int64_t id = -1;
+    const bool digits = !key.empty() && key.size() <= 10 &&
+                        std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
+    if (digits) id = std::stoll(key);
+    if (!digits || id > INT32_MAX)
+      bad("logit_bias", fmt::format("'logit_bias' keys must be token ids (decimal integers), got '{}'",
+                                    key.substr(0, 64)),
+          "invalid_value");
+    out.emplace_back((int32_t)id, (float)get_number(bias, "logit_bias", -100.0, 100.0));
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
@@ -117,6 +191,7 @@ CompletionRequest parse_request(Endpoint endpoint, const std::string& body_text)
         "invalid_json");
   if (!body.is_object()) bad("", fmt::format("The request body must be a JSON object, got {}", body.type_name()),
                              "invalid_type");
+  refuse_unknown_parameters(body, endpoint);
   CompletionRequest r;
   r.endpoint = endpoint;
   if (const json* v = field(body, "model")) r.model = get_string(*v, "model");
@@ -188,6 +263,7 @@ CompletionRequest parse_request(Endpoint endpoint, const std::string& body_text)
   if (const json* v = field(body, "presence_penalty")) s.presence_penalty = (float)get_number(*v, "presence_penalty", -2, 2);
   if (const json* v = field(body, "frequency_penalty"))
     s.frequency_penalty = (float)get_number(*v, "frequency_penalty", -2, 2);
+  if (const json* v = field(body, "logit_bias")) s.logit_bias = parse_logit_bias(*v);
   if (const json* v = field(body, "seed")) {
     if (!v->is_number_integer()) bad("seed", fmt::format("'seed' must be an integer, got {}", v->type_name()),
                                      "invalid_type");

@@ -186,6 +186,9 @@ void Server::routes() {
         prompt = completion_prompt_tokens(tok_, r.prompt);
       }
       const char* prompt_param = ep == Endpoint::chat ? "messages" : "prompt";
+      if (prompt.empty())  // "" with a tokenizer that adds no BOS: nothing to continue from
+        throw ApiError(400, "The prompt has no tokens: give some text (this model's tokenizer adds no BOS token).",
+                       "invalid_request_error", prompt_param, "invalid_value");
       const int max_prompt = opts_.max_prompt_tokens > 0 ? std::min(opts_.max_prompt_tokens, positions - 1) : positions - 1;
       if ((long)prompt.size() > max_prompt)
         throw ApiError(400,
@@ -216,6 +219,11 @@ void Server::routes() {
       go.stop = r.stop;
       go.max_positions = runner_.config().max_position_embeddings;
       go.chat_reply = ep == Endpoint::chat;
+      for (const auto& [id, bias] : go.sampling.logit_bias)
+        if (id >= runner_.vocab_size())
+          throw ApiError(400, fmt::format("'logit_bias' names token {}, outside this model's vocabulary of {}", id,
+                                          runner_.vocab_size()),
+                         "invalid_request_error", "logit_bias", "invalid_value");
       try {
         validate_sampling(go.sampling);
       } catch (const Error& e) {
