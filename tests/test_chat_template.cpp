@@ -76,6 +76,7 @@ TEST(ChatTemplate, NamesAndRoles) {
   EXPECT_THROW(parse_chat_template("vicuna"), Error);
   EXPECT_EQ(parse_role("system"), Role::system);
   EXPECT_EQ(parse_role("assistant"), Role::assistant);
+  EXPECT_EQ(parse_role("developer"), Role::system);  // OpenAI's newer name for the system message
   try {
     parse_role("tool");
     FAIL() << "tool is not a supported role";

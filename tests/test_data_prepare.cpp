@@ -123,6 +123,36 @@ std::vector<std::string> good_chats() {
 
 }  // namespace
 
+// A line serve answers is a line data prepare keeps (data/chat_content.h, parse_role): content as a
+// list of text parts (concatenated) and OpenAI's "developer" role (the system message) give the
+// same messages as the plain form; they were skipped as missing_field / unknown_role.  Parts that are
+// not text are still skipped, naming the part.
+TEST(ChatRecords, ContentPartsAndTheDeveloperRoleAreReadAsServeReadsThem) {
+  Record plain, parts;
+  RecordError err;
+  ASSERT_TRUE(parse_record(
+      R"({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}, {"role": "assistant", "content": "ok"}]})",
+      RecordFormat::auto_detect, plain, err))
+      << err.message;
+  ASSERT_TRUE(parse_record(
+      R"({"messages": [{"role": "developer", "content": [{"type": "text", "text": "be brief"}]}, {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}, {"role": "assistant", "content": "ok"}]})",
+      RecordFormat::auto_detect, parts, err))
+      << err.message;
+  ASSERT_EQ(parts.messages.size(), plain.messages.size());
+  for (size_t i = 0; i < plain.messages.size(); i++) {
+    EXPECT_EQ(parts.messages[i].role, plain.messages[i].role) << i;
+    EXPECT_EQ(parts.messages[i].content, plain.messages[i].content) << i;
+  }
+  Record r;
+  EXPECT_FALSE(parse_record(R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})",
+                            RecordFormat::chat, r, err));
+  EXPECT_EQ(err.reason, SkipReason::missing_field);
+  EXPECT_NE(err.message.find("messages[0].content[0].type must be \"text\""), std::string::npos) << err.message;
+  EXPECT_FALSE(parse_record(R"({"messages": [{"role": "user", "content": 7}]})", RecordFormat::chat, r, err));
+  EXPECT_NE(err.message.find("messages[0].content must be a string or an array of text parts"), std::string::npos)
+      << err.message;
+}
+
 TEST_F(DataPrepare, EndToEndCountsAndReadBack) {
   const Tokenizer tok = Tokenizer::load(tok_path_);
   const fs::path chat = write("chat.jsonl", good_chats());

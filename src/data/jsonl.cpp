@@ -2,10 +2,12 @@
 #include "core/json_limits.h"
 
 #include <cstdlib>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "data/chat_content.h"
 #include "tokenizer/utf8.h"
 
 namespace moetron {
@@ -104,16 +106,25 @@ bool parse_record(std::string_view line, RecordFormat format, Record& out, Recor
           return set_error(err, SkipReason::missing_field, fmt::format("messages[{}] is not an object", i));
         const std::string* role = string_member(m, "role");
         if (!role) return set_error(err, SkipReason::missing_field, fmt::format("messages[{}] has no string 'role'", i));
-        std::string* content = string_member(m, "content");
-        if (!content)
-          return set_error(err, SkipReason::missing_field, fmt::format("messages[{}] has no string 'content'", i));
+        const auto content = m.find("content");
+        if (content == m.end())
+          return set_error(err, SkipReason::missing_field, fmt::format("messages[{}] has no 'content'", i));
+        ContentError bad;
+        std::optional<std::string> text;
+        if (content->is_string())
+          text = std::move(content->get_ref<std::string&>());  // moved, not copied (a line-sized string)
+        else
+          text = chat_content_text(*content, bad);
+        if (!text)
+          return set_error(err, SkipReason::missing_field,
+                           fmt::format("messages[{}].content{} {}", i, bad.where, bad.message));
         ChatMessage cm;
         try {
           cm.role = parse_role(*role);
         } catch (const ChatError& e) {
           return set_error(err, skip_reason_of(e.kind()), fmt::format("messages[{}]: {}", i, e.what()));
         }
-        cm.content = std::move(*content);
+        cm.content = std::move(*text);
         out.messages.push_back(std::move(cm));
       }
       return true;

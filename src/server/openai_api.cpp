@@ -1,5 +1,6 @@
 #include "server/openai_api.h"
 #include "core/json_limits.h"
+#include "data/chat_content.h"
 
 #include <algorithm>
 #include <cmath>
@@ -61,34 +62,25 @@ const std::string& get_string(const json& v, const std::string& name) {
   return v.get_ref<const std::string&>();
 }
 
-// A message's content: a string, or an array of text parts (concatenated).
+// A message's content (data/chat_content.h: the rule data prepare keeps too).
 std::string message_content(const json& v, const std::string& name) {
-  if (v.is_string()) return v.get<std::string>();
-  if (!v.is_array())
-    bad(name, fmt::format("'{}' must be a string or an array of text parts, got {}", name, v.type_name()), "invalid_type");
-  std::string out;
-  for (size_t i = 0; i < v.size(); i++) {
-    const json& part = v[i];
-    const std::string pname = fmt::format("{}[{}]", name, i);
-    if (!part.is_object()) bad(pname, fmt::format("'{}' must be an object", pname), "invalid_type");
-    const json* type = field(part, "type");
-    if (!type || !type->is_string() || type->get<std::string>() != "text")
-      bad(pname + ".type", fmt::format("'{}.type' must be \"text\" (only text content is supported)", pname),
-          "invalid_value");
-    const json* text = field(part, "text");
-    if (!text) bad(pname + ".text", fmt::format("Missing required parameter: '{}.text'.", pname), "missing_required_parameter");
-    out += get_string(*text, pname + ".text");
-  }
-  return out;
+  ContentError err;
+  if (std::optional<std::string> text = chat_content_text(v, err)) return std::move(*text);
+  const std::string where = name + err.where;
+  if (err.kind == ContentError::Kind::missing)
+    bad(where, fmt::format("Missing required parameter: '{}'.", where), "missing_required_parameter");
+  bad(where, fmt::format("'{}' {}", where, err.message),
+      err.kind == ContentError::Kind::wrong_type ? "invalid_type" : "invalid_value");
 }
 
+// OpenAI's roles, by the one rule (tokenizer/chat_template.h parse_role: "developer" is "system").
 Role message_role(const json& v, const std::string& name) {
   const std::string& r = get_string(v, name);
-  if (r == "system" || r == "developer") return Role::system;
-  if (r == "user") return Role::user;
-  if (r == "assistant") return Role::assistant;
-  bad(name, fmt::format("'{}' must be one of 'system', 'developer', 'user', 'assistant', got '{}'", name, r),
-      "invalid_value");
+  try {
+    return parse_role(r);
+  } catch (const ChatError& e) {
+    bad(name, fmt::format("'{}': {}", name, e.what()), "invalid_value");
+  }
 }
 
 void reject_if_set(const json& body, const char* name, const char* why) {

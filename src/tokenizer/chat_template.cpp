@@ -193,10 +193,10 @@ void encode_raw(const Tokenizer& tok, std::span<const ChatMessage> msgs, Builder
 Role parse_role(std::string_view name) {
   if (name == "user") return Role::user;
   if (name == "assistant") return Role::assistant;
-  if (name == "system") return Role::system;
+  if (name == "system" || name == "developer") return Role::system;  // OpenAI's newer name for system
   std::string shown(name.substr(0, 40));
   throw ChatError(ChatErrorKind::unknown_role,
-                  fmt::format("unknown role '{}' (expected system, user or assistant)", shown));
+                  fmt::format("unknown role '{}' (expected system, developer, user or assistant)", shown));
 }
 
 const char* role_name(Role role) {

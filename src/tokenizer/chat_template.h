@@ -61,7 +61,7 @@ namespace moetron {
 
 enum class Role : uint8_t { system, user, assistant };
 
-// "system" | "user" | "assistant" -> Role; ChatError(unknown_role) otherwise.
+// "system" (or OpenAI's "developer") | "user" | "assistant" -> Role; ChatError(unknown_role) otherwise.
 Role parse_role(std::string_view name);
 const char* role_name(Role role);
 
