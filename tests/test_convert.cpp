@@ -15,6 +15,7 @@
 
 #include <gtest/gtest.h>
 
+#include "interrupt_cli.h"
 #include "temp_dir.h"
 #include <nlohmann/json.hpp>
 
@@ -291,4 +292,27 @@ TEST(Convert, WeightsBeyondF16AreRefusedNotWrittenAsInf) {
     EXPECT_EQ(entries_of(t.path), (std::vector<std::string>{"big", "stderr.txt", "stdout.txt"}));  // no temp dir
   }
   ASSERT_EQ(convert(t, in + "bf16").exit_code, 0);
+}
+
+// Ctrl-C while convert writes (the review found .NAME.tmp-PID directories of hundreds of MB that no
+// later run removed): the command unwinds, removes its temporary directory and exits 130.
+TEST(Convert, CtrlCMidWriteLeavesNoTemporary) {
+  TempDir t;
+  const fs::path model = t.path / "model", out = t.path / "out";
+  ASSERT_EQ(std::system((std::string(MOETRON_BINARY) + " bench checkpoint --make-model " + model.string() +
+                         " --hidden 512 --layers 4 --experts 8 --intermediate 2048 --vocab 320 > /dev/null")
+                            .c_str()),
+            0);
+  // Writing: the temporary directory holds a file (a shard being written).
+  auto writing = [&] {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(t.path, ec))
+      if (e.path().filename().string().rfind(".out.tmp-", 0) == 0 && !fs::is_empty(e.path(), ec)) return true;
+    return false;
+  };
+  const moetron::testing::Interrupted r = moetron::testing::interrupt_mid_write(
+      {"convert", "--input", model.string(), "--output", out.string(), "--dtype", "fp32"}, writing);
+  EXPECT_TRUE(r.mid_write) << "convert finished before its write was seen";
+  EXPECT_EQ(r.exit_status, 130);
+  EXPECT_EQ(entries_of(t.path), std::vector<std::string>{"model"});
 }

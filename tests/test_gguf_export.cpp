@@ -31,6 +31,7 @@
 #include "io/safetensors.h"
 #include "model/params.h"
 #include "model/weights.h"
+#include "interrupt_cli.h"
 #include "temp_dir.h"
 #include "tokenizer/sp_model.h"
 #include "tokenizer/tokenizer.h"
@@ -990,6 +991,31 @@ TEST(GgufExport, WeightsBeyondF16AreRefusedNotWrittenAsInf) {
   EXPECT_TRUE(entries(out_dir).empty());
   // bf16 and f32 hold the value.
   EXPECT_EQ(run_export(d, args + q(out_dir / "m.gguf") + " --type bf16").exit_code, 0);
+}
+
+// Ctrl-C while export writes (the review found .NAME.tmp-PID files left behind): the command unwinds,
+// removes its temporary and exits 130, the output directory as it was.
+TEST(GgufExport, CtrlCMidWriteLeavesNoTemporary) {
+  Dir d;
+  const fs::path model = d.path / "model", out_dir = d.path / "out";
+  ASSERT_EQ(std::system((std::string(MOETRON_BINARY) + " bench checkpoint --make-model " + model.string() +
+                         " --hidden 512 --layers 4 --experts 8 --intermediate 2048 --vocab 320 > /dev/null")
+                            .c_str()),
+            0);
+  fs::create_directories(out_dir);
+  auto writing = [&] {  // the temporary holds bytes
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(out_dir, ec))
+      if (e.path().filename().string().rfind(".m.gguf.tmp-", 0) == 0 && fs::file_size(e.path(), ec) > 0) return true;
+    return false;
+  };
+  const moetron::testing::Interrupted r = moetron::testing::interrupt_mid_write(
+      {"export", "gguf", "--model", model.string(), "--output", (out_dir / "m.gguf").string(), "--tokenizer",
+       (kGolden / "generate" / "mixtral_gqa" / "tokenizer.model").string()},
+      writing);
+  EXPECT_TRUE(r.mid_write) << "export finished before its write was seen";
+  EXPECT_EQ(r.exit_status, 130);
+  EXPECT_TRUE(entries(out_dir).empty());
 }
 
 TEST(GgufExport, CorruptWeightsFoundWhileWritingLeaveNoFile) {

@@ -1,10 +1,12 @@
 // moetron: one binary, one subcommand per job (DESIGN §2).
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/interrupt.h"
 
 namespace {
 
@@ -42,6 +44,10 @@ int main(int argc, char** argv) {
     print_usage(stdout);
     return 0;
   }
+  // Commands that write files unwind on SIGINT / SIGTERM, removing their temporaries (core/interrupt.h);
+  // train and serve have their own handling, and the others write nothing that outlives them.
+  std::optional<moetron::InterruptScope> interrupt;
+  if (cmd == "forward" || cmd == "convert" || cmd == "export" || cmd == "data") interrupt.emplace();
   try {
     if (cmd == "forward") return moetron::cli::run_forward(argc - 1, argv + 1);
     if (cmd == "generate") return moetron::cli::run_generate(argc - 1, argv + 1);
@@ -56,6 +62,9 @@ int main(int argc, char** argv) {
     if (cmd == "export") return moetron::cli::run_export(argc - 1, argv + 1);
     if (cmd == "report") return moetron::cli::run_report(argc - 1, argv + 1);
     if (cmd == "plan") return moetron::cli::run_plan(argc - 1, argv + 1);
+  } catch (const moetron::Interrupted& e) {
+    std::fprintf(stderr, "moetron %s: %s\n", cmd.c_str(), e.what());
+    return 128 + e.signal();
   } catch (const moetron::InputError& e) {
     std::fprintf(stderr, "moetron %s: error: %s\n", cmd.c_str(), e.what());
     return 2;

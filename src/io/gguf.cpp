@@ -15,6 +15,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/interrupt.h"
 
 namespace moetron::gguf {
 
@@ -101,6 +102,7 @@ class Out {
   }
   uint64_t written() const { return written_; }
   void flush() {
+    check_interrupted();  // Ctrl-C: unwind, and the writer removes the temporary
     size_t at = 0;
     while (at < buf_.size()) {
       const ssize_t k = ::write(fd_, buf_.data() + at, buf_.size() - at);

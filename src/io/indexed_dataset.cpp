@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/interrupt.h"
 
 namespace moetron {
 
@@ -149,6 +150,7 @@ void IndexedDatasetWriter::discard() noexcept {
 }
 
 void IndexedDatasetWriter::write_all(int fd, const std::string& path, const void* data, size_t n) {
+  check_interrupted();  // Ctrl-C: unwind, and the writer's destructor removes its temporaries
   const uint8_t* p = static_cast<const uint8_t*>(data);
   while (n > 0) {
     const ssize_t w = ::write(fd, p, n);

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/interrupt.h"
 
 namespace moetron {
 
@@ -440,6 +441,7 @@ class TmpFile {
     if (!committed_) ::unlink(tmp_.c_str());
   }
   void write_all(const void* data, size_t n) {
+    check_interrupted();  // Ctrl-C: unwind, and the destructor removes the temporary
     const auto* p = static_cast<const uint8_t*>(data);
     while (n > 0) {
       const ssize_t w = ::write(fd_, p, std::min<size_t>(n, size_t{1} << 30));

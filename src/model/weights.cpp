@@ -9,6 +9,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/interrupt.h"
 #include "io/hf_config.h"
 #include "io/model_files.h"
 
@@ -191,6 +192,7 @@ void check_weights_size(const ModelTensors& files, const ParamTable& table, cons
 void load_hf_weights(const ModelTensors& files, const ParamTable& table, float* params, const std::string& source) {
   check_weights_size(files, table, source);
   for (const HfTensorRef& ref : table.hf_tensors()) {
+    check_interrupted();  // a command that writes (convert --merge-lora) stops on Ctrl-C here too
     HfTensorSlice whole;
     whole.ref = &ref;
     read_hf_slice(files, table, whole, params + ref.offset, source);
