@@ -286,6 +286,23 @@ TEST(TokenizerJson, RefusesUnsupportedAndMalformedFilesNamingTheField) {
       {"added content", [](json& j) { j["added_tokens"][0]["content"] = ""; }, "added_tokens[0].content is \"\""},
       {"added flag", [](json& j) { j["added_tokens"][1]["lstrip"] = "yes"; }, "added_tokens[1].lstrip is a string"},
       {"added id", [](json& j) { j["added_tokens"][1].erase("id"); }, "added_tokens[1].id is missing"},
+      // Ids HF tokenizers would not give (what tokenizers 0.23.3's token_to_id returns for these files):
+      // an added token repeating a vocabulary piece's text under another id gets the piece's id (100);
+      // with a gap in the vocabulary's ids (800 entries, the largest 900) the added tokens get 800, 801,
+      // not the declared 901, 902; and they get them in list order (declared 801, 800: HF 800, 801).
+      {"added repeats a piece", [](json& j) { j["added_tokens"][3]["content"] = "\u00a4"; },
+       "added_tokens[3] (\"\u00a4\") declares id 800, but Hugging Face tokenizers gives it id 100 (its content is "
+       "that vocabulary piece's)"},
+      {"vocabulary gap", [](json& j) {
+         j["model"]["vocab"]["\u00a4"] = 900;
+         j["added_tokens"][3]["id"] = 901;
+         j["added_tokens"][4]["id"] = 902;
+       }, "added_tokens[3] (\"<extra>\") declares id 901, but Hugging Face tokenizers gives it id 800 (added tokens "
+          "that are not vocabulary pieces take the ids from the vocabulary's 800 entries on, in list order)"},
+      {"added out of order", [](json& j) {
+         j["added_tokens"][3]["id"] = 801;
+         j["added_tokens"][4]["id"] = 800;
+       }, "added_tokens[3] (\"<extra>\") declares id 801, but Hugging Face tokenizers gives it id 800"},
   };
   for (const Case& c : cases) {
     const std::string err = load_error(c.edit);
