@@ -5,8 +5,21 @@
 # CPU (a few minutes), measure the accuracy again, and answer a few prompts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$(date +%s)
+echo "== 0. setup and build: the Debian packages, then the moetron binary only (about 4 minutes on 2"
+echo "   cores; scripts/test.sh builds the tests too)"
 bash scripts/setup.sh
-BUILD_DIR=build bash scripts/build.sh > /dev/null
+# The build's progress every 10%, and any error or warning in full.
+BUILD_DIR=build BUILD_TARGETS=moetron bash scripts/build.sh 2>&1 | awk '
+  /^\[[0-9]+\/[0-9]+\]/ {
+    split(substr($1, 2, length($1) - 2), a, "/")
+    pct = int(100 * a[1] / a[2])
+    if (pct >= shown + 10 || a[1] == a[2]) { printf "   build: %3d%% (%d of %d steps)\n", pct, a[1], a[2]; shown = pct - pct % 10 }
+    next
+  }
+  /[Ee]rror|FAILED|[Ww]arning/ { print }
+  fflush()'
+echo "   built ./build/moetron in $(( $(date +%s) - start )) s"
 M=./build/moetron
 D=runs/demo
 rm -rf "$D"
@@ -38,4 +51,4 @@ for q in "What is 12 + 30?" "Add 45 and 27." "What is the sum of 99 and 99?"; do
   $M generate --model "$CKPT" --tokenizer "$D/tokenizer.model" --chat --prompt "$q" \
     --max-new-tokens 6
 done
-echo "== run directory: $D/run (metrics.jsonl, tb/, checkpoints/, log.txt)"
+echo "== run directory: $D/run (metrics.jsonl, tb/, checkpoints/, log.txt); $(( $(date +%s) - start )) s in all"
