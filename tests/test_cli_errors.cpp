@@ -274,4 +274,25 @@ TEST_F(CliErrors, ForwardNeverWritesOverAnInputEvenWithForce) {
   EXPECT_NE(read_bytes(out()), "old");
 }
 
+// tokenizer train --force replaced a JSONL input named like its PREFIX.model; data prepare may not
+// write into a directory holding its input or tokenizer.  Both refuse with exit 2, the inputs intact.
+TEST_F(CliErrors, TokenizerTrainAndDataPrepareNeverWriteOverAnInput) {
+  const fs::path data = tmp_ / "corpus.model";  // a JSONL file, whatever its name
+  std::string lines;
+  for (int i = 0; i < 50; i++) lines += "{\"text\": \"sparse experts route token " + std::to_string(i) + "\"}\n";
+  write_bytes(data, lines);
+  expect_error(run_cli("tokenizer train --input " + data.string() + " --vocab-size 100 --force --output " +
+                       (tmp_ / "corpus").string()),
+               2, {"--output", "corpus.model: is one of the input files"});
+  EXPECT_EQ(read_bytes(data), lines);
+  fs::copy_file(fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "generate" / "mixtral_gqa" / "tokenizer.model",
+                tmp_ / "tok.model");
+  fs::create_directories(tmp_ / "out");
+  fs::copy_file(data, tmp_ / "out" / "train.jsonl");
+  expect_error(run_cli("data prepare --input " + (tmp_ / "out" / "train.jsonl").string() + " --tokenizer " +
+                       (tmp_ / "tok.model").string() + " --output " + (tmp_ / "out").string()),
+               2, {"--output", "is a directory holding one of the input files"});
+  EXPECT_EQ(read_bytes(tmp_ / "out" / "train.jsonl"), lines);
+}
+
 }  // namespace

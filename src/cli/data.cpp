@@ -14,6 +14,7 @@
 #include "cli/threads.h"
 #include "core/error.h"
 #include "data/prepare.h"
+#include "io/output_guard.h"
 
 namespace moetron::cli {
 
@@ -55,6 +56,13 @@ int run_data_prepare(int argc, char** argv) {
   o.format = parse_record_format(format);
   o.progress = ::isatty(STDERR_FILENO);
   if (quiet) o.log = nullptr;
+  {  // the output directory never holds (and so never replaces) an input, the tokenizer included
+    InputPaths inputs;
+    for (const std::string& f : o.inputs) inputs.files.emplace_back(f);
+    for (const std::string& f : o.valid_inputs) inputs.files.emplace_back(f);
+    inputs.files.emplace_back(o.tokenizer_path);
+    refuse_output_over_inputs(o.output_dir, inputs, "--output");
+  }
   const PrepareReport r = prepare_dataset(o);
   std::printf("wrote %s: train %llu documents, %llu tokens (%llu in the loss); valid %llu documents, %llu tokens "
               "(%llu in the loss); %llu lines read, %llu skipped, %llu blank; %.1f s with %d threads\n",

@@ -9,6 +9,7 @@
 #include "cli/commands.h"
 #include "cli/threads.h"
 #include "core/error.h"
+#include "io/output_guard.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/trainer.h"
 
@@ -48,6 +49,11 @@ int run_tokenizer_train(int argc, char** argv) {
   check_thread_count("--threads", o.threads);
   o.format = parse_record_format(format);
   o.byte_fallback = !no_byte_fallback;
+  {  // --force replaces an earlier tokenizer, never an input (a JSONL file named PREFIX.model)
+    InputPaths inputs;
+    for (const std::string& f : o.inputs) inputs.files.emplace_back(f);
+    for (const char* ext : {".model", ".vocab"}) refuse_output_over_inputs(o.output_prefix + ext, inputs, "--output");
+  }
   const TokenizerTrainResult r = train_tokenizer(o);
   const Tokenizer t = Tokenizer::load(r.model_path);
   std::printf("wrote %s (%d pieces, sha256 %s) and %s from %zu texts", r.model_path.c_str(), t.vocab_size(),
