@@ -137,10 +137,11 @@ constexpr const char* kQwenPattern =
 
 // A small byte-level BPE tokenizer.json: three special added tokens (0-2), the letters a-z (3-28),
 // "Ġ" (29), "ab" "Ġa" "abc" (30-32) from merges in both spellings, no piece for id 33, and a
-// non-special added token "<extra>" (34). `qwen_split`: Qwen's Split + ByteLevel pre-tokenizer,
-// else GPT-2's lone ByteLevel.
+// non-special added token "<extra>" (34). The added tokens are vocabulary pieces too (as GPT-2's
+// <|endoftext|> is), the only way their ids, and the hole at 33, are the ones Hugging Face tokenizers
+// gives. `qwen_split`: Qwen's Split + ByteLevel pre-tokenizer, else GPT-2's lone ByteLevel.
 json small_tokenizer_json(bool qwen_split) {
-  json vocab = json::object();
+  json vocab = {{"<|endoftext|>", 0}, {"<|im_start|>", 1}, {"<|im_end|>", 2}, {"<extra>", 34}};
   int id = 3;
   for (char c = 'a'; c <= 'z'; c++) vocab[std::string(1, c)] = id++;
   vocab["\u0120"] = 29;

@@ -188,7 +188,10 @@ void write_merged(const fs::path& in, const std::string& adapter_dir, std::optio
     dtype = e->dtype;
   }
   std::vector<ModelTensorToWrite> tensors;
-  for (const HfTensorRef& ref : table.hf_tensors()) tensors.push_back({ref.name, dtype, ref.shape, params.data() + ref.offset});
+  for (const HfTensorRef& ref : table.hf_tensors()) {
+    check_representable(params.data() + ref.offset, ref.numel, dtype, fmt::format("tensor '{}'", ref.name));
+    tensors.push_back({ref.name, dtype, ref.shape, params.data() + ref.offset});
+  }
   write_model_safetensors(tmp.string(), tensors, max_shard);
   json c;
   {
