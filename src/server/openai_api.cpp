@@ -97,9 +97,9 @@ void reject_if_set(const json& body, const char* name, const char* why) {
 // text modalities, tool_choice "none"/"auto" without tools, parallel_tool_calls without tools).
 void refuse_unknown_parameters(const json& body, Endpoint endpoint) {
   static const std::set<std::string> common = {
-      "model",     "max_tokens", "n",         "temperature",    "top_p",        "top_k",        "repetition_penalty",
-      "presence_penalty", "frequency_penalty", "seed", "stream", "stream_options", "stop", "user", "logprobs",
-      "logit_bias", "store",    "service_tier", "metadata"};
+      "model",          "max_tokens", "n",    "temperature", "top_p",    "top_k",      "repetition_penalty",
+      "presence_penalty", "frequency_penalty", "seed", "stream", "stream_options", "stop", "user",
+      "logprobs",       "logit_bias", "store", "service_tier", "metadata"};
   static const std::set<std::string> chat = {"messages", "max_completion_tokens", "tools", "functions",
                                              "top_logprobs", "response_format", "tool_choice", "function_call",
                                              "parallel_tool_calls", "modalities"};
@@ -107,7 +107,7 @@ void refuse_unknown_parameters(const json& body, Endpoint endpoint) {
   const std::set<std::string>& own = endpoint == Endpoint::chat ? chat : completion;
   for (const auto& [name, value] : body.items()) {
     if (common.count(name) || own.count(name)) continue;
-    bad(name, fmt::format("Unrecognized request argument supplied: '{}' (moetron refuses what it would not honour)",
+    bad(name.substr(0, 64), fmt::format("Unrecognized request argument supplied: '{}' (moetron refuses what it would not honour)",
                           name.substr(0, 64)),
         "unrecognized_parameter");
   }
