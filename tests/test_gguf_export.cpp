@@ -131,6 +131,28 @@ void derive(const fs::path& src, const fs::path& dst, const std::function<void(j
     if (fs::exists(src / f)) fs::copy_file(src / f, dst / f);
 }
 
+// Sets element `index` of tensor `name` in `model`'s model.safetensors to `value`, the tensor stored as
+// bf16 (the other tensors byte for byte).
+void set_weight(const fs::path& model, const std::string& name, size_t index, float value) {
+  const fs::path tmp = model / "tmp.safetensors";
+  {
+    const ModelTensors m = ModelTensors::open(model.string());
+    SafetensorsWriter w;
+    std::vector<float> v;
+    for (const std::string& n : m.names()) {
+      if (n == name) {
+        v = to_f32(m.get(n));
+        v.at(index) = value;
+        w.add_f32(n, m.get(n).shape, v.data(), DType::BF16);
+      } else {
+        w.add_copy(n, m.get(n).dtype, m.get(n).shape, m.get(n).data);
+      }
+    }
+    w.write(tmp.string());
+  }
+  fs::rename(tmp, model / "model.safetensors");
+}
+
 // Qwen's split pattern, as tokenizer.json stores it.
 constexpr const char* kQwenPattern =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
@@ -966,22 +988,8 @@ TEST(GgufExport, WeightsBeyondF16AreRefusedNotWrittenAsInf) {
   Dir d;
   const fs::path model = d.path / "big";
   derive(kGolden / "generate" / "mixtral_gqa", model, [](json&) {});
-  {
-    const ModelTensors m = ModelTensors::open(model.string());
-    SafetensorsWriter w;
-    std::vector<float> big;
-    for (const std::string& n : m.names()) {
-      if (n == "model.layers.1.self_attn.o_proj.weight") {
-        big = to_f32(m.get(n));
-        big[5] = 70000.0f;  // bf16 holds it (as 70144); f16 tops out at 65504
-        w.add_f32(n, m.get(n).shape, big.data(), DType::BF16);
-      } else {
-        w.add_copy(n, m.get(n).dtype, m.get(n).shape, m.get(n).data);
-      }
-    }
-    w.write((d.path / "tmp.safetensors").string());
-  }
-  fs::rename(d.path / "tmp.safetensors", model / "model.safetensors");
+  // bf16 holds it (as 70144); f16 tops out at 65504.
+  set_weight(model, "model.layers.1.self_attn.o_proj.weight", 5, 70000.0f);
   const fs::path out_dir = d.path / "out";
   fs::create_directories(out_dir);
   const std::string args = "--model " + q(model) + " --sliding-window-as-context --output ";
@@ -1023,22 +1031,7 @@ TEST(GgufExport, CorruptWeightsFoundWhileWritingLeaveNoFile) {
   Dir d;
   const fs::path model = d.path / "nan";
   derive(kGolden / "generate" / "mixtral_gqa", model, [](json&) {});
-  {
-    const ModelTensors m = ModelTensors::open(model.string());
-    SafetensorsWriter w;
-    std::vector<float> bad;
-    for (const std::string& n : m.names()) {
-      if (n == "model.layers.1.self_attn.v_proj.weight") {
-        bad = to_f32(m.get(n));
-        bad[5] = std::nanf("");
-        w.add_f32(n, m.get(n).shape, bad.data(), DType::BF16);
-      } else {
-        w.add_copy(n, m.get(n).dtype, m.get(n).shape, m.get(n).data);
-      }
-    }
-    w.write((d.path / "tmp.safetensors").string());
-  }
-  fs::rename(d.path / "tmp.safetensors", model / "model.safetensors");
+  set_weight(model, "model.layers.1.self_attn.v_proj.weight", 5, std::nanf(""));
   const fs::path out_dir = d.path / "out";
   fs::create_directories(out_dir);
   const CliRun r =
