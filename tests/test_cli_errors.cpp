@@ -295,4 +295,20 @@ TEST_F(CliErrors, TokenizerTrainAndDataPrepareNeverWriteOverAnInput) {
   EXPECT_EQ(read_bytes(tmp_ / "out" / "train.jsonl"), lines);
 }
 
+// report --output onto the run's metrics.jsonl replaced the log it reads: refused (exit 2), the run
+// directory as it was.
+TEST_F(CliErrors, ReportNeverWritesOverTheRunItReads) {
+  const fs::path run = tmp_ / "run";
+  fs::create_directories(run / "checkpoints" / "step-000001");
+  write_bytes(run / "metrics.jsonl", "{\"step\": 1, \"loss\": 2.0}\n");
+  write_bytes(run / "checkpoints" / "step-000001" / "config.json", "{}");
+  for (const fs::path& target : {run / "metrics.jsonl", run / "checkpoints" / "step-000001" / "config.json"}) {
+    SCOPED_TRACE(target.string());
+    expect_error(run_cli("report " + run.string() + " --output " + target.string()), 2,
+                 {"--output", "one of the input files"});
+  }
+  EXPECT_EQ(read_bytes(run / "metrics.jsonl"), "{\"step\": 1, \"loss\": 2.0}\n");
+  EXPECT_EQ(read_bytes(run / "checkpoints" / "step-000001" / "config.json"), "{}");
+}
+
 }  // namespace

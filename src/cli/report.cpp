@@ -6,6 +6,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "io/output_guard.h"
 #include "train/report.h"
 
 namespace moetron::cli {
@@ -32,6 +33,11 @@ int run_report(int argc, char** argv) {
   opt.loss_scale = loss_scale == "log" ? LossScale::log : loss_scale == "linear" ? LossScale::linear : LossScale::automatic;
   opt.max_heatmap_bins = bins;
   const std::string target = output.empty() ? (std::filesystem::path(run_dir) / "report.html").string() : output;
+  {  // a report replaces an earlier report, never what it is drawn from (metrics.jsonl, config.yaml, ...)
+    InputPaths inputs;
+    inputs.add_tree(run_dir, ".html");
+    refuse_output_over_inputs(target, inputs, "--output");
+  }
   write_report(run_dir, target, opt);
   std::printf("wrote %s\n", target.c_str());
   return 0;
