@@ -29,16 +29,6 @@ std::string trim(const std::string& s) {
   return s.substr(b, e - b + 1);
 }
 
-// Logits with a NaN or an infinity (weights or activations that overflowed) cannot be sampled from:
-// argmax and softmax would pick garbage token after garbage token.  Stop with an Error instead.
-void check_logits(const float* logits, int V, int position) {
-  const size_t i = first_non_finite(logits, (size_t)V);
-  if (i != (size_t)V)
-    fail("[generate] the model's logits at position {} are not finite (token {}: {}): the weights or activations "
-         "overflowed; stopping instead of sampling from them",
-         position, i, logits[i]);
-}
-
 }  // namespace
 
 const char* finish_reason_name(FinishReason r) {
@@ -94,7 +84,7 @@ Generation::Generation(Runner& runner, KvCache& cache, std::span<const int32_t> 
 }
 
 void Generation::prefilled() {
-  check_logits(logits_.data(), V_, cache_.len() - 1);
+  check_finite_logits("generate", logits_.data(), 1, V_, cache_.len() - 1);
   r_.prefill_seconds = seconds_since(t0_);
   t1_ = Clock::now();
 }
@@ -132,7 +122,7 @@ bool Generation::advance() {
   return true;
 }
 
-void Generation::fed() { check_logits(logits_.data(), V_, cache_.len() - 1); }
+void Generation::fed() { check_finite_logits("generate", logits_.data(), 1, V_, cache_.len() - 1); }
 
 GenerateResult Generation::finish() {
   if (text_) {

@@ -4,8 +4,8 @@
 #include <cmath>
 #include <vector>
 
-#include "core/dtype.h"
 #include "core/error.h"
+#include "infer/sampler.h"
 
 namespace moetron {
 
@@ -52,12 +52,8 @@ PerplexityResult perplexity(Runner& dec, std::span<const int32_t> tokens, const 
     for (size_t c0 = 0; c0 + 1 < n; c0 += (size_t)step) {
       const size_t m = std::min((size_t)step, n - 1 - c0);  // rows c0 .. c0+m-1 predict c0+1 .. c0+m
       dec.forward(cache, win.subspan(c0, m), logits.data(), /*all_logits=*/true);
-      // A NaN / Inf logit (weights, an adapter or activations that overflowed) would print "nan" as
-      // if it were a measurement.
-      if (const size_t bad = first_non_finite(logits.data(), m * (size_t)V); bad < m * (size_t)V)
-        fail("perplexity: the logits at position {} are not finite (token {}: {}): the weights, an adapter or the "
-             "activations overflowed",
-             w0 + c0 + bad / (size_t)V, bad % (size_t)V, logits[bad]);
+      // A NaN / Inf logit would print "nan" as if it were a measurement.
+      check_finite_logits("perplexity", logits.data(), m, V, (long)(w0 + c0));
       for (size_t i = 0; i < m; i++) r.nll += nll_of(logits.data() + i * V, V, win[c0 + i + 1]);
       r.scored += (long)m;
     }

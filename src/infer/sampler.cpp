@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "backend/kernels/argmax.h"
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
 
@@ -28,6 +29,14 @@ void validate_sampling(const SamplingParams& p, int vocab_size) {
       fail("sampling: logit_bias token {} is outside the vocabulary [0, {})", id, vocab_size);
     finite(bias, "a logit_bias value");
   }
+}
+
+void check_finite_logits(const char* op, const float* logits, size_t rows, int V, long first_position) {
+  const size_t n = rows * (size_t)V, bad = first_non_finite(logits, n);
+  if (bad < n)
+    fail("{}: the logits at position {} are not finite (token {}: {}): the weights, an adapter or the activations "
+         "overflowed",
+         op, first_position + (long)(bad / (size_t)V), bad % (size_t)V, logits[bad]);
 }
 
 Sampler::Sampler(const SamplingParams& params, int vocab_size) : p_(params), V_(vocab_size) {

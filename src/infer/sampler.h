@@ -14,6 +14,7 @@
 // reproducible token for token.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <utility>
@@ -40,6 +41,11 @@ struct SamplingParams {
 // top_k < 0, repetition_penalty <= 0, non-finite values, a logit_bias id outside [0, vocab_size)
 // when vocab_size > 0).
 void validate_sampling(const SamplingParams& p, int vocab_size = 0);
+
+// Error "OP: the logits at position P are not finite (token T: v): ..." unless every value of `logits`
+// [rows, V] is finite; row r is position first_position + r.  NaN / Inf logits (weights, an adapter or
+// activations that overflowed) can neither be sampled from nor scored: generation and perplexity stop.
+void check_finite_logits(const char* op, const float* logits, size_t rows, int V, long first_position);
 
 class Sampler {
  public:
