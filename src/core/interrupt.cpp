@@ -26,20 +26,22 @@ Interrupted::Interrupted(int signal)
                         signal == SIGINT ? "SIGINT (Ctrl-C)" : "SIGTERM")),
       signal_(signal) {}
 
-InterruptScope::InterruptScope() {
-  g_signal = 0;
+SignalHandlerScope::SignalHandlerScope(void (*handler)(int)) {
   struct sigaction sa {};
-  sa.sa_handler = on_interrupt;
+  sa.sa_handler = handler;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, &old_int_);
   sigaction(SIGTERM, &sa, &old_term_);
 }
 
-InterruptScope::~InterruptScope() {
+SignalHandlerScope::~SignalHandlerScope() {
   sigaction(SIGINT, &old_int_, nullptr);
   sigaction(SIGTERM, &old_term_, nullptr);
-  g_signal = 0;
 }
+
+InterruptScope::InterruptScope() : handlers_((g_signal = 0, on_interrupt)) {}
+
+InterruptScope::~InterruptScope() { g_signal = 0; }
 
 void check_interrupted() {
   if (const int sig = g_signal; sig != 0) throw Interrupted(sig);

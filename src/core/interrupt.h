@@ -20,16 +20,27 @@ class Interrupted : public Error {
   int signal_;
 };
 
-// Installs the handlers for its lifetime (one scope at a time) and restores the previous ones.
+// `handler` for SIGINT and SIGTERM for the scope's lifetime; the previous handlers come back after.
+// (InterruptScope below, and train's stop signal, which finishes the step and saves instead.)
+class SignalHandlerScope {
+ public:
+  explicit SignalHandlerScope(void (*handler)(int));
+  ~SignalHandlerScope();
+  SignalHandlerScope(const SignalHandlerScope&) = delete;
+  SignalHandlerScope& operator=(const SignalHandlerScope&) = delete;
+
+ private:
+  struct sigaction old_int_ {}, old_term_{};
+};
+
+// Installs the recording handler for its lifetime (one scope at a time).
 class InterruptScope {
  public:
   InterruptScope();
   ~InterruptScope();
-  InterruptScope(const InterruptScope&) = delete;
-  InterruptScope& operator=(const InterruptScope&) = delete;
 
  private:
-  struct sigaction old_int_ {}, old_term_{};
+  SignalHandlerScope handlers_;
 };
 
 // Throws Interrupted when SIGINT or SIGTERM arrived while an InterruptScope is active; else nothing.

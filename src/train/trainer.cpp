@@ -22,6 +22,7 @@
 #include "backend/select.h"
 #include "cuda/runtime.h"
 #include "core/error.h"
+#include "core/interrupt.h"
 #include "data/loader.h"
 #include "dist/comm.h"
 #include "dist/grid.h"
@@ -85,26 +86,14 @@ volatile std::sig_atomic_t g_stop_signal = 0;
 
 extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 
-// Installs the handlers for the duration of a run and restores the previous ones.
+// Installs the handler for the duration of a run (core/interrupt.h restores the previous ones).
 class StopSignals {
  public:
-  StopSignals() {
-    g_stop_signal = 0;
-    struct sigaction sa {};
-    sa.sa_handler = on_stop_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, &old_term_);
-    sigaction(SIGINT, &sa, &old_int_);
-  }
-  ~StopSignals() {
-    sigaction(SIGTERM, &old_term_, nullptr);
-    sigaction(SIGINT, &old_int_, nullptr);
-  }
+  StopSignals() : handlers_((g_stop_signal = 0, on_stop_signal)) {}
   int received() const { return g_stop_signal; }
 
  private:
-  struct sigaction old_term_ {
-  }, old_int_{};
+  SignalHandlerScope handlers_;
 };
 
 using Clock = std::chrono::steady_clock;
