@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <thread>
@@ -18,6 +19,14 @@ struct Interrupted {
   bool mid_write = false;  // `writing()` held when the signal was sent
   int exit_status = -1;    // the command's exit status (-1: it died of a signal)
 };
+
+// A random bf16 Mixtral of 0.1B parameters (208 MB) in `dir`, vocabulary 320 (the tiny tokenizers'):
+// large enough that writing a copy of it takes long enough to be interrupted.  True on success.
+inline bool make_model_to_interrupt(const std::string& dir) {
+  return std::system((std::string(MOETRON_BINARY) + " bench checkpoint --make-model " + dir +
+                      " --hidden 512 --layers 4 --experts 8 --intermediate 2048 --vocab 320 > /dev/null")
+                         .c_str()) == 0;
+}
 
 // Starts `MOETRON_BINARY args...` (output to /dev/null), polls `writing()` every 200 us until it holds
 // (at most 120 s, or until the command ends), sends SIGINT and waits for the command.
