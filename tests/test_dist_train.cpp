@@ -22,6 +22,8 @@
 // checkpoint written at (pp 2, ep 2, dp 2) resumes at (1, 1, 1) and at (tp 2, dp 2); the number of
 // micro-batches whose activations a stage keeps at once is min(pp - stage, m) whatever m, so its
 // activation memory does not grow with m; a pp that does not divide the layers fails with exit 2.
+// Activation recompute (full, selective) trains bitwise as without it in one process and matches it
+// under (pp 2, ep 2, dp 2) and (tp 2, ep 2, dp 2).
 //
 // The tolerances are fp32 reduction order: a layout sums the same gradients in another order
 // (micro-batches across ranks, partial sums of row-parallel matmuls and of the vocabulary-parallel
@@ -331,6 +333,28 @@ TEST_F(DistTrain, EvaluationBetweenStepsDoesNotChangeTraining) {
   EXPECT_EQ(without, with_eval);
   expect_same_losses(losses(train("pp2_eval_every_step", 2, {"parallel.pp=2", "eval.every_steps=1"})), with_eval, 1,
                      "pp 2, evaluating every step");
+}
+
+// train.recompute (model/recompute.h): one process trains bitwise as without it (losses and final
+// weights), full and selective alike; full recompute under (pp 2, ep 2, dp 2) -- a 1F1B queue of
+// micro-batches sharing one work set, the all-to-all run again in the backward -- and selective under
+// (tp 2, ep 2, dp 2) match one process as every layout does.
+TEST_F(DistTrain, RecomputeTrainsAsWithoutIt) {
+  const std::vector<double> want = losses(reference());
+  const auto want_w = read_tensors(reference() / "checkpoints" / "step-000010", "model");
+  for (const char* mode : {"full", "selective"}) {
+    const std::string name = std::string("recompute_") + mode;
+    const fs::path run = train(name, 0, {std::string("train.recompute=") + mode});
+    EXPECT_NE(read_file(*root_ / (name + ".log")).find(std::string("activation recompute: ") + mode), std::string::npos);
+    EXPECT_EQ(losses(run), want) << mode;
+    const auto got_w = read_tensors(run / "checkpoints" / "step-000010", "model");
+    ASSERT_EQ(got_w.size(), want_w.size()) << mode;
+    for (const auto& [n, w] : want_w) EXPECT_EQ(got_w.at(n), w) << mode << ": " << n;
+  }
+  expect_equivalent_to(reference(), "recompute_full_pp2ep2dp2", 4,
+                       {"parallel.pp=2", "parallel.ep=2", "parallel.zero1=true", "train.recompute=full"});
+  expect_equivalent_to(reference(), "recompute_selective_tp2ep2dp2", 4,
+                       {"parallel.tp=2", "parallel.ep=2", "parallel.zero1=true", "train.recompute=selective"});
 }
 
 TEST_F(DistTrain, PipelineBadLayoutFailsNamingTheField) {

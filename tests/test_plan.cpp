@@ -321,6 +321,41 @@ TEST(PlanActivations, GrowWithSequenceAndMicroBatch) {
   EXPECT_EQ(d.stages[0].optimizer_bytes, 8 * d.stages[0].params.total()) << "fp32: the weights are the master";
 }
 
+// train.recompute: full keeps each layer's fp32 input only and runs the layers' forward again;
+// selective leaves out the attention probabilities (the CPU's) and the experts' SwiGLU outputs.
+// Small model: L 8, C 256, NH 8, E 8, K 2, I 512; B 1, T 128 (N 128, M 256).
+TEST(PlanActivations, RecomputeCountsWhatEachModeKeeps) {
+  const ModelConfig m = model_config_from_json(small_json(), "test");
+  for (const char* device : {"cpu", "cuda"}) {
+    TrainConfig c = small_cfg(1, 1, 1);
+    c.device = device;
+    c.model.dtype = std::string(device) == "cpu" ? "fp32" : "bf16";
+    const int64_t a = std::string(device) == "cpu" ? 4 : 2;
+    const Plan none = make_plan(c, m, 1);
+    c.train.recompute = "selective";
+    const Plan sel = make_plan(c, m, 1);
+    c.train.recompute = "full";
+    const Plan full = make_plan(c, m, 1);
+    const StagePlan &n = none.stages[0], &s = sel.stages[0], &f = full.stages[0];
+    const int64_t L = 8, N = 128, C = 256, M = 256, I = 512;
+    const int64_t probs = std::string(device) == "cpu" ? 4 * 8 * 128 * 128 : 0;  // fp32 B NH T^2 a layer
+    const int64_t last = a * 2 * N * C + 4 * (N * 1024 + 2 * N);                  // final norm, logits
+    EXPECT_EQ(s.activation_bytes_per_micro_batch, n.activation_bytes_per_micro_batch - L * (probs + a * M * I)) << device;
+    EXPECT_EQ(s.workspace_bytes, n.workspace_bytes + probs + a * M * I) << device;
+    EXPECT_EQ(f.activation_bytes_per_micro_batch, L * 4 * N * C + last) << device;
+    const int64_t layer = (n.activation_bytes_per_micro_batch - last) / L;
+    EXPECT_EQ(f.workspace_bytes, n.workspace_bytes + layer + 4 * N * C) << device;
+    EXPECT_LT(f.activation_bytes(), s.activation_bytes()) << device;
+    EXPECT_LT(s.activation_bytes(), n.activation_bytes()) << device;
+    // Full runs every layer's forward again: 4/3 of the layers' training FLOPs (the head's stay 3x).
+    EXPECT_GT(f.flops, n.flops * 1.25) << device;
+    EXPECT_LT(f.flops, n.flops * 4.0 / 3.0) << device;
+    EXPECT_EQ(full.recompute, "full");
+    EXPECT_NE(format_plan(full).find("recompute full"), std::string::npos);
+    EXPECT_EQ(plan_to_json(sel)["layout"]["recompute"], "selective");
+  }
+}
+
 // ---- the CLI -------------------------------------------------------------------------------------
 
 namespace {

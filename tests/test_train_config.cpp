@@ -108,6 +108,7 @@ TEST(TrainConfig, UnknownKeySuggestions) {
       {"  warmup_step: 3\n", "unknown key 'train.warmup_step' (did you mean train.warmup_steps?)"},
       {"  tp: 2\n", "unknown key 'train.tp' (did you mean parallel.tp?)"},                    // right name, wrong section
       {"  learning_rate: 3\n", "unknown key 'train.learning_rate' (did you mean train.lr?)"},  // a Megatron/HF name
+      {"  recompute_granularity: full\n", "unknown key 'train.recompute_granularity' (did you mean train.recompute?)"},
       {"  tensor_model_parallel_size: 8\n", "(did you mean parallel.tp?)"},
       {"  zzzzzzzzzzzz: 1\n", "unknown key 'train.zzzzzzzzzzzz' (valid keys under train: global_batch_size, "
                               "micro_batch_size, max_steps"},
@@ -240,6 +241,7 @@ TEST(TrainConfig, EveryValidationRuleHasItsMessage) {
       {{"train.min_lr=-1e-6", "train.lr=0"}, "train.min_lr: must be >= 0, got -1e-06"},
       {{"train.warmup_steps=-1"}, "train.warmup_steps: must be >= 0, got -1"},
       {{"train.schedule=step"}, "train.schedule: expected one of cosine | linear | constant, got 'step'"},
+      {{"train.recompute=true"}, "train.recompute: expected one of none | full | selective, got 'true'"},
       {{"train.weight_decay=-0.1"}, "train.weight_decay: must be >= 0, got -0.1"},
       {{"train.adam_beta1=1"}, "train.adam_beta1: must be in [0, 1), got 1"},
       {{"train.adam_beta2=-0.5"}, "train.adam_beta2: must be in [0, 1), got -0.5"},
@@ -352,7 +354,7 @@ TEST(TrainConfig, JsonHasEveryKeyInItsSection) {
   EXPECT_EQ(j["moe"]["capacity_factor"], 2.0);
   EXPECT_TRUE(j["moe"]["aux_loss_coef"].is_null());
   EXPECT_EQ(j["model"]["config"]["hidden_size"], 64);
-  EXPECT_EQ(train_config_keys().size(), 48u);  // update with the key table
+  EXPECT_EQ(train_config_keys().size(), 49u);  // update with the key table
   EXPECT_EQ(j["lora"]["rank"], 0);
   EXPECT_EQ(j["lora"]["targets"], json({"attention", "experts"}));
 }

@@ -87,7 +87,9 @@ void AttentionSaved::carve(TensorCarver& c, const BlockEnv& env, const Attention
   clipq = clip ? c.take(Store::u8, N * Q) : Tensor{};
   clipk = clip ? c.take(Store::u8, N * KVd) : Tensor{};
   clipv = clip ? c.take(Store::u8, N * KVd) : Tensor{};
-  attn_saved = training ? c.take(f32, env.be.attention_saved_numel(B, T, NH)) : Tensor{};
+  const size_t state = env.be.attention_saved_numel(B, T, NH);
+  recompute_state = training && env.selective && state > (size_t)N * NH;
+  attn_saved = training && !recompute_state ? c.take(f32, state) : Tensor{};
   att = c.take(act, N * Q);
   const auto lu = [&](const LinearWeights& lw) { return lw.lora.on() ? c.take(act, N * lw.lora.u_width()) : Tensor{}; };
   uq = lu(w.q);
@@ -235,6 +237,11 @@ void AttentionBlock::backward(const BlockEnv& env, Tensor dln, Tensor dh_act, co
   {
     Section t(env, "bwd.attn_proj");
     linear_backward(be, sc.datt, sc.du, dh_act, a.att, a.uo, w.o, ident, N, Q, C, false);
+  }
+  if (a.recompute_state) {
+    // The state as the forward left it; the output goes to dq, which the backward then assigns.
+    Section t(env, "bwd.recompute");
+    be.attention_forward(sc.dq, a.attn_saved, a.q, a.k, a.v, mask, B, T, NH, NKV, HD);
   }
   {
     Section t(env, "bwd.attention");

@@ -41,6 +41,10 @@ struct AttentionSaved {
   Tensor qraw, kraw, rstdq, rstdk;  // qk_norm: f32 projections before their norm, its statistics
   Tensor clipq, clipk, clipv;       // clip_qkv: u8 masks of the values kept (not clipped)
   Tensor attn_saved;                // the backend's attention state (attention_saved_numel)
+  // Selective recompute, where the backend's state is more than per-row statistics (the CPU's
+  // probabilities): attn_saved is not carved -- the model points it at a buffer every layer shares --
+  // and the backward first runs the attention forward again to refill it.
+  bool recompute_state = false;
   Tensor att;                       // [N,Q] attention output (act store)
   Tensor uq, uk, uv, uo;            // LoRA: x A^T of each adapted projection
   // Lays the tensors out (TensorCarver's two passes); w tells which projections are adapted.

@@ -23,6 +23,9 @@ struct BlockEnv {
   int tp_size = 1;
   Profile* profile = nullptr;
   bool inference = false;  // a pass over KV caches (Model::infer): sections take their inference names
+  // train.recompute selective (model/recompute.h): a training carve leaves out what the backward
+  // recomputes (attention probabilities, SwiGLU outputs), whose buffers the model shares between layers.
+  bool selective = false;
 
   bool tp_on() const { return tp_size > 1; }
   // A section's name: training's, or inference's (bench generate --profile).

@@ -12,7 +12,9 @@ void DenseFfnSaved::carve(TensorCarver& c, const BlockEnv& env, const ExpertFfnW
   row_of = c.take(i32, N);
   const bool hidden = training || !env.be.experts_without_saved() || w.lora();
   ffn.h13 = hidden ? c.take(act, 2 * N * I) : Tensor{};
-  ffn.act = hidden ? c.take(act, N * I) : Tensor{};
+  // Selective recompute: act is the model's shared buffer, refilled by the backward.
+  ffn.recompute_act = hidden && training && env.selective;
+  ffn.act = hidden && !ffn.recompute_act ? c.take(act, N * I) : Tensor{};
   // LoRA: u = x A^T of each adapted projection ([N, 2r] for the separate gate / up factors).
   const auto lu = [&](const LinearWeights& lw) { return lw.lora.on() ? c.take(act, N * lw.lora.u_width()) : Tensor{}; };
   ffn.u13 = lu(w.w13);

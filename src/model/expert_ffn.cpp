@@ -17,6 +17,11 @@ void ExpertFfn::forward(Backend& be, Tensor y, const ExpertFfnSaved& s, Tensor x
 
 void ExpertFfn::backward(Backend& be, Tensor dx, Tensor dy, const ExpertFfnSaved& s, Tensor x, const PlanView& plan,
                          const ExpertFfnWeights& w, int C, int I) {
+  // Selective recompute: act = SwiGLU(h13) over the computed rows, as the forward wrote it.
+  if (s.recompute_act) {
+    const ops::MoePlan& p = *plan.plan;
+    be.swiglu_forward(s.act, s.h13, p.expert_offsets[p.E - p.overflow], I);
+  }
   if (!w.lora() && !w.w13.dw.empty())
     return be.moe_experts_backward(dx, w.w13.dw, w.w2.dw, dy, s.h13, s.act, x, w.w13.w, w.w2.w, plan, C, I);
   const ops::MoePlan& p = *plan.plan;

@@ -23,6 +23,7 @@ struct ExpertFfnWeights {
 // ([M,r], or [M,2r] split) and u2 = act A2^T [M,r] (act store).
 struct ExpertFfnSaved {
   Tensor h13, act, u13, u2;
+  bool recompute_act = false;  // selective recompute: the backward first computes act from h13 again
 };
 
 class ExpertFfn {

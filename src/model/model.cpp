@@ -477,36 +477,20 @@ void Model::allocate(Activations& s, int B, int T) {
   const int L = layer_end_ - layer_begin_;
   const bool head = last_stage();
   const Store act = be_.act_store(), f32 = Store::f32, i32 = Store::i32;
-  const bool router_copy = act != f32;  // the router's input in f32 beside the act-store one
   // The identity plan (every token one row of one expert): the shared expert's, and LoRA's on the
   // attention projections and the router (a grouped linear of one group).
   const bool ident = cfg_.has_shared_expert() || lora_.on();
-  const BlockEnv ev = env();
 
   s.arena.reset();
   s.layers.clear();
   s.layers.resize(L);
-  // Two passes: the first measures, the second hands out views.
+  // Two passes: the first measures, the second hands out views.  Full recompute keeps each layer's
+  // input only (the rest is recomputed into a work set: allocate_recompute).
+  const bool input_only = recompute_ == Recompute::full;
   void* base = nullptr;
   for (int pass = 0; pass < 2; pass++) {
     TensorCarver c(be_, base);
-    for (int l = 0; l < L; l++) {
-      LayerActs& a = s.layers[l];
-      const int lg = layer_begin_ + l;
-      a.moe = layer_moe(lg);
-      a.x = c.take(f32, N * C);
-      a.ln1 = c.take(act, N * C);
-      a.rstd1 = c.take(f32, N);
-      a.attn.carve(c, ev, attention_weights(lg, false), B, T);
-      a.h = c.take(f32, N * C);
-      a.ln2 = c.take(act, N * C);
-      a.ln2f = a.moe && router_copy ? c.take(f32, N * C) : a.ln2;
-      a.rstd2 = c.take(f32, N);
-      if (a.moe)
-        a.moe_saved.carve(c, ev, moe_weights(lg, false), N, /*local_experts=*/!ep_on());
-      else
-        a.dense.carve(c, ev, ffn_weights(lg, false, false), N, ffn_width(lg));
-    }
+    for (int l = 0; l < L; l++) carve_layer(c, s.layers[l], layer_begin_ + l, B, T, input_only);
     s.x_final = c.take(f32, N * C);
     s.lnf = head ? c.take(act, N * C) : Tensor{};
     s.rstdf = head ? c.take(f32, N) : Tensor{};
@@ -527,12 +511,114 @@ void Model::allocate(Activations& s, int B, int T) {
   }
   // A dense FFN is one expert that every token visits with weight 1: the identity plan.
   for (LayerActs& a : s.layers)
-    if (!a.moe) a.dense.build_plan(be_, N);
+    if (!a.moe && !input_only) a.dense.build_plan(be_, N);
   if (ident) {
     std::vector<int32_t> zeros(N, 0);
     ops::moe_plan_build(s.ident_plan, zeros.data(), N, 1, 1);
     s.ident_pv = be_.upload_plan(s.ident_plan, s.ident_rt, s.ident_ro);
   }
+}
+
+void Model::carve_layer(TensorCarver& c, LayerActs& a, int lg, int B, int T, bool input_only) {
+  const long N = (long)B * T;
+  const int C = cfg_.hidden_size;
+  const Store act = be_.act_store(), f32 = Store::f32;
+  const BlockEnv ev = env();
+  a.moe = layer_moe(lg);
+  a.x = c.take(f32, N * C);
+  if (input_only) return;
+  a.ln1 = c.take(act, N * C);
+  a.rstd1 = c.take(f32, N);
+  a.attn.carve(c, ev, attention_weights(lg, false), B, T);
+  a.h = c.take(f32, N * C);
+  a.ln2 = c.take(act, N * C);
+  a.ln2f = a.moe && act != f32 ? c.take(f32, N * C) : a.ln2;  // the router's input in f32
+  a.rstd2 = c.take(f32, N);
+  if (a.moe)
+    a.moe_saved.carve(c, ev, moe_weights(lg, false), N, /*local_experts=*/!ep_on());
+  else
+    a.dense.carve(c, ev, ffn_weights(lg, false, false), N, ffn_width(lg));
+}
+
+void Model::set_recompute(Recompute r) {
+  if (!pending_.empty())
+    fail("[Model::set_recompute] {} micro-batches await their backward; change the recompute mode between steps",
+         pending_.size());
+  recompute_ = r;
+  pool_.clear();
+  last_ = nullptr;
+  rc_alloc_.reset();
+  work_.clear();
+  rc_B_ = rc_T_ = 0;
+}
+
+void Model::allocate_recompute(int B, int T) {
+  if (recompute_ == Recompute::none || (B == rc_B_ && T == rc_T_ && rc_alloc_)) return;
+  rc_B_ = B;
+  rc_T_ = T;
+  const long N = (long)B * T;
+  const Dims d = dims();
+  const int L = layer_end_ - layer_begin_;
+  const Store act = be_.act_store(), f32 = Store::f32;
+  const bool full = recompute_ == Recompute::full;
+  rc_alloc_.reset();
+  // Full: a work set per kind of layer (MoE: -1; dense: its width), laid out for its first layer.
+  std::vector<int> kinds, first;
+  work_of_.assign(L, -1);
+  int dense_width = 0;
+  for (int l = 0; l < L; l++) {
+    const int lg = layer_begin_ + l, kind = layer_moe(lg) ? -1 : ffn_width(lg);
+    if (kind >= 0) dense_width = std::max(dense_width, kind);
+    const auto it = std::find(kinds.begin(), kinds.end(), kind);
+    work_of_[l] = (int)(it - kinds.begin());
+    if (it == kinds.end()) {
+      kinds.push_back(kind);
+      first.push_back(lg);
+    }
+  }
+  work_.clear();
+  work_.resize(full ? kinds.size() : 0);
+  void* base = nullptr;
+  for (int pass = 0; pass < 2; pass++) {
+    TensorCarver c(be_, base);
+    if (full) {
+      for (size_t i = 0; i < work_.size(); i++) {
+        carve_layer(c, work_[i], first[i], B, T, false);
+        work_[i].x = Tensor{};  // each layer's kept input, attached by layer_acts
+      }
+      rc_out_ = c.take(f32, N * d.C);
+    } else {
+      // What the selective carve leaves out (AttentionSaved, MoeSaved, DenseFfnSaved::carve).
+      const size_t state = be_.attention_saved_numel(B, T, d.NH);
+      const bool shared = cfg_.has_shared_expert();
+      rc_attn_ = state > (size_t)N * d.NH ? c.take(f32, state) : Tensor{};
+      rc_act_ = d.moe && !ep_on() ? c.take(act, N * d.K * d.I) : Tensor{};
+      rc_shact_ = shared ? c.take(act, N * (cfg_.shared_expert_intermediate_size / tp_size_)) : Tensor{};
+      rc_dense_act_ = dense_width > 0 ? c.take(act, N * dense_width) : Tensor{};
+    }
+    if (pass == 0) {
+      rc_alloc_ = be_.allocate(std::max<size_t>(c.used(), 1), "recompute buffers");
+      base = rc_alloc_->data();
+    }
+  }
+  for (LayerActs& a : work_)
+    if (!a.moe) a.dense.build_plan(be_, N);
+}
+
+Model::LayerActs& Model::layer_acts(Activations& s, int l) {
+  LayerActs& a = s.layers[l - layer_begin_];
+  if (recompute_ == Recompute::full) {
+    LayerActs& w = work_[work_of_[l - layer_begin_]];
+    w.x = a.x;
+    return w;
+  }
+  if (recompute_ == Recompute::selective) {
+    if (a.attn.recompute_state) a.attn.attn_saved = rc_attn_;
+    if (a.moe_saved.dispatch.recompute_act) a.moe_saved.dispatch.act = rc_act_;
+    if (a.moe_saved.shact_recompute) a.moe_saved.shact = rc_shact_;
+    if (a.dense.ffn.recompute_act) a.dense.ffn.act = rc_dense_act_.part(0, (size_t)s.B * s.T * ffn_width(l));
+  }
+  return a;
 }
 
 void Model::allocate_scratch(int B, int T) {
@@ -589,6 +675,8 @@ size_t Model::state_bytes() const {
 
 size_t Model::activation_bytes() const {
   size_t b = scratch_alloc_ ? scratch_alloc_->bytes() : 0;
+  if (rc_alloc_) b += rc_alloc_->bytes();
+  for (const LayerActs& w : work_) b += w.moe_saved.dispatch.bytes();
   for (const auto& a : pool_) b += a->bytes();
   return b;
 }
@@ -666,6 +754,7 @@ Losses Model::run_forward(Activations& s, const Batch& batch, const LossWeights&
   refresh_gemm_weights();
   allocate(s, batch.B, batch.T);
   allocate_scratch(batch.B, batch.T);
+  allocate_recompute(batch.B, batch.T);
   const long N = (long)batch.B * batch.T;
   const Dims d = dims();
   const int C = d.C, V = d.V, E = d.E, K = d.K;
@@ -731,12 +820,13 @@ Losses Model::run_forward(Activations& s, const Batch& batch, const LossWeights&
 }
 
 // One decoder layer l: x_next = h + FFN(RMSNorm(h)), h = x + Attn(RMSNorm(x)).
-void Model::layer_forward(Activations& s, int l, Tensor x_next) {
+void Model::layer_forward(Activations& s, int l, Tensor x_next, bool recomputing) {
   const long N = (long)s.B * s.T;
   const int C = cfg_.hidden_size;
   const float eps = (float)cfg_.rms_norm_eps;
-  const BlockEnv ev = env();
-  LayerActs& a = s.layers[l - layer_begin_];
+  BlockEnv ev = env();
+  if (recomputing) ev.profile = nullptr;  // timed as a whole (bwd.recompute)
+  LayerActs& a = layer_acts(s, l);
   {
     Section t(ev, "fwd.norms");
     be_.rmsnorm_forward(a.ln1, a.rstd1, a.x, W(ParamKind::input_norm, l), N, C, eps);
@@ -758,8 +848,9 @@ void Model::layer_forward(Activations& s, int l, Tensor x_next) {
     const Tensor tmask = s.prep.has_token_mask ? s.token_mask : Tensor{};
     const uint8_t* hmask = s.prep.has_token_mask ? s.prep.token_mask.data() : nullptr;
     const int li = l - layer_begin_;
-    dropped_[li] = moe_->forward(ev, x_next, a.moe_saved, moe_sc_, a.ln2, a.ln2f, tmask, hmask, moe_weights(l),
-                                 s.ident_pv, &router_stats_[li]);
+    const long dropped = moe_->forward(ev, x_next, a.moe_saved, moe_sc_, a.ln2, a.ln2f, tmask, hmask, moe_weights(l),
+                                       s.ident_pv, recomputing ? nullptr : &router_stats_[li]);
+    if (!recomputing) dropped_[li] = dropped;
   } else {
     dense_.forward(ev, x_next, a.dense, a.ln2, ffn_weights(l, false), ffn_width(l));
   }
@@ -781,6 +872,7 @@ void Model::backward(const StageGrad& grad) {
          layer_end_);
   pending_.pop_front();
   allocate_scratch(s.B, s.T);
+  allocate_recompute(s.B, s.T);
   const long N = (long)s.B * s.T;
   const Dims d = dims();
   const int C = d.C, V = d.V, E = d.E;
@@ -806,7 +898,14 @@ void Model::backward(const StageGrad& grad) {
                            false);
     }
   }
-  for (int l = layer_end_ - 1; l >= layer_begin_; l--) layer_backward(s, l);
+  for (int l = layer_end_ - 1; l >= layer_begin_; l--) {
+    if (recompute_ == Recompute::full) {
+      // The layer's forward again from its kept input, into its work set (the output is not read).
+      Section t(be_, profile_, "bwd.recompute");
+      layer_forward(s, l, rc_out_, /*recomputing=*/true);
+    }
+    layer_backward(s, l);
+  }
   if (!first_stage() || grads_t_.empty()) return;  // dres: input_grad(); a frozen embedding has no gradient
   Section t(be_, profile_, "bwd.embedding");
   be_.embedding_backward(G(ParamKind::embedding), dres_, s.tokens, N, C, table_.vocab_begin(), V, !tp_on());
@@ -966,7 +1065,7 @@ void Model::layer_backward(Activations& s, int l) {
   const int C = cfg_.hidden_size;
   const BlockEnv ev = env();
   const int li = l - layer_begin_;
-  LayerActs& a = s.layers[li];
+  LayerActs& a = layer_acts(s, l);
   // FFN block: dres is d(x_next); it flows to h unchanged plus through the FFN.
   if (a.moe) {
     const Tensor tmask = s.prep.has_token_mask ? s.token_mask : Tensor{};

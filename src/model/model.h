@@ -76,6 +76,7 @@
 #include "model/losses.h"
 #include "model/moe_block.h"
 #include "model/params.h"
+#include "model/recompute.h"
 #include "model/token_dispatch.h"
 #include "model/weight_provider.h"
 #include "ops/moe_dispatch.h"
@@ -250,6 +251,12 @@ class Model {
   // for dense models; zeros for the dense layers of an MoE model).
   const std::vector<ops::RouterLayerStats>& router_stats() const { return router_stats_; }
 
+  // Activation recompute (model/recompute.h; train.recompute): what each micro-batch keeps for its
+  // backward.  Losses and gradients are the same bit for bit in every mode.  Drops the activation sets
+  // (an Error while micro-batches are pending).
+  void set_recompute(Recompute r);
+  Recompute recompute() const { return recompute_; }
+
   // Test hook: bias[E] added to the router logits of every MoE layer (skews the routing; the
   // gradient is unchanged: the bias is a constant).  Empty: none.
   void set_router_bias(std::vector<float> bias);
@@ -304,13 +311,26 @@ class Model {
   };
   void init(dist::Comm* tp, dist::Comm* ep, LayerRange layers, const LoraSpec& lora);
   Dims dims() const;
-  BlockEnv env() const { return BlockEnv{be_, cfg_, tp_, tp_size_, profile_}; }
+  BlockEnv env() const {
+    return BlockEnv{be_, cfg_, tp_, tp_size_, profile_, false, recompute_ == Recompute::selective};
+  }
   void allocate(Activations& a, int B, int T);
+  // Lays out layer lg's tensors of a (B, T) micro-batch (its input x only: input_only).
+  void carve_layer(TensorCarver& c, LayerActs& a, int lg, int B, int T, bool input_only);
   void allocate_scratch(int B, int T);
   Activations& acquire();
   Losses run_forward(Activations& s, const Batch& batch, const LossWeights& weights, const StageInput& in);
-  void layer_forward(Activations& s, int l, Tensor x_next);
+  // recomputing: the forward run again before the layer's backward (full recompute): nothing recorded
+  // (statistics, dropped counts), no profile sections of its own.
+  void layer_forward(Activations& s, int l, Tensor x_next, bool recomputing = false);
   void layer_backward(Activations& s, int l);
+  // Layer l's tensors of micro-batch s as the blocks read them: its own set, with the shared buffers
+  // of selective recompute attached, or (full recompute) the work set of its kind with its kept input.
+  LayerActs& layer_acts(Activations& s, int l);
+  // The recompute mode's buffers for a micro-batch shape: full, one layer's work set per kind of
+  // layer (MoE, or dense of a width) and the output of a recomputed layer; selective, the shared
+  // attention state and SwiGLU outputs.  Re-laid when the shape changes.
+  void allocate_recompute(int B, int T);
   bool tp_on() const { return tp_size_ > 1; }
   void tp_all_reduce(Tensor x);
   bool ep_on() const { return ep_size_ > 1; }
@@ -373,6 +393,15 @@ class Model {
   int kv_replicas() const { return env().kv_replicas(); }
   std::unique_ptr<MoeBlock> moe_;  // MoE models: the block's dispatcher and host state
   DenseFfnBlock dense_;
+
+  // Activation recompute: the mode and its buffers (allocate_recompute), laid out for (rc_B_, rc_T_).
+  Recompute recompute_ = Recompute::none;
+  int rc_B_ = 0, rc_T_ = 0;
+  std::unique_ptr<Allocation> rc_alloc_;
+  std::vector<LayerActs> work_;   // full: one layer's set per kind of layer
+  std::vector<int> work_of_;      // full: the work set of each layer of this stage
+  Tensor rc_out_;                 // full: [N,C] f32, the output of a recomputed layer (not read)
+  Tensor rc_attn_, rc_act_, rc_shact_, rc_dense_act_;  // selective: shared by every layer
 
   // LoRA: the spec, the adapter table and its parameters, gradients and GEMM copy (as the base's).
   LoraSpec lora_;

@@ -24,8 +24,10 @@ void MoeSaved::carve(TensorCarver& c, const BlockEnv& env, const MoeWeights& w, 
   // The pieces path (adapters) writes them; the fused op may keep them itself.
   const bool own = !training && env.be.experts_without_saved();
   const bool hidden = local_experts && (!own || w.experts.lora());
+  const bool rc = training && env.selective;
   dispatch.h13 = hidden ? c.take(act, 2 * M * I) : Tensor{};
-  dispatch.act = hidden ? c.take(act, M * I) : Tensor{};
+  dispatch.act = hidden && !rc ? c.take(act, M * I) : Tensor{};
+  dispatch.recompute_act = hidden && rc;
   // LoRA: each adapted projection keeps u = x A^T [rows, r].
   const auto lu = [&](const LinearWeights& lw, long rows) {
     return lw.lora.on() ? c.take(act, rows * lw.lora.u_width()) : Tensor{};
@@ -39,7 +41,8 @@ void MoeSaved::carve(TensorCarver& c, const BlockEnv& env, const MoeWeights& w, 
   shu13 = sh ? lu(w.shared.w13, N) : Tensor{};
   shu2 = sh ? lu(w.shared.w2, N) : Tensor{};
   sh13 = sh_hidden ? c.take(act, N * 2 * Is) : Tensor{};
-  shact = sh_hidden ? c.take(act, N * Is) : Tensor{};
+  shact = sh_hidden && !rc ? c.take(act, N * Is) : Tensor{};
+  shact_recompute = sh_hidden && rc;
   shy = sh ? c.take(act, N * C) : Tensor{};
   sgl = sh ? c.take(f32, N) : Tensor{};
   sg = sh ? c.take(f32, N) : Tensor{};
@@ -130,7 +133,8 @@ long MoeBlock::forward(const BlockEnv& env, Tensor out, MoeSaved& a, MoeScratch&
     // The shared expert (Qwen2-MoE): out += sigmoid(ln . w_gate) * FFN_shared(ln), every token.
     Section t(env, env.sec("fwd.shared_expert", "shared expert"));
     const int Is = cfg.shared_expert_intermediate_size / env.tp_size;
-    shared_ffn_.forward(be, a.shy, ExpertFfnSaved{a.sh13, a.shact, a.shu13, a.shu2}, ln, ident, w.shared, C, Is);
+    shared_ffn_.forward(be, a.shy, ExpertFfnSaved{a.sh13, a.shact, a.shu13, a.shu2, a.shact_recompute}, ln, ident,
+                       w.shared, C, Is);
     linear_forward(be, a.sgl, Tensor{}, lnf, w.shared_gate, ident, N, C, 1, false);
     be.sigmoid_forward(a.sg, a.sgl, N);
     be.moe_combine_forward(sc.tmp, a.shy, a.sg, ident, C);
@@ -176,7 +180,8 @@ void MoeBlock::backward(const BlockEnv& env, Tensor dln, Tensor dout, MoeSaved& 
   if (env.tp_on()) env.tp_all_reduce(sc.dsg);
   be.sigmoid_backward(sc.dsgl, sc.dsg, a.sg, N);
   linear_backward(be, dln, Tensor{}, sc.dsgl, lnf, Tensor{}, w.shared_gate, ident, N, C, 1, true);
-  shared_ffn_.backward(be, sc.dxs, sc.dshy, ExpertFfnSaved{a.sh13, a.shact, a.shu13, a.shu2}, ln, ident, w.shared, C,
+  shared_ffn_.backward(be, sc.dxs, sc.dshy, ExpertFfnSaved{a.sh13, a.shact, a.shu13, a.shu2, a.shact_recompute}, ln, ident,
+                       w.shared, C,
                        Is);
   if (env.tp_on()) env.tp_all_reduce(sc.dxs);
   be.add(dln, sc.dxs);

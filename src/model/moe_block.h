@@ -45,13 +45,15 @@ struct MoeSaved {
   Tensor ur;                           // LoRA on the router: ln A^T [N,r] (f32)
   Tensor sh13, shact, shy, sgl, sg;    // shared expert: [N,2Is], [N,Is], [N,C] act store; gate logit, sigmoid [N] f32
   Tensor shu13, shu2;                  // LoRA on the shared expert
+  bool shact_recompute = false;        // selective recompute: shact is a shared buffer the backward refills
   ops::MoePlan plan;
   PlanView pv;
   DispatchSaved dispatch;
   // Lays the tensors out (TensorCarver's two passes); local_experts: the experts' activations live
   // here (else the all-to-all dispatcher keeps them); training false: an inference pass's, whose
   // fused experts keep no hidden activations on a backend that holds them itself
-  // (experts_without_saved).
+  // (experts_without_saved).  Selective recompute (env.selective): the SwiGLU outputs (dispatch.act,
+  // shact) are not carved; the model points them at its shared buffers.
   void carve(TensorCarver& c, const BlockEnv& env, const MoeWeights& w, long N, bool local_experts,
              bool training = true);
 };

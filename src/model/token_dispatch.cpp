@@ -66,7 +66,8 @@ class LocalDispatch final : public TokenDispatcher {
   void backward(Tensor dxperm, Tensor dyperm, DispatchSaved& s, Tensor xperm, const PlanView& plan,
                 const ExpertFfnWeights& w, Profile* profile) override {
     ScopedTimer t(profile, "bwd.experts");
-    ffn_.backward(be_, dxperm, dyperm, ExpertFfnSaved{s.h13, s.act, s.u13, s.u2}, xperm, plan, w, C_, I_);
+    ffn_.backward(be_, dxperm, dyperm, ExpertFfnSaved{s.h13, s.act, s.u13, s.u2, s.recompute_act}, xperm, plan, w, C_,
+                  I_);
   }
 
  private:

@@ -41,6 +41,7 @@ long build_dispatch_plan(ops::MoePlan& plan, std::vector<float>& combine_w, cons
 struct DispatchSaved {
   Tensor h13, act;  // local: [M,2I], [M,I] in plan order (set by the model)
   Tensor u13, u2;   // local, LoRA on experts: [M,r] each (set by the model)
+  bool recompute_act = false;  // local, selective recompute: act is a shared buffer the backward refills
   // Expert parallel: rows per peer, the received rows in expert-major order with their FFN
   // activations, the local plan (K = 1) over them, and the reorderings of the exchange.
   std::vector<size_t> send_rows, recv_rows;

@@ -64,6 +64,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"train.grad_clip", &c.train.grad_clip},
       {"train.nan_skip_limit", &c.train.nan_skip_limit},
       {"train.exit_interval", &c.train.exit_interval},
+      {"train.recompute", &c.train.recompute},
       {"moe.aux_loss_coef", &c.moe.aux_loss_coef},
       {"moe.aux_loss", &c.moe.aux_loss},
       {"moe.z_loss_coef", &c.moe.z_loss_coef},
@@ -113,6 +114,10 @@ constexpr std::pair<const char*, const char*> kAliases[] = {
     {"lr_decay_style", "train.schedule"},
     {"lr_scheduler", "train.schedule"},
     {"lr_scheduler_type", "train.schedule"},
+    {"recompute_granularity", "train.recompute"},
+    {"activations_checkpoint_granularity", "train.recompute"},
+    {"gradient_checkpointing", "train.recompute"},
+    {"activation_checkpointing", "train.recompute"},
     {"beta1", "train.adam_beta1"},
     {"beta2", "train.adam_beta2"},
     {"eps", "train.adam_eps"},
@@ -641,6 +646,7 @@ void validate(const TrainConfig& c, const std::string& source, const std::map<st
   if (c.train.warmup_steps < 0)
     fail("{}: train.warmup_steps: must be >= 0, got {}", at("train.warmup_steps"), c.train.warmup_steps);
   one_of("train.schedule", c.train.schedule, {"cosine", "linear", "constant"});
+  one_of("train.recompute", c.train.recompute, {"none", "full", "selective"});
   at_least("train.weight_decay", c.train.weight_decay, 0.0, "");
   beta("train.adam_beta1", c.train.adam_beta1);
   beta("train.adam_beta2", c.train.adam_beta2);

@@ -69,6 +69,9 @@ struct TrainConfig {
     int nan_skip_limit = 5;  // this many non-finite steps in a row abort the run
     long exit_interval = 0;  // save and exit after every step that is a multiple of this (0: never), as
                              // Megatron's --exit-interval: fits a long run into time-limited jobs
+    // Activation recompute (model/recompute.h): none | full (keep each layer's input only) |
+    // selective (recompute attention probabilities and the experts' SwiGLU outputs).
+    std::string recompute = "none";
     bool operator==(const Train&) const = default;
   } train;
 

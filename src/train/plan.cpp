@@ -98,19 +98,34 @@ RankParams rank_params(const Plan& p, const ParamTable& t, int first, int n, boo
   return r;
 }
 
-// Saved activations of one micro-batch on one rank of a stage (the tensors our backward keeps).
-int64_t stage_activation_bytes(const Plan& p, int n_layers, bool last_stage) {
+// One layer's saved activations of one micro-batch on one rank without recompute, and the part of
+// them selective recompute does not keep (model/recompute.h).
+struct LayerActivationBytes {
+  int64_t all = 0, recomputable = 0;
+};
+LayerActivationBytes layer_activation_bytes(const Plan& p) {
   const Dims d = dims_of(p);
   const int64_t a = p.activation_dtype_bytes;
   const bool cpu = p.device != "cuda";
-  // x, ln1, h, ln2 [N,C]; q, att [N,Qr]; k, v [N,KVr]; cpu: attention probs [B,NHr,T,T];
-  // MoE: xperm, yperm [M,C]; h13 [M,2Ir], act [M,Ir].
-  const int64_t layer_a = 4 * d.N * d.C + d.N * (2 * d.Qr + 2 * d.KVr) + (cpu ? d.B * d.NHr * d.T * d.T : 0) +
-                          (d.moe ? 2 * d.M * d.C : 0) + 3 * d.M * d.Ir;
-  // fp32: rstd1, rstd2 [N]; cuda: attention log-sum-exp [B,NHr,T]; MoE: router logits, probs [N,E],
-  // top-k weights and indices [N,K].
-  const int64_t layer_f32 = 2 * d.N + (cpu ? 0 : d.B * d.NHr * d.T) + (d.moe ? 2 * d.N * d.E + 2 * d.N * d.K : 0);
-  int64_t bytes = n_layers * (a * layer_a + 4 * layer_f32);
+  // x, ln1, h, ln2 [N,C]; q, att [N,Qr]; k, v [N,KVr]; MoE: xperm, yperm [M,C]; h13 [M,2Ir], act [M,Ir].
+  const int64_t layer_a = 4 * d.N * d.C + d.N * (2 * d.Qr + 2 * d.KVr) + (d.moe ? 2 * d.M * d.C : 0) + 3 * d.M * d.Ir;
+  // fp32: rstd1, rstd2 [N]; attention state: cpu probabilities [B,NHr,T,T], cuda log-sum-exp
+  // [B,NHr,T]; MoE: router logits, probs [N,E], top-k weights and indices [N,K].
+  const int64_t probs = cpu ? d.B * d.NHr * d.T * d.T : 0;
+  const int64_t layer_f32 = 2 * d.N + (cpu ? probs : d.B * d.NHr * d.T) + (d.moe ? 2 * d.N * d.E + 2 * d.N * d.K : 0);
+  return {a * layer_a + 4 * layer_f32, 4 * probs + a * d.M * d.Ir};
+}
+
+// Saved activations of one micro-batch on one rank of a stage (the tensors our backward keeps):
+// every layer's (none), less what selective recomputes, or (full) each layer's input x [N,C] fp32.
+int64_t stage_activation_bytes(const Plan& p, int n_layers, bool last_stage) {
+  const Dims d = dims_of(p);
+  const int64_t a = p.activation_dtype_bytes;
+  const LayerActivationBytes l = layer_activation_bytes(p);
+  const int64_t per_layer = p.recompute == "full"        ? 4 * d.N * d.C
+                            : p.recompute == "selective" ? l.all - l.recomputable
+                                                         : l.all;
+  int64_t bytes = n_layers * per_layer;
   // Last stage: final residual and norm [N,C] (a), fp32 logits [N,Vr], rstd and log-sum-exp [N].
   if (last_stage) bytes += a * 2 * d.N * d.C + 4 * (d.N * d.Vr + 2 * d.N);
   return bytes;
@@ -118,11 +133,17 @@ int64_t stage_activation_bytes(const Plan& p, int n_layers, bool last_stage) {
 
 // Backward scratch of one layer and one micro-batch: d residual, d norm, tmp [N,C]; d att, dq [N,Qr];
 // dk, dv [N,KVr]; MoE: d xperm, d yperm [M,C], d router logits [N,E], d top-k [N,K]; FFN [M,3Ir].
+// Recompute's buffers: full, one layer's whole activations and its output [N,C] fp32; selective, one
+// layer's recomputed part.
 int64_t workspace_bytes(const Plan& p) {
   const Dims d = dims_of(p);
   const int64_t a = p.activation_dtype_bytes;
+  const LayerActivationBytes l = layer_activation_bytes(p);
+  const int64_t recompute = p.recompute == "full"        ? l.all + 4 * d.N * d.C
+                            : p.recompute == "selective" ? l.recomputable
+                                                         : 0;
   return a * (3 * d.N * d.C + 2 * d.N * d.Qr + 2 * d.N * d.KVr + (d.moe ? 2 * d.M * d.C : 0) + 3 * d.M * d.Ir) +
-         4 * (d.moe ? d.N * d.E + d.N * d.K : 0);
+         4 * (d.moe ? d.N * d.E + d.N * d.K : 0) + recompute;
 }
 
 RankComm stage_comm(const Plan& p, const StagePlan& s) {
@@ -226,6 +247,7 @@ Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size,
   p.micro_batch_size = cfg.train.micro_batch_size;
   p.global_batch_size = cfg.train.global_batch_size;
   p.micro_batches = layout.micro_batches;
+  p.recompute = cfg.train.recompute;
   p.tokens_per_step = (int64_t)p.global_batch_size * p.seq_length;
   const bool bf16 = cfg.model.dtype == "bf16";
   p.param_dtype_bytes = bf16 ? 2 : 4;
@@ -247,6 +269,12 @@ Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size,
   const double head_fwd = 2.0 * model.hidden_size * model.vocab_size;
   const double layer_fwd =
       (fc.forward_matmul_per_token - head_fwd + fc.forward_attention_per_token) / model.num_hidden_layers;
+  // Recompute's forward work again, per token and layer: full, the whole layer; selective, the
+  // attention where the backend keeps its probabilities (the CPU's; the SwiGLU is not counted).
+  const double recompute_fwd = p.recompute == "full" ? layer_fwd
+                               : p.recompute == "selective" && cfg.device != "cuda"
+                                   ? fc.forward_attention_per_token / model.num_hidden_layers
+                                   : 0.0;
   const int m = p.micro_batches;
   p.bubble = (p.pp - 1.0) / (m + p.pp - 1.0);
 
@@ -296,7 +324,8 @@ Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size,
     s.activation_bytes_per_micro_batch = stage_activation_bytes(p, s.num_layers, last) + lora_act;
     s.in_flight = std::min(p.pp - si, m);
     s.workspace_bytes = workspace_bytes(p);
-    s.flops = 3.0 * (s.num_layers * layer_fwd + (last ? head_fwd : 0.0)) * (double)p.tokens_per_step /
+    s.flops = (3.0 * (s.num_layers * layer_fwd + (last ? head_fwd : 0.0)) + s.num_layers * recompute_fwd) *
+              (double)p.tokens_per_step /
               ((double)p.dp * p.tp);
     s.comm = stage_comm(p, s);
     p.stages.push_back(s);
@@ -333,6 +362,11 @@ std::vector<std::string> plan_formulas(const Plan& p) {
       "layer's backward scratch 3 N C + 2 N NH/tp HD + 2 N max(NKV/tp,1) HD + 2 M C + 3 M I/tp (+ fp32 N E + N K)",
       "in-flight micro-batches (1F1B): stage s holds min(pp - s, m); activations = per micro-batch x in flight + "
       "workspace",
+      fmt::format("recompute ({}): full keeps fp32 N C (x) per layer, its workspace + one layer's activations + "
+                  "fp32 N C, FLOPs + 1 forward of the layers; selective keeps a layer's activations less fp32 B "
+                  "NH/tp T^2 (probs, cpu) and M I/tp (act), its workspace + those of one layer, FLOPs + the "
+                  "attention forward (cpu)",
+                  p.recompute),
       "FLOPs per step: 3 x forward (count_flops) x global_batch x T; per rank: the stage's layers (+ head on the "
       "last stage) / (dp x tp)",
       "comm (bytes a rank sends per step; ring: all-reduce 2(n-1)/n S, reduce-scatter and all-gather (n-1)/n S, "
@@ -365,8 +399,8 @@ std::string format_plan(const Plan& p) {
   else
     o += fmt::format("parameters  {} total ({}), all active per token (dense)\n",
                      format_count((double)p.params_total, 1), p.params_total);
-  o += fmt::format("layout      world {} = pp {} x dp {} x tp {}; ep {}; ZeRO-1 {}\n", p.world, p.pp, p.dp, p.tp,
-                   p.ep, p.zero1 ? "on" : "off");
+  o += fmt::format("layout      world {} = pp {} x dp {} x tp {}; ep {}; ZeRO-1 {}; recompute {}\n", p.world, p.pp,
+                   p.dp, p.tp, p.ep, p.zero1 ? "on" : "off", p.recompute);
   o += fmt::format("batch       {} sequences x {} tokens = {} tokens per step; micro-batch {}; m = {} "
                    "micro-batches per step per data-parallel rank\n",
                    p.global_batch_size, p.seq_length, p.tokens_per_step, p.micro_batch_size, p.micro_batches);
@@ -432,7 +466,7 @@ nlohmann::json plan_to_json(const Plan& p) {
   j["params"] = {{"total", p.params_total}, {"active", p.params_active}, {"experts", p.params_experts}};
   if (p.lora_rank > 0)
     j["lora"] = {{"rank", p.lora_rank}, {"params", p.lora_params_total}, {"base_bytes_per_param", p.base_bytes_per_param}};
-  j["layout"] = {{"world", p.world}, {"tp", p.tp}, {"pp", p.pp}, {"dp", p.dp}, {"ep", p.ep}, {"zero1", p.zero1}};
+  j["layout"] = {{"world", p.world}, {"tp", p.tp}, {"pp", p.pp}, {"dp", p.dp}, {"ep", p.ep}, {"zero1", p.zero1}, {"recompute", p.recompute}};
   j["batch"] = {{"global_batch_size", p.global_batch_size}, {"micro_batch_size", p.micro_batch_size},
                 {"seq_length", p.seq_length},               {"micro_batches", p.micro_batches},
                 {"tokens_per_step", p.tokens_per_step}};

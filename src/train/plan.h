@@ -76,6 +76,7 @@ struct Plan {
   bool zero1 = true;
   int seq_length = 0, micro_batch_size = 0, global_batch_size = 0;
   int micro_batches = 1;  // m: per step per data-parallel rank
+  std::string recompute = "none";  // train.recompute: none | full | selective
   int64_t tokens_per_step = 0;
   int param_dtype_bytes = 4, grad_dtype_bytes = 4, optimizer_bytes_per_param = 8, activation_dtype_bytes = 4;
   // LoRA (cfg.lora.rank > 0): the frozen base's bytes per parameter (as Model keeps it: fp32,

@@ -344,6 +344,8 @@ void Training::setup() {
                           lora_.rank, lora_.alpha, lora_.scale(), fmt::join(names, ", "),
                           (double)model_->train_table().total() / 1e6));
   }
+  if (model_->recompute() != Recompute::none)
+    log_.line(fmt::format("activation recompute: {} (train.recompute)", recompute_name(model_->recompute())));
   if (world_->size() > 1)
     log_.line(fmt::format(
         "distributed: {} ranks over {} ({}): pp {} x dp {} x tp {} (ep {}); ZeRO-1 {}; optimizer state {} per rank "
@@ -369,6 +371,7 @@ void Training::build_model() {
   link_.emplace(*backend_, groups_->pp(), mcfg_.is_moe() ? mcfg_.num_local_experts : 0);
   if (!options_.router_bias.empty()) model_->set_router_bias(options_.router_bias);
   if (cfg_.moe.capacity_factor) model_->set_capacity_factor(*cfg_.moe.capacity_factor);
+  model_->set_recompute(parse_recompute(cfg_.train.recompute, "train.recompute"));
   AdamWConfig ac;
   ac.lr = cfg_.train.lr;
   ac.beta1 = cfg_.train.adam_beta1;
