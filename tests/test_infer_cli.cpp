@@ -221,6 +221,7 @@ TEST(BenchGenerateCli, SizesAreBoundedNamingTheFlag) {
       {"bench generate --hidden 16384 --intermediate 65536", "at most 1073741824 (2^30)"},
       {"bench train --hidden 16384 --intermediate 65536", "at most 1073741824 (2^30)"},
       {"bench train --seq 1", "--seq 1: expected an integer in [2, "},
+      {"bench train --recompute yes", "--recompute: must be one of none, full, selective, got \"yes\""},
       {"bench checkpoint --make-model /nonexistent/m --experts 0", "--experts 0: expected an integer in [1, 1048576]"},
   };
   for (const Case& c : cases) {

@@ -18,6 +18,7 @@
 #include "model/params.h"
 #include "train/config.h"
 #include "train/plan.h"
+#include "train/plan_search.h"
 
 namespace fs = std::filesystem;
 using namespace moetron;
@@ -31,6 +32,12 @@ const fs::path kMixtralDir = kSrc / "configs" / "models" / "mixtral-8x7b";
 TrainConfig recipe(std::vector<std::string> overrides = {}) {
   overrides.insert(overrides.begin(), "model.init=" + kMixtralDir.string());
   return load_train_config(kRecipe.string(), overrides);
+}
+
+// The blog post's own layout: TP 8 x PP 8 (64 ranks at dp 1), no recompute.
+TrainConfig recipe64(std::vector<std::string> overrides = {}) {
+  overrides.insert(overrides.begin(), {"parallel.tp=8", "parallel.pp=8", "parallel.ep=1", "train.recompute=none"});
+  return recipe(overrides);
 }
 
 ModelConfig mixtral() { return load_model_config((kMixtralDir / "config.json").string()); }
@@ -110,8 +117,9 @@ TEST(PlanTotals, Mixtral8x7bParameterCounts) {
   EXPECT_EQ(p.params_total, sum);
 }
 
-TEST(PlanLayout, RecipeOn64Ranks) {
-  const Plan p = make_plan(recipe(), mixtral(), 64);
+// The blog post's own layout (TP 8 x PP 8 on 64 ranks, no recompute) still plans.
+TEST(PlanLayout, RecipesOwnLayoutOn64Ranks) {
+  const Plan p = make_plan(recipe64(), mixtral(), 64);
   EXPECT_EQ(p.tp, 8);
   EXPECT_EQ(p.pp, 8);
   EXPECT_EQ(p.dp, 1);
@@ -147,7 +155,7 @@ TEST(PlanLayout, RecipeOn64Ranks) {
 TEST(PlanLayout, PerRankParametersSumToTheModel) {
   // Sum over the tp x pp ranks; tensors every tp rank holds in full (norms, router) counted once.
   for (int tp : {1, 2, 8}) {
-    const TrainConfig cfg = recipe({"parallel.tp=" + std::to_string(tp)});
+    const TrainConfig cfg = recipe64({"parallel.tp=" + std::to_string(tp)});
     const Plan p = make_plan(cfg, mixtral(), tp * 8);
     const ParamTable t(mixtral());
     int64_t sum = 0;
@@ -175,8 +183,8 @@ TEST(PlanLayout, KvHeadsReplicatedWhenFewerThanTp) {
 
 TEST(PlanLayout, Zero1ShardsOptimizerStateOverDp) {
   // tp 8 x pp 8 x dp 8 = 512 ranks.
-  const Plan on = make_plan(recipe(), mixtral(), 512);
-  const Plan off = make_plan(recipe({"parallel.zero1=false"}), mixtral(), 512);
+  const Plan on = make_plan(recipe64(), mixtral(), 512);
+  const Plan off = make_plan(recipe64({"parallel.zero1=false"}), mixtral(), 512);
   ASSERT_EQ(on.dp, 8);
   for (size_t i = 0; i < on.stages.size(); i++) {
     const StagePlan &a = on.stages[i], &b = off.stages[i];
@@ -189,7 +197,7 @@ TEST(PlanLayout, Zero1ShardsOptimizerStateOverDp) {
   }
   // Expert parallelism over the same 8 dp ranks: experts split 8 ways, their optimizer state not sharded
   // further (each expert lives on dp/ep = 1 rank); the dense part still shards over dp.
-  const Plan ep = make_plan(recipe({"parallel.ep=8"}), mixtral(), 512);
+  const Plan ep = make_plan(recipe64({"parallel.ep=8"}), mixtral(), 512);
   for (size_t i = 0; i < ep.stages.size(); i++) {
     const StagePlan &e = ep.stages[i], &a = on.stages[i];
     EXPECT_EQ(e.params.experts * 8, a.params.experts);
@@ -208,12 +216,12 @@ TEST(PlanLayout, PipelineThatCannotFillIsAWarning) {
 }
 
 TEST(PlanRules, WorldNotDivisibleByTpTimesPp) {
-  expect_rule(error_of([] { make_plan(recipe(), mixtral(), 60); }),
+  expect_rule(error_of([] { make_plan(recipe64(), mixtral(), 60); }),
               "world size 60 is not divisible by tp 8 x pp 8 = 64");
 }
 
 TEST(PlanRules, EpMustDivideDp) {
-  expect_rule(error_of([] { make_plan(recipe({"parallel.ep=4"}), mixtral(), 128); }),
+  expect_rule(error_of([] { make_plan(recipe64({"parallel.ep=4"}), mixtral(), 128); }),
               "ep 4 does not divide the data-parallel size 2");
 }
 
@@ -388,29 +396,31 @@ CliRun run_cli(const std::string& args) {
 }  // namespace
 
 TEST(PlanCli, RecipeFromTheRepositoryRoot) {
-  const CliRun r = run_cli("configs/mixtral-8x7b-sft.yaml --world-size 64");
+  const CliRun r = run_cli("configs/mixtral-8x7b-sft.yaml --world-size 16 --device-memory 80GB");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("46.7B total"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("12.9B active per token"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("world 64 = pp 8 x dp 1 x tp 8"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("world 16 = pp 2 x dp 2 x tp 4; ep 2; ZeRO-1 on; recompute selective"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("fits: the largest rank"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("memory per rank"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("bubble"), std::string::npos) << r.out;
 }
 
 TEST(PlanCli, JsonMatchesTheLibrary) {
-  const CliRun r = run_cli("--config configs/mixtral-8x7b-sft.yaml -n 64 --json --device-memory 80GB");
+  const CliRun r = run_cli("--config configs/mixtral-8x7b-sft.yaml -n 16 --json --device-memory 80GB");
   ASSERT_EQ(r.code, 0) << r.err;
   const nlohmann::json j = nlohmann::json::parse(r.out);
-  const Plan p = make_plan(recipe(), mixtral(), 64);
+  const Plan p = make_plan(recipe(), mixtral(), 16);
   EXPECT_EQ(j["params"]["total"].get<int64_t>(), p.params_total);
   EXPECT_EQ(j["params"]["active"].get<int64_t>(), p.params_active);
   EXPECT_EQ(j["max_rank_bytes"].get<int64_t>(), p.largest_stage().total_bytes());
-  EXPECT_EQ(j["stages"].size(), 8u);
+  EXPECT_EQ(j["stages"].size(), 2u);
   EXPECT_TRUE(j["fits"].get<bool>());
 }
 
 TEST(PlanCli, DeviceMemoryTooSmallExits1) {
-  const CliRun r = run_cli("configs/mixtral-8x7b-sft.yaml --world-size 64 --device-memory 4GiB");
+  const CliRun r = run_cli("configs/mixtral-8x7b-sft.yaml --world-size 16 --device-memory 4GiB");
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.err.find("more than --device-memory 4GiB"), std::string::npos) << r.err;
   EXPECT_NE(r.out.find("memory per rank"), std::string::npos) << "the plan is still printed";
@@ -419,7 +429,7 @@ TEST(PlanCli, DeviceMemoryTooSmallExits1) {
 TEST(PlanCli, InvalidLayoutExits1WithOneLine) {
   const CliRun r = run_cli("configs/mixtral-8x7b-sft.yaml --world-size 60");
   EXPECT_EQ(r.code, 1);
-  EXPECT_NE(r.err.find("world size 60 is not divisible by tp 8 x pp 8 = 64"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("world size 60 is not divisible by tp 4 x pp 2 = 8"), std::string::npos) << r.err;
   EXPECT_TRUE(r.out.empty()) << "nothing printed before validation: " << r.out;
   const CliRun o = run_cli("configs/mixtral-8x7b-sft.yaml -n 64 parallel.tp=3");
   EXPECT_EQ(o.code, 1);
@@ -433,6 +443,70 @@ TEST(PlanCli, UsageErrors) {
   const CliRun bad = run_cli("configs/mixtral-8x7b-sft.yaml -n 64 train.lrr=1");  // config error: the loader's message
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.err.find("train.lr"), std::string::npos) << bad.err;
+}
+
+// plan --search on the recipe's 16 H100s: the layouts that fit (with the 10% reserve) come first,
+// ranked by estimated step time, and the best is the one configs/mixtral-8x7b-sft.yaml takes.
+TEST(PlanCli, SearchPutsTheRecipesLayoutFirstOnSixteenH100s) {
+  const CliRun r = run_cli("configs/mixtral-8x7b-sft.yaml --world-size 16 --device-memory 80GB --search --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  const nlohmann::json& l = j["layouts"];
+  ASSERT_GT(l.size(), 10u);
+  const TrainConfig c = recipe();
+  EXPECT_EQ(l[0]["tp"], c.parallel.tp);
+  EXPECT_EQ(l[0]["pp"], c.parallel.pp);
+  EXPECT_EQ(l[0]["ep"], c.parallel.ep);
+  EXPECT_EQ(l[0]["micro_batch_size"], c.train.micro_batch_size);
+  EXPECT_EQ(l[0]["recompute"], c.train.recompute);
+  bool fitting = true;
+  for (size_t i = 0; i < l.size(); i++) {
+    const bool fits = l[i]["fits"].get<bool>();
+    EXPECT_FALSE(fits && !fitting) << "a fitting layout after one that does not fit, at " << i;
+    fitting = fits;
+    EXPECT_EQ(fits, l[i]["bytes"].get<int64_t>() <= (int64_t)(0.9 * 80e9)) << i;
+    EXPECT_LE(l[i]["tp"].get<int>(), 8) << "tp stays within a node";
+    if (i > 0 && fits) {
+      EXPECT_GE(l[i]["step_s"].get<double>(), l[i - 1]["step_s"].get<double>()) << i;
+    }
+  }
+  // The text form names the best layout's overrides.
+  const CliRun t = run_cli("configs/mixtral-8x7b-sft.yaml --world-size 16 --device-memory 80GB --search --top 3");
+  ASSERT_EQ(t.code, 0) << t.err;
+  EXPECT_NE(t.out.find("best: parallel.tp=4 parallel.pp=2 parallel.ep=2 train.micro_batch_size=1 "
+                       "train.recompute=selective"),
+            std::string::npos)
+      << t.out;
+  // Nothing fits 4 GiB: exit 1, the smallest layouts listed.
+  const CliRun none = run_cli("configs/mixtral-8x7b-sft.yaml --world-size 16 --device-memory 4GiB --search");
+  EXPECT_EQ(none.code, 1);
+  EXPECT_NE(none.err.find("no layout fits"), std::string::npos) << none.err;
+}
+
+// The step estimate: the same layout is slower when its groups cross nodes (smaller nodes), and the
+// inter-node link speed then matters; full recompute costs compute.
+TEST(PlanSearch, EstimateFollowsTheLinksAndTheRecompute) {
+  const TrainConfig c = recipe();
+  SearchHardware hw;
+  const auto find = [](const SearchResult& r, int tp, int pp, int ep, const char* rc) {
+    for (const SearchCandidate& k : r.ranked)
+      if (k.tp == tp && k.pp == pp && k.ep == ep && k.micro_batch_size == 1 && k.recompute == rc) return k;
+    ADD_FAILURE() << "no layout tp " << tp << " pp " << pp << " ep " << ep << " " << rc;
+    return SearchCandidate{};
+  };
+  const SearchResult a = search_layouts(c, mixtral(), 16, 0, hw);
+  hw.devices_per_node = 4;
+  const SearchResult b = search_layouts(c, mixtral(), 16, 0, hw);
+  hw.inter_node_gbps = 5;
+  const SearchResult slow = search_layouts(c, mixtral(), 16, 0, hw);
+  const SearchCandidate x = find(a, 4, 2, 2, "selective"), y = find(b, 4, 2, 2, "selective"),
+                        z = find(slow, 4, 2, 2, "selective");
+  EXPECT_LT(x.step_s, y.step_s);
+  EXPECT_LT(y.step_s, z.step_s);
+  EXPECT_DOUBLE_EQ(x.compute_s, z.compute_s);
+  EXPECT_GT(find(a, 4, 2, 2, "full").compute_s, 1.2 * x.compute_s);
+  for (const SearchCandidate& k : b.ranked) EXPECT_LE(k.tp, 4);
+  EXPECT_GT(a.refused, 0);
 }
 
 // Qwen3-30B-A3B from its Hub config.json: 30.5B parameters, 3.35B active (8 of 128 experts; Qwen

@@ -80,6 +80,9 @@ int run_bench_train(int argc, char** argv) {
   app.add_option("--lora-targets", lora_targets, "LoRA targets (lora.targets)")->delimiter(',');
   bool base_bf16 = false;
   app.add_flag("--base-bf16", base_bf16, "LoRA: keep the frozen base in bf16 (model.dtype bf16)");
+  std::string recompute = "none";
+  app.add_option("--recompute", recompute,
+                 "activation recompute (train.recompute): none | full | selective; MFU counts 3 forwards either way");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -90,6 +93,12 @@ int run_bench_train(int argc, char** argv) {
   check_flag_range("--warmup", warmup, 0, 100000);
   check_flag_range("--grad-accum", grad_accum, 1, 4096);
   check_flag_range("--micro-batch", micro_batch, 1, kMaxBenchBatch);
+  Recompute recompute_mode = Recompute::none;
+  try {
+    recompute_mode = parse_recompute(recompute, "--recompute");
+  } catch (const Error& e) {
+    throw InputError(e.what());  // a usage error: exit 2
+  }
   check_flag_range("--seq", seq, 2, kMaxBenchPositions);
   if (threads > 0) {
     omp_set_num_threads(threads);
@@ -105,8 +114,9 @@ int run_bench_train(int argc, char** argv) {
   const bool cuda = device == "cuda";
   const std::unique_ptr<Backend> backend = make_backend(device);  // Error naming the reason without a GPU
   const int nthreads = omp_get_max_threads();
-  std::printf("bench train (%s): %s, seq %d, micro-batch %d, grad-accum %d, %d threads\n", backend->name(),
-              describe_model_shape(cfg).c_str(), seq, micro_batch, grad_accum, nthreads);
+  std::printf("bench train (%s): %s, seq %d, micro-batch %d, grad-accum %d, recompute %s, %d threads\n",
+              backend->name(), describe_model_shape(cfg).c_str(), seq, micro_batch, grad_accum, recompute.c_str(),
+              nthreads);
   double peak_gflops = 0;
   if (cuda) {
     const gpu::DeviceInfo dev = gpu::device_info();
@@ -129,6 +139,7 @@ int run_bench_train(int argc, char** argv) {
     lora.base_bf16 = base_bf16;
   }
   Model model(*backend, cfg, nullptr, nullptr, LayerRange{}, lora);
+  model.set_recompute(recompute_mode);
   model.init_parameters(1234);
   if (lora.on()) {
     // B = 0 would leave the adapters' input gradients zero: a random B makes every product do work.
@@ -230,10 +241,11 @@ int run_bench_train(int argc, char** argv) {
                 "\"peak_gflops\": %.3f, \"sgemm_peak_gflops\": %.3f, \"mfu\": %.4f, \"step_s\": %.5f, "
                 "\"tokens_per_step\": %.0f, \"train_flop_per_token\": %.6g, \"peak_rss_mib\": %.1f, \"threads\": %d, "
                 "\"final_loss\": %.6f, \"state_gib\": %.3f, \"optimizer_gib\": %.3f, \"activation_gib\": %.3f, "
-                "\"lora_rank\": %d, \"trainable_params\": %zu, \"optimizer_state_bytes\": %zu}\n",
+                "\"lora_rank\": %d, \"trainable_params\": %zu, \"optimizer_state_bytes\": %zu, \"recompute\": \"%s\"}\n",
                 device.c_str(), tps, gflops, gflops / 1e3, peak_gflops, cuda ? 0.0 : peak_gflops, mfu, step_s, tokens,
                 fc.train_per_token(), peak_rss_mib(), nthreads, last_loss, model.state_bytes() / kGiB,
-                opt.state_bytes() / kGiB, model.activation_bytes() / kGiB, lora.rank, trainable, opt.state_bytes());
+                opt.state_bytes() / kGiB, model.activation_bytes() / kGiB, lora.rank, trainable, opt.state_bytes(),
+                recompute.c_str());
   return 0;
 }
 
