@@ -11,6 +11,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev libomp-14-dev
+  patchelf libblas3
 )
 
 missing=()

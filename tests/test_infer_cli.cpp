@@ -231,6 +231,24 @@ TEST(BenchGenerateCli, SizesAreBoundedNamingTheFlag) {
   }
 }
 
+// bench kernels: attention and the grouped expert GEMM through the CPU backend at small dimensions
+// (the presets are real layers, for a GPU); every figure positive; sizes bounded before allocation.
+TEST(BenchKernelsCli, TimesAttentionAndTheGroupedGemm) {
+  const CliRun r = run("bench kernels --device cpu --hidden 64 --heads 4 --kv-heads 2 --head-dim 16 --experts 4 "
+                       "--top-k 2 --intermediate 32 --seq 64 --runs 2 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json j = json::parse(r.out.substr(r.out.rfind('{')));
+  for (const char* k : {"attention_forward_tflops", "attention_backward_tflops", "grouped_gemm_forward_tflops",
+                        "grouped_gemm_backward_tflops"})
+    EXPECT_GT(j[k].get<double>(), 0) << k;
+  const CliRun big = run("bench kernels --device cpu --shape mixtral-8x7b --seq 65536");
+  EXPECT_EQ(big.code, 2) << big.err;
+  EXPECT_NE(big.err.find("GiB, more than"), std::string::npos) << big.err;
+  const CliRun bad = run("bench kernels --device cpu --shape llama --seq 64");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("--shape llama"), std::string::npos) << bad.err;
+}
+
 TEST(BenchGenerateCli, PrintsPrefillAndDecodeRates) {
   const CliRun r = run("bench generate --model " + (kGen / "mixtral_gqa").string() +
                     " --prompt-tokens 20 --new-tokens 8 --runs 1 --json");

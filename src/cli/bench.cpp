@@ -110,9 +110,11 @@ int run_bench_train(int argc, char** argv) {
   } else {
     cfg = bench_model_config(shape, "bench train flags");
   }
-  check_bench_model_size(cfg);  // the model is allocated, with gradients and Adam's moments
   const bool cuda = device == "cuda";
+  if (!cuda) check_bench_model_size(cfg);  // the model is allocated, with gradients and Adam's moments
   const std::unique_ptr<Backend> backend = make_backend(device);  // Error naming the reason without a GPU
+  // On a GPU: bf16 GEMM copy, fp32 master, gradient and Adam's two moments, in the device's memory.
+  if (cuda) check_bench_model_size(cfg, (int64_t)gpu::device_info().total_bytes, 18.0);
   const int nthreads = omp_get_max_threads();
   std::printf("bench train (%s): %s, seq %d, micro-batch %d, grad-accum %d, recompute %s, %d threads\n",
               backend->name(), describe_model_shape(cfg).c_str(), seq, micro_batch, grad_accum, recompute.c_str(),
@@ -253,7 +255,8 @@ int run_bench_train(int argc, char** argv) {
 
 int run_bench(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: moetron bench train|data|checkpoint|generate [options]   (see moetron bench train --help)\n");
+    std::fprintf(stderr,
+                 "usage: moetron bench train|data|checkpoint|generate|kernels [options]   (see moetron bench train --help)\n");
     return 2;
   }
   const std::string what = argv[1];
@@ -261,7 +264,9 @@ int run_bench(int argc, char** argv) {
   if (what == "data") return run_bench_data(argc - 1, argv + 1);  // src/cli/bench_data.cpp
   if (what == "checkpoint") return run_bench_checkpoint(argc - 1, argv + 1);  // src/cli/bench_checkpoint.cpp
   if (what == "generate") return run_bench_generate(argc - 1, argv + 1);  // src/cli/bench_generate.cpp
-  std::fprintf(stderr, "moetron bench: unknown benchmark '%s' (available: train, data, checkpoint, generate)\n", what.c_str());
+  if (what == "kernels") return run_bench_kernels(argc - 1, argv + 1);    // src/cli/bench_kernels.cpp
+  std::fprintf(stderr, "moetron bench: unknown benchmark '%s' (available: train, data, checkpoint, generate, kernels)\n",
+               what.c_str());
   return 2;
 }
 

@@ -43,8 +43,16 @@ ModelConfig bench_model_config(const BenchModelShape& s, const std::string& wher
   return model_config_from_json(j, where);
 }
 
-void check_bench_model_size(const ModelConfig& cfg) {
+void check_bench_model_size(const ModelConfig& cfg, int64_t device_bytes, double bytes_per_param) {
   const int64_t n = ParamTable(cfg).total();
+  if (device_bytes > 0) {
+    if ((double)n * bytes_per_param > (double)device_bytes)
+      throw InputError(fmt::format("--hidden/--layers/--experts/--intermediate/--vocab: a model of {} parameters needs "
+                                   "{:.1f} GiB on the device ({} bytes a parameter); it has {:.1f} GiB",
+                                   n, n * bytes_per_param / (1 << 30), bytes_per_param,
+                                   (double)device_bytes / (1 << 30)));
+    return;
+  }
   if (n > kMaxBenchRandomParams)
     throw InputError(fmt::format("--hidden/--layers/--experts/--intermediate/--vocab: a random model of {} parameters "
                                  "({:.1f} GiB in fp32); at most {} (2^30) -- time a larger model from files with --model",

@@ -28,8 +28,10 @@ constexpr int kMaxBenchPositions = 1 << 20;
 constexpr int kMaxBenchBatch = 1024;
 constexpr int64_t kMaxBenchRandomParams = int64_t{1} << 30;
 
-// Error naming the shape flags when the random model of `cfg` holds more than kMaxBenchRandomParams.
-void check_bench_model_size(const ModelConfig& cfg);
+// Error naming the shape flags when the random model of `cfg` holds more than kMaxBenchRandomParams
+// (it lives in this machine's memory).  device_bytes > 0: the model lives on a device of that many
+// bytes instead (bench train --device cuda), which must hold bytes_per_param for every parameter.
+void check_bench_model_size(const ModelConfig& cfg, int64_t device_bytes = 0, double bytes_per_param = 0);
 // Error unless prompt + new tokens fit the model's max_position_embeddings and `sequences` KV caches
 // of that length fit in half of this machine's memory.
 void check_bench_positions(const ModelConfig& cfg, int prompt_tokens, int new_tokens, int sequences);

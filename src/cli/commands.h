@@ -13,6 +13,7 @@ int run_serve(int argc, char** argv);       // src/cli/serve.cpp
 int run_bench_generate(int argc, char** argv);  // src/cli/bench_generate.cpp (moetron bench generate)
 int run_bench_data(int argc, char** argv);  // src/cli/bench_data.cpp (moetron bench data)
 int run_bench_checkpoint(int argc, char** argv);  // src/cli/bench_checkpoint.cpp
+int run_bench_kernels(int argc, char** argv);     // src/cli/bench_kernels.cpp (moetron bench kernels)
 int run_tokenizer(int argc, char** argv);  // src/cli/tokenizer.cpp
 int run_data(int argc, char** argv);       // src/cli/data.cpp
 int run_data_synthetic(int argc, char** argv);  // src/cli/data_synthetic.cpp (moetron data synthetic)

@@ -49,6 +49,7 @@ Loaded load() {
       "/usr/lib/aarch64-linux-gnu/openblas-openmp/libopenblas.so.0",
       "libopenblas.so.0",
       "libopenblas.so",
+      "libblas.so.3",  // any CBLAS (the reference one: the GPU check's bundle, scripts/gpu-bundle.sh)
   };
   void* handle = nullptr;
   std::string errors;
@@ -60,7 +61,7 @@ Loaded load() {
     }
     errors += std::string("\n  ") + dlerror();
   }
-  if (!handle) fail("[blas] cannot load OpenBLAS (run scripts/setup.sh to install libopenblas0):{}", errors);
+  if (!handle) fail("[blas] cannot load OpenBLAS or a CBLAS (run scripts/setup.sh to install libopenblas0):{}", errors);
   l.sgemm = reinterpret_cast<SgemmFn>(dlsym(handle, "cblas_sgemm"));
   l.set_threads = reinterpret_cast<SetThreadsFn>(dlsym(handle, "openblas_set_num_threads"));
   auto core_name = reinterpret_cast<CoreNameFn>(dlsym(handle, "openblas_get_corename"));
