@@ -12,7 +12,9 @@
 // Inputs in the act store are bf16 values, so every backend sees the same numbers.  The MoE cases
 // cover an empty expert, skewed routing (every token on one expert), K = E and a capacity overflow
 // expert; attention covers GQA, a sliding window, padding and packed segments, and attention over a
-// KV cache (inference) a decode step and a prompt chunk under a sliding window.
+// KV cache (inference) a decode step and a prompt chunk under a sliding window.  On a GPU the unmasked
+// attention cases run cuDNN's fused SDPA where it loads (cuda/attention_cudnn.h; the test prints which
+// kernel ran), and every attention case runs again with the native kernel forced.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -655,6 +657,8 @@ std::vector<OpCase> all_cases() {
                                router_case(false), z_loss_case(),        bias_case(), sigmoid_case(),
                                clamp_case(),       rmsnorm_stats_case(), head_case(), embedding_case()};
   cases.push_back(attention_case("attention_gqa", 2, 17, 4, 2, 8, 0, false, false));
+  // Unmasked with a sliding window: on a GPU with cuDNN, the fused SDPA path (attention_cudnn.h).
+  cases.push_back(attention_case("attention_gqa_window", 2, 24, 4, 2, 16, 7, false, false));
   cases.push_back(attention_case("attention_window_padding", 2, 21, 4, 1, 16, 5, true, false));
   cases.push_back(attention_case("attention_segments", 1, 24, 2, 2, 8, 0, false, true));
   cases.push_back(attention_kv_case("attention_kv_decode", 1, 40, 4, 2, 8, 0));
@@ -744,6 +748,7 @@ TEST_P(BackendOps, CudaMeetsTheBf16Rule) {
   Bf16CpuBackend naive;
   gpu::CudaBackend cuda;
   const auto ref = run_case(cpu, c), nv = run_case(naive, c), got = run_case(cuda, c);
+  if (c.name.rfind("attention_", 0) == 0) std::printf("%s: %s attention\n", c.name.c_str(), cuda.last_attention());
   for (const auto& [name, v] : ref) {
     if (name == "idx") {
       EXPECT_EQ(got.at(name), v) << c.name << " " << name;
@@ -751,6 +756,21 @@ TEST_P(BackendOps, CudaMeetsTheBf16Rule) {
     }
     testing::expect_bf16_rule(got.at(name), nv.at(name), v, c.name + " " + name);
   }
+}
+
+// The attention cases again with the native kernel forced: where cuDNN serves the case above (an
+// unmasked one), this keeps the native kernel -- the fallback for masks and segments -- under the rule.
+TEST_P(BackendOps, CudaNativeAttentionMeetsTheBf16Rule) {
+  MOETRON_REQUIRE_GPU();
+  const OpCase& c = GetParam();
+  if (c.name.rfind("attention_", 0) != 0 || c.name.rfind("attention_kv", 0) == 0) GTEST_SKIP() << "not attention";
+  CpuBackend cpu;
+  Bf16CpuBackend naive;
+  gpu::CudaBackend cuda;
+  cuda.set_attention_impl(gpu::CudaBackend::AttentionImpl::native);
+  const auto ref = run_case(cpu, c), nv = run_case(naive, c), got = run_case(cuda, c);
+  EXPECT_STREQ(cuda.last_attention(), "native");
+  for (const auto& [name, v] : ref) testing::expect_bf16_rule(got.at(name), nv.at(name), v, c.name + " " + name);
 }
 
 INSTANTIATE_TEST_SUITE_P(Table, BackendOps, ::testing::ValuesIn(all_cases()),

@@ -27,6 +27,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "cuda/attention_cudnn.h"
 #include "cuda/ops.h"
 #include "cuda/runtime.h"
 #include "cuda_test_util.h"
@@ -91,6 +92,25 @@ TEST(CudaBackend, ReportsWhetherItCanRun) {
     EXPECT_NE(std::string(e.what()).find(gpu::cuda_compiled() ? "CUDA" : "built without CUDA"), std::string::npos)
         << e.what();
   }
+}
+
+// cuDNN's fused attention (src/cuda/attention_cudnn.h) is compiled into a CUDA build -- its frontend
+// headers come from scripts/fetch-gpu-headers.sh, which the setup runs -- and says, without a GPU,
+// why it cannot run (never a crash); where libcudnn loads it names what the graph does not express.
+TEST(CudaBackend, CudnnAttentionIsCompiledAndSaysWhyNot) {
+  if (!gpu::cuda_compiled()) GTEST_SKIP() << "built without CUDA";
+  gpu::CudnnAttention a(nullptr);
+  EXPECT_EQ(a.unavailable().find("built without"), std::string::npos) << a.unavailable();
+  std::printf("cuDNN attention here: %s\n", a.unavailable().empty() ? a.version().c_str() : a.unavailable().c_str());
+  const gpu::CudnnSdpaShape plain{1, 16, 4, 2, 64, 0}, odd{1, 16, 4, 2, 12, 0};
+  if (!a.unavailable().empty()) {
+    EXPECT_EQ(a.why_not(plain, false), a.unavailable());
+    return;
+  }
+  EXPECT_NE(a.version().find("cuDNN 9."), std::string::npos) << a.version();
+  EXPECT_EQ(a.why_not(plain, false), "");
+  EXPECT_NE(a.why_not(plain, true).find("padding mask"), std::string::npos);
+  EXPECT_NE(a.why_not(odd, false).find("head dim 12"), std::string::npos);
 }
 
 class CudaOps : public ::testing::Test {

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 
 #include "core/error.h"
 #include "dist/comm.h"
@@ -73,7 +75,30 @@ void* CudaBackend::Scratch::get(CudaBackend& be, size_t bytes, const char* what)
 CudaBackend::CudaBackend() {
   const std::string why = cuda_unavailable_reason();
   if (!why.empty()) fail("[cuda backend] {}", why);
+  if (const char* a = std::getenv("MOETRON_ATTENTION"); a != nullptr && *a != '\0') {
+    const std::string v = a;
+    if (v == "native")
+      attention_impl_ = AttentionImpl::native;
+    else if (v != "auto")
+      fail("[cuda backend] MOETRON_ATTENTION={}: expected auto or native", v);
+  }
   ctx_ = std::make_unique<Context>();
+}
+
+bool CudaBackend::use_cudnn(const AttnMask& mask, int B, int T, int NH, int NKV, int HD, CudnnSdpaShape* s) {
+  std::string why;
+  if (attention_impl_ == AttentionImpl::native) {
+    why = "native chosen (MOETRON_ATTENTION=native)";
+  } else {
+    if (!cudnn_) cudnn_ = std::make_unique<CudnnAttention>(stream_handle(*ctx_));
+    *s = CudnnSdpaShape{B, T, NH, NKV, HD, mask.sliding_window};
+    why = cudnn_->why_not(*s, !mask.attention_mask.empty() || !mask.segment_ids.empty());
+  }
+  const std::string choice =
+      why.empty() ? "attention: cuDNN fused SDPA (" + cudnn_->version() + ")" : "attention: native kernel (" + why + ")";
+  if (attention_logged_.insert(choice).second) std::fprintf(stderr, "moetron: %s\n", choice.c_str());
+  last_attention_ = why.empty() ? "cudnn" : "native";
+  return why.empty();
 }
 
 CudaBackend::~CudaBackend() {
@@ -177,12 +202,24 @@ size_t CudaBackend::attention_saved_numel(int B, int T, int NH) const { return (
 
 void CudaBackend::attention_forward(Tensor out, Tensor saved, Tensor q, Tensor k, Tensor v, const AttnMask& mask,
                                     int B, int T, int NH, int NKV, int HD) {
+  CudnnSdpaShape s;
+  if (use_cudnn(mask, B, T, NH, NKV, HD, &s)) {
+    for (const Tensor* t : {&out, &q, &k, &v}) expect(*t, Store::bf16, "attention_forward", "q, k, v and out");
+    expect(saved, Store::f32, "attention_forward", "saved");
+    return cudnn_->forward(s, out.data, f32p(saved), q.data, k.data, v.data);
+  }
   gpu::attention_forward(*ctx_, b16(out), f32p(saved), b16(q), b16(k), b16(v), device_mask(mask), B, T, NH, NKV, HD, 0,
                          0);
 }
 void CudaBackend::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor out, Tensor saved, Tensor q,
                                      Tensor k, Tensor v, const AttnMask& mask, int B, int T, int NH, int NKV,
                                      int HD) {
+  CudnnSdpaShape s;
+  if (use_cudnn(mask, B, T, NH, NKV, HD, &s)) {
+    for (const Tensor* t : {&dq, &dk, &dv, &dout, &out, &q, &k, &v})
+      expect(*t, Store::bf16, "attention_backward", "its bf16 operands");
+    return cudnn_->backward(s, dq.data, dk.data, dv.data, dout.data, out.data, f32p(saved), q.data, k.data, v.data);
+  }
   float* scratch = static_cast<float*>(
       attn_.get(*this, sizeof(float) * attention_backward_scratch_floats(B, T, NH, HD), "attention scratch"));
   gpu::attention_backward(*ctx_, b16(dq), b16(dk), b16(dv), scratch, b16(dout), b16(out), f32p(saved), b16(q), b16(k),

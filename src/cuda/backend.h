@@ -8,9 +8,12 @@
 #pragma once
 
 #include <memory>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
+#include "cuda/attention_cudnn.h"
 #include "cuda/ops.h"
 #include "cuda/runtime.h"
 #include "dist/staged_comm.h"
@@ -26,6 +29,15 @@ class CudaBackend final : public Backend, public dist::MemorySpace {
   CudaBackend();
   ~CudaBackend() override;
   Context& context() { return *ctx_; }
+
+  // Which attention kernel runs: automatic -- cuDNN's fused SDPA (cuda/attention_cudnn.h) where its
+  // graph expresses the problem, else the native kernel (cuda/attention.cu) -- or native only.
+  // MOETRON_ATTENTION=native|auto in the environment sets it at construction.  Each distinct choice
+  // is logged once to stderr with its reason.
+  enum class AttentionImpl { automatic, native };
+  void set_attention_impl(AttentionImpl i) { attention_impl_ = i; }
+  // The kernel of the last attention call: "cudnn", "native" ("none" before any).
+  const char* last_attention() const { return last_attention_; }
 
   const char* name() const override { return "cuda"; }
   bool host_memory() const override { return false; }
@@ -121,8 +133,14 @@ class CudaBackend final : public Backend, public dist::MemorySpace {
     std::unique_ptr<Allocation> alloc_;
   };
   MoePlanDevice device_plan(const PlanView& pv) const;
+  // True when the fused cuDNN path runs this attention problem (its shape in *s); logs the choice.
+  bool use_cudnn(const AttnMask& mask, int B, int T, int NH, int NKV, int HD, CudnnSdpaShape* s);
   std::unique_ptr<Context> ctx_;
   Scratch attn_, ffn_, stats_, ce_, norm_;
+  std::unique_ptr<CudnnAttention> cudnn_;  // made at the first attention call
+  AttentionImpl attention_impl_ = AttentionImpl::automatic;
+  const char* last_attention_ = "none";
+  std::set<std::string> attention_logged_;
 };
 
 }  // namespace moetron::gpu
