@@ -337,8 +337,8 @@ TEST_F(DistTrain, EvaluationBetweenStepsDoesNotChangeTraining) {
 
 // train.recompute (model/recompute.h): one process trains bitwise as without it (losses and final
 // weights), full and selective alike; full recompute under (pp 2, ep 2, dp 2) -- a 1F1B queue of
-// micro-batches sharing one work set, the all-to-all run again in the backward -- and selective under
-// (tp 2, ep 2, dp 2) match one process as every layout does.
+// micro-batches sharing one work set, the all-to-all run again in the backward -- and full and
+// selective under (tp 2, ep 2, dp 2) match one process as every layout does.
 TEST_F(DistTrain, RecomputeTrainsAsWithoutIt) {
   const std::vector<double> want = losses(reference());
   const auto want_w = read_tensors(reference() / "checkpoints" / "step-000010", "model");
@@ -355,6 +355,8 @@ TEST_F(DistTrain, RecomputeTrainsAsWithoutIt) {
                        {"parallel.pp=2", "parallel.ep=2", "parallel.zero1=true", "train.recompute=full"});
   expect_equivalent_to(reference(), "recompute_selective_tp2ep2dp2", 4,
                        {"parallel.tp=2", "parallel.ep=2", "parallel.zero1=true", "train.recompute=selective"});
+  expect_equivalent_to(reference(), "recompute_full_tp2ep2dp2", 4,
+                       {"parallel.tp=2", "parallel.ep=2", "parallel.zero1=true", "train.recompute=full"});
 }
 
 TEST_F(DistTrain, PipelineBadLayoutFailsNamingTheField) {
