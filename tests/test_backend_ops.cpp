@@ -394,8 +394,10 @@ PlanView plan_view(Env& e, const std::vector<int32_t>& topk, long N, int E, int 
                             e.has("ro") ? e["ro"] : e.alloc("ro", Store::i32, M));
 }
 
-OpCase experts_case(const std::string& name, std::vector<int32_t> topk, long N, int E, int K, bool overflow) {
-  const int C = 16, I = 24;
+// C and I multiples of 8 (the default): on an H100 the experts run as CUTLASS grouped GEMMs
+// (cuda/grouped_gemm.h); otherwise the per-expert cuBLASLt loop.
+OpCase experts_case(const std::string& name, std::vector<int32_t> topk, long N, int E, int K, bool overflow,
+                    int C = 16, int I = 24) {
   const long M = N * K;
   const int Ew = E - (overflow ? 1 : 0);  // experts with weights
   OpCase c;
@@ -422,8 +424,10 @@ OpCase experts_case(const std::string& name, std::vector<int32_t> topk, long N, 
 }
 
 // The grouped linear: y (act store, accumulated onto its input) += alpha * x @ W[e]^T per expert.
-OpCase grouped_matmul_case(const std::string& name, std::vector<int32_t> topk, long N, int E, int K, bool overflow) {
-  const int IC = 16, OC = 20;
+// OC 20 (the default) is not a multiple of 8: the per-expert path; OC 24: the grouped GEMM on an H100.
+OpCase grouped_matmul_case(const std::string& name, std::vector<int32_t> topk, long N, int E, int K, bool overflow,
+                           int OC = 20) {
+  const int IC = 16;
   const float alpha = 1.75f;
   const long M = N * K;
   const int Ew = E - (overflow ? 1 : 0);
@@ -672,6 +676,7 @@ std::vector<OpCase> all_cases() {
   cases.push_back(permute_combine_case("permute_combine", balanced, N, E, 2));
   cases.push_back(permute_combine_case("permute_combine_k_eq_e", k_eq_e, N, E, E));
   cases.push_back(experts_case("experts_balanced", balanced, N, E, 2, false));
+  cases.push_back(experts_case("experts_balanced_unaligned", balanced, N, E, 2, false, 12, 20));
   cases.push_back(experts_case("experts_empty_expert", empty2, N, E, 2, false));
   cases.push_back(experts_case("experts_skewed", skewed, N, E, 1, false));
   cases.push_back(experts_case("experts_k_eq_e", k_eq_e, N, E, E, false));
@@ -679,6 +684,7 @@ std::vector<OpCase> all_cases() {
   const auto dropped = routed(N, 2, [](long n, int k) { return (n + k) % 3 == 0 ? 4 : (int)((n + k) % 4); });
   cases.push_back(experts_case("experts_capacity_overflow", dropped, N, E + 1, 2, true));
   cases.push_back(grouped_matmul_case("grouped_matmul", balanced, N, E, 2, false));
+  cases.push_back(grouped_matmul_case("grouped_matmul_aligned", balanced, N, E, 2, false, 24));
   cases.push_back(grouped_matmul_case("grouped_matmul_empty_expert", empty2, N, E, 2, false));
   cases.push_back(grouped_matmul_case("grouped_matmul_capacity_overflow", dropped, N, E + 1, 2, true));
   cases.push_back(expert_ffn_lora_case("expert_ffn_lora", balanced, N, E, 2, false));

@@ -28,6 +28,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "cuda/attention_cudnn.h"
+#include "cuda/grouped_gemm.h"
 #include "cuda/ops.h"
 #include "cuda/runtime.h"
 #include "cuda_test_util.h"
@@ -113,6 +114,15 @@ TEST(CudaBackend, CudnnAttentionIsCompiledAndSaysWhyNot) {
   EXPECT_NE(a.why_not(odd, false).find("head dim 12"), std::string::npos);
 }
 
+// The CUTLASS grouped GEMM is compiled into a CUDA build (its headers come from
+// scripts/fetch-gpu-headers.sh); without a GPU it says so rather than crash.
+TEST(CudaBackend, GroupedGemmIsCompiled) {
+  if (!gpu::cuda_compiled()) GTEST_SKIP() << "built without CUDA";
+  const std::string why = gpu::grouped_gemm_unavailable();
+  EXPECT_EQ(why.find("built without"), std::string::npos) << why;
+  std::printf("grouped GEMM here: %s\n", why.empty() ? "CUTLASS sm_90a" : why.c_str());
+}
+
 class CudaOps : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -181,6 +191,51 @@ TEST_F(CudaOps, GemmEveryTransposeInBf16AndFp32) {
                 DType::F32);
       expect_close(buf->get(cf, C0.size()), reff, 1e-5, 0.0, "fp32 gemm");
     }
+}
+
+// The grouped GEMM (cuda/grouped_gemm.h): on an H100 every group's product in one CUTLASS launch,
+// both B layouts, alpha and beta, an empty group, groups of a few rows and of several tiles, and a
+// strided A and D -- each group against the double reference under the bf16 rule.  Elsewhere it
+// declines (returns false) and the caller's per-expert loop runs.
+TEST_F(CudaOps, GroupedGemmEveryGroupAsItsOwnGemm) {
+  const std::string why = gpu::grouped_gemm_unavailable();
+  const int N = 48, K = 64, groups = 4;
+  const long lda = 72, ldd = 56;  // wider than K and N: strided operands
+  const std::vector<int64_t> offsets = {0, 3, 3, 133, 200};  // group 1 empty
+  const long rows = offsets.back();
+  const std::vector<float> A = rnd((size_t)rows * lda, 1), D0 = rnd((size_t)rows * ldd, 2);
+  for (bool trans_b : {true, false}) {
+    SCOPED_TRACE(trans_b ? "B as [N, K]" : "B as [K, N]");
+    const std::vector<float> B = rnd((size_t)groups * N * K, trans_b ? 3 : 4, 0.3f);
+    gpu::Bf16* d = buf->bf16(D0);
+    const bool ran = gpu::grouped_gemm_bf16(*ctx, trans_b, d, buf->bf16(A), buf->bf16(B), offsets, groups, N, K, lda,
+                                            ldd, 1.5f, 0.5f);
+    if (!why.empty()) {
+      EXPECT_FALSE(ran) << "declined here: " << why;
+      continue;
+    }
+    ASSERT_TRUE(ran);
+    const std::vector<float> got = buf->get_bf16(d, D0.size());
+    for (int g = 0; g < groups; g++) {
+      const long r0 = offsets[g], m = offsets[g + 1] - r0;
+      if (m == 0) continue;
+      std::vector<float> a((size_t)m * K), c((size_t)m * N), out((size_t)m * N);
+      for (long i = 0; i < m; i++)
+        for (int k = 0; k < K; k++) a[i * K + k] = round_bf16(A[(r0 + i) * lda + k]);
+      for (long i = 0; i < m; i++)
+        for (int n = 0; n < N; n++) {
+          c[i * N + n] = round_bf16(D0[(r0 + i) * ldd + n]);
+          out[i * N + n] = got[(r0 + i) * ldd + n];
+        }
+      std::vector<float> b(B.begin() + (size_t)g * N * K, B.begin() + (size_t)(g + 1) * N * K);
+      for (float& v : b) v = round_bf16(v);
+      const std::vector<float> ref = gemm_ref(false, trans_b, (int)m, N, K, 1.5f, a, b, 0.5f, c);
+      expect_bf16_rule(out, round_bf16(ref), ref, "group " + std::to_string(g));
+    }
+    // Columns past N in the strided D are untouched.
+    for (long i = 0; i < rows; i++)
+      for (long n = N; n < ldd; n++) ASSERT_EQ(got[i * ldd + n], round_bf16(D0[i * ldd + n])) << i << "," << n;
+  }
 }
 
 TEST_F(CudaOps, Fp32GemmWithOddShapes) {

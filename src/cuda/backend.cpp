@@ -7,6 +7,7 @@
 #include <cstdlib>
 
 #include "core/error.h"
+#include "cuda/grouped_gemm.h"
 #include "dist/comm.h"
 
 namespace moetron::gpu {
@@ -314,8 +315,18 @@ void CudaBackend::moe_combine_backward(Tensor dyperm, Tensor dw, Tensor dout, Te
                                        const PlanView& plan, int C) {
   gpu::moe_combine_backward(*ctx_, b16(dyperm), f32p(dw), f32p(dout), b16(yperm), f32p(w), device_plan(plan), C);
 }
+void CudaBackend::note_expert_gemms() {
+  if (expert_gemms_logged_) return;
+  expert_gemms_logged_ = true;
+  const std::string why = grouped_gemm_unavailable();
+  std::fprintf(stderr, "moetron: expert GEMMs: %s\n",
+               why.empty() ? "CUTLASS grouped GEMM (sm_90a; per-expert cuBLASLt where a shape is not 16-byte aligned)"
+                           : ("per-expert cuBLASLt (" + why + ")").c_str());
+}
+
 void CudaBackend::moe_experts_forward(Tensor y, Tensor h13, Tensor act, Tensor xperm, Tensor w13, Tensor w2,
                                       const PlanView& plan, int C, int I) {
+  note_expert_gemms();
   gpu::moe_experts_forward(*ctx_, y.data, dtype_of(y, "moe_experts_forward"), b16(h13), b16(act), b16(xperm), b16(w13),
                            b16(w2), device_plan(plan), C, I);
 }
@@ -330,6 +341,7 @@ void CudaBackend::moe_experts_backward(Tensor dxperm, Tensor dw13, Tensor dw2, T
 // Operands in the act store (bf16), or all f32 (the router's adapters).
 void CudaBackend::grouped_matmul_forward(Tensor out, Tensor inp, Tensor weight, const PlanView& plan, int IC, int OC,
                                          float alpha, bool accumulate, int ld_in, int ld_out) {
+  note_expert_gemms();
   const DType ab = dtype_of(inp, "grouped_matmul_forward");
   if (dtype_of(weight, "grouped_matmul_forward") != ab) fail("[cuda grouped_matmul_forward] input and weight stores differ");
   gpu::grouped_matmul_forward(*ctx_, out.data, dtype_of(out, "grouped_matmul_forward"), inp.data, weight.data, ab,

@@ -133,6 +133,9 @@ class CudaBackend final : public Backend, public dist::MemorySpace {
     std::unique_ptr<Allocation> alloc_;
   };
   MoePlanDevice device_plan(const PlanView& pv) const;
+  // Logs once which path the expert GEMMs take (cuda/grouped_gemm.h).
+  void note_expert_gemms();
+  bool expert_gemms_logged_ = false;
   // True when the fused cuDNN path runs this attention problem (its shape in *s); logs the choice.
   bool use_cudnn(const AttnMask& mask, int B, int T, int NH, int NKV, int HD, CudnnSdpaShape* s);
   std::unique_ptr<Context> ctx_;

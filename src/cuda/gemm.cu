@@ -10,6 +10,7 @@
 // descriptors and heuristic-chosen algorithm once and keeps them in the Context.
 #include <algorithm>
 
+#include "cuda/grouped_gemm.h"
 #include "cuda/common.cuh"
 #include "cuda/ops.h"
 
@@ -133,6 +134,10 @@ void grouped_matmul_forward(Context& ctx, void* out, DType out_dtype, const void
   if (ld_out == 0) ld_out = OC;
   const size_t os = out_dtype == DType::BF16 ? 2 : 4, as = ab == DType::BF16 ? 2 : 4;
   const long W = (long)OC * IC;
+  // Every expert in one launch where the grouped GEMM serves the call (grouped_gemm.h).
+  if (out_dtype == DType::BF16 && ab == DType::BF16 &&
+      grouped_gemm_bf16(ctx, true, out, inp, weight, offsets, E, OC, IC, ld_in, ld_out, alpha, accumulate ? 1.0f : 0.0f))
+    return;
   for (int e = 0; e < E; e++) {
     const long off = offsets[e], rows = offsets[e + 1] - off;
     if (rows == 0) continue;
@@ -155,13 +160,18 @@ void grouped_matmul_backward(Context& ctx, void* dinp, DType dinp_dtype, float* 
   const size_t is = dinp_dtype == DType::BF16 ? 2 : 4, as = ab == DType::BF16 ? 2 : 4;
   const long W = (long)OC * IC;
   const char* DOUT = static_cast<const char*>(dout);
+  // d inp of every expert in one launch where the grouped GEMM serves it (grouped_gemm.h); the
+  // weight gradients stay one GEMM per expert (each is a whole [OC, IC] product).
+  const bool grouped = dinp != nullptr && dinp_dtype == DType::BF16 && ab == DType::BF16 &&
+                       grouped_gemm_bf16(ctx, false, dinp, dout, weight, offsets, E, IC, OC, ld_out, ld_in, alpha,
+                                         accumulate ? 1.0f : 0.0f);
   for (int e = 0; e < E; e++) {
     const long off = offsets[e], rows = offsets[e + 1] - off;
     if (rows == 0) continue;
     if (dweight)
       gemm(ctx, true, false, OC, IC, (int)rows, alpha, DOUT + off * ld_out * as, ld_out,
            static_cast<const char*>(inp) + off * ld_in * as, ld_in, 1.0f, dweight + e * W, IC, ab, DType::F32);
-    if (dinp)
+    if (dinp && !grouped)
       gemm(ctx, false, false, (int)rows, IC, OC, alpha, DOUT + off * ld_out * as, ld_out,
            static_cast<const char*>(weight) + e * W * as, IC, accumulate ? 1.0f : 0.0f,
            static_cast<char*>(dinp) + off * ld_in * is, ld_in, ab, dinp_dtype);

@@ -8,6 +8,7 @@
 // assignments in order (ballot + warp-prefix scan) and writes its rows, so the permutation is
 // deterministic and identical to ops::moe_plan_build.
 #include "cuda/common.cuh"
+#include "cuda/grouped_gemm.h"
 #include "cuda/ops.h"
 
 namespace moetron::gpu {
@@ -218,7 +219,9 @@ void moe_experts_forward(Context& ctx, void* y, DType y_dtype, Bf16* h13, Bf16* 
   bf16* H13 = as_bf(h13);
   bf16* ACT = as_bf(act);
   char* Y = static_cast<char*>(y);
-  for (int e = 0; e < E; e++) {
+  // Each projection of every expert in one launch where the grouped GEMM serves it (grouped_gemm.h).
+  const bool grouped13 = grouped_gemm_bf16(ctx, true, H13, x, W13, plan.expert_offsets, E, 2 * I, C, C, 2 * I, 1.0f, 0.0f);
+  for (int e = 0; e < E && !grouped13; e++) {
     const long off = plan.expert_offsets[e], rows = plan.expert_offsets[e + 1] - off;
     if (rows == 0) continue;
     // h13[rows, 2I] = x[rows, C] @ w13[e]^T
@@ -226,6 +229,8 @@ void moe_experts_forward(Context& ctx, void* y, DType y_dtype, Bf16* h13, Bf16* 
          2 * I, DType::BF16, DType::BF16);
   }
   if (M > 0) swiglu_forward(ctx, act, h13, M, I);
+  if (y_dtype == DType::BF16 && grouped_gemm_bf16(ctx, true, y, ACT, W2, plan.expert_offsets, E, C, I, I, C, 1.0f, 0.0f))
+    return;
   for (int e = 0; e < E; e++) {
     const long off = plan.expert_offsets[e], rows = plan.expert_offsets[e + 1] - off;
     if (rows == 0) continue;
@@ -255,24 +260,35 @@ void moe_experts_backward(Context& ctx, void* dxperm, DType dx_dtype, float* dw1
   const bf16* W2 = as_bf(w2);
   char* DX = static_cast<char*>(dxperm);
   // Every expert's dy is consumed here, before dxperm (which may alias dy) is written below.
+  const bool grouped_dact = grouped_gemm_bf16(ctx, false, dact, DY, W2, plan.expert_offsets, E, I, C, C, I, 1.0f, 0.0f);
   for (int e = 0; e < E; e++) {
     const long off = plan.expert_offsets[e], rows = plan.expert_offsets[e + 1] - off;
     if (rows == 0) continue;
     // y = act @ w2^T:  dact[rows, I] = dy[rows, C] @ w2[e][C, I];  dw2[e] += dy^T @ act
-    gemm(ctx, false, false, (int)rows, I, C, 1.0f, DY + off * C, C, W2 + e * IC, I, 0.0f, dact + off * I, I,
-         DType::BF16, DType::BF16);
+    if (!grouped_dact)
+      gemm(ctx, false, false, (int)rows, I, C, 1.0f, DY + off * C, C, W2 + e * IC, I, 0.0f, dact + off * I, I,
+           DType::BF16, DType::BF16);
     gemm(ctx, true, false, C, I, (int)rows, 1.0f, DY + off * C, C, ACT + off * I, I, 1.0f, dw2 + e * IC, I,
          DType::BF16, DType::F32);
   }
   if (M > 0) swiglu_backward(ctx, reinterpret_cast<Bf16*>(dh13), reinterpret_cast<Bf16*>(dact), h13, M, I);
+  // dw13[e] += dh13^T @ x per expert (a whole [2I, C] product each), then d x of every expert (one
+  // grouped launch where it serves: grouped_gemm.h); neither reads what the other writes.
+  for (int e = 0; e < E; e++) {
+    const long off = plan.expert_offsets[e], rows = plan.expert_offsets[e + 1] - off;
+    if (rows == 0) continue;
+    gemm(ctx, true, false, 2 * I, C, (int)rows, 1.0f, dh13 + off * 2 * I, 2 * I, X + off * C, C, 1.0f,
+         dw13 + e * 2 * IC, C, DType::BF16, DType::F32);
+  }
+  if (dx_dtype == DType::BF16 &&
+      grouped_gemm_bf16(ctx, false, DX, dh13, W13, plan.expert_offsets, E, C, 2 * I, 2 * I, C, 1.0f, 0.0f))
+    return;
   for (int e = 0; e < E; e++) {
     const long off = plan.expert_offsets[e], rows = plan.expert_offsets[e + 1] - off;
     if (rows == 0) continue;
     // h13 = x @ w13^T:  dx[rows, C] = dh13[rows, 2I] @ w13[e][2I, C];  dw13[e] += dh13^T @ x
     gemm(ctx, false, false, (int)rows, C, 2 * I, 1.0f, dh13 + off * 2 * I, 2 * I, W13 + e * 2 * IC, C, 0.0f,
          DX + off * C * xs, C, DType::BF16, dx_dtype);
-    gemm(ctx, true, false, 2 * I, C, (int)rows, 1.0f, dh13 + off * 2 * I, 2 * I, X + off * C, C, 1.0f,
-         dw13 + e * 2 * IC, C, DType::BF16, DType::F32);
   }
 }
 
