@@ -42,7 +42,14 @@ ShellRun sh(const std::string& cmd) {
   return r;
 }
 
-std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
+// The path in single quotes, for a shell command (appended piecewise: GCC 12 warns, wrongly, on
+// "'" + string + "'").
+std::string q(const fs::path& p) {
+  std::string s(1, '\'');
+  s.append(p.string());
+  s.push_back('\'');
+  return s;
+}
 
 class GpuBundle : public ::testing::Test {
  protected:
