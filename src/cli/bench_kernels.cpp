@@ -179,10 +179,10 @@ int run_bench_kernels(int argc, char** argv) {
   row("grouped GEMM backward (w13)", gb);
   if (json)
     std::printf("{\"device\": \"%s\", \"shape\": \"%s\", \"seq\": %d, \"micro_batch\": %d, "
-                "\"attention_forward_tflops\": %.4f, \"attention_backward_tflops\": %.4f, "
-                "\"grouped_gemm_forward_tflops\": %.4f, \"grouped_gemm_backward_tflops\": %.4f, "
-                "\"attention_forward_ms\": %.4f, \"attention_backward_ms\": %.4f, \"grouped_gemm_forward_ms\": %.4f, "
-                "\"grouped_gemm_backward_ms\": %.4f}\n",
+                "\"attention_forward_tflops\": %.6g, \"attention_backward_tflops\": %.6g, "
+                "\"grouped_gemm_forward_tflops\": %.6g, \"grouped_gemm_backward_tflops\": %.6g, "
+                "\"attention_forward_ms\": %.6g, \"attention_backward_ms\": %.6g, \"grouped_gemm_forward_ms\": %.6g, "
+                "\"grouped_gemm_backward_ms\": %.6g}\n",
                 device.c_str(), shape_name.c_str(), seq, micro_batch, af.tflops, ab.tflops, gf.tflops, gb.tflops,
                 1e3 * af.seconds, 1e3 * ab.seconds, 1e3 * gf.seconds, 1e3 * gb.seconds);
   return 0;
