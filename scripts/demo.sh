@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
-echo "== 0. setup and build: the Debian packages, then the moetron binary only (about 4 minutes on 2"
+echo "== 0. setup and build: the Debian packages, then the moetron binary only (about 5 minutes on 2"
 echo "   cores; scripts/test.sh builds the tests too)"
 bash scripts/setup.sh
 # The build's progress every 10%, and any error or warning in full.

@@ -93,6 +93,12 @@ struct CudnnAttention::Impl {
     }
   };
   std::map<Key, std::shared_ptr<fe::graph::Graph>> graphs;
+  struct ShapeLess {
+    bool operator()(const CudnnSdpaShape& a, const CudnnSdpaShape& b) const {
+      return std::tie(a.B, a.T, a.NH, a.NKV, a.HD, a.window) < std::tie(b.B, b.T, b.NH, b.NKV, b.HD, b.window);
+    }
+  };
+  std::map<CudnnSdpaShape, std::string, ShapeLess> refused;  // shapes whose graphs cuDNN would not build
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 
@@ -190,6 +196,15 @@ std::string CudnnAttention::why_not(const CudnnSdpaShape& s, bool masked) const 
   if (masked) return "a padding mask or packed segments";
   if (s.HD % 8 != 0 || s.HD > 128) return fmt::format("head dim {} (cuDNN: a multiple of 8, at most 128)", s.HD);
   if (s.NH % s.NKV != 0) return fmt::format("{} heads over {} kv heads", s.NH, s.NKV);
+  // Both graphs built now (and kept): a shape this cuDNN does not support falls back here, with
+  // cuDNN's reason, rather than failing in the middle of a step.
+  if (auto it = impl_->refused.find(s); it != impl_->refused.end()) return it->second;
+  try {
+    impl_->graph(s, false);
+    impl_->graph(s, true);
+  } catch (const std::exception& e) {
+    return impl_->refused.emplace(s, e.what()).first->second;
+  }
   return "";
 }
 

@@ -33,6 +33,8 @@ class CudnnAttention {
   // libcudnn not loadable.
   const std::string& unavailable() const;
   // Why it cannot run this problem ("" when it can); masked: a padding mask or packed segments.
+  // Builds (and keeps) the shape's forward and backward graphs, so a shape cuDNN refuses is refused
+  // here, with cuDNN's reason.
   std::string why_not(const CudnnSdpaShape& s, bool masked) const;
   void forward(const CudnnSdpaShape& s, void* out, float* stats, const void* q, const void* k, const void* v);
   // dq, dk, dv (assign).
