@@ -80,24 +80,17 @@ void check_status(cudnnStatus_t st, const char* what) {
 
 }  // namespace
 
+// Orders shapes for the maps below.
+auto shape_tie(const CudnnSdpaShape& s) { return std::tie(s.B, s.T, s.NH, s.NKV, s.HD, s.window); }
+struct ShapeLess {
+  bool operator()(const CudnnSdpaShape& a, const CudnnSdpaShape& b) const { return shape_tie(a) < shape_tie(b); }
+};
+
 struct CudnnAttention::Impl {
   cudaStream_t stream = nullptr;
   cudnnHandle_t handle = nullptr;
   std::string unavailable;
-  struct Key {
-    CudnnSdpaShape s;
-    bool backward;
-    bool operator<(const Key& o) const {
-      return std::tie(s.B, s.T, s.NH, s.NKV, s.HD, s.window, backward) <
-             std::tie(o.s.B, o.s.T, o.s.NH, o.s.NKV, o.s.HD, o.s.window, o.backward);
-    }
-  };
-  std::map<Key, std::shared_ptr<fe::graph::Graph>> graphs;
-  struct ShapeLess {
-    bool operator()(const CudnnSdpaShape& a, const CudnnSdpaShape& b) const {
-      return std::tie(a.B, a.T, a.NH, a.NKV, a.HD, a.window) < std::tie(b.B, b.T, b.NH, b.NKV, b.HD, b.window);
-    }
-  };
+  std::map<CudnnSdpaShape, std::shared_ptr<fe::graph::Graph>, ShapeLess> forward_graphs, backward_graphs;
   std::map<CudnnSdpaShape, std::string, ShapeLess> refused;  // shapes whose graphs cuDNN would not build
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
@@ -107,8 +100,8 @@ struct CudnnAttention::Impl {
 };
 
 std::shared_ptr<fe::graph::Graph> CudnnAttention::Impl::graph(const CudnnSdpaShape& s, bool backward) {
-  const Key key{s, backward};
-  if (auto it = graphs.find(key); it != graphs.end()) return it->second;
+  auto& graphs = backward ? backward_graphs : forward_graphs;
+  if (auto it = graphs.find(s); it != graphs.end()) return it->second;
   auto g = std::make_shared<fe::graph::Graph>();
   g->set_io_data_type(fe::DataType_t::BFLOAT16)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
@@ -139,7 +132,7 @@ std::shared_ptr<fe::graph::Graph> CudnnAttention::Impl::graph(const CudnnSdpaSha
   check(g->create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans");
   check(g->check_support(handle), "check_support");
   check(g->build_plans(), "build_plans");
-  graphs.emplace(key, g);
+  graphs.emplace(s, g);
   return g;
 }
 
@@ -178,7 +171,8 @@ CudnnAttention::CudnnAttention(void* stream) : impl_(std::make_unique<Impl>()) {
 }
 
 CudnnAttention::~CudnnAttention() {
-  impl_->graphs.clear();
+  impl_->forward_graphs.clear();
+  impl_->backward_graphs.clear();
   if (impl_->workspace != nullptr) cudaFree(impl_->workspace);
   if (impl_->handle != nullptr) (void)fe::detail::destroy_handle(impl_->handle);
 }

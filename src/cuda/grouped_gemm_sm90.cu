@@ -91,8 +91,7 @@ bool run(Context& ctx, void* d, const void* a, const void* b, const std::vector<
   const cudaStream_t stream = stream_of(ctx);
   std::vector<typename ProblemShape::UnderlyingProblemShape> shapes;
   std::vector<const Element*> pa, pb;
-  std::vector<Element*> pd;
-  std::vector<const Element*> pc;
+  std::vector<Element*> pd;  // C is D (beta scales what D holds): one array serves both
   std::vector<StrideA> sa;
   std::vector<StrideB> sb;
   std::vector<StrideC> sc;
@@ -107,7 +106,6 @@ bool run(Context& ctx, void* d, const void* a, const void* b, const std::vector<
     pa.push_back(A + off * lda);
     pb.push_back(B + (long)g * N * K);
     pd.push_back(D + off * ldd);
-    pc.push_back(D + off * ldd);
     sa.push_back(with_leading(cutlass::make_cute_packed_stride(StrideA{}, {(int)rows, K, 1}), lda));
     sb.push_back(cutlass::make_cute_packed_stride(StrideB{}, {N, K, 1}));  // packed: ld = K or N
     sc.push_back(with_leading(cutlass::make_cute_packed_stride(StrideC{}, {(int)rows, N, 1}), ldd));
@@ -117,7 +115,7 @@ bool run(Context& ctx, void* d, const void* a, const void* b, const std::vector<
   if (n == 0) return true;  // nothing to compute
   std::vector<char> host;
   const size_t o_shapes = append(host, shapes.data(), n), o_pa = append(host, pa.data(), n),
-               o_pb = append(host, pb.data(), n), o_pc = append(host, pc.data(), n), o_pd = append(host, pd.data(), n),
+               o_pb = append(host, pb.data(), n), o_pd = append(host, pd.data(), n),
                o_sa = append(host, sa.data(), n), o_sb = append(host, sb.data(), n), o_sc = append(host, sc.data(), n),
                o_sd = append(host, sd.data(), n);
   char* dev = nullptr;
@@ -146,7 +144,7 @@ bool run(Context& ctx, void* d, const void* a, const void* b, const std::vector<
       {n, reinterpret_cast<typename ProblemShape::UnderlyingProblemShape*>(at(o_shapes)), shapes.data()},
       {reinterpret_cast<const Element**>(at(o_pa)), reinterpret_cast<StrideA*>(at(o_sa)),
        reinterpret_cast<const Element**>(at(o_pb)), reinterpret_cast<StrideB*>(at(o_sb))},
-      {fusion, reinterpret_cast<const Element**>(at(o_pc)), reinterpret_cast<StrideC*>(at(o_sc)),
+      {fusion, reinterpret_cast<const Element**>(at(o_pd)), reinterpret_cast<StrideC*>(at(o_sc)),
        reinterpret_cast<Element**>(at(o_pd)), reinterpret_cast<StrideD*>(at(o_sd))},
       hw};
   Gemm gemm;
