@@ -1,0 +1,47 @@
+// The template context of a conversation; see chat_context.h.
+#include "jinja/chat_context.h"
+
+namespace moetron::jinja {
+
+Value chat_context(const ChatInput& in) {
+  if (!in.messages.is_array()) fail("chat template input: 'messages' must be an array, got {}", in.messages.type_name());
+  std::vector<Value> msgs;
+  msgs.reserve(in.messages.size());
+  for (size_t k = 0; k < in.messages.size(); ++k) {
+    const auto& m = in.messages[k];
+    if (!m.is_object()) fail("chat template input: messages[{}] must be an object, got {}", k, m.type_name());
+    Value d = Value::dict();
+    for (auto it = m.begin(); it != m.end(); ++it)
+      if (!it.value().is_null()) d.obj->items.emplace_back(it.key(), from_json(it.value()));
+    const Value* r = nullptr;
+    for (const char* key : {"reasoning_content", "thinking", "reasoning"})
+      if (!r) r = d.obj->find(key);
+    if (r) {
+      const Value reasoning = *r;
+      Value a = Value::dict();
+      a.obj->items.emplace_back("thinking", reasoning);
+      for (auto& kv : d.obj->items) a.obj->set(kv.first, kv.second);
+      a.obj->set("reasoning_content", reasoning);
+      d = std::move(a);
+    }
+    msgs.push_back(std::move(d));
+  }
+  Value ctx = Value::dict();
+  Object& c = *ctx.obj;
+  c.set("messages", Value::list(std::move(msgs)));
+  c.set("tools", in.tools.is_null() ? Value::none() : from_json(in.tools));
+  c.set("documents", Value::none());
+  c.set("add_generation_prompt", Value::boolean(in.add_generation_prompt));
+  for (const auto& [k, v] : in.special_tokens) c.set(k, Value::string(v));
+  if (!in.kwargs.is_null()) {
+    if (!in.kwargs.is_object()) fail("chat template input: 'chat_template_kwargs' must be an object, got {}", in.kwargs.type_name());
+    for (auto it = in.kwargs.begin(); it != in.kwargs.end(); ++it) c.set(it.key(), from_json(it.value()));
+  }
+  return ctx;
+}
+
+std::string render_chat(const Template& t, const ChatInput& in, const RenderOptions& opts, Spans* generation) {
+  return t.render(chat_context(in), opts, generation);
+}
+
+}  // namespace moetron::jinja
