@@ -21,5 +21,6 @@ int run_convert(int argc, char** argv);    // src/cli/convert.cpp
 int run_export(int argc, char** argv);     // src/cli/export.cpp (moetron export gguf)
 int run_report(int argc, char** argv);     // src/cli/report.cpp
 int run_plan(int argc, char** argv);       // src/cli/plan.cpp
+int run_template(int argc, char** argv);   // src/cli/template.cpp (moetron template render)
 
 }  // namespace moetron::cli

@@ -25,6 +25,7 @@ void print_usage(FILE* f) {
                "  eval      validation loss and perplexity of a checkpoint (eval -c CONFIG [--model DIR])\n"
                "  plan      validate a parallel layout; per-rank memory, FLOPs, communication (plan C.yaml -n N)\n"
                "  convert   re-encode a model / checkpoint directory: dtype, shard size, optimizer state\n"
+               "  template  a chat template applied as transformers does (template render --model DIR --input F.jsonl)\n"
                "  export    a model directory as a GGUF file for llama.cpp / ollama (export gguf --model DIR --output F)\n"
                "  report    an HTML page of a run's curves and expert-load heatmaps (report RUN_DIR)\n"
                "  bench     benchmarks (bench train | data | checkpoint | generate)\n"
@@ -62,6 +63,7 @@ int main(int argc, char** argv) {
     if (cmd == "export") return moetron::cli::run_export(argc - 1, argv + 1);
     if (cmd == "report") return moetron::cli::run_report(argc - 1, argv + 1);
     if (cmd == "plan") return moetron::cli::run_plan(argc - 1, argv + 1);
+    if (cmd == "template") return moetron::cli::run_template(argc - 1, argv + 1);
   } catch (const moetron::Interrupted& e) {
     std::fprintf(stderr, "moetron %s: %s\n", cmd.c_str(), e.what());
     return 128 + e.signal();

@@ -57,6 +57,23 @@ nlohmann::json parse_json(std::string_view text, const std::string& what, int ma
   }
 }
 
+nlohmann::ordered_json parse_ordered_json(std::string_view text, const std::string& what, int max_depth) {
+  auto callback = [max_depth](int depth, nlohmann::ordered_json::parse_event_t event, nlohmann::ordered_json&) -> bool {
+    if ((event == nlohmann::ordered_json::parse_event_t::object_start ||
+         event == nlohmann::ordered_json::parse_event_t::array_start) &&
+        depth >= max_depth)
+      throw TooDeep{};
+    return true;
+  };
+  try {
+    return nlohmann::ordered_json::parse(text.begin(), text.end(), callback);
+  } catch (const TooDeep&) {
+    fail("{}: JSON nested deeper than {} levels", what, max_depth);
+  } catch (const nlohmann::ordered_json::exception& e) {
+    fail("{}: not valid JSON: {}", what, e.what());
+  }
+}
+
 nlohmann::json parse_json_or_discarded(std::string_view text, int max_depth) {
   try {
     return parse_bounded(text, max_depth);

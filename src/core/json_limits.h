@@ -18,6 +18,8 @@ constexpr int kMaxJsonDepth = 64;
 // The parsed value; Error "WHAT: not valid JSON: ..." or "WHAT: JSON nested deeper than 64
 // levels" (nothing is built beyond the limit).
 nlohmann::json parse_json(std::string_view text, const std::string& what, int max_depth = kMaxJsonDepth);
+// The same keeping the objects' key order (chat templates print tool schemas in their order).
+nlohmann::ordered_json parse_ordered_json(std::string_view text, const std::string& what, int max_depth = kMaxJsonDepth);
 // The same without exceptions: a discarded value (is_discarded()) when malformed or too deep.
 nlohmann::json parse_json_or_discarded(std::string_view text, int max_depth = kMaxJsonDepth);
 

@@ -44,4 +44,48 @@ std::string render_chat(const Template& t, const ChatInput& in, const RenderOpti
   return t.render(chat_context(in), opts, generation);
 }
 
+const char* mask_rule_name(MaskRule r) {
+  switch (r) {
+    case MaskRule::generation: return "generation";
+    case MaskRule::prefix: return "prefix";
+    case MaskRule::unstable: return "unstable";
+  }
+  return "?";
+}
+
+AssistantSpans assistant_spans(const Template& t, const ChatInput& in, const std::string& full, const Spans& generation,
+                               const RenderOptions& opts) {
+  AssistantSpans out;
+  if (t.has_generation()) {
+    out.rule = MaskRule::generation;
+    out.spans = generation;
+    return out;
+  }
+  const auto starts = [](const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; };
+  ChatInput part = in;
+  for (size_t i = 0; i < in.messages.size(); ++i) {
+    const auto& m = in.messages[i];
+    if (!m.is_object() || !m.contains("role") || m["role"] != "assistant") continue;
+    try {
+      part.messages = nlohmann::ordered_json(std::vector<nlohmann::ordered_json>(in.messages.begin(), in.messages.begin() + (long)i));
+      part.add_generation_prompt = true;
+      const std::string p = render_chat(t, part, opts);
+      part.messages.push_back(m);
+      part.add_generation_prompt = false;
+      const std::string q = render_chat(t, part, opts);
+      if (!starts(q, p) || !starts(full, q) || q.size() == p.size()) {
+        out.spans.clear();
+        out.rule = MaskRule::unstable;
+        return out;
+      }
+      out.spans.emplace_back(p.size(), q.size());
+    } catch (const TemplateError&) {  // a prefix the template refuses (e.g. must end with a user turn)
+      out.spans.clear();
+      out.rule = MaskRule::unstable;
+      return out;
+    }
+  }
+  return out;
+}
+
 }  // namespace moetron::jinja

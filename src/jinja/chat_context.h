@@ -36,4 +36,23 @@ Value chat_context(const ChatInput& in);
 std::string render_chat(const Template& t, const ChatInput& in, const RenderOptions& opts = {},
                         Spans* generation = nullptr);
 
+// Where the assistant's turns are in `full` (= render_chat(t, in)) as byte ranges, for loss masks:
+//   generation  the template's {% generation %} blocks (`generation`, from that render), as
+//               transformers' return_assistant_tokens_mask;
+//   prefix      otherwise, for each assistant message i: P = render(messages[:i],
+//               add_generation_prompt=true), Q = render(messages[:i+1]); when Q starts with P and
+//               `full` starts with Q, the turn is [|P|, |Q|): its content and the end-of-turn markup
+//               the template closes it with;
+//   unstable    a template without generation blocks where that fails for some turn (it renders
+//               earlier turns differently once later ones exist, as Qwen3 drops old reasoning): no
+//               spans; callers count and report such conversations.
+enum class MaskRule : uint8_t { generation, prefix, unstable };
+const char* mask_rule_name(MaskRule r);
+struct AssistantSpans {
+  Spans spans;
+  MaskRule rule = MaskRule::prefix;
+};
+AssistantSpans assistant_spans(const Template& t, const ChatInput& in, const std::string& full, const Spans& generation,
+                               const RenderOptions& opts = {});
+
 }  // namespace moetron::jinja

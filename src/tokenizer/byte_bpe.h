@@ -58,6 +58,9 @@ class ByteBpe {
   const std::string& piece(int32_t id) const { return piece_[(size_t)id]; }
   int32_t piece_to_id(std::string_view piece) const;  // -1 when none
   bool is_special(int32_t id) const { return kind_[(size_t)id] == Kind::special; }
+  // The bytes of the text an id was encoded from: a special added token's content, else what it
+  // decodes to.
+  const std::string& text_of(int32_t id) const { return is_special(id) ? piece_[(size_t)id] : bytes_[(size_t)id]; }
 
   enum class Pattern : uint8_t { qwen, gpt2 };
 

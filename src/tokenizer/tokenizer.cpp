@@ -196,6 +196,21 @@ std::string Tokenizer::id_to_piece(int32_t id) const {
   return sp_->IdToPiece(id);
 }
 
+bool Tokenizer::token_offsets(std::span<const int32_t> ids, std::string_view text,
+                              std::vector<std::pair<size_t, size_t>>& out) const {
+  out.clear();
+  if (!bbpe_) return false;
+  size_t at = 0;
+  for (int32_t id : ids) {
+    if (id < 0 || id >= vocab_size_) return false;
+    const std::string& t = bbpe_->text_of(id);
+    if (text.compare(at, t.size(), t) != 0) return false;
+    out.emplace_back(at, at + t.size());
+    at += t.size();
+  }
+  return at == text.size();
+}
+
 int32_t Tokenizer::piece_to_id(std::string_view piece) const {
   if (bbpe_) return bbpe_->piece_to_id(piece);
   const int id = sp_->PieceToId(piece);

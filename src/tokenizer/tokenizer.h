@@ -27,6 +27,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace sentencepiece {
@@ -71,6 +72,11 @@ class Tokenizer {
   // The piece string of one id ("▁the", "<0x0A>", "<s>"; byte-level: "Ġthe", "<|im_end|>"); Error
   // when out of range.
   std::string id_to_piece(int32_t id) const;
+  // Byte-level BPE: the byte range of `text` each of `ids` (= encode(text)) came from, HF's
+  // offsets; false when the pieces do not spell the text back (a normaliser changed it) or for
+  // SentencePiece models.
+  bool token_offsets(std::span<const int32_t> ids, std::string_view text,
+                     std::vector<std::pair<size_t, size_t>>& out) const;
   // The id of a piece string, or -1 when the vocabulary has no such piece.
   int32_t piece_to_id(std::string_view piece) const;
 

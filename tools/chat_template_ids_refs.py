@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Token ids and assistant masks of rendered chat templates, as transformers gives them, for
+`moetron template render --ids` (tests/test_template_cli.cpp).
+
+Usage (from the repository root):  python3 tools/chat_template_ids_refs.py
+
+For each case below: a PreTrainedTokenizerFast over ../shared/data/qwen-tokenizer.json with the
+case's special tokens and chat template, then for every conversation of
+tests/data/chat_templates/conversations.jsonl (add_generation_prompt false):
+apply_chat_template(messages, tools=..., tokenize=True, return_dict=True,
+return_assistant_tokens_mask=<template has {% generation %}>, **chat_template_kwargs).
+Writes tests/data/chat_templates/ids/<case>.jsonl: {"conversation", "ids", "assistant_mask"} (the mask
+only for generation templates) or {"conversation", "error"}.  The clock is frozen at 2026-12-07 12:00.
+"""
+import datetime as _dt
+import json
+import os
+import re
+
+import transformers.utils.chat_template_utils as ctu
+from transformers import PreTrainedTokenizerFast
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(ROOT, "..", "shared", "data")
+
+
+class _Frozen(_dt.datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return cls(2026, 12, 7, 12, 0, 0)
+
+
+ctu.datetime = _Frozen
+
+CASES = {
+    # name: (template file, special tokens)
+    "qwen3": ("Qwen-Qwen3-0.6B.jinja", {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+    "lfm25": ("LFM2.5-8B-A1B.jinja", {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+}
+
+
+def main():
+    convs = [json.loads(l) for l in open(os.path.join(ROOT, "tests/data/chat_templates/conversations.jsonl"), encoding="utf-8")]
+    out_dir = os.path.join(ROOT, "tests/data/chat_templates/ids")
+    os.makedirs(out_dir, exist_ok=True)
+    for case, (tfile, specials) in CASES.items():
+        tmpl = open(os.path.join(SHARED, "templates", tfile), encoding="utf-8").read()
+        tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(SHARED, "qwen-tokenizer.json"), **specials)
+        tok.chat_template = tmpl
+        gen = re.search(r"\{\%-?\s*generation\s*-?\%\}", tmpl) is not None
+        lines = []
+        for c in convs:
+            rec = {"conversation": c["name"]}
+            try:
+                enc = tok.apply_chat_template(c["messages"], tools=c.get("tools"), tokenize=True, return_dict=True,
+                                              return_assistant_tokens_mask=gen, **c.get("chat_template_kwargs", {}))
+                rec["ids"] = list(enc["input_ids"])
+                if gen:
+                    rec["assistant_mask"] = list(enc["assistant_masks"])
+            except Exception as e:  # noqa: BLE001 - the reference records what transformers does
+                rec["error"] = f"{type(e).__name__}: {e}"
+            lines.append(json.dumps(rec, ensure_ascii=False))
+        with open(os.path.join(out_dir, case + ".jsonl"), "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        print(case, len(lines), "conversations,", sum("error" in json.loads(l) for l in lines), "errors")
+
+
+if __name__ == "__main__":
+    main()
