@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "core/error.h"
+#include "tokenizer/unicode.h"
 
 namespace moetron::jinja {
 
@@ -211,23 +212,10 @@ std::vector<uint32_t> utf8_decode(std::string_view s) {
 }
 
 void utf8_append(std::string& out, uint32_t cp) {
-  if (cp >= 0xDC80 && cp <= 0xDCFF) {  // an invalid byte kept as it was
+  if (cp >= 0xDC80 && cp <= 0xDCFF)  // an invalid byte kept as it was
     out += (char)(cp - 0xDC00);
-  } else if (cp < 0x80) {
-    out += (char)cp;
-  } else if (cp < 0x800) {
-    out += (char)(0xC0 | (cp >> 6));
-    out += (char)(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += (char)(0xE0 | (cp >> 12));
-    out += (char)(0x80 | ((cp >> 6) & 0x3F));
-    out += (char)(0x80 | (cp & 0x3F));
-  } else {
-    out += (char)(0xF0 | (cp >> 18));
-    out += (char)(0x80 | ((cp >> 12) & 0x3F));
-    out += (char)(0x80 | ((cp >> 6) & 0x3F));
-    out += (char)(0x80 | (cp & 0x3F));
-  }
+  else
+    unicode::append_utf8(out, (char32_t)cp);
 }
 
 size_t utf8_length(std::string_view s) {
