@@ -19,6 +19,7 @@
 #include "infer/generate.h"
 #include "infer/model.h"
 #include "server/engine.h"
+#include "infer/chat_format.h"
 #include "server/openai_api.h"
 #include "server/server.h"
 
@@ -588,20 +589,23 @@ TEST(ServeChatml, QwenStyleModelAnswersAChatmlChat) {
   const auto model = load_inference_model(dir.string());
   const auto tok = load_model_tokenizer(dir.string(), "", model->cfg, true);
   ASSERT_TRUE(tok->byte_level());
-  const TemplateChoice tc = choose_chat_template(dir.string(), "auto");
-  ASSERT_EQ(tc.tmpl, ChatTemplate::chatml) << tc.source;
+  // The directory's own template (a ChatML Jinja template), rendered as transformers does; the
+  // built-in chatml format gives the same tokens.
+  const TemplateChoice tc = choose_chat_template(dir.string(), "auto", tok->byte_level());
+  ASSERT_TRUE(tc.jinja) << tc.source;
   std::vector<int32_t> eos = model_eos_ids(dir.string(), model->cfg, tok.get());
-  add_chat_stop_ids(eos, tc.tmpl, *tok, model->cfg);
+  add_chat_stop_ids(eos, tc, *tok, model->cfg);
   EXPECT_NE(std::find(eos.begin(), eos.end(), tok->piece_to_id("<|im_end|>")), eos.end());
   // The prompt tokens are transformers' apply_chat_template(add_generation_prompt=True).
-  EXPECT_EQ(chat_prompt_tokens(tc.tmpl, *tok, {{Role::user, t["chat"]["user"].get<std::string>()}}),
-            t["chat"]["prompt_ids"].get<std::vector<int32_t>>());
+  const std::vector<ChatMessage> chat = {{Role::user, t["chat"]["user"].get<std::string>()}};
+  EXPECT_EQ(chat_prompt_tokens(tc, *tok, chat), t["chat"]["prompt_ids"].get<std::vector<int32_t>>());
+  EXPECT_EQ(chat_prompt_tokens(ChatTemplate::chatml, *tok, chat), t["chat"]["prompt_ids"].get<std::vector<int32_t>>());
 
   server::ServerOptions o;
   o.port = 0;
   o.model_name = "tiny-qwen3-moe";
   ModelRunner dec(*model);
-  server::Server srv(dec, *tok, tc.tmpl, eos, o);
+  server::Server srv(dec, *tok, tc, eos, o);
   const int port = srv.bind();
   std::thread th([&] { srv.run(); });
   for (bool stream : {false, true}) {

@@ -1,7 +1,7 @@
 // moetron template render: texts, token ids and assistant masks as transformers gives them.
 // References: tests/data/chat_templates/refs (texts, tools/chat_template_refs.py) and
-// tests/data/chat_templates/ids (ids and masks of HF's apply_chat_template(tokenize=True), with the
-// Qwen vocabulary, tools/chat_template_ids_refs.py).
+// tests/data/chat_templates/ids (ids and masks of HF's apply_chat_template(tokenize=True) and the
+// prefix rule computed with transformers, with the Qwen vocabulary: tools/chat_template_ids_refs.py).
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "io/indexed_dataset.h"
 #include "temp_dir.h"
 #include "tokenizer/tokenizer.h"
 
@@ -74,6 +75,7 @@ TEST(TemplateCli, IdsAndMasksEqualTransformers) {
     GTEST_SKIP() << "../shared/data (Qwen tokenizer, templates) is absent";
   const std::map<std::string, std::pair<std::string, ordered_json>> cases = {
       {"qwen3", {"Qwen-Qwen3-0.6B.jinja", {{"eos_token", "<|im_end|>"}, {"pad_token", "<|endoftext|>"}}}},
+      {"qwen25", {"Qwen-Qwen2.5-7B-Instruct.jinja", {{"eos_token", "<|im_end|>"}, {"pad_token", "<|endoftext|>"}}}},
       {"lfm25",
        {"LFM2.5-8B-A1B.jinja",
         {{"bos_token", "<|endoftext|>"}, {"eos_token", "<|im_end|>"}, {"pad_token", "<|endoftext|>"}}}},
@@ -95,14 +97,16 @@ TEST(TemplateCli, IdsAndMasksEqualTransformers) {
       }
       ASSERT_TRUE(got[k].contains("ids")) << got[k].dump();
       EXPECT_EQ(got[k]["ids"], want[k]["ids"]);
-      if (want[k].contains("assistant_mask")) {  // a {% generation %} template: HF's mask
-        EXPECT_EQ(got[k]["mask_rule"], "generation");
+      // generation: HF's assistant_masks; prefix: the rule computed by the script with transformers.
+      EXPECT_EQ(got[k]["mask_rule"], want[k]["mask_rule"]);
+      EXPECT_EQ(got[k].contains("assistant_mask"), want[k].contains("assistant_mask"));
+      if (want[k].contains("assistant_mask")) {
         EXPECT_EQ(got[k]["assistant_mask"], want[k]["assistant_mask"]);
-        ++masks;
+        for (const auto& b : want[k]["assistant_mask"]) masks += b == 1;
       }
     }
     EXPECT_EQ(r.code, 1) << "the conversations the template refuses make the exit status 1";
-    if (name == "lfm25") EXPECT_GE(masks, 10u);
+    EXPECT_GE(masks, 20u) << "masked tokens compared";
   }
 }
 
@@ -167,4 +171,65 @@ TEST(TemplateCli, BadInputNamesTheLine) {
   EXPECT_EQ(run("--template " + dir.file("t.jinja") + " --input " + dir.file("none.jsonl")).code, 2);
   // A model directory without a template.
   EXPECT_EQ(run("--model " + dir.path().string() + " --input " + dir.file("in.jsonl")).code, 2);
+}
+
+// data prepare with a model directory's own template (the default --template auto): token ids and
+// loss masks equal the references (HF's ids; HF's assistant_masks for a generation template, the
+// prefix rule for the others); conversations the template refuses or cannot mask are counted.
+TEST(TemplateDataPrepare, ModelTemplateIdsAndMasksEqualTheReferences) {
+  if (!fs::exists(kShared / "qwen-tokenizer.json") || !fs::exists(kShared / "templates"))
+    GTEST_SKIP() << "../shared/data (Qwen tokenizer, templates) is absent";
+  const std::map<std::string, std::pair<std::string, ordered_json>> cases = {
+      {"qwen3", {"Qwen-Qwen3-0.6B.jinja", {{"eos_token", "<|im_end|>"}, {"pad_token", "<|endoftext|>"}}}},
+      {"qwen25", {"Qwen-Qwen2.5-7B-Instruct.jinja", {{"eos_token", "<|im_end|>"}, {"pad_token", "<|endoftext|>"}}}},
+      {"lfm25",
+       {"LFM2.5-8B-A1B.jinja",
+        {{"bos_token", "<|endoftext|>"}, {"eos_token", "<|im_end|>"}, {"pad_token", "<|endoftext|>"}}}},
+  };
+  for (const auto& [name, c] : cases) {
+    SCOPED_TRACE(name);
+    moetron::testing::TempDir dir("template_prepare");
+    const fs::path model = dir.path() / "model", out = dir.path() / "out";
+    fs::create_directories(model);
+    make_model(model, c.first, c.second);
+    const std::string cmd = std::string(MOETRON_BINARY) + " data prepare --input " +
+                            (kData / "conversations.jsonl").string() + " --tokenizer " + (model / "tokenizer.json").string() +
+                            " --output " + out.string() + " --valid-fraction 0 --quiet > " + dir.file("log") + " 2>&1";
+    const int status = std::system(cmd.c_str());
+    ASSERT_EQ(WEXITSTATUS(status), 0) << moetron::testing::read_text(dir.file("log"));
+    // The documents expected, in input order: those with a mask holding a 1.
+    std::vector<ordered_json> want;
+    size_t refused = 0, unstable = 0, no_loss = 0;
+    for (const ordered_json& r : read_jsonl(kData / "ids" / (name + ".jsonl"))) {
+      if (r.contains("error")) {
+        ++refused;
+      } else if (r["mask_rule"] == "unstable") {
+        ++unstable;
+      } else {
+        bool any = false;
+        for (const auto& b : r["assistant_mask"]) any = any || b == 1;
+        if (any)
+          want.push_back(r);
+        else
+          ++no_loss;
+      }
+    }
+    const moetron::IndexedDataset ds = moetron::IndexedDataset::open((out / "train").string());
+    const moetron::IndexedDataset ms = moetron::IndexedDataset::open((out / "train_mask").string());
+    ASSERT_EQ(ds.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      SCOPED_TRACE(want[i]["conversation"].get<std::string>());
+      std::vector<int32_t> t(ds.length(i)), m(ms.length(i));
+      ds.read(i, t.data());
+      ms.read(i, m.data());
+      EXPECT_EQ(ordered_json(t), want[i]["ids"]);
+      EXPECT_EQ(ordered_json(m), want[i]["assistant_mask"]);
+    }
+    std::ifstream dj(out / "dataset.json");
+    const nlohmann::json j = nlohmann::json::parse(dj);
+    EXPECT_EQ(j["template"], "jinja");
+    EXPECT_EQ(j["skipped"]["by_reason"]["template_error"], refused);
+    EXPECT_EQ(j["skipped"]["by_reason"]["not_prefix_stable"], unstable);
+    EXPECT_EQ(j["skipped"]["by_reason"]["no_loss_tokens"], no_loss);
+  }
 }

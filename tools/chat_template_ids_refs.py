@@ -9,8 +9,15 @@ case's special tokens and chat template, then for every conversation of
 tests/data/chat_templates/conversations.jsonl (add_generation_prompt false):
 apply_chat_template(messages, tools=..., tokenize=True, return_dict=True,
 return_assistant_tokens_mask=<template has {% generation %}>, **chat_template_kwargs).
-Writes tests/data/chat_templates/ids/<case>.jsonl: {"conversation", "ids", "assistant_mask"} (the mask
-only for generation templates) or {"conversation", "error"}.  The clock is frozen at 2026-12-07 12:00.
+Writes tests/data/chat_templates/ids/<case>.jsonl: {"conversation", "ids", "assistant_mask", "mask_rule"} or
+{"conversation", "error"}.  The clock is frozen at 2026-12-07 12:00.
+
+The mask: a generation template's is transformers' assistant_masks ("generation"); for the others it is the
+prefix rule of moetron's jinja/chat_context.h, computed here independently with transformers: for each
+assistant message i, P = render(messages[:i], add_generation_prompt=True), Q = render(messages[:i+1]); when
+Q starts with P and the whole rendering starts with Q, the tokens whose offsets (the tokenizer's
+offset_mapping) overlap [len(P), len(Q)) are 1 ("prefix"); otherwise no mask ("unstable").  Offsets are in
+characters here and in bytes in moetron; both locate the same tokens.
 """
 import datetime as _dt
 import json
@@ -35,8 +42,33 @@ ctu.datetime = _Frozen
 CASES = {
     # name: (template file, special tokens)
     "qwen3": ("Qwen-Qwen3-0.6B.jinja", {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+    "qwen25": ("Qwen-Qwen2.5-7B-Instruct.jinja", {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
     "lfm25": ("LFM2.5-8B-A1B.jinja", {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
 }
+
+
+def render(tok, c, messages, agp):
+    return tok.apply_chat_template(messages, tools=c.get("tools"), tokenize=False, add_generation_prompt=agp,
+                                   **c.get("chat_template_kwargs", {}))
+
+
+def prefix_mask(tok, c, ids):
+    full = render(tok, c, c["messages"], False)
+    spans = []
+    for i, m in enumerate(c["messages"]):
+        if m.get("role") != "assistant":
+            continue
+        try:
+            p = render(tok, c, c["messages"][:i], True)
+            q = render(tok, c, c["messages"][: i + 1], False)
+        except Exception:  # noqa: BLE001 - a prefix the template refuses
+            return None, "unstable"
+        if not q.startswith(p) or not full.startswith(q) or len(q) == len(p):
+            return None, "unstable"
+        spans.append((len(p), len(q)))
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    assert list(enc["input_ids"]) == ids
+    return [int(any(a < e and b > s for s, e in spans)) for a, b in enc["offset_mapping"]], "prefix"
 
 
 def main():
@@ -57,6 +89,12 @@ def main():
                 rec["ids"] = list(enc["input_ids"])
                 if gen:
                     rec["assistant_mask"] = list(enc["assistant_masks"])
+                    rec["mask_rule"] = "generation"
+                else:
+                    mask, rule = prefix_mask(tok, c, rec["ids"])
+                    rec["mask_rule"] = rule
+                    if mask is not None:
+                        rec["assistant_mask"] = mask
             except Exception as e:  # noqa: BLE001 - the reference records what transformers does
                 rec["error"] = f"{type(e).__name__}: {e}"
             lines.append(json.dumps(rec, ensure_ascii=False))

@@ -13,6 +13,7 @@
 #include "cli/commands.h"
 #include "cli/generation_options.h"
 #include "core/error.h"
+#include "infer/chat_format.h"
 #include "infer/generate.h"
 #include "infer/model.h"
 
@@ -40,14 +41,14 @@ int run_chat(int argc, char** argv) {
   apply_generation_options(g);
   const LoadedModel model = load_model(m);
   const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(m.dir, m.tokenizer_path, model.cfg, true);
-  const TemplateChoice tc = choose_chat_template(m.dir, m.template_name);
+  const TemplateChoice tc = choose_chat_template(m.dir, m.template_name, tok->byte_level());
   Runner& runner = *model.runner;
   KvCache cache = runner.new_cache();
   GenerateOptions o;
   o.max_new_tokens = max_new_tokens;
   o.sampling = g.sampling;
   o.eos_ids = model_eos_ids(m.dir, model.cfg, tok.get());
-  add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model.cfg);
+  add_chat_stop_ids(o.eos_ids, tc, *tok, model.cfg);
   o.stop = g.stop;
   o.max_positions = model.cfg.max_position_embeddings;
   o.chat_reply = true;
@@ -55,7 +56,7 @@ int run_chat(int argc, char** argv) {
   const bool interactive = isatty(STDIN_FILENO);
   if (interactive)
     std::printf("moetron chat: %s, template %s (%s). /reset, /system TEXT, /exit\n", m.dir.c_str(),
-                chat_template_name(tc.tmpl), tc.source.c_str());
+                tc.name().c_str(), tc.source.c_str());
   std::vector<ChatMessage> history;
   auto reset = [&] {
     history.clear();
@@ -87,7 +88,7 @@ int run_chat(int argc, char** argv) {
     history.push_back({Role::user, line});
     std::vector<int32_t> prompt;
     try {
-      prompt = chat_prompt_tokens(tc.tmpl, *tok, history);
+      prompt = chat_prompt_tokens(tc, *tok, history);
     } catch (const Error& e) {
       history.pop_back();
       std::printf("[cannot format this conversation: %s]\n", e.what());

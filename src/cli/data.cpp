@@ -1,10 +1,14 @@
 // moetron data prepare: chat / prompt-completion / text JSONL -> token and loss-mask datasets.
-//   moetron data prepare --input F.jsonl... --tokenizer T.model --output DIR [--template mistral]
+//   moetron data prepare --input F.jsonl... --tokenizer T.model|tokenizer.json --output DIR [--template auto]
 //                        [--format auto] [--valid-fraction 0.01 | --valid-input V.jsonl...]
 //                        [--train-on-prompt] [--threads N] [--strict] [--seed S] [--max-line-bytes N]
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -13,25 +17,74 @@
 #include "cli/commands.h"
 #include "cli/threads.h"
 #include "core/error.h"
+#include "core/sha256.h"
 #include "data/prepare.h"
 #include "io/output_guard.h"
+#include "jinja/model_template.h"
 
 namespace moetron::cli {
 
+namespace fs = std::filesystem;
+
 namespace {
+
+// --template: a built-in format, or a Jinja template (the model directory's, beside the tokenizer,
+// or a file) with the special tokens of the tokenizer_config.json beside the tokenizer.
+void resolve_template(const std::string& name, PrepareOptions& o) {
+  const bool file = name.size() > 6 && name.compare(name.size() - 6, 6, ".jinja") == 0;
+  if (name != "auto" && name != "jinja" && !file) {
+    o.chat_template = parse_chat_template(name);
+    return;
+  }
+  const std::string dir = fs::path(o.tokenizer_path).parent_path().string();
+  const bool json_tokenizer = fs::path(o.tokenizer_path).extension() == ".json";
+  std::optional<jinja::ModelTemplate> mt;
+  if (file) {
+    std::ifstream in(name, std::ios::binary);
+    if (!in) throw InputError(fmt::format("--template {}: cannot open", name));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    mt.emplace();
+    mt->source = ss.str();
+    mt->origin = name;
+    if (const auto beside = jinja::load_model_template(dir.empty() ? "." : dir)) mt->special_tokens = beside->special_tokens;
+  } else {
+    mt = jinja::load_model_template(dir.empty() ? "." : dir);
+  }
+  if (!mt || (name == "auto" && !json_tokenizer)) {
+    if (name == "jinja")
+      throw InputError(fmt::format("--template jinja: {} holds no chat template (chat_template.jinja or tokenizer_config.json's "
+                                   "\"chat_template\")", dir.empty() ? "." : dir));
+    o.chat_template = ChatTemplate::mistral;  // auto without a template (or with a SentencePiece model)
+    return;
+  }
+  if (!json_tokenizer)
+    throw InputError(fmt::format("--template {}: a Jinja template needs a Hugging Face tokenizer.json (byte-level BPE) to "
+                                 "encode its rendering as transformers does; for {} use mistral | llama2 | chatml | raw",
+                                 name, o.tokenizer_path));
+  JinjaChat jc;
+  jc.tmpl = std::make_shared<const jinja::Template>(mt->source, fs::path(mt->origin).filename().string());
+  jc.special_tokens = mt->special_tokens;
+  jc.origin = mt->origin;
+  jc.sha256 = sha256_hex(mt->source);
+  std::fprintf(stderr, "data prepare: chat template %s (Jinja)\n", mt->origin.c_str());
+  o.jinja = std::move(jc);
+}
 
 int run_data_prepare(int argc, char** argv) {
   CLI::App app{"Tokenize JSONL ('messages' chats, 'prompt'+'completion' pairs or 'text' documents) with a chat "
                "template into Megatron .bin/.idx token and loss-mask datasets plus dataset.json.",
                "moetron data prepare"};
   PrepareOptions o;
-  std::string tmpl = "mistral", format = "auto";
+  std::string tmpl = "auto", format = "auto";
   bool quiet = false;
   app.add_option("--input", o.inputs, "JSONL input files")->required();
   app.add_option("--tokenizer", o.tokenizer_path, "SentencePiece tokenizer.model or Hugging Face tokenizer.json (byte-level BPE)")->required();
   app.add_option("--output", o.output_dir, "output directory")->required();
-  app.add_option("--template", tmpl, "chat template: mistral | llama2 | chatml | raw")
-      ->check(CLI::IsMember({"mistral", "llama2", "chatml", "raw"}));
+  app.add_option("--template", tmpl,
+                 "chat template: auto (the model's own Jinja template when the tokenizer.json's directory has one, "
+                 "else mistral) | jinja (that template, required) | F.jinja (a template file) | mistral | llama2 | "
+                 "chatml | raw");
   app.add_option("--format", format, "auto | chat | prompt_completion | text (auto: detected per file)")
       ->check(CLI::IsMember({"auto", "chat", "prompt_completion", "text"}));
   auto* frac = app.add_option("--valid-fraction", o.valid_fraction,
@@ -52,7 +105,7 @@ int run_data_prepare(int argc, char** argv) {
     return app.exit(e);
   }
   check_thread_count("--threads", o.threads);
-  o.chat_template = parse_chat_template(tmpl);
+  resolve_template(tmpl, o);
   o.format = parse_record_format(format);
   o.progress = ::isatty(STDERR_FILENO);
   if (quiet) o.log = nullptr;

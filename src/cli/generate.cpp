@@ -12,6 +12,7 @@
 #include "cli/commands.h"
 #include "cli/generation_options.h"
 #include "core/error.h"
+#include "infer/chat_format.h"
 #include "infer/generate.h"
 #include "infer/model.h"
 #include "infer/perplexity.h"
@@ -116,9 +117,11 @@ int run_generate(int argc, char** argv) {
   o.chat_reply = chat;
 
   if (!eval_chat.empty()) {
-    const TemplateChoice tc = choose_chat_template(m.dir, m.template_name);
-    add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model.cfg);
-    const AnswerAccuracy acc = chat_answer_accuracy(runner, *tok, tc.tmpl, o.eos_ids, eval_chat, max_new_tokens, limit);
+    const TemplateChoice tc = choose_chat_template(m.dir, m.template_name, tok->byte_level());
+    add_chat_stop_ids(o.eos_ids, tc, *tok, model.cfg);
+    const AnswerAccuracy acc = chat_answer_accuracy(
+        runner, *tok, [&](const std::vector<ChatMessage>& msgs) { return chat_prompt_tokens(tc, *tok, msgs); }, o.eos_ids,
+        eval_chat, max_new_tokens, limit);
     for (const std::string& e : acc.examples) std::printf("  %s\n", e.c_str());
     std::printf("exact-answer accuracy: %ld / %ld = %.1f%%\n", acc.correct, acc.total, 100.0 * acc.fraction());
     return 0;
@@ -133,12 +136,12 @@ int run_generate(int argc, char** argv) {
   } else {
     std::vector<int32_t> ids;
     if (chat) {
-      const TemplateChoice tc = choose_chat_template(m.dir, m.template_name);
-      add_chat_stop_ids(o.eos_ids, tc.tmpl, *tok, model.cfg);
+      const TemplateChoice tc = choose_chat_template(m.dir, m.template_name, tok->byte_level());
+      add_chat_stop_ids(o.eos_ids, tc, *tok, model.cfg);
       std::vector<ChatMessage> msgs;
       if (!system.empty()) msgs.push_back({Role::system, system});
       msgs.push_back({Role::user, prompt});
-      ids = chat_prompt_tokens(tc.tmpl, *tok, msgs);
+      ids = chat_prompt_tokens(tc, *tok, msgs);
     } else {
       if (!system.empty()) fail("--system needs --chat");
       ids = completion_prompt_tokens(*tok, prompt);

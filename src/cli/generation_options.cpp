@@ -36,7 +36,7 @@ void add_model_options(CLI::App& app, ModelOptions& m) {
   add_quantize_option(app, m.quantize);
   app.add_option("--tokenizer", m.tokenizer_path,
                  "tokenizer.model or tokenizer.json (default: MODEL/tokenizer.model, else MODEL/tokenizer.json)");
-  app.add_option("--template", m.template_name, "chat template: auto (the model's) | mistral | llama2 | chatml | raw");
+  app.add_option("--template", m.template_name, "chat template: auto (the model's: its Jinja template with a tokenizer.json) | jinja | F.jinja | mistral | llama2 | chatml | raw");
 }
 
 LoadedModel load_model(const ModelOptions& m) {

@@ -67,9 +67,9 @@ int run_serve(int argc, char** argv) {
   if (o.model_name.empty()) o.model_name = std::filesystem::absolute(m.dir).parent_path().filename().string();
   const LoadedModel model = load_model(m);
   const std::unique_ptr<Tokenizer> tok = load_model_tokenizer(m.dir, m.tokenizer_path, model.cfg, true);
-  const TemplateChoice tc = choose_chat_template(m.dir, m.template_name);
+  const TemplateChoice tc = choose_chat_template(m.dir, m.template_name, tok->byte_level());
   std::vector<int32_t> eos = model_eos_ids(m.dir, model.cfg, tok.get());
-  add_chat_stop_ids(eos, tc.tmpl, *tok, model.cfg);
+  add_chat_stop_ids(eos, tc, *tok, model.cfg);
 
   // SIGINT / SIGTERM go to one waiting thread (blocked everywhere else, so set before any thread starts).
   sigset_t sigs;
@@ -78,7 +78,7 @@ int run_serve(int argc, char** argv) {
   sigaddset(&sigs, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
 
-  server::Server srv(*model.runner, *tok, tc.tmpl, eos, o);
+  server::Server srv(*model.runner, *tok, tc, eos, o);
   const int port = srv.bind();
   std::atomic<bool> signalled{false};
   std::thread waiter([&] {
@@ -89,7 +89,7 @@ int run_serve(int argc, char** argv) {
   });
   std::fprintf(stderr, "moetron serve: model %s (%s, %d layers), chat template %s (%s), batch %d, queue %zu\n",
                o.model_name.c_str(), model.cfg.architecture.c_str(), model.cfg.num_hidden_layers,
-               chat_template_name(tc.tmpl), tc.source.c_str(), srv.max_batch(), o.queue_size);
+               tc.name().c_str(), tc.source.c_str(), srv.max_batch(), o.queue_size);
   std::printf("moetron serve: listening on http://%s:%d\n", o.host.c_str(), port);
   std::fflush(stdout);
   srv.run();

@@ -40,6 +40,8 @@ const char* skip_reason_name(SkipReason r) {
     case SkipReason::empty_assistant: return "empty_assistant";
     case SkipReason::no_loss_tokens: return "no_loss_tokens";
     case SkipReason::line_too_long: return "line_too_long";
+    case SkipReason::template_error: return "template_error";
+    case SkipReason::not_prefix_stable: return "not_prefix_stable";
   }
   return "?";
 }

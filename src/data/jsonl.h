@@ -37,8 +37,11 @@ enum class SkipReason : uint8_t {
   no_loss_tokens,   // the document has no token in the loss (no assistant message) and
                     // --train-on-prompt is off
   line_too_long,    // more bytes than the reader's maximum line length (never held in memory)
+  template_error,   // the model's Jinja template refused the conversation (raise_exception, ...)
+  not_prefix_stable,  // a template without {% generation %} that renders earlier turns differently
+                      // once later ones exist: the assistant turns cannot be located for the mask
 };
-constexpr int kSkipReasonCount = 8;
+constexpr int kSkipReasonCount = 10;
 const char* skip_reason_name(SkipReason r);
 SkipReason skip_reason_of(ChatErrorKind k);
 

@@ -13,8 +13,10 @@
 #include <omp.h>
 
 #include "core/error.h"
+#include "core/json_limits.h"
 #include "core/rng.h"
 #include "io/indexed_dataset.h"
+#include "jinja/chat_context.h"
 #include "tokenizer/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -42,10 +44,91 @@ struct LineResult {
 
 bool is_blank(const std::string& s) { return s.find_first_not_of(" \t\r\n\f\v") == std::string::npos; }
 
+void skip(LineResult& r, SkipReason why, std::string message) {
+  r.outcome = Outcome::skipped;
+  r.reason = why;
+  r.message = std::move(message);
+  r.doc.clear();
+}
+
+// A line through the model's Jinja template (PrepareOptions::jinja); the caller has handled too-long
+// and blank lines.  Any role is accepted (the template decides); prompt/completion lines become a
+// user and an assistant message.
+void jinja_line(const std::string& text, RecordFormat format, const Tokenizer& tok, const JinjaChat& jc,
+                bool train_on_prompt, LineResult& r) {
+  if (!is_valid_utf8(text)) return skip(r, SkipReason::invalid_utf8, "the line is not valid UTF-8");
+  nlohmann::ordered_json j;
+  try {
+    j = parse_ordered_json(text, "the line");
+  } catch (const Error& e) {
+    return skip(r, SkipReason::invalid_json, e.what());
+  }
+  if (!j.is_object()) return skip(r, SkipReason::invalid_json, fmt::format("expected a JSON object, got {}", j.type_name()));
+  const bool has_msgs = j.contains("messages"), has_pc = j.contains("prompt") && j.contains("completion"),
+             has_text = j.contains("text");
+  RecordFormat f = format;
+  if (f == RecordFormat::auto_detect)
+    f = has_msgs ? RecordFormat::chat : has_pc ? RecordFormat::prompt_completion : has_text ? RecordFormat::text : f;
+  jinja::ChatInput in;
+  switch (f) {
+    case RecordFormat::text:
+      if (!has_text || !j["text"].is_string()) return skip(r, SkipReason::missing_field, "expected a string field \"text\"");
+      tokenize_text(tok, j["text"].get<std::string>(), r.doc);
+      r.outcome = Outcome::document;
+      return;
+    case RecordFormat::prompt_completion:
+      if (!has_pc || !j["prompt"].is_string() || !j["completion"].is_string())
+        return skip(r, SkipReason::missing_field, "expected string fields \"prompt\" and \"completion\"");
+      in.messages.push_back({{"role", "user"}, {"content", j["prompt"]}});
+      in.messages.push_back({{"role", "assistant"}, {"content", j["completion"]}});
+      break;
+    case RecordFormat::chat:
+      if (!has_msgs || !j["messages"].is_array())
+        return skip(r, SkipReason::missing_field, "expected an array field \"messages\"");
+      for (size_t k = 0; k < j["messages"].size(); ++k) {
+        const auto& m = j["messages"][k];
+        if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+          return skip(r, SkipReason::missing_field, fmt::format("messages[{}]: expected an object with a string \"role\"", k));
+      }
+      in.messages = j["messages"];
+      break;
+    default:
+      return skip(r, SkipReason::missing_field, "expected \"messages\", \"prompt\" and \"completion\", or \"text\"");
+  }
+  if (j.contains("tools") && j["tools"].is_array()) in.tools = j["tools"];
+  if (j.contains("chat_template_kwargs") && j["chat_template_kwargs"].is_object()) in.kwargs = j["chat_template_kwargs"];
+  in.special_tokens = jc.special_tokens;
+  std::string rendered;
+  jinja::Spans gen;
+  jinja::AssistantSpans spans;
+  try {
+    rendered = jinja::render_chat(*jc.tmpl, in, {}, &gen);
+    if (!train_on_prompt) spans = jinja::assistant_spans(*jc.tmpl, in, rendered, gen);
+  } catch (const jinja::TemplateError& e) {
+    return skip(r, SkipReason::template_error, e.what());
+  }
+  if (!train_on_prompt && spans.rule == jinja::MaskRule::unstable)
+    return skip(r, SkipReason::not_prefix_stable,
+                "the template renders earlier turns differently once later ones exist, and has no {% generation %} "
+                "blocks: the assistant turns cannot be masked (--train-on-prompt would keep it)");
+  r.doc.tokens = tok.encode(rendered);
+  r.doc.loss_mask.assign(r.doc.tokens.size(), train_on_prompt ? 1 : 0);
+  if (!train_on_prompt) {
+    std::vector<std::pair<size_t, size_t>> offs;
+    if (!tok.token_offsets(r.doc.tokens, rendered, offs))
+      throw Error("the tokenizer's pieces do not spell the rendered conversation back (a normaliser changed it): "
+                  "the assistant mask cannot be placed");
+    for (size_t k = 0; k < offs.size(); ++k)
+      for (const auto& [s, e] : spans.spans)
+        if (offs[k].first < e && offs[k].second > s) r.doc.loss_mask[k] = 1;
+  }
+  r.outcome = Outcome::document;
+}
+
 // One line -> a document or the reason it is unusable.  Never throws: an unexpected Error (not a
 // property of the line) becomes Outcome::fatal and stops the run after the chunk.
 void process_line(const Line& line, RecordFormat format, const Tokenizer& tok, ChatTemplate tmpl,
-                  const ChatOptions& copts, size_t max_line_bytes, LineResult& r) {
+                  const ChatOptions& copts, size_t max_line_bytes, LineResult& r, const JinjaChat* jinja) {
   r.doc.clear();
   r.message.clear();
   if (line.too_long_bytes > 0) {
@@ -60,6 +143,12 @@ void process_line(const Line& line, RecordFormat format, const Tokenizer& tok, C
     return;
   }
   try {
+    if (jinja) {
+      jinja_line(line.text, format, tok, *jinja, copts.train_on_prompt, r);
+      if (r.outcome == Outcome::document && r.doc.loss_tokens() == 0)
+        skip(r, SkipReason::no_loss_tokens, "no token is in the loss (no assistant message; --train-on-prompt would keep it)");
+      return;
+    }
     Record rec;
     RecordError err;
     if (!parse_record(line.text, format, rec, err)) {
@@ -252,7 +341,7 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
       const auto tp = Clock::now();
 #pragma omp parallel for num_threads(rep.threads) schedule(dynamic, 8)
       for (size_t i = 0; i < n; i++)
-        process_line(lines[i], fmt, tok, o.chat_template, copts, o.max_line_bytes, results[i]);
+        process_line(lines[i], fmt, tok, o.chat_template, copts, o.max_line_bytes, results[i], o.jinja ? &*o.jinja : nullptr);
       rep.parallel_seconds += std::chrono::duration<double>(Clock::now() - tp).count();
       // Write it in input order.
       for (size_t i = 0; i < n; i++) {
@@ -330,7 +419,12 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
   j["tokenizer"] = {{"path", tok.path()},           {"sha256", tok.sha256()},   {"vocab_size", tok.vocab_size()},
                     {"bos_id", tok.bos_id()},       {"eos_id", tok.eos_id()},   {"unk_id", tok.unk_id()},
                     {"pad_id", tok.pad_id()}};
-  j["template"] = chat_template_name(o.chat_template);
+  if (o.jinja) {  // the model's own template: serving reads the same one from the model directory
+    j["template"] = "jinja";
+    j["chat_template"] = {{"origin", o.jinja->origin}, {"sha256", o.jinja->sha256}};
+  } else {
+    j["template"] = chat_template_name(o.chat_template);
+  }
   j["train_on_prompt"] = o.train_on_prompt;
   j["token_dtype"] = indexed_dtype_name(token_dtype);
   j["mask_dtype"] = indexed_dtype_name(IndexedDType::u8);

@@ -23,15 +23,31 @@
 #include <array>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "data/jsonl.h"
+#include "jinja/jinja.h"
 #include "tokenizer/chat_template.h"
 
 namespace moetron {
+
+// A model's own Jinja chat template (jinja/): each conversation is rendered as transformers'
+// apply_chat_template does (the line's "tools" and "chat_template_kwargs" included, any roles),
+// encoded whole (HF's encode: byte-level BPE tokenizers only), and masked on the assistant turns by
+// jinja::assistant_spans (generation blocks, else the prefix rule; a conversation that is not
+// prefix-stable is skipped as not_prefix_stable, a refused one as template_error).
+struct JinjaChat {
+  std::shared_ptr<const jinja::Template> tmpl;
+  std::vector<std::pair<std::string, std::string>> special_tokens;
+  std::string origin;  // the file it came from (dataset.json)
+  std::string sha256;  // of the template text (dataset.json)
+};
 
 struct PrepareOptions {
   std::vector<std::string> inputs;        // split into train/valid by valid_fraction ...
@@ -39,6 +55,7 @@ struct PrepareOptions {
   std::string tokenizer_path;
   std::string output_dir;  // empty: dry run (nothing written; `moetron bench data`)
   ChatTemplate chat_template = ChatTemplate::mistral;
+  std::optional<JinjaChat> jinja;  // set: the model's template instead of chat_template
   RecordFormat format = RecordFormat::auto_detect;
   double valid_fraction = 0.01;
   bool train_on_prompt = false;

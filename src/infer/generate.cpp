@@ -168,6 +168,15 @@ std::vector<int32_t> completion_prompt_tokens(const Tokenizer& tok, const std::s
 AnswerAccuracy chat_answer_accuracy(Runner& runner, const Tokenizer& tok, ChatTemplate tmpl,
                                     std::span<const int32_t> eos_ids, const std::string& jsonl_path,
                                     int max_new_tokens, long limit) {
+  return chat_answer_accuracy(
+      runner, tok, [&](const std::vector<ChatMessage>& m) { return chat_prompt_tokens(tmpl, tok, m); }, eos_ids,
+      jsonl_path, max_new_tokens, limit);
+}
+
+AnswerAccuracy chat_answer_accuracy(Runner& runner, const Tokenizer& tok,
+                                    const std::function<std::vector<int32_t>(const std::vector<ChatMessage>&)>& prompt_of,
+                                    std::span<const int32_t> eos_ids, const std::string& jsonl_path, int max_new_tokens,
+                                    long limit) {
   LineReader in(jsonl_path);  // lines of up to kDefaultMaxLineBytes; longer ones are never held
   AnswerAccuracy acc;
   KvCache cache = runner.new_cache();
@@ -191,7 +200,7 @@ AnswerAccuracy chat_answer_accuracy(Runner& runner, const Tokenizer& tok, ChatTe
       fail("{}:{}: the last message must be the assistant's answer", jsonl_path, line_no);
     const std::string expected = trim(msgs.back().content);
     msgs.pop_back();
-    const std::vector<int32_t> prompt = chat_prompt_tokens(tmpl, tok, msgs);
+    const std::vector<int32_t> prompt = prompt_of(msgs);
     // The model's positions bound prompt + reply, as for --prompt.
     const int positions = runner.config().max_position_embeddings;
     if (positions > 0 && (long)prompt.size() > positions)

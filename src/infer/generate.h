@@ -121,5 +121,10 @@ struct AnswerAccuracy {
 AnswerAccuracy chat_answer_accuracy(Runner& runner, const Tokenizer& tok, ChatTemplate tmpl,
                                     std::span<const int32_t> eos_ids, const std::string& jsonl_path,
                                     int max_new_tokens, long limit);
+// The same with any formatting of the conversation (e.g. infer/chat_format.h's, a model's template).
+AnswerAccuracy chat_answer_accuracy(Runner& runner, const Tokenizer& tok,
+                                    const std::function<std::vector<int32_t>(const std::vector<ChatMessage>&)>& prompt_of,
+                                    std::span<const int32_t> eos_ids, const std::string& jsonl_path, int max_new_tokens,
+                                    long limit);
 
 }  // namespace moetron

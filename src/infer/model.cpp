@@ -15,6 +15,7 @@
 #include "core/json_limits.h"
 #include "core/mmap.h"
 #include "io/model_files.h"
+#include "jinja/model_template.h"
 #include "model/lora.h"
 #include "model/weights.h"
 
@@ -404,10 +405,57 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
   return m;
 }
 
-TemplateChoice choose_chat_template(const std::string& model_dir, const std::string& explicit_name) {
-  if (!explicit_name.empty() && explicit_name != "auto") return {parse_chat_template(explicit_name), "--template"};
-  if (const auto ds = training_dataset(model_dir); ds && ds->contains("template") && (*ds)["template"].is_string())
-    return {parse_chat_template((*ds)["template"].get<std::string>()), "the training dataset's dataset.json"};
+namespace {
+
+TemplateChoice jinja_choice(const jinja::ModelTemplate& mt) {
+  TemplateChoice c;
+  c.jinja = std::make_shared<const jinja::Template>(mt.source, fs::path(mt.origin).filename().string());
+  c.special_tokens = mt.special_tokens;
+  c.source = mt.origin;
+  return c;
+}
+
+TemplateChoice required_model_template(const std::string& model_dir, bool byte_level, const std::string& why) {
+  const auto mt = jinja::load_model_template(model_dir);
+  if (!mt)
+    throw InputError(fmt::format("{}: {} holds no chat template (chat_template.jinja or tokenizer_config.json's "
+                                 "\"chat_template\")", why, model_dir));
+  if (!byte_level)
+    throw InputError(fmt::format("{}: the model's Jinja template needs a byte-level BPE tokenizer.json; with a "
+                                 "SentencePiece tokenizer use --template mistral | llama2 | chatml | raw", why));
+  return jinja_choice(*mt);
+}
+
+}  // namespace
+
+TemplateChoice choose_chat_template(const std::string& model_dir, const std::string& explicit_name, bool byte_level) {
+  if (!explicit_name.empty() && explicit_name != "auto") {
+    if (explicit_name == "jinja") {
+      TemplateChoice c = required_model_template(model_dir, byte_level, "--template jinja");
+      return c;
+    }
+    if (explicit_name.size() > 6 && explicit_name.compare(explicit_name.size() - 6, 6, ".jinja") == 0) {
+      if (!byte_level)
+        throw InputError(fmt::format("--template {}: a Jinja template needs a byte-level BPE tokenizer.json", explicit_name));
+      std::ifstream in(explicit_name, std::ios::binary);
+      if (!in) throw InputError(fmt::format("--template {}: cannot open", explicit_name));
+      std::stringstream ss;
+      ss << in.rdbuf();
+      jinja::ModelTemplate mt;
+      mt.source = ss.str();
+      mt.origin = explicit_name;
+      if (const auto own = jinja::load_model_template(model_dir)) mt.special_tokens = own->special_tokens;
+      return jinja_choice(mt);
+    }
+    return {parse_chat_template(explicit_name), "--template"};
+  }
+  if (const auto ds = training_dataset(model_dir); ds && ds->contains("template") && (*ds)["template"].is_string()) {
+    const std::string name = (*ds)["template"].get<std::string>();
+    if (name == "jinja") return required_model_template(model_dir, byte_level, "the training dataset's dataset.json (template jinja)");
+    return {parse_chat_template(name), "the training dataset's dataset.json"};
+  }
+  if (byte_level)
+    if (const auto mt = jinja::load_model_template(model_dir)) return jinja_choice(*mt);
   if (const auto tc = read_json_if_exists(fs::path(model_dir) / "tokenizer_config.json");
       tc && tc->is_object() && tc->contains("chat_template") && (*tc)["chat_template"].is_string())
     if (const auto t = template_from_jinja((*tc)["chat_template"].get<std::string>()))
@@ -444,8 +492,18 @@ std::vector<int32_t> model_eos_ids(const std::string& model_dir, const ModelConf
   return ids;
 }
 
-void add_chat_stop_ids(std::vector<int32_t>& eos_ids, ChatTemplate tmpl, const Tokenizer& tok, const ModelConfig& cfg) {
-  for (const int32_t id : chat_stop_ids(tmpl, tok))
+void add_chat_stop_ids(std::vector<int32_t>& eos_ids, const TemplateChoice& tc, const Tokenizer& tok,
+                       const ModelConfig& cfg) {
+  std::vector<int32_t> ids;
+  if (!tc.jinja) {
+    ids = chat_stop_ids(tc.tmpl, tok);
+  } else {
+    for (const char* marker : {"<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|return|>", "<|call|>", "<end_of_turn>",
+                               "<|end_of_text|>"})
+      if (tc.jinja->source().find(marker) != std::string::npos)
+        if (const int32_t id = tok.piece_to_id(marker); id >= 0) ids.push_back(id);
+  }
+  for (const int32_t id : ids)
     if (id < cfg.vocab_size && std::find(eos_ids.begin(), eos_ids.end(), id) == eos_ids.end()) eos_ids.push_back(id);
 }
 

@@ -15,6 +15,7 @@
 #include "core/mmap.h"
 #include "io/hf_config.h"
 #include "io/safetensors.h"
+#include "jinja/jinja.h"
 #include "model/lora.h"
 #include "model/params.h"
 #include "model/weight_provider.h"
@@ -144,25 +145,44 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
                                                      bool widen_to_fp32 = false,
                                                      WeightQuant quant = WeightQuant::none);
 
-// How the chat template was chosen, for messages ("--template", "tokenizer_config.json", ...).
+// How a conversation is formatted for the model, and how that was chosen (`source`, for messages:
+// "--template", "tokenizer_config.json", ...): a built-in format (tokenizer/chat_template.h), or,
+// when `jinja` is set, the model's own Jinja template rendered as transformers does
+// (infer/chat_format.h formats with either).
 struct TemplateChoice {
   ChatTemplate tmpl = ChatTemplate::mistral;
   std::string source;
+  std::shared_ptr<const jinja::Template> jinja;
+  std::vector<std::pair<std::string, std::string>> special_tokens;  // what the Jinja template sees
+  std::string name() const { return jinja ? "jinja" : chat_template_name(tmpl); }
 };
 
-// The chat template of a model directory: `explicit_name` when not empty; otherwise the template the
-// training data was prepared with (trainer_state.json -> config.data.path -> dataset.json "template",
-// for moetron checkpoints); otherwise recognised from the Jinja chat template in tokenizer_config.json
-// or chat_template.jinja ("<|im_start|>" -> chatml, "<<SYS>>" -> llama2, "[INST]" -> mistral);
-// otherwise mistral.
-TemplateChoice choose_chat_template(const std::string& model_dir, const std::string& explicit_name);
+// The chat template of a model directory:
+//   1. `explicit_name` when not empty or "auto": a built-in name, "jinja" (the directory's own
+//      template, required) or a path ending in .jinja;
+//   2. the template the training data was prepared with (trainer_state.json -> config.data.path ->
+//      dataset.json "template", for moetron checkpoints; "jinja": the directory's own);
+//   3. the directory's own Jinja template (chat_template.jinja or tokenizer_config.json's, with its
+//      special tokens) when the tokenizer is byte-level BPE (`byte_level`): rendered as transformers
+//      does; with a SentencePiece tokenizer it is recognised instead ("<|im_start|>" -> chatml,
+//      "<<SYS>>" -> llama2, "[INST]" -> mistral), as HF's encoding of a rendered text differs there;
+//   4. mistral.
+TemplateChoice choose_chat_template(const std::string& model_dir, const std::string& explicit_name,
+                                    bool byte_level = false);
 
 // The end-of-sequence ids: generation_config.json's eos_token_id (a number or a list) when present,
 // else config.json's, plus the tokenizer's EOS (when given).  Never empty unless nothing names one.
 std::vector<int32_t> model_eos_ids(const std::string& model_dir, const ModelConfig& cfg, const Tokenizer* tok);
 
-// Adds the chat template's stop tokens (chat_stop_ids: <|im_end|> for chatml) to eos_ids.
-void add_chat_stop_ids(std::vector<int32_t>& eos_ids, ChatTemplate tmpl, const Tokenizer& tok, const ModelConfig& cfg);
+// Adds the chat template's stop tokens to eos_ids: chat_stop_ids of a built-in format (<|im_end|> for
+// chatml); for a Jinja template, the end-of-turn markers it writes that the vocabulary holds as one
+// token (<|im_end|>, <|eot_id|>, <|eom_id|>, <|return|>, <|call|>, <end_of_turn>, <|end_of_text|>).
+void add_chat_stop_ids(std::vector<int32_t>& eos_ids, const TemplateChoice& tc, const Tokenizer& tok,
+                       const ModelConfig& cfg);
+inline void add_chat_stop_ids(std::vector<int32_t>& eos_ids, ChatTemplate tmpl, const Tokenizer& tok,
+                              const ModelConfig& cfg) {
+  add_chat_stop_ids(eos_ids, TemplateChoice{tmpl, "", nullptr, {}}, tok, cfg);
+}
 
 // The tokenizer for a model directory: `explicit_path` when given (Error when missing), else
 // DIR/tokenizer.model, else DIR/tokenizer.json (with DIR/tokenizer_config.json for its BOS/EOS/PAD).  Null when neither exists and `required` is false; Error naming both

@@ -735,7 +735,7 @@ Value Interp::binary(const Expr& e) {
 
 // ---- Template ----
 
-Template::Template(const std::string& source, std::string name) {
+Template::Template(const std::string& source, std::string name) : source_(source) {
   prog_ = parse(source, LexOptions{}, name);
   // {% generation %} anywhere in the tree.
   std::function<bool(const Body&)> gen = [&](const Body& b) {

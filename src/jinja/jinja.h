@@ -66,11 +66,13 @@ class Template {
   std::string render(const Value& context, const RenderOptions& opts = {}, Spans* generation = nullptr) const;
 
   const std::string& name() const;
+  const std::string& source() const { return source_; }
   // Whether the template has {% generation %} blocks.
   bool has_generation() const { return has_generation_; }
 
  private:
   std::unique_ptr<Program> prog_;
+  std::string source_;
   bool has_generation_ = false;
 };
 

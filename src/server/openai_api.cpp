@@ -102,7 +102,7 @@ void refuse_unknown_parameters(const json& body, Endpoint endpoint) {
       "logprobs",       "logit_bias", "store", "service_tier", "metadata"};
   static const std::set<std::string> chat = {"messages", "max_completion_tokens", "tools", "functions",
                                              "top_logprobs", "response_format", "tool_choice", "function_call",
-                                             "parallel_tool_calls", "modalities"};
+                                             "parallel_tool_calls", "modalities", "chat_template_kwargs"};
   static const std::set<std::string> completion = {"prompt", "echo", "best_of", "suffix"};
   const std::set<std::string>& own = endpoint == Endpoint::chat ? chat : completion;
   for (const auto& [name, value] : body.items()) {
@@ -173,7 +173,7 @@ std::string error_json(const ApiError& e) {
   return dump(json{{"error", err}});
 }
 
-CompletionRequest parse_request(Endpoint endpoint, const std::string& body_text) {
+CompletionRequest parse_request(Endpoint endpoint, const std::string& body_text, bool model_template) {
   const json body = parse_json_or_discarded(body_text);
   if (body.is_discarded())
     bad("",
@@ -202,6 +202,18 @@ CompletionRequest parse_request(Endpoint endpoint, const std::string& body_text)
       if (!role) bad(name + ".role", fmt::format("Missing required parameter: '{}.role'.", name),
                      "missing_required_parameter");
       const json* content = field(m, "content");
+      if (model_template) {  // any role; content a string, parts or null (an assistant's tool calls)
+        if (!role->is_string()) bad(name + ".role", fmt::format("'{}.role' must be a string", name), "invalid_type");
+        const json* calls = field(m, "tool_calls");
+        if (calls && !calls->is_array())
+          bad(name + ".tool_calls", fmt::format("'{}.tool_calls' must be an array", name), "invalid_type");
+        if ((!content || content->is_null()) && !calls)
+          bad(name + ".content", fmt::format("Missing required parameter: '{}.content'.", name),
+              "missing_required_parameter");
+        if (content && !content->is_null() && !content->is_string() && !content->is_array())
+          bad(name + ".content", fmt::format("'{}.content' must be a string or an array of parts", name), "invalid_type");
+        continue;
+      }
       if (!content) bad(name + ".content", fmt::format("Missing required parameter: '{}.content'.", name),
                         "missing_required_parameter");
       ChatMessage cm;
@@ -209,7 +221,29 @@ CompletionRequest parse_request(Endpoint endpoint, const std::string& body_text)
       cm.content = message_content(*content, name + ".content");
       r.messages.push_back(std::move(cm));
     }
-    reject_if_set(body, "tools", "tool calls are not implemented");
+    if (model_template) {
+      // The messages, tools and kwargs as sent, keys in order (the template prints tool schemas).
+      const nlohmann::ordered_json ob = parse_ordered_json(body_text, "the request body");
+      r.conversation.messages = ob["messages"];
+      if (const json* t = field(body, "tools"); t && !t->is_null()) {
+        if (!t->is_array()) bad("tools", fmt::format("'tools' must be an array, got {}", t->type_name()), "invalid_type");
+        for (size_t i = 0; i < t->size(); i++)
+          if (!(*t)[i].is_object())
+            bad(fmt::format("tools[{}]", i), fmt::format("'tools[{}]' must be an object", i), "invalid_type");
+        r.conversation.tools = ob["tools"];
+      }
+      if (const json* k = field(body, "chat_template_kwargs"); k && !k->is_null()) {
+        if (!k->is_object())
+          bad("chat_template_kwargs", fmt::format("'chat_template_kwargs' must be an object, got {}", k->type_name()),
+              "invalid_type");
+        r.conversation.kwargs = ob["chat_template_kwargs"];
+      }
+    } else {
+      reject_if_set(body, "tools", "tool calls need the model's own chat template (this server formats chats with a "
+                                   "built-in format)");
+      reject_if_set(body, "chat_template_kwargs", "this server formats chats with a built-in format, not the model's "
+                                                  "template");
+    }
     reject_if_set(body, "functions", "function calls are not implemented");
     reject_if_set(body, "top_logprobs", "log probabilities are not implemented");
   } else {

@@ -24,6 +24,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "infer/chat_format.h"
 #include "infer/sampler.h"
 #include "tokenizer/chat_template.h"
 
@@ -47,7 +48,9 @@ enum class Endpoint { chat, completion };
 struct CompletionRequest {
   Endpoint endpoint = Endpoint::chat;
   std::string model;
-  std::vector<ChatMessage> messages;  // chat
+  std::vector<ChatMessage> messages;  // chat (built-in formats)
+  ChatRequest conversation;           // chat with the model's own template: the messages as sent (key
+                                      // order kept), tools, chat_template_kwargs
   std::string prompt;                 // completion
   std::optional<int> max_tokens;      // absent: as many as the limits allow
   SamplingParams sampling;            // seed: given, or drawn by the server
@@ -57,8 +60,13 @@ struct CompletionRequest {
   bool include_usage = false;
 };
 
-// Parses and validates a request body (ApiError 400 on anything malformed).
-CompletionRequest parse_request(Endpoint endpoint, const std::string& body);
+// Parses and validates a request body (ApiError 400 on anything malformed).  `model_template`: chats
+// are rendered by the model's own Jinja template, which takes any role, assistant messages with
+// tool_calls (content null or absent), tool results, reasoning_content, `tools` (an array of
+// objects; tool_choice "auto" / "none") and `chat_template_kwargs` (an object) -- all passed to it
+// in `conversation`.  Without it those are refused as before.  Tool calls in the reply are not
+// parsed out: the model's text is the message content.
+CompletionRequest parse_request(Endpoint endpoint, const std::string& body, bool model_template = false);
 
 struct Usage {
   int prompt_tokens = 0, completion_tokens = 0;

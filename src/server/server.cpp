@@ -11,6 +11,7 @@
 #include <omp.h>
 
 #include "core/error.h"
+#include "infer/chat_format.h"
 #include "infer/generate.h"
 #include "server/engine.h"
 #include "server/http.h"
@@ -98,9 +99,9 @@ std::string http_error_body(int status, const std::string& message) {
 
 int auto_max_batch(int compute_threads) { return std::clamp(4 * compute_threads, 4, 16); }
 
-Server::Server(Runner& runner, const Tokenizer& tok, ChatTemplate tmpl, std::vector<int32_t> eos_ids,
+Server::Server(Runner& runner, const Tokenizer& tok, TemplateChoice tc, std::vector<int32_t> eos_ids,
                ServerOptions opts)
-    : runner_(runner), tok_(tok), tmpl_(tmpl), eos_ids_(std::move(eos_ids)), opts_(std::move(opts)) {
+    : runner_(runner), tok_(tok), tc_(std::move(tc)), eos_ids_(std::move(eos_ids)), opts_(std::move(opts)) {
   if (opts_.queue_size < 1) fail("serve: the queue size must be at least 1");
   if (opts_.max_tokens_limit < 1) fail("serve: the max_tokens limit must be at least 1");
   if (opts_.read_timeout_ms < 1 || opts_.write_timeout_ms < 1 || opts_.request_timeout_ms < 1)
@@ -172,14 +173,14 @@ void Server::routes() {
 
   auto handle = [this, positions](Endpoint ep, const http::Request& req, http::Response& res) {
     try {
-      CompletionRequest r = parse_request(ep, req.body);
+      CompletionRequest r = parse_request(ep, req.body, tc_.jinja != nullptr);
       std::vector<int32_t> prompt;
       if (ep == Endpoint::chat) {
         try {
-          prompt = chat_prompt_tokens(tmpl_, tok_, r.messages);
+          prompt = tc_.jinja ? chat_prompt_tokens(tc_, tok_, r.conversation) : chat_prompt_tokens(tc_.tmpl, tok_, r.messages);
         } catch (const Error& e) {
-          throw ApiError(400, fmt::format("'messages' cannot be formatted with the {} chat template: {}",
-                                          chat_template_name(tmpl_), e.what()),
+          throw ApiError(400, fmt::format("'messages' cannot be formatted with the {} chat template: {}", tc_.name(),
+                                          e.what()),
                          "invalid_request_error", "messages", "invalid_value");
         }
       } else {

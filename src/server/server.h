@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "infer/model.h"
 #include "infer/runner.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -62,7 +63,11 @@ int auto_max_batch(int compute_threads);
 class Server {
  public:
   // Borrows the runner (the model) and tokenizer (they must outlive the server).
-  Server(Runner& runner, const Tokenizer& tok, ChatTemplate tmpl, std::vector<int32_t> eos_ids, ServerOptions opts);
+  // `tc`: how chats are formatted (infer/model.h); with the model's Jinja template, requests may carry
+  // tools, tool calls and results, reasoning_content and chat_template_kwargs, which it renders.
+  Server(Runner& runner, const Tokenizer& tok, TemplateChoice tc, std::vector<int32_t> eos_ids, ServerOptions opts);
+  Server(Runner& runner, const Tokenizer& tok, ChatTemplate tmpl, std::vector<int32_t> eos_ids, ServerOptions opts)
+      : Server(runner, tok, TemplateChoice{tmpl, "", nullptr, {}}, std::move(eos_ids), std::move(opts)) {}
   ~Server();
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;
@@ -82,7 +87,7 @@ class Server {
 
   Runner& runner_;
   const Tokenizer& tok_;
-  ChatTemplate tmpl_;
+  TemplateChoice tc_;
   std::vector<int32_t> eos_ids_;
   ServerOptions opts_;
   std::unique_ptr<Engine> engine_;
