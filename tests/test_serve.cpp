@@ -7,6 +7,8 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -18,8 +20,8 @@
 #include "infer/model_runner.h"
 #include "infer/generate.h"
 #include "infer/model.h"
-#include "server/engine.h"
 #include "infer/chat_format.h"
+#include "server/engine.h"
 #include "server/openai_api.h"
 #include "server/server.h"
 
@@ -653,4 +655,105 @@ TEST(ServeChatml, QwenStyleModelAnswersAChatmlChat) {
     }
   srv.stop();
   th.join();
+}
+
+// A Qwen3-style and a GPT-OSS-style model directory (the tiny Qwen3-MoE with Qwen3's and gpt-oss's
+// real chat templates in tokenizer_config.json): the server renders every committed conversation
+// -- tools, assistant tool calls (arguments as objects and as JSON strings, content null), tool
+// results, reasoning, content parts, chat_template_kwargs -- with the model's template, its prompt
+// is transformers' apply_chat_template(add_generation_prompt=True) token for token
+// (tests/data/chat_templates/ids/prompts.jsonl, tools/chat_template_ids_refs.py), and a
+// conversation the template refuses is a 400 naming 'messages'.
+TEST(ServeModelTemplate, QwenAndGptOssStyleDirectoriesRenderToolsAsTransformers) {
+  signal(SIGPIPE, SIG_IGN);
+  const fs::path shared = fs::path(MOETRON_SOURCE_DIR) / ".." / "shared" / "data" / "templates";
+  if (!fs::exists(shared)) GTEST_SKIP() << "../shared/data/templates is absent";
+  const fs::path golden = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "generate" / "qwen3_moe";
+  const fs::path data = fs::path(MOETRON_SOURCE_DIR) / "tests" / "data" / "chat_templates";
+  std::vector<nlohmann::ordered_json> convs, prompts;
+  {
+    std::ifstream in(data / "conversations.jsonl");
+    for (std::string line; std::getline(in, line);)
+      if (!line.empty()) convs.push_back(nlohmann::ordered_json::parse(line));
+    std::ifstream p(data / "ids" / "prompts.jsonl");
+    for (std::string line; std::getline(p, line);)
+      if (!line.empty()) prompts.push_back(nlohmann::ordered_json::parse(line));
+  }
+  const std::map<std::string, std::pair<std::string, json>> cases = {
+      {"qwen3", {"Qwen-Qwen3-0.6B.jinja", {{"eos_token", "<|im_end|>"}, {"pad_token", "<|endoftext|>"}}}},
+      {"gptoss", {"openai-gpt-oss-120b.jinja", {{"eos_token", "<|endoftext|>"}, {"pad_token", "<|endoftext|>"}}}},
+  };
+  for (const auto& [name, c] : cases) {
+    SCOPED_TRACE(name);
+    const fs::path dir = fs::temp_directory_path() / ("moetron_serve_template_" + name + "_" + std::to_string(getpid()));
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    for (const char* f : {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"})
+      fs::copy_file(golden / f, dir / f);
+    {
+      std::ifstream t(shared / c.first);
+      std::stringstream ss;
+      ss << t.rdbuf();
+      json cfg = c.second;
+      cfg["chat_template"] = ss.str();
+      std::ofstream(dir / "tokenizer_config.json") << cfg.dump();
+    }
+    const auto model = load_inference_model(dir.string());
+    const auto tok = load_model_tokenizer(dir.string(), "", model->cfg, true);
+    const TemplateChoice tc = choose_chat_template(dir.string(), "auto", tok->byte_level());
+    ASSERT_TRUE(tc.jinja) << tc.source;
+    std::vector<int32_t> eos = model_eos_ids(dir.string(), model->cfg, tok.get());
+    add_chat_stop_ids(eos, tc, *tok, model->cfg);
+    server::ServerOptions o;
+    o.port = 0;
+    o.model_name = "tiny";
+    ModelRunner dec(*model);
+    server::Server srv(dec, *tok, tc, eos, o);
+    const int port = srv.bind();
+    std::thread th([&] { srv.run(); });
+    size_t checked = 0, refused = 0;
+    for (const auto& want : prompts) {
+      if (want["case"] != name) continue;
+      const auto conv = std::find_if(convs.begin(), convs.end(), [&](const auto& x) { return x["name"] == want["conversation"]; });
+      ASSERT_NE(conv, convs.end());
+      SCOPED_TRACE(want["conversation"].get<std::string>());
+      nlohmann::ordered_json msgs = (*conv)["messages"];
+      if (!msgs.empty() && msgs.back()["role"] == "assistant") msgs.erase(msgs.size() - 1);
+      nlohmann::ordered_json body = {{"model", "tiny"}, {"messages", msgs}, {"max_tokens", 2}, {"temperature", 0}};
+      if (conv->contains("tools")) body["tools"] = (*conv)["tools"];
+      if (conv->contains("chat_template_kwargs")) body["chat_template_kwargs"] = (*conv)["chat_template_kwargs"];
+      // The library path the server takes gives HF's ids.
+      ChatRequest req;
+      req.messages = msgs;
+      if (conv->contains("tools")) req.tools = (*conv)["tools"];
+      if (conv->contains("chat_template_kwargs")) req.kwargs = (*conv)["chat_template_kwargs"];
+      httplib::Client cli("127.0.0.1", port);
+      cli.set_read_timeout(20, 0);
+      auto r = cli.Post("/v1/chat/completions", body.dump(), "application/json");
+      ASSERT_TRUE(r);
+      if (want.contains("error")) {
+        EXPECT_THROW(chat_prompt_tokens(tc, *tok, req), jinja::TemplateError);
+        EXPECT_EQ(r->status, 400) << r->body;
+        EXPECT_EQ(json::parse(r->body)["error"]["param"], "messages") << r->body;
+        ++refused;
+        continue;
+      }
+      EXPECT_EQ(nlohmann::ordered_json(chat_prompt_tokens(tc, *tok, req)), want["ids"]);
+      const size_t n = want["ids"].size();
+      if ((long)n >= model->cfg.max_position_embeddings) {  // the tiny model's 512 positions: refused, counted
+        EXPECT_EQ(r->status, 400) << r->body;
+        const json e = json::parse(r->body)["error"];
+        EXPECT_EQ(e["code"], "context_length_exceeded");
+        EXPECT_NE(e["message"].get<std::string>().find(fmt::format("has {} tokens", n)), std::string::npos) << e.dump();
+      } else {
+        ASSERT_EQ(r->status, 200) << r->body;
+        EXPECT_EQ(json::parse(r->body)["usage"]["prompt_tokens"], n);
+      }
+      ++checked;
+    }
+    EXPECT_GE(checked, 12u);
+    srv.stop();
+    th.join();
+    fs::remove_all(dir);
+  }
 }

@@ -103,5 +103,40 @@ def main():
         print(case, len(lines), "conversations,", sum("error" in json.loads(l) for l in lines), "errors")
 
 
+# Prompts a server builds (add_generation_prompt=True) for a Qwen3-style and a GPT-OSS-style model
+# directory (tests/test_serve.cpp: the tiny Qwen3-MoE of tests/golden/generate/qwen3_moe, its own small
+# byte-level tokenizer.json, with these templates): every conversation without its final assistant message.
+PROMPT_CASES = {
+    "qwen3": ("Qwen-Qwen3-0.6B.jinja", {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+    "gptoss": ("openai-gpt-oss-120b.jinja", {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}),
+}
+
+
+def prompts():
+    convs = [json.loads(l) for l in open(os.path.join(ROOT, "tests/data/chat_templates/conversations.jsonl"), encoding="utf-8")]
+    lines = []
+    for case, (tfile, specials) in PROMPT_CASES.items():
+        tmpl = open(os.path.join(SHARED, "templates", tfile), encoding="utf-8").read()
+        tok = PreTrainedTokenizerFast(
+            tokenizer_file=os.path.join(ROOT, "tests/golden/generate/qwen3_moe/tokenizer.json"), **specials)
+        tok.chat_template = tmpl
+        for c in convs:
+            msgs = c["messages"]
+            if msgs and msgs[-1]["role"] == "assistant":
+                msgs = msgs[:-1]
+            rec = {"case": case, "conversation": c["name"]}
+            try:
+                enc = tok.apply_chat_template(msgs, tools=c.get("tools"), tokenize=True, return_dict=True,
+                                              add_generation_prompt=True, **c.get("chat_template_kwargs", {}))
+                rec["ids"] = list(enc["input_ids"])
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = f"{type(e).__name__}: {e}"
+            lines.append(json.dumps(rec, ensure_ascii=False))
+    with open(os.path.join(ROOT, "tests/data/chat_templates/ids/prompts.jsonl"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    print("prompts", len(lines), "renders,", sum("error" in json.loads(l) for l in lines), "errors")
+
+
 if __name__ == "__main__":
     main()
+    prompts()
