@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "io/indexed_dataset.h"
@@ -232,4 +233,20 @@ TEST(TemplateDataPrepare, ModelTemplateIdsAndMasksEqualTheReferences) {
     EXPECT_EQ(j["skipped"]["by_reason"]["not_prefix_stable"], unstable);
     EXPECT_EQ(j["skipped"]["by_reason"]["no_loss_tokens"], no_loss);
   }
+}
+
+// generate --chat with a model directory whose tokenizer_config.json holds a Jinja template (the tiny
+// Qwen3-MoE): the prompt is the template's rendering, transformers' apply_chat_template ids.
+TEST(TemplateGenerate, ChatPromptIsTheModelTemplates) {
+  const fs::path golden = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "generate";
+  std::ifstream in(golden / "expected.json");
+  const nlohmann::json t = nlohmann::json::parse(in)["cases"][2]["text"]["chat"];
+  moetron::testing::TempDir dir("template_generate");
+  std::ofstream(dir.file("prompt.txt")) << t["user"].get<std::string>();
+  const std::string cmd = std::string(MOETRON_BINARY) + " generate --model " + (golden / "qwen3_moe").string() +
+                          " --prompt \"$(cat " + dir.file("prompt.txt") + ")\" --chat --max-new-tokens 4 --stats > " +
+                          dir.file("out") + " 2> " + dir.file("err");
+  ASSERT_EQ(WEXITSTATUS(std::system(cmd.c_str())), 0) << moetron::testing::read_text(dir.file("err"));
+  const std::string err = moetron::testing::read_text(dir.file("err"));
+  EXPECT_NE(err.find(fmt::format("prompt {} tokens", t["prompt_ids"].size())), std::string::npos) << err;
 }
