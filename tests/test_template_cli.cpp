@@ -69,19 +69,23 @@ void make_model(const fs::path& dir, const std::string& tfile, const ordered_jso
   std::ofstream(dir / "tokenizer_config.json") << cfg.dump();
 }
 
-}  // namespace
-
-TEST(TemplateCli, IdsAndMasksEqualTransformers) {
-  if (!fs::exists(kShared / "qwen-tokenizer.json") || !fs::exists(kShared / "templates"))
-    GTEST_SKIP() << "../shared/data (Qwen tokenizer, templates) is absent";
-  const std::map<std::string, std::pair<std::string, ordered_json>> cases = {
+// The cases of tools/chat_template_ids_refs.py: name -> (shared template, special tokens).
+std::map<std::string, std::pair<std::string, ordered_json>> ref_cases() {
+  return {
       {"qwen3", {"Qwen-Qwen3-0.6B.jinja", {{"eos_token", "<|im_end|>"}, {"pad_token", "<|endoftext|>"}}}},
       {"qwen25", {"Qwen-Qwen2.5-7B-Instruct.jinja", {{"eos_token", "<|im_end|>"}, {"pad_token", "<|endoftext|>"}}}},
       {"lfm25",
        {"LFM2.5-8B-A1B.jinja",
         {{"bos_token", "<|endoftext|>"}, {"eos_token", "<|im_end|>"}, {"pad_token", "<|endoftext|>"}}}},
   };
-  for (const auto& [name, c] : cases) {
+}
+
+}  // namespace
+
+TEST(TemplateCli, IdsAndMasksEqualTransformers) {
+  if (!fs::exists(kShared / "qwen-tokenizer.json") || !fs::exists(kShared / "templates"))
+    GTEST_SKIP() << "../shared/data (Qwen tokenizer, templates) is absent";
+  for (const auto& [name, c] : ref_cases()) {
     SCOPED_TRACE(name);
     moetron::testing::TempDir dir("template_model");
     make_model(dir.path(), c.first, c.second);
@@ -180,14 +184,7 @@ TEST(TemplateCli, BadInputNamesTheLine) {
 TEST(TemplateDataPrepare, ModelTemplateIdsAndMasksEqualTheReferences) {
   if (!fs::exists(kShared / "qwen-tokenizer.json") || !fs::exists(kShared / "templates"))
     GTEST_SKIP() << "../shared/data (Qwen tokenizer, templates) is absent";
-  const std::map<std::string, std::pair<std::string, ordered_json>> cases = {
-      {"qwen3", {"Qwen-Qwen3-0.6B.jinja", {{"eos_token", "<|im_end|>"}, {"pad_token", "<|endoftext|>"}}}},
-      {"qwen25", {"Qwen-Qwen2.5-7B-Instruct.jinja", {{"eos_token", "<|im_end|>"}, {"pad_token", "<|endoftext|>"}}}},
-      {"lfm25",
-       {"LFM2.5-8B-A1B.jinja",
-        {{"bos_token", "<|endoftext|>"}, {"eos_token", "<|im_end|>"}, {"pad_token", "<|endoftext|>"}}}},
-  };
-  for (const auto& [name, c] : cases) {
+  for (const auto& [name, c] : ref_cases()) {
     SCOPED_TRACE(name);
     moetron::testing::TempDir dir("template_prepare");
     const fs::path model = dir.path() / "model", out = dir.path() / "out";
