@@ -303,9 +303,9 @@ std::string str_format(Interp& in, const std::string& f, Args& a) {
       if (auto_index >= a.pos.size()) in.type_error("Replacement index out of range for positional args tuple");
       v = a.pos[auto_index++];
     } else if (std::all_of(head.begin(), head.end(), ::isdigit)) {
-      const size_t i = std::stoul(head);
-      if (i >= a.pos.size()) in.type_error("Replacement index out of range for positional args tuple");
-      v = a.pos[i];
+      const auto i = parse_int64(head);
+      if (!i || *i >= (int64_t)a.pos.size()) in.type_error("Replacement index out of range for positional args tuple");
+      v = a.pos[(size_t)*i];
     } else {
       const Value* kw = a.kwarg(head);
       if (!kw) in.type_error(fmt::format("KeyError: '{}'", head));
@@ -321,8 +321,10 @@ std::string str_format(Interp& in, const std::string& f, Args& a) {
         const size_t q = field.find(']', p);
         if (q == std::string::npos) in.type_error("Missing ']' in format string");
         const std::string key = field.substr(p + 1, q - p - 1);
-        v = !key.empty() && std::all_of(key.begin(), key.end(), ::isdigit) ? in.getitem(v, Value::integer(std::stoll(key)))
-                                                                           : in.getitem(v, Value::string(key));
+        const auto idx = parse_int64(key);  // digits: an index (too large: nothing there)
+        v = idx ? in.getitem(v, Value::integer(*idx))
+                : !key.empty() && std::all_of(key.begin(), key.end(), ::isdigit) ? Value::undefined("index out of range")
+                                                                                 : in.getitem(v, Value::string(key));
         p = q + 1;
       }
     }
@@ -341,7 +343,8 @@ Value attr_path(Interp& in, const Value& item, const std::string& path) {
     const size_t q = path.find('.', p);
     const std::string part = path.substr(p, q == std::string::npos ? std::string::npos : q - p);
     const bool num = !part.empty() && std::all_of(part.begin(), part.end(), ::isdigit);
-    v = in.getitem(v, num ? Value::integer(std::stoll(part)) : Value::string(part));
+    const auto idx = num ? parse_int64(part) : std::nullopt;
+    v = idx ? in.getitem(v, Value::integer(*idx)) : num ? Value::undefined("index out of range") : in.getitem(v, Value::string(part));
     if (q == std::string::npos) return v;
     p = q + 1;
   }

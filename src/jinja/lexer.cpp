@@ -299,7 +299,9 @@ class Lexer {
       std::string h;
       for (size_t k = start + 2; k < e; ++k)
         if (s_[k] != '_') h += s_[k];
-      push(Tok::integer, std::to_string(std::stoll(h.empty() ? "0" : h, nullptr, 16)), start);
+      const auto v = parse_int64(h, 16);
+      if (!v) syntax(name_, where(start), fmt::format("integer literal '{}' is out of range (64 bits)", s_.substr(start, std::min<size_t>(e - start, 40))));
+      push(Tok::integer, std::to_string(*v), start);
       pos_ = e;
       return;
     }

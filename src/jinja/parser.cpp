@@ -1,6 +1,7 @@
 // Jinja2's parser (jinja2/parser.py): the statements chat templates use (if, for, set, macro, call,
 // filter, break, continue, generation) and the full expression grammar, with Jinja's precedence:
 // condexpr < or < and < not < compare < + - < ~ < * / // % < ** < unary < postfix, filters, tests.
+#include <cmath>
 #include <set>
 
 #include "jinja/ast.h"
@@ -471,10 +472,16 @@ class Parser {
     if (t.type == Tok::integer || t.type == Tok::floating) {
       ++k_;
       auto e = node(ExprKind::literal, at);
-      try {
-        e->value = t.type == Tok::integer ? Value::integer(std::stoll(t.text)) : Value::floating(std::stod(t.text));
-      } catch (const std::exception&) {
-        fail_at(at, fmt::format("number '{}' out of range", t.text));
+      if (t.type == Tok::integer) {
+        const auto v = parse_int64(t.text);
+        if (!v) fail_at(at, fmt::format("integer literal '{}' is out of range (64 bits)", t.text.substr(0, 40)));
+        e->value = Value::integer(*v);
+      } else {
+        try {
+          e->value = Value::floating(std::stod(t.text));
+        } catch (const std::exception&) {  // out of double's range: Python gives inf
+          e->value = Value::floating(t.text.find("e-") != std::string::npos || t.text.find("E-") != std::string::npos ? 0.0 : HUGE_VAL);
+        }
       }
       return e;
     }
@@ -525,7 +532,10 @@ class Parser {
           auto a = node(ExprKind::item, at);
           a->a = std::move(e);
           auto lit = node(ExprKind::literal, cur().pos);
-          lit->value = Value::integer(std::stoll(t_[k_++].text));
+          const auto v = parse_int64(cur().text);
+          if (!v) fail_at(cur().pos, fmt::format("index '{}' is out of range (64 bits)", cur().text.substr(0, 40)));
+          ++k_;
+          lit->value = Value::integer(*v);
           a->b = std::move(lit);
           e = std::move(a);
         } else {

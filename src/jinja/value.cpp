@@ -180,6 +180,13 @@ bool equal(const Value& a, const Value& b) {
   }
 }
 
+std::optional<int64_t> parse_int64(std::string_view digits, int base) {
+  int64_t v = 0;
+  const auto r = std::from_chars(digits.data(), digits.data() + digits.size(), v, base);
+  if (digits.empty() || r.ec != std::errc() || r.ptr != digits.data() + digits.size()) return std::nullopt;
+  return v;
+}
+
 // ---- UTF-8 ----
 
 std::vector<uint32_t> utf8_decode(std::string_view s) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -121,6 +122,10 @@ std::string to_json(const Value& v, const JsonStyle& style);
 
 // JSON -> Value (objects keep their order; numbers stay ints when integral in the text).
 Value from_json(const nlohmann::ordered_json& j);
+
+// Digits (base 10 or 16, no sign) as an int64; nullopt when malformed or out of range (Python's ints
+// are unbounded; moetron's stop at 64 bits).
+std::optional<int64_t> parse_int64(std::string_view digits, int base = 10);
 
 // Code point helpers for Python's str semantics over UTF-8 (invalid bytes count as one each).
 std::vector<uint32_t> utf8_decode(std::string_view s);
