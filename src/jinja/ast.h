@@ -54,13 +54,14 @@ struct Expr {
   ExprPtr a, b, c;            // operands: object/left/condition, index/right/then, else; slice: a:b:c
   std::vector<ExprPtr> args;  // list/tuple items, dict keys and values interleaved, call/filter/test arguments
   std::vector<Kwarg> kwargs;
-  // Resolved at parse time for filters and tests (an unknown one is a syntax error, as in Jinja).
+  // Resolved at parse time for filters and tests (null: unknown, an error when evaluated, as in Jinja).
   const void* builtin = nullptr;
+  int depth = 1;  // of the tree below (bounded by the parser: destroying and walking it recurse)
 };
 
 // ---- statements ----
 enum class StmtKind : uint8_t {
-  text, output, if_, for_, set, set_block, macro, call_block, filter_block, break_, continue_, generation
+  text, output, if_, for_, set, set_block, macro, call_block, filter_block, break_, continue_, generation, with_
 };
 struct Stmt;
 using Body = std::vector<std::unique_ptr<Stmt>>;
@@ -76,11 +77,13 @@ struct Stmt {
   std::vector<std::string> names;  // for: targets; set: unpacking targets
   ExprPtr expr;                    // output, set value, for iterable, call_block's call
   ExprPtr cond;                    // for: the "if" filter
-  std::vector<ExprPtr> conds;      // if: one per branch
+  std::vector<ExprPtr> conds;      // if: one per branch; with: the values of `names`
   std::vector<Body> bodies;        // if: one per branch (+ else); for: body, else; others: body
   std::vector<Param> params;       // macro, call_block's caller
   std::vector<ExprPtr> filters;    // set_block, filter_block: filter chain, applied in order (operand null)
   bool recursive = false;
+  // macro: whether its body reads varargs / kwargs / caller (else extra arguments are refused, as in Jinja)
+  bool uses_varargs = false, uses_kwargs = false, uses_caller = false;
 };
 
 struct Program {

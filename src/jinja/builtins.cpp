@@ -1053,6 +1053,7 @@ const MethodDef kMethods[] = {
     {Kind::dict, "copy", [](Interp&, const Value& d, Args&) {
        Value c = Value::dict();
        c.obj->items = d.obj->items;
+       c.obj->depth = d.obj->depth;
        return c;
      }},
     {Kind::dict, "pop", unsafe},
@@ -1103,9 +1104,11 @@ Value g_range(Interp& in, Args& a) {
   // Jinja's sandbox refuses ranges of more than 100000 items (MAX_RANGE).
   if (count > 100000) in.error(ErrorKind::limit, "Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
   std::vector<Value> out;
-  if (count > 0) {
-    in.tick((size_t)count);
-    for (int64_t k = start; step > 0 ? k < stop : k > stop; k += step) out.push_back(Value::integer(k));
+  if (count > 0) {  // by index: start + k*step stays within [start, stop), so nothing overflows
+    const int64_t n = (int64_t)count;
+    in.tick((size_t)n);
+    out.reserve((size_t)n);
+    for (int64_t k = 0; k < n; ++k) out.push_back(Value::integer(start + k * step));
   }
   return Value::list(std::move(out));
 }
@@ -1133,6 +1136,7 @@ Value fill_dict(Interp& in, Args& a, Value d, bool ns) {
 Value g_namespace(Interp& in, Args& a) {
   Value d = Value::dict();
   d.obj->kind = ObjectKind::ns;
+  in.track_namespace(d.obj);
   return fill_dict(in, a, d, true);
 }
 Value g_dict(Interp& in, Args& a) { return fill_dict(in, a, Value::dict(), false); }

@@ -1,6 +1,8 @@
 // The template context of a conversation; see chat_context.h.
 #include "jinja/chat_context.h"
 
+#include <algorithm>
+
 namespace moetron::jinja {
 
 Value chat_context(const ChatInput& in) {
@@ -12,16 +14,30 @@ Value chat_context(const ChatInput& in) {
     if (!m.is_object()) fail("chat template input: messages[{}] must be an object, got {}", k, m.type_name());
     Value d = Value::dict();
     for (auto it = m.begin(); it != m.end(); ++it)
-      if (!it.value().is_null()) d.obj->items.emplace_back(it.key(), from_json(it.value()));
+      if (!it.value().is_null()) {
+        d.obj->items.emplace_back(it.key(), from_json(it.value()));
+        d.obj->depth = std::max(d.obj->depth, nesting(d.obj->items.back().second) + 1);
+      }
     const Value* r = nullptr;
     for (const char* key : {"reasoning_content", "thinking", "reasoning"})
       if (!r) r = d.obj->find(key);
-    if (r) {
+    if (r) {  // {"thinking": r, **message, "reasoning_content": r}, in one pass
       const Value reasoning = *r;
+      const Value* own_thinking = d.obj->find("thinking");
       Value a = Value::dict();
-      a.obj->items.emplace_back("thinking", reasoning);
-      for (auto& kv : d.obj->items) a.obj->set(kv.first, kv.second);
-      a.obj->set("reasoning_content", reasoning);
+      a.obj->items.emplace_back("thinking", own_thinking ? *own_thinking : reasoning);
+      bool had_rc = false;
+      for (auto& kv : d.obj->items) {
+        if (kv.first == "thinking") continue;
+        if (kv.first == "reasoning_content") {
+          had_rc = true;
+          a.obj->items.emplace_back(kv.first, reasoning);
+        } else {
+          a.obj->items.emplace_back(kv.first, kv.second);
+        }
+      }
+      if (!had_rc) a.obj->items.emplace_back("reasoning_content", reasoning);
+      a.obj->depth = d.obj->depth;
       d = std::move(a);
     }
     msgs.push_back(std::move(d));

@@ -32,18 +32,15 @@ struct FrameGuard {
 
 }  // namespace
 
-// A macro: its definition and the scope it was defined in.
-struct MacroFn : Callable {
-  const Stmt* def;
+// A macro, or the body of a {% call %} block (called by the macro as caller()): its definition and
+// the scope it was defined in.
+struct Closure : Callable {
+  const Stmt* def = nullptr;
   std::shared_ptr<Frame> closure;
-  Value call(Interp& in, Args& args) override { return in.call_macro(*def, closure, args, nullptr); }
-};
-
-// The body of a {% call %} block, called by the macro as caller().
-struct CallerFn : Callable {
-  const Stmt* def;
-  std::shared_ptr<Frame> closure;
-  Value call(Interp& in, Args& args) override { return in.call_macro(*def, closure, args, nullptr); }
+  Value call(Interp& in, Args& args) override {
+    if (!closure) in.type_error("a macro called after its template finished");
+    return in.call_macro(*def, closure, args, nullptr);
+  }
 };
 
 Interp::Interp(const Program& prog, const RenderOptions& o, Spans* spans) : opts(o), prog_(prog), spans_(spans) {}
@@ -80,8 +77,27 @@ std::string Interp::run(const Value& context) {
   frame_ = std::make_shared<Frame>();
   frame_->parent = globals_;
   out_.assign(1, std::string());
-  if (exec(prog_.body) != Flow::normal) error(ErrorKind::syntax, "'break' or 'continue' outside a loop");
+  struct Release {
+    Interp& in;
+    ~Release() { in.release(); }
+  } release_at_end{*this};
+  try {
+    if (exec(prog_.body) != Flow::normal) error(ErrorKind::syntax, "'break' or 'continue' outside a loop");
+  } catch (const TemplateError&) {
+    throw;
+  } catch (const Error& e) {  // from a value (printing or nesting limits): at the current position
+    error(ErrorKind::limit, e.what());
+  }
   return std::move(out_[0]);
+}
+
+void Interp::release() {
+  for (auto& ns : namespaces_) ns->items.clear();
+  for (auto& c : closures_) c->closure.reset();
+  namespaces_.clear();
+  closures_.clear();
+  frame_.reset();
+  globals_.reset();
 }
 
 Value Interp::lookup(const std::string& name) const {
@@ -136,12 +152,7 @@ Interp::Flow Interp::exec(const Stmt& s) {
       Value v = eval(*s.expr);
       pos = s.pos;
       if (!s.attr.empty()) {
-        const Value ns = lookup(s.text);
-        if (!ns.is_dict() || ns.obj->kind != ObjectKind::ns)
-          error(ErrorKind::type, fmt::format("cannot assign attribute '{}' on '{}': not a namespace", s.attr, s.text));
-        if (!s.attr.empty() && s.attr[0] == '_')
-          error(ErrorKind::security, fmt::format("a namespace cannot hold underscore-prefixed attributes ('{}')", s.attr));
-        ns.obj->set(s.attr, std::move(v));
+        set_attr(s, std::move(v));
       } else if (s.names.size() == 1) {
         assign(s.names[0], std::move(v));
       } else {
@@ -156,14 +167,28 @@ Interp::Flow Interp::exec(const Stmt& s) {
     case StmtKind::set_block: {
       Value v = Value::string(capture(s.bodies[0]));
       for (const auto& f : s.filters) v = filter(*f, v);
-      assign(s.text, std::move(v));
+      if (!s.attr.empty()) {  // {% set ns.attr %}
+        pos = s.pos;
+        set_attr(s, std::move(v));
+      } else {
+        assign(s.text, std::move(v));
+      }
       return Flow::normal;
     }
+    case StmtKind::with_: {
+      std::vector<Value> vals;  // evaluated in the enclosing scope, then bound in a new one
+      for (const auto& e : s.conds) vals.push_back(eval(*e));
+      FrameGuard fg(frame_, std::make_shared<Frame>());
+      frame_->parent = fg.saved;
+      for (size_t k = 0; k < vals.size(); ++k) frame_->vars.set(s.names[k], std::move(vals[k]));
+      return exec(s.bodies[0]);
+    }
     case StmtKind::macro: {
-      auto m = std::make_shared<MacroFn>();
+      auto m = std::make_shared<Closure>();
       m->name = s.text;
       m->def = &s;
       m->closure = frame_;
+      closures_.push_back(m);
       assign(s.text, Value::callable(std::move(m)));
       return Flow::normal;
     }
@@ -172,10 +197,11 @@ Interp::Flow Interp::exec(const Stmt& s) {
       const Value fn = c.a->kind == ExprKind::attr ? getattr(eval(*c.a->a), c.a->name) : eval(*c.a);
       Args a;
       args(c, a);
-      auto caller = std::make_shared<CallerFn>();
+      auto caller = std::make_shared<Closure>();
       caller->name = "caller";
       caller->def = &s;
       caller->closure = frame_;
+      closures_.push_back(caller);
       a.kw.emplace_back("caller", Value::callable(std::move(caller)));
       pos = s.pos;
       emit(to_str(call(fn, a)));
@@ -198,6 +224,15 @@ Interp::Flow Interp::exec(const Stmt& s) {
     }
   }
   return Flow::normal;
+}
+
+void Interp::set_attr(const Stmt& s, Value v) {
+  const Value ns = lookup(s.text);
+  if (!ns.is_dict() || ns.obj->kind != ObjectKind::ns)
+    error(ErrorKind::type, fmt::format("cannot assign attribute '{}' on '{}': not a namespace", s.attr, s.text));
+  if (s.attr[0] == '_')
+    error(ErrorKind::security, fmt::format("a namespace cannot hold underscore-prefixed attributes ('{}')", s.attr));
+  ns.obj->set(s.attr, std::move(v));
 }
 
 void Interp::exec_for(const Stmt& s) {
@@ -239,6 +274,7 @@ void Interp::exec_for(const Stmt& s) {
     return;
   }
   const int64_t n = (int64_t)items.size();
+  auto changed_state = std::make_shared<std::optional<std::vector<Value>>>();
   for (int64_t k = 0; k < n; ++k) {
     tick(1);
     FrameGuard fg(frame_, std::make_shared<Frame>());
@@ -269,6 +305,20 @@ void Interp::exec_for(const Stmt& s) {
     cyc->name = "cycle";
     cyc->index = k;
     l.set("cycle", Value::callable(std::move(cyc)));
+    // loop.changed(*values): true when the values differ from this loop's previous call's.
+    struct Changed : Callable {
+      std::shared_ptr<std::optional<std::vector<Value>>> last;
+      Value call(Interp&, Args& a) override {
+        bool same = last->has_value() && (*last)->size() == a.pos.size();
+        for (size_t j = 0; same && j < a.pos.size(); ++j) same = equal((**last)[j], a.pos[j]);
+        *last = a.pos;
+        return Value::boolean(!same);
+      }
+    };
+    auto ch = std::make_shared<Changed>();
+    ch->name = "changed";
+    ch->last = changed_state;
+    l.set("changed", Value::callable(std::move(ch)));
     frame_->vars.set("loop", std::move(loop));
     const Flow f = exec(s.bodies[0]);
     if (f == Flow::brk) break;
@@ -297,17 +347,24 @@ Value Interp::call_macro(const Stmt& def, const std::shared_ptr<Frame>& closure,
       frame_->vars.set(p.name, Value::undefined(fmt::format("parameter '{}' was not provided", p.name)));
     }
   }
+  // Arguments the macro has no place for are refused, as Jinja does, unless its body reads
+  // varargs / kwargs / caller.
+  if (a.pos.size() > def.params.size() && !def.uses_varargs)
+    type_error(fmt::format("macro '{}' takes not more than {} argument(s)", mname, def.params.size()));
   std::vector<Value> varargs;
   for (size_t k = def.params.size(); k < a.pos.size(); ++k) varargs.push_back(a.pos[k]);
   Value kwargs = Value::dict();
   for (const auto& [k, v] : a.kw) {
     if (k == "caller") {
+      if (!def.uses_caller) type_error(fmt::format("macro '{}' takes no keyword argument 'caller'", mname));
       frame_->vars.set("caller", v);
       continue;
     }
     bool param = false;
     for (const Param& p : def.params) param = param || p.name == k;
-    if (!param) kwargs.obj->set(k, v);
+    if (param) continue;
+    if (!def.uses_kwargs) type_error(fmt::format("macro '{}' takes no keyword argument '{}'", mname, k));
+    kwargs.obj->set(k, v);
   }
   (void)used_kw;
   frame_->vars.set("varargs", Value::list(std::move(varargs), true));
@@ -317,6 +374,7 @@ Value Interp::call_macro(const Stmt& def, const std::shared_ptr<Frame>& closure,
 
 Value Interp::call(const Value& fn, Args& a) {
   if (fn.kind != Kind::callable) {
+    if (fn.is_undefined() && fn.b) error(ErrorKind::security, fn.str());
     if (fn.is_undefined()) error(ErrorKind::undefined, fn.str().empty() ? "an undefined value was called" : fn.str());
     type_error(fmt::format("'{}' object is not callable", fn.type_name()));
   }
@@ -324,6 +382,16 @@ Value Interp::call(const Value& fn, Args& a) {
 }
 
 Value Interp::getattr(const Value& obj, const std::string& name) {
+  // Python's special attributes (__class__, __mro__, __globals__, ...) exist on every object and are
+  // what sandbox escapes go through: the sandbox refuses them.
+  // As Jinja's sandbox, the attribute reads as an Undefined that prints as "" and raises a security
+  // error when used further (an attribute of it, an item, a call).
+  if (obj.is_undefined() && obj.b) error(ErrorKind::security, obj.str());
+  if (name.size() > 4 && name.compare(0, 2, "__") == 0 && name.compare(name.size() - 2, 2, "__") == 0 && !obj.is_undefined()) {
+    Value u = Value::undefined(fmt::format("access to attribute '{}' of '{}' object is unsafe.", name, obj.type_name()));
+    u.b = true;  // unsafe
+    return u;
+  }
   switch (obj.kind) {
     case Kind::undefined: error(ErrorKind::undefined, obj.str().empty() ? "attribute of an undefined value" : obj.str());
     case Kind::dict:
@@ -385,6 +453,7 @@ std::vector<int64_t> slice_positions(Interp& in, const Value& start, const Value
 }  // namespace
 
 Value Interp::getitem(const Value& obj, const Value& key) {
+  if (obj.is_undefined() && obj.b) error(ErrorKind::security, obj.str());
   switch (obj.kind) {
     case Kind::undefined: error(ErrorKind::undefined, obj.str().empty() ? "item of an undefined value" : obj.str());
     case Kind::dict:
@@ -405,7 +474,7 @@ Value Interp::getitem(const Value& obj, const Value& key) {
         return obj.arr->items[(size_t)i];
       }
       if (key.is_string()) return getattr(obj, key.str());
-      type_error(fmt::format("{} indices must be integers or slices, not {}", obj.type_name(), key.type_name()));
+      return Value::undefined(fmt::format("{} indices must be integers or slices, not {}", obj.type_name(), key.type_name()));
     case Kind::string:
       if (key.kind == Kind::integer || key.kind == Kind::boolean) {
         const std::vector<uint32_t> cps = utf8_decode(obj.str());
@@ -416,7 +485,7 @@ Value Interp::getitem(const Value& obj, const Value& key) {
         return Value::string(std::move(out));
       }
       if (key.is_string()) return getattr(obj, key.str());
-      type_error(fmt::format("string indices must be integers, not '{}'", key.type_name()));
+      return Value::undefined(fmt::format("string indices must be integers, not '{}'", key.type_name()));
     default: return Value::undefined(fmt::format("'{}' object is not subscriptable", obj.type_name()));
   }
 }

@@ -155,10 +155,7 @@ class Lexer {
     const std::string text = s_.substr(pos_, found - pos_);
     const size_t text_at = pos_;
     size_t after = found + 2 + (sign ? 1 : 0);
-    if (kind == '%' && raw_begin(after)) {
-      data(text, text_at, sign, true);
-      return;
-    }
+    if (kind == '%' && raw_begin(after, text, text_at, sign)) return;
     data(text, text_at, sign, kind != '{');
     line_starting_ = false;
     if (kind == '#') {
@@ -183,9 +180,9 @@ class Lexer {
     pos_ = end;
   }
 
-  // "{% raw %}" (the tag's "{%" and sign already read up to `at`): its content is data up to
-  // "{% endraw %}".
-  bool raw_begin(size_t at) {
+  // "{% raw %}" (the tag's "{%" and sign already read up to `at`): the text before it (`before`,
+  // with the tag's sign), then its content as data up to "{% endraw %}".
+  bool raw_begin(size_t at, const std::string& before, size_t before_at, char before_sign) {
     size_t k = at + space_run(s_, at);
     if (s_.compare(k, 3, "raw") != 0) return false;
     k += 3;
@@ -199,6 +196,7 @@ class Lexer {
     } else {
       return false;
     }
+    data(before, before_at, before_sign, true);  // the text before the tag comes first
     // Find the endraw tag.
     size_t search = k;
     while (true) {
@@ -293,13 +291,15 @@ class Lexer {
         ++k;
       return k > s;
     };
-    if (s_[e] == '0' && e + 1 < s_.size() && (s_[e + 1] == 'x' || s_[e + 1] == 'X')) {
+    const char p = e + 1 < s_.size() ? (char)tolower((unsigned char)s_[e + 1]) : 0;
+    if (s_[e] == '0' && (p == 'x' || p == 'o' || p == 'b')) {  // 0x1F, 0o17, 0b101
+      const int base = p == 'x' ? 16 : p == 'o' ? 8 : 2;
       e += 2;
       while (e < s_.size() && (isxdigit((unsigned char)s_[e]) || s_[e] == '_')) ++e;
       std::string h;
       for (size_t k = start + 2; k < e; ++k)
         if (s_[k] != '_') h += s_[k];
-      const auto v = parse_int64(h, 16);
+      const auto v = parse_int64(h, base);
       if (!v) syntax(name_, where(start), fmt::format("integer literal '{}' is out of range (64 bits)", s_.substr(start, std::min<size_t>(e - start, 40))));
       push(Tok::integer, std::to_string(*v), start);
       pos_ = e;

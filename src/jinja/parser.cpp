@@ -1,6 +1,7 @@
 // Jinja2's parser (jinja2/parser.py): the statements chat templates use (if, for, set, macro, call,
 // filter, break, continue, generation) and the full expression grammar, with Jinja's precedence:
 // condexpr < or < and < not < compare < + - < ~ < * / // % < ** < unary < postfix, filters, tests.
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -13,6 +14,9 @@ namespace moetron::jinja {
 namespace {
 
 constexpr int kMaxNesting = 200;  // statements and expressions; deeper templates are refused
+// The depth of one expression's tree, left-associative chains (a ~ b ~ c ..., x.a.b..., x|f|g...)
+// included: deeper could not be evaluated (RenderLimits::max_depth) and would recurse when destroyed.
+constexpr int kMaxExprDepth = 256;
 
 class Parser {
  public:
@@ -29,6 +33,7 @@ class Parser {
   size_t k_ = 0;
   const std::string& name_;
   int depth_ = 0;
+  int loops_ = 0;  // for-loop bodies around the statement being parsed (a macro's body starts at 0)
   std::vector<std::string> open_blocks_;  // for "unclosed block" messages
 
   struct Guard {
@@ -41,6 +46,17 @@ class Parser {
 
   [[noreturn]] void fail_at(Pos p, const std::string& msg) {
     throw TemplateError(ErrorKind::syntax, fmt::format("{}:{}:{}: syntax error: {}", name_, p.line, p.col, msg), msg);
+  }
+  // Sets e's depth from its children; refuses a tree deeper than kMaxExprDepth.
+  ExprPtr seal(ExprPtr e) {
+    int d = 0;
+    for (const Expr* c : {e->a.get(), e->b.get(), e->c.get()})
+      if (c) d = std::max(d, c->depth);
+    for (const auto& x : e->args) d = std::max(d, x->depth);
+    for (const auto& kw : e->kwargs) d = std::max(d, kw.value->depth);
+    e->depth = d + 1;
+    if (e->depth > kMaxExprDepth) fail_at(e->pos, fmt::format("an expression nested more than {} levels deep", kMaxExprDepth));
+    return e;
   }
   const Token& cur() const { return t_[k_]; }
   const Token& peek(size_t n = 1) const { return t_[std::min(k_ + n, t_.size() - 1)]; }
@@ -157,7 +173,9 @@ class Parser {
       if (skip_name("if")) s->cond = expression(true);
       if (skip_name("recursive")) s->recursive = true;
       expect_block_end();
+      ++loops_;
       s->bodies.push_back(body({"endfor", "else"}));
+      --loops_;
       if (expect_name() == "else") {
         expect_block_end();
         s->bodies.push_back(body({"endfor"}));
@@ -172,9 +190,17 @@ class Parser {
         s->kind = StmtKind::set;
         s->text = first;
         s->attr = expect_name();
-        expect_op("=");
-        s->expr = tuple_expr(true, {});
-        expect_block_end();
+        if (skip_op("=")) {
+          s->expr = tuple_expr(true, {});
+          expect_block_end();
+        } else {  // {% set ns.attr %}...{% endset %}
+          s->kind = StmtKind::set_block;
+          while (skip_op("|")) s->filters.push_back(filter_call(nullptr));
+          expect_block_end();
+          s->bodies.push_back(body({"endset"}));
+          expect_name();
+          expect_block_end();
+        }
       } else if (is_op(",") || is_op("=")) {
         s->kind = StmtKind::set;
         s->names.push_back(first);
@@ -200,7 +226,13 @@ class Parser {
       s->text = expect_name();
       params(s->params);
       expect_block_end();
+      const int outer_loops = loops_;
+      loops_ = 0;
       s->bodies.push_back(body({"endmacro"}));
+      loops_ = outer_loops;
+      s->uses_varargs = reads(s->bodies[0], "varargs");
+      s->uses_kwargs = reads(s->bodies[0], "kwargs");
+      s->uses_caller = reads(s->bodies[0], "caller");
       expect_name();
       if (cur().type == Tok::name) ++k_;  // {% endmacro name %}
       expect_block_end();
@@ -210,7 +242,13 @@ class Parser {
       s->expr = expression(true);
       if (s->expr->kind != ExprKind::call) fail_at(at, "expected a call after 'call'");
       expect_block_end();
+      const int outer_loops = loops_;
+      loops_ = 0;
       s->bodies.push_back(body({"endcall"}));
+      loops_ = outer_loops;
+      s->uses_varargs = reads(s->bodies[0], "varargs");
+      s->uses_kwargs = reads(s->bodies[0], "kwargs");
+      s->uses_caller = reads(s->bodies[0], "caller");
       expect_name();
       expect_block_end();
     } else if (tag == "filter") {
@@ -223,6 +261,19 @@ class Parser {
       expect_block_end();
     } else if (tag == "break" || tag == "continue") {
       s->kind = tag == "break" ? StmtKind::break_ : StmtKind::continue_;
+      if (loops_ == 0) fail_at(at, fmt::format("'{}' outside a loop", tag));
+      expect_block_end();
+    } else if (tag == "with") {  // {% with a = 1, b = x %}...{% endwith %}: a scope
+      s->kind = StmtKind::with_;
+      while (cur().type != Tok::block_end) {
+        if (!s->names.empty()) expect_op(",");
+        s->names.push_back(expect_name());
+        expect_op("=");
+        s->conds.push_back(expression(true));
+      }
+      expect_block_end();
+      s->bodies.push_back(body({"endwith"}));
+      expect_name();
       expect_block_end();
     } else if (tag == "generation") {
       s->kind = StmtKind::generation;
@@ -235,6 +286,32 @@ class Parser {
     }
     open_blocks_.pop_back();
     return s;
+  }
+
+  // Whether any expression under `b` reads the name `n` (a macro's varargs / kwargs / caller).
+  static bool reads(const Expr* e, const std::string& n) {
+    if (!e) return false;
+    if (e->kind == ExprKind::name && e->name == n) return true;
+    if (reads(e->a.get(), n) || reads(e->b.get(), n) || reads(e->c.get(), n)) return true;
+    for (const auto& x : e->args)
+      if (reads(x.get(), n)) return true;
+    for (const auto& kw : e->kwargs)
+      if (reads(kw.value.get(), n)) return true;
+    return false;
+  }
+  static bool reads(const Body& b, const std::string& n) {
+    for (const auto& s : b) {
+      if (reads(s->expr.get(), n) || reads(s->cond.get(), n)) return true;
+      for (const auto& x : s->conds)
+        if (reads(x.get(), n)) return true;
+      for (const auto& x : s->filters)
+        if (reads(x.get(), n)) return true;
+      for (const auto& p : s->params)
+        if (reads(p.def.get(), n)) return true;
+      for (const Body& c : s->bodies)
+        if (reads(c, n)) return true;
+    }
+    return false;
   }
 
   // for-loop targets: a name, or names separated by commas (optionally in parentheses).
@@ -294,7 +371,7 @@ class Parser {
     if (items.empty() && !explicit_paren) fail_at(at, fmt::format("expected an expression, got {}", describe(cur())));
     auto t = node(ExprKind::tuple, at);
     t->args = std::move(items);
-    return t;
+    return seal(std::move(t));
   }
 
   ExprPtr expression(bool condexpr) {
@@ -308,7 +385,7 @@ class Parser {
       c->a = or_expr();
       c->b = std::move(e);
       if (skip_name("else")) c->c = expression(true);
-      e = std::move(c);
+      e = seal(std::move(c));
     }
     return e;
   }
@@ -318,7 +395,7 @@ class Parser {
     e->op = op;
     e->a = std::move(l);
     e->b = std::move(r);
-    return e;
+    return seal(std::move(e));
   }
 
   ExprPtr or_expr() {
@@ -347,7 +424,7 @@ class Parser {
       auto e = node(ExprKind::unary, at);
       e->op = Op::not_;
       e->a = not_expr();
-      return e;
+      return seal(std::move(e));
     }
     return compare();
   }
@@ -384,7 +461,7 @@ class Parser {
       e->args.push_back(std::move(o));
       e->args.push_back(std::move(r));
     }
-    return e;
+    return seal(std::move(e));
   }
   ExprPtr math1() {
     ExprPtr l = concat();
@@ -435,6 +512,7 @@ class Parser {
       e = node(ExprKind::unary, at);
       e->op = op;
       e->a = unary(false);
+      e = seal(std::move(e));
     } else {
       e = primary();
     }
@@ -500,7 +578,7 @@ class Parser {
         e->args.push_back(expression(true));
       }
       expect_op("]");
-      return e;
+      return seal(std::move(e));
     }
     if (is_op("{")) {
       ++k_;
@@ -513,7 +591,7 @@ class Parser {
         e->args.push_back(expression(true));
       }
       expect_op("}");
-      return e;
+      return seal(std::move(e));
     }
     fail_at(at, fmt::format("unexpected {}", describe(t)));
   }
@@ -527,7 +605,7 @@ class Parser {
           auto a = node(ExprKind::attr, at);
           a->a = std::move(e);
           a->name = t_[k_++].text;
-          e = std::move(a);
+          e = seal(std::move(a));
         } else if (cur().type == Tok::integer) {
           auto a = node(ExprKind::item, at);
           a->a = std::move(e);
@@ -537,7 +615,7 @@ class Parser {
           ++k_;
           lit->value = Value::integer(*v);
           a->b = std::move(lit);
-          e = std::move(a);
+          e = seal(std::move(a));
         } else {
           fail_at(cur().pos, "expected a name or number after '.'");
         }
@@ -558,9 +636,9 @@ class Parser {
         } else {
           auto t = node(ExprKind::tuple, at);
           t->args = std::move(subs);
-          a->b = std::move(t);
+          a->b = seal(std::move(t));
         }
-        e = std::move(a);
+        e = seal(std::move(a));
       } else if (is_op("(")) {
         e = call(std::move(e));
       } else {
@@ -582,7 +660,7 @@ class Parser {
     if (!is_op("]") && !is_op(",") && !is_op(":")) s->b = expression(true);
     if (skip_op(":"))
       if (!is_op("]") && !is_op(",")) s->c = expression(true);
-    return s;
+    return seal(std::move(s));
   }
 
   void call_args(Expr& e) {
@@ -610,7 +688,7 @@ class Parser {
     auto c = node(ExprKind::call, cur().pos);
     c->a = std::move(callee);
     call_args(*c);
-    return c;
+    return seal(std::move(c));
   }
 
   // name[(args)] after "|"; the operand is set by the caller (null for filter blocks).
@@ -625,7 +703,7 @@ class Parser {
     }
     f->builtin = find_filter(f->name);  // unknown: an error when (if ever) it runs, as in Jinja
     if (is_op("(")) call_args(*f);
-    return f;
+    return seal(std::move(f));
   }
 
   ExprPtr filter_expr(ExprPtr e) {
@@ -657,7 +735,7 @@ class Parser {
             t->args.push_back(postfix(primary()));
           }
         }
-        e = std::move(t);
+        e = seal(std::move(t));
       } else if (is_op("(")) {
         e = call(std::move(e));
       } else {

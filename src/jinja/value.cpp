@@ -46,10 +46,26 @@ Value Value::string(std::string x) {
   v.s = std::make_shared<const std::string>(std::move(x));
   return v;
 }
+int nesting(const Value& v) {
+  if (v.kind == Kind::list) return v.arr->depth;
+  if (v.kind == Kind::dict) return v.obj->depth;
+  return 0;
+}
+
+namespace {
+void check_depth(int depth) {
+  if (depth > kMaxValueDepth) throw Error(fmt::format("a value nested more than {} levels deep", kMaxValueDepth));
+}
+}  // namespace
+
 Value Value::list(std::vector<Value> items, bool tuple) {
   Value v;
   v.kind = Kind::list;
   v.arr = std::make_shared<Array>();
+  int d = 0;
+  for (const Value& x : items) d = std::max(d, nesting(x));
+  check_depth(d + 1);
+  v.arr->depth = d + 1;
   v.arr->items = std::move(items);
   v.arr->tuple = tuple;
   return v;
@@ -117,6 +133,8 @@ Value* Object::find(std::string_view key) {
   return nullptr;
 }
 void Object::set(std::string_view key, Value v) {
+  check_depth(nesting(v) + 1);
+  depth = std::max(depth, nesting(v) + 1);
   if (Value* p = find(key)) {
     *p = std::move(v);
     return;
@@ -180,7 +198,7 @@ bool equal(const Value& a, const Value& b) {
   }
 }
 
-std::optional<int64_t> parse_int64(std::string_view digits, int base) {
+std::optional<int64_t> parse_int64(std::string_view digits, int base) {  // base 2, 8, 10 or 16
   int64_t v = 0;
   const auto r = std::from_chars(digits.data(), digits.data() + digits.size(), v, base);
   if (digits.empty() || r.ec != std::errc() || r.ptr != digits.data() + digits.size()) return std::nullopt;
@@ -533,7 +551,11 @@ Value from_json(const nlohmann::ordered_json& j) {
     case T::object: {
       Value d = Value::dict();
       d.obj->items.reserve(j.size());
-      for (auto it = j.begin(); it != j.end(); ++it) d.obj->items.emplace_back(it.key(), from_json(it.value()));
+      for (auto it = j.begin(); it != j.end(); ++it) {
+        d.obj->items.emplace_back(it.key(), from_json(it.value()));
+        d.obj->depth = std::max(d.obj->depth, nesting(d.obj->items.back().second) + 1);
+      }
+      check_depth(d.obj->depth);
       return d;
     }
     default: return Value::none();

@@ -28,7 +28,7 @@ enum class Kind : uint8_t { undefined, none, boolean, integer, floating, string,
 
 struct Value {
   Kind kind = Kind::undefined;
-  bool b = false;
+  bool b = false;     // boolean; undefined: an unsafe attribute (the sandbox refuses any use but printing)
   bool safe = false;  // string: a Markup (|safe, |escape): "+" with it escapes the other operand
   int64_t i = 0;
   double f = 0;
@@ -68,7 +68,14 @@ struct Array {
   // is always true, and is not JSON.
   bool generator = false;
   bool consumed = false;
+  int depth = 1;  // levels of containers, this one included (bounded: kMaxValueDepth)
 };
+
+// Containers nest at most this deep (destroying, comparing and printing them recurse); deeper is an
+// Error when built.
+constexpr int kMaxValueDepth = 1000;
+// The nesting of v: 0 for a scalar.
+int nesting(const Value& v);
 
 // Dict keys are strings; a key of another type (Jinja allows {512: 128}) is stored encoded by
 // key_string() and read back by key_value().
@@ -79,6 +86,7 @@ enum class ObjectKind : uint8_t { dict, ns, loop };
 struct Object {
   ObjectKind kind = ObjectKind::dict;
   std::vector<std::pair<std::string, Value>> items;  // insertion order
+  int depth = 1;  // as Array's (set() keeps it; it never shrinks)
   const Value* find(std::string_view key) const;
   Value* find(std::string_view key);
   void set(std::string_view key, Value v);  // replaces in place or appends
