@@ -27,6 +27,12 @@ namespace {
 
 // ---- argument helpers ----
 
+// A float truncated to an int64 (Python's int(x)); nullopt when not finite or beyond 64 bits.
+std::optional<int64_t> trunc_int64(double x) {
+  if (!std::isfinite(x) || std::fabs(x) >= 9.2e18) return std::nullopt;
+  return (int64_t)std::trunc(x);
+}
+
 // Positional k (counting after the operand) or keyword `name`; null when absent.
 const Value* arg(const Args& a, size_t k, const char* name) {
   if (k < a.pos.size()) return &a.pos[k];
@@ -233,7 +239,8 @@ std::string printf_format(Interp& in, const std::string& f, const std::vector<Va
       case 'i':
       case 'u':
         if (!v.is_number()) in.type_error(fmt::format("%{} format: a real number is required, not {}", conv, v.type_name()));
-        std::snprintf(buf, sizeof buf, (cspec + "lld").c_str(), (long long)(v.kind == Kind::floating ? (int64_t)std::trunc(v.f) : v.kind == Kind::integer ? v.i : v.b));
+        if (v.kind == Kind::floating && !trunc_int64(v.f)) in.type_error("%d format: the number is beyond 64 bits");
+        std::snprintf(buf, sizeof buf, (cspec + "lld").c_str(), (long long)(v.kind == Kind::floating ? *trunc_int64(v.f) : v.kind == Kind::integer ? v.i : v.b));
         out += buf;
         break;
       case 'f':
@@ -353,7 +360,7 @@ Value attr_path(Interp& in, const Value& item, const std::string& path) {
 // ---- filters ----
 
 Value f_abs(Interp& in, const Value& v, Args&) {
-  if (v.kind == Kind::integer) return Value::integer(v.i < 0 ? -v.i : v.i);
+  if (v.kind == Kind::integer) return v.i == INT64_MIN ? Value::floating(-(double)v.i) : Value::integer(v.i < 0 ? -v.i : v.i);
   if (v.kind == Kind::boolean) return Value::integer(v.b);
   if (v.kind == Kind::floating) return Value::floating(std::fabs(v.f));
   in.type_error(fmt::format("bad operand type for abs(): '{}'", v.type_name()));
@@ -477,7 +484,7 @@ Value f_int(Interp&, const Value& v, Args& a) {
   const int base = b && b->kind == Kind::integer ? (int)b->i : 10;
   if (v.kind == Kind::integer) return v;
   if (v.kind == Kind::boolean) return Value::integer(v.b);
-  if (v.kind == Kind::floating) return std::isfinite(v.f) ? Value::integer((int64_t)std::trunc(v.f)) : def;
+  if (v.kind == Kind::floating) return trunc_int64(v.f) ? Value::integer(*trunc_int64(v.f)) : def;
   if (v.is_string()) {
     std::string t = py_strip(v.str(), nullptr, true, true), c;
     for (char ch : t)
@@ -488,7 +495,7 @@ Value f_int(Interp&, const Value& v, Args& a) {
       if (used == c.size() && !c.empty()) return Value::integer(x);
     } catch (...) {
     }
-    if (auto f = parse_float(v.str())) return std::isfinite(*f) ? Value::integer((int64_t)std::trunc(*f)) : def;
+    if (auto f = parse_float(v.str())) return trunc_int64(*f) ? Value::integer(*trunc_int64(*f)) : def;
   }
   return def;
 }

@@ -599,6 +599,7 @@ Value Interp::eval(const Expr& e) {
       if (v.is_undefined()) error(ErrorKind::undefined, v.str().empty() ? "an undefined value in arithmetic" : v.str());
       if (v.kind == Kind::integer || v.kind == Kind::boolean) {
         const int64_t x = v.kind == Kind::integer ? v.i : v.b;
+        if (e.op == Op::neg && x == INT64_MIN) return Value::floating(-(double)x);  // beyond 64 bits
         return Value::integer(e.op == Op::neg ? -x : x);
       }
       if (v.kind == Kind::floating) return Value::floating(e.op == Op::neg ? -v.f : v.f);
@@ -735,10 +736,13 @@ Value Interp::binary(const Expr& e) {
           return Value::floating(e.op == Op::floordiv ? d : m);
         }
       case Op::pow:
-        if (ints && y >= 0) {
-          int64_t r = 1;
+        if (ints && y >= 0) {  // by squaring; beyond 64 bits: a float
+          int64_t r = 1, b = x;
           bool over = false;
-          for (int64_t k = 0; k < y && !over; ++k) over = __builtin_mul_overflow(r, x, &r);
+          for (int64_t k = y; k > 0 && !over; k >>= 1) {
+            if (k & 1) over = __builtin_mul_overflow(r, b, &r);
+            if (k > 1 && !over) over = __builtin_mul_overflow(b, b, &b);
+          }
           if (!over) return Value::integer(r);
           return Value::floating(std::pow(p, q));
         }
