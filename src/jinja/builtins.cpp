@@ -1111,11 +1111,15 @@ Value g_range(Interp& in, Args& a) {
   // Jinja's sandbox refuses ranges of more than 100000 items (MAX_RANGE).
   if (count > 100000) in.error(ErrorKind::limit, "Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
   std::vector<Value> out;
-  if (count > 0) {  // by index: start + k*step stays within [start, stop), so nothing overflows
+  if (count > 0) {  // n items, each within [start, stop); only a step past the last one may overflow
     const int64_t n = (int64_t)count;
     in.tick((size_t)n);
     out.reserve((size_t)n);
-    for (int64_t k = 0; k < n; ++k) out.push_back(Value::integer(start + k * step));
+    int64_t v = start;
+    for (int64_t k = 0; k < n; ++k) {
+      out.push_back(Value::integer(v));
+      if (__builtin_add_overflow(v, step, &v)) break;
+    }
   }
   return Value::list(std::move(out));
 }

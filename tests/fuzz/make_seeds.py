@@ -282,9 +282,58 @@ def seeds_gguf():
     put("fuzz_gguf", "huge_string", b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 2**62) + b"k")
 
 
+def seeds_jinja():
+    """Chat-template snippets (our own, not the real templates): the first line is the JSON context,
+    the rest the template.  Loops, macros, filters, namespaces, whitespace control, strings, the
+    transformers globals, and near-valid or runaway variants."""
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi \u00e9\u4e2d"},
+            {"role": "assistant", "content": "Hello", "tool_calls": [{"function": {"name": "f", "arguments": {"x": 1}}}]},
+            {"role": "tool", "content": "42"}]
+    tools = [{"type": "function", "function": {"name": "f", "description": "d",
+                                               "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
+    ctx = json.dumps({"messages": msgs, "tools": tools, "add_generation_prompt": True, "bos_token": "<s>",
+                      "eos_token": "</s>"}, ensure_ascii=False)
+    seeds = {
+        "loops": "{% for m in messages if m.role != 'tool' %}{{ loop.index }}/{{ loop.length }} {{ m.role }}"
+                 "{% if loop.first %}!{% endif %}{% if not loop.last %}, {% endif %}{{ loop.cycle('a', 'b') }}"
+                 "{% if m.role == 'assistant' %}{% break %}{% endif %}{% else %}none{% endfor %}",
+        "macros": "{% macro say(who, what='hi', sep=': ') %}{{ who }}{{ sep }}{{ what }}{{ caller() if caller }}"
+                  "{% endmacro %}{% macro fact(n) %}{{ 1 if n <= 1 else n * fact(n - 1) | int }}{% endmacro %}"
+                  "{{ say('a') }} {{ say('b', sep='=') }} {% call say('c') %}[body]{% endcall %} {{ fact(5) }}",
+        "filters": "{{ tools | tojson(indent=2) }}\n{{ messages | map(attribute='role') | join(',') }} "
+                   "{{ messages | selectattr('role', 'equalto', 'user') | list | length }} "
+                   "{{ {'b': 1, 'a': 2} | dictsort }} {{ ['x', 'X', 'y'] | unique | list }} {{ none | default('d', true) }} "
+                   "{{ '  t  ' | trim }} {{ '42' | int + '1.5' | float }} {{ 'a\nb' | indent(2, true) }} {{ 'ab' | title }}",
+        "namespace": "{% set ns = namespace(last=-1, text='') %}{% for m in messages %}{% if m.role == 'user' %}"
+                     "{% set ns.last = loop.index0 %}{% endif %}{% set ns.text = ns.text ~ m.role[0] %}{% endfor %}"
+                     "{{ ns.last }} {{ ns.text }}{% set x %}captured {{ ns.text | upper }}{% endset %} {{ x }}",
+        "whitespace": "  {%- if true -%}  a  {%- endif %}\n  {% for i in range(2) %}\n    {{ i }}\n  {% endfor %}\n"
+                      "{#- comment -#}  {%+ if true %}b{% endif +%}\r\n{% raw %}{{ raw }}{% endraw %}\n",
+        "strings": "{% set s = messages[1].content %}{{ s[::-1] }} {{ s[1:3] }} {{ s | length }} {{ s.split() }} "
+                   "{{ 'a,b,c'.rsplit(',', 1) }} {{ s.startswith(('Hi', 'x')) }} {{ '{} {}'.format(1, 'x') }} "
+                   "{{ s.find('\u4e2d') }} {{ 'xaxx'.strip('x') }} {{ '%s-%d' % ('a', 3) }} {{ [1, 'a', none, 1.5e-5] }}",
+        "globals": "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                   "{{ eos_token }}{% endgeneration %}{% elif m.role not in ['system', 'user', 'tool'] %}"
+                   "{{ raise_exception('bad role ' ~ m.role) }}{% else %}[{{ m.content }}]{% endif %}{% endfor %}"
+                   "{{ strftime_now('%d %b %Y') }} {{ dict(a=1, b=[2]) }}",
+        "tools": "{% for t in tools %}{% for k, v in t.function.items() %}{{ k }}={{ v | tojson }};{% endfor %}"
+                 "{{ t.function.parameters.properties.keys() | list }}{{ t.function.get('missing', 'dflt') }}{% endfor %}"
+                 "{% for m in messages %}{% if m.tool_calls is defined %}{{ m.tool_calls[0].function.arguments | tojson(sort_keys=true) }}"
+                 "{% endif %}{% endfor %}{{ {512: 'k'}[512] }}{{ ('<b>' | safe) + '<i>' }}",
+        "errors": "{% if messages %}{{ messages[0].content | nosuchfilter }}{% endif %}\n{% for x in y %}{{ x",
+        "runaway": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+                   "{% macro r(n) %}{{ r(n + 1) }}{% endmacro %}{{ r(0) }}{{ range(10**9) | length }}"
+                   "{{ ((((((((((1)))))))))) }}",
+        "no_context": "{{ messages | length }}{{ undefined_thing is defined }}{{ 7 // 2 }} {{ 2 ** 10 }} {{ 1 < 2 < 3 }}",
+    }
+    for name, tmpl in seeds.items():
+        first = "not json" if name == "no_context" else ctx
+        put("fuzz_jinja", name, first + "\n" + tmpl)
+
+
 if __name__ == "__main__":
     for f in [seeds_safetensors, seeds_index, seeds_hf_config, seeds_train_config, seeds_jsonl, seeds_indexed,
               seeds_checkpoint, seeds_openai, seeds_tokenizer, seeds_tokenizer_json, seeds_peft_adapter, seeds_http,
-              seeds_gguf]:
+              seeds_gguf, seeds_jinja]:
         f()
     print("seeds written under", OUT, file=sys.stderr)
