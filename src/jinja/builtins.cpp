@@ -621,6 +621,21 @@ Value f_round(Interp& in, const Value& v, Args& a) {
   const int64_t prec = p && p->kind == Kind::integer ? p->i : 0;
   const std::string method = arg_str(in, a, 1, "method", "common");
   if (!v.is_number()) in.type_error(fmt::format("type {} doesn't define __round__ method", v.type_name()));
+  if (method == "common" && v.kind != Kind::floating) {  // Python's round(int, n): an int, half to even
+    const int64_t x = v.kind == Kind::integer ? v.i : v.b;
+    if (prec >= 0) return Value::integer(x);
+    if (prec < -18) return Value::integer(0);
+    int64_t f = 1;
+    for (int64_t k = 0; k < -prec; ++k) f *= 10;
+    int64_t q = x / f, r = x % f;
+    if (r < 0) {  // floor division
+      --q;
+      r += f;
+    }
+    if (2 * r > f || (2 * r == f && (q & 1))) ++q;
+    int64_t out;
+    if (!__builtin_mul_overflow(q, f, &out)) return Value::integer(out);
+  }
   const double scale = std::pow(10.0, (double)prec), x = v.as_double() * scale;
   double r;
   if (method == "common") {

@@ -467,6 +467,7 @@ Value Interp::getitem(const Value& obj, const Value& key) {
       }
       return Value::undefined(fmt::format("'{}' object has no attribute {}", obj.type_name(), repr(key)));
     case Kind::list:
+      if (obj.arr->generator) return Value::undefined("'generator' object is not subscriptable");
       if (key.kind == Kind::integer || key.kind == Kind::boolean) {
         int64_t i = key.kind == Kind::integer ? key.i : key.b;
         if (!norm_index(i, (int64_t)obj.arr->items.size()))
