@@ -6,9 +6,7 @@
 
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -40,14 +38,7 @@ void resolve_template(const std::string& name, PrepareOptions& o) {
   const bool json_tokenizer = fs::path(o.tokenizer_path).extension() == ".json";
   std::optional<jinja::ModelTemplate> mt;
   if (file) {
-    std::ifstream in(name, std::ios::binary);
-    if (!in) throw InputError(fmt::format("--template {}: cannot open", name));
-    std::stringstream ss;
-    ss << in.rdbuf();
-    mt.emplace();
-    mt->source = ss.str();
-    mt->origin = name;
-    if (const auto beside = jinja::load_model_template(dir.empty() ? "." : dir)) mt->special_tokens = beside->special_tokens;
+    mt = jinja::load_template_file(name, dir.empty() ? "." : dir);
   } else {
     mt = jinja::load_model_template(dir.empty() ? "." : dir);
   }

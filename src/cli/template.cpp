@@ -12,7 +12,6 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -31,16 +30,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::ordered_json;
-
-std::string read_text(const std::string& path, const char* flag) {
-  std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) throw InputError(fmt::format("{} {}: no such file", flag, path));
-  if (fs::file_size(path, ec) > (64u << 20)) throw InputError(fmt::format("{} {}: over 64 MiB", flag, path));
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // "2026-12-07" or "2026-12-07T12:00:00".
 std::tm parse_now(const std::string& s) {
@@ -95,8 +84,9 @@ int run_template_render(int argc, char** argv) {
     origin = mt->origin;
     specials = std::move(mt->special_tokens);
   } else {
-    source = read_text(template_file, "--template");
-    origin = template_file;
+    jinja::ModelTemplate mt = jinja::load_template_file(template_file, "");
+    source = std::move(mt.source);
+    origin = mt.origin;
   }
   for (const std::string& v : vars) {
     const size_t eq = v.find('=');

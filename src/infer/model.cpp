@@ -437,15 +437,7 @@ TemplateChoice choose_chat_template(const std::string& model_dir, const std::str
     if (explicit_name.size() > 6 && explicit_name.compare(explicit_name.size() - 6, 6, ".jinja") == 0) {
       if (!byte_level)
         throw InputError(fmt::format("--template {}: a Jinja template needs a byte-level BPE tokenizer.json", explicit_name));
-      std::ifstream in(explicit_name, std::ios::binary);
-      if (!in) throw InputError(fmt::format("--template {}: cannot open", explicit_name));
-      std::stringstream ss;
-      ss << in.rdbuf();
-      jinja::ModelTemplate mt;
-      mt.source = ss.str();
-      mt.origin = explicit_name;
-      if (const auto own = jinja::load_model_template(model_dir)) mt.special_tokens = own->special_tokens;
-      return jinja_choice(mt);
+      return jinja_choice(jinja::load_template_file(explicit_name, model_dir));
     }
     return {parse_chat_template(explicit_name), "--template"};
   }

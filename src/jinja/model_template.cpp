@@ -63,6 +63,18 @@ std::vector<std::pair<std::string, std::string>> template_special_tokens(const s
   return out;
 }
 
+ModelTemplate load_template_file(const std::string& path, const std::string& tokens_dir) {
+  auto text = read_small(path);
+  if (!text) throw InputError(fmt::format("--template {}: no such file", path));
+  ModelTemplate t;
+  t.source = std::move(*text);
+  t.origin = path;
+  if (!tokens_dir.empty())
+    if (auto cfg = read_small(fs::path(tokens_dir) / "tokenizer_config.json"))
+      t.special_tokens = template_special_tokens(*cfg, (fs::path(tokens_dir) / "tokenizer_config.json").string());
+  return t;
+}
+
 std::optional<ModelTemplate> load_model_template(const std::string& dir, const std::string& name) {
   ModelTemplate t;
   const fs::path cfg_path = fs::path(dir) / "tokenizer_config.json";

@@ -24,6 +24,11 @@ struct ModelTemplate {
 // `name`: which named template ("" = "default", or the only one).
 std::optional<ModelTemplate> load_model_template(const std::string& dir, const std::string& name = "");
 
+// A template file given by the user (--template F.jinja), with the special tokens of `tokens_dir`'s
+// tokenizer_config.json ("" or a directory without one: none).  InputError naming the file when it is
+// missing, unreadable or over 64 MiB.
+ModelTemplate load_template_file(const std::string& path, const std::string& tokens_dir);
+
 // The special tokens of a tokenizer_config.json's text (`file` names it in errors).
 std::vector<std::pair<std::string, std::string>> template_special_tokens(const std::string& config_text,
                                                                          const std::string& file);
