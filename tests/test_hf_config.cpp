@@ -99,6 +99,28 @@ void expect_same(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.eos_token_ids, b.eos_token_ids);
   EXPECT_EQ(a.torch_dtype, b.torch_dtype);
   EXPECT_EQ(a.hidden_act, b.hidden_act);
+  EXPECT_EQ(a.router_sigmoid, b.router_sigmoid);
+  EXPECT_EQ(a.n_group, b.n_group);
+  EXPECT_EQ(a.topk_group, b.topk_group);
+  EXPECT_EQ(a.routed_scaling_factor, b.routed_scaling_factor);
+  EXPECT_EQ(a.n_shared_experts, b.n_shared_experts);
+  EXPECT_EQ(a.first_k_dense_replace, b.first_k_dense_replace);
+  EXPECT_EQ(a.rotary_dim, b.rotary_dim);
+  EXPECT_EQ(a.partial_rotary_factor, b.partial_rotary_factor);
+  EXPECT_EQ(a.rope_interleave, b.rope_interleave);
+  EXPECT_EQ(a.rope_type, b.rope_type);
+  EXPECT_EQ(a.yarn_factor, b.yarn_factor);
+  EXPECT_EQ(a.yarn_original_max_position_embeddings, b.yarn_original_max_position_embeddings);
+  EXPECT_EQ(a.yarn_beta_fast, b.yarn_beta_fast);
+  EXPECT_EQ(a.yarn_beta_slow, b.yarn_beta_slow);
+  EXPECT_EQ(a.yarn_mscale, b.yarn_mscale);
+  EXPECT_EQ(a.yarn_mscale_all_dim, b.yarn_mscale_all_dim);
+  EXPECT_EQ(a.yarn_attention_factor, b.yarn_attention_factor);
+  EXPECT_EQ(a.q_lora_rank, b.q_lora_rank);
+  EXPECT_EQ(a.kv_lora_rank, b.kv_lora_rank);
+  EXPECT_EQ(a.qk_nope_head_dim, b.qk_nope_head_dim);
+  EXPECT_EQ(a.qk_rope_head_dim, b.qk_rope_head_dim);
+  EXPECT_EQ(a.v_head_dim, b.v_head_dim);
   EXPECT_EQ(a.extra, b.extra);
 }
 
@@ -365,8 +387,8 @@ TEST(HfConfigErrors, ExpertsPerTokenOutOfRange) {
 
 TEST(HfConfigErrors, UnknownArchitecture) {
   json j = tiny_mixtral();
-  j["architectures"] = {"DeepseekV3ForCausalLM"};  // (Qwen2MoeForCausalLM was the example before it was supported)
-  expect_config_error(j, {"'architectures'", "DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM"});
+  j["architectures"] = {"Phi3ForCausalLM"};  // (Qwen2-MoE, then DeepSeek-V3 were the example before each was supported)
+  expect_config_error(j, {"'architectures'", "Phi3ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"});
   j = tiny_mixtral();
   j.erase("architectures");
   j["model_type"] = "gpt2";
@@ -776,4 +798,231 @@ TEST(HfConfigErrors, OlmoeFieldsNamed) {
   ModelConfig bad = model_config_from_json(tiny_mixtral(), "x");
   bad.clip_qkv = 4.0;
   EXPECT_THROW(validate_model_config(bad, "x"), Error);
+}
+
+// ---- DeepSeek-V3 / Kimi-K2 / GLM-4.5 (hf_config.h) -----------------------------------------------
+
+namespace {
+
+ModelConfig hub_config(const char* dir) {
+  return load_model_config(std::string(MOETRON_SOURCE_DIR) + "/configs/models/" + dir + "/config.json");
+}
+
+json tiny_deepseek() {
+  return json::parse(R"({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 128, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8,
+    "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "n_shared_experts": 2, "first_k_dense_replace": 1,
+    "q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+    "routed_scaling_factor": 2.5, "max_position_embeddings": 256,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+      "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.6}})");
+}
+
+json tiny_glm() {
+  return json::parse(R"({"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+    "vocab_size": 128, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+    "partial_rotary_factor": 0.5, "use_qk_norm": true, "attention_bias": true, "routed_scaling_factor": 2.5,
+    "rope_theta": 1000000.0})");
+}
+
+}  // namespace
+
+TEST(HfConfig, DeepSeekV3FromTheHub) {
+  const ModelConfig c = hub_config("deepseek-v3");
+  EXPECT_EQ(c.architecture, "DeepseekV3ForCausalLM");
+  EXPECT_EQ(c.num_local_experts, 256);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_TRUE(c.router_sigmoid);
+  EXPECT_TRUE(c.has_selection_bias());
+  EXPECT_EQ(c.n_group, 8);
+  EXPECT_EQ(c.topk_group, 4);
+  EXPECT_EQ(c.routed_scaling_factor, 2.5);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_EQ(c.n_shared_experts, 1);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 2048);
+  EXPECT_FALSE(c.shared_expert_gated());
+  EXPECT_EQ(c.first_k_dense_replace, 3);
+  EXPECT_FALSE(c.is_moe_layer(2));
+  EXPECT_TRUE(c.is_moe_layer(3));
+  EXPECT_EQ(c.ffn_size(0), 18432);
+  EXPECT_EQ(c.ffn_size(60), 2048);
+  EXPECT_TRUE(c.is_mla());
+  EXPECT_EQ(c.q_lora_rank, 1536);
+  EXPECT_EQ(c.kv_lora_rank, 512);
+  EXPECT_EQ(c.head_dim, 192);
+  EXPECT_EQ(c.rope_dim(), 64);
+  EXPECT_EQ(c.value_head_dim(), 128);
+  EXPECT_TRUE(c.rope_interleave);
+  EXPECT_EQ(c.rope_type, "yarn");
+  EXPECT_EQ(c.yarn_factor, 40.0);
+  EXPECT_EQ(c.yarn_original_max_position_embeddings, 4096);
+  EXPECT_EQ(c.rope_theta, 1e4);
+  // mscale = mscale_all_dim = 1: cos/sin unscaled; softmax scale x (0.1 ln 40 + 1)^2.
+  EXPECT_DOUBLE_EQ(c.rope_attention_factor(), 1.0);
+  EXPECT_NEAR(c.softmax_scale_factor(), std::pow(0.1 * std::log(40.0) + 1.0, 2), 1e-15);
+  EXPECT_EQ(c.router_aux_loss_coef, 0.0);  // transformers' model has no auxiliary loss
+  // DeepSeek's own fields stay verbatim.
+  EXPECT_EQ(c.extra.at("topk_method"), "noaux_tc");
+  EXPECT_EQ(c.extra.at("num_nextn_predict_layers"), 1);
+  EXPECT_TRUE(c.extra.contains("quantization_config"));
+  expect_same(c, model_config_from_json(model_config_to_json(c), "round-trip"));
+}
+
+TEST(HfConfig, KimiK2IsDeepSeekV3WithItsOwnModelType) {
+  const ModelConfig c = hub_config("kimi-k2-instruct");
+  EXPECT_EQ(c.architecture, "DeepseekV3ForCausalLM");
+  EXPECT_EQ(c.model_type, "kimi_k2");  // written back as it was
+  EXPECT_EQ(c.num_local_experts, 384);
+  EXPECT_EQ(c.n_group, 1);
+  EXPECT_EQ(c.first_k_dense_replace, 1);
+  EXPECT_EQ(c.routed_scaling_factor, 2.827);
+  EXPECT_EQ(c.yarn_factor, 32.0);
+  EXPECT_EQ(c.yarn_beta_fast, 1.0);
+  EXPECT_EQ(model_config_to_json(c).at("model_type"), "kimi_k2");
+  expect_same(c, model_config_from_json(model_config_to_json(c), "round-trip"));
+  // model_type alone finds the architecture.
+  json j = tiny_deepseek();
+  j.erase("architectures");
+  j["model_type"] = "kimi_k2";
+  EXPECT_EQ(model_config_from_json(j, "cfg.json").architecture, "DeepseekV3ForCausalLM");
+}
+
+TEST(HfConfig, Glm45AndAirFromTheHub) {
+  const ModelConfig c = hub_config("glm-4.5");
+  EXPECT_EQ(c.architecture, "Glm4MoeForCausalLM");
+  EXPECT_EQ(c.num_local_experts, 160);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.rope_dim(), 64);  // partial_rotary_factor 0.5
+  EXPECT_FALSE(c.rope_interleave);
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_FALSE(c.qk_norm_full);
+  EXPECT_TRUE(c.qkv_bias);
+  EXPECT_FALSE(c.is_mla());
+  EXPECT_EQ(c.first_k_dense_replace, 3);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 1536);
+  EXPECT_EQ(c.routed_scaling_factor, 2.5);
+  EXPECT_EQ(c.rope_type, "default");
+  EXPECT_DOUBLE_EQ(c.softmax_scale_factor(), 1.0);
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int>{151329, 151336, 151338}));
+  expect_same(c, model_config_from_json(model_config_to_json(c), "round-trip"));
+  const ModelConfig air = hub_config("glm-4.5-air");
+  EXPECT_FALSE(air.qk_norm);
+  EXPECT_EQ(air.first_k_dense_replace, 1);
+  EXPECT_EQ(air.routed_scaling_factor, 1.0);
+  expect_same(air, model_config_from_json(model_config_to_json(air), "round-trip"));
+  // Glm4MoeConfig's defaults: partial_rotary_factor 0.5, first_k_dense_replace 1, no q/k norm.
+  json j = tiny_glm();
+  for (const char* k : {"partial_rotary_factor", "first_k_dense_replace", "use_qk_norm", "attention_bias"}) j.erase(k);
+  const ModelConfig d = model_config_from_json(j, "cfg.json");
+  EXPECT_EQ(d.rope_dim(), 8);
+  EXPECT_EQ(d.first_k_dense_replace, 1);
+  EXPECT_FALSE(d.qk_norm);
+  EXPECT_FALSE(d.qkv_bias);
+  // transformers 5 keeps partial_rotary_factor inside rope_parameters.
+  j = tiny_glm();
+  j.erase("partial_rotary_factor");
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e6}, {"partial_rotary_factor", 0.25}};
+  EXPECT_EQ(model_config_from_json(j, "cfg.json").rope_dim(), 4);
+}
+
+TEST(HfConfig, DeepSeekTinyYarnAndPlainQ) {
+  ModelConfig c = model_config_from_json(tiny_deepseek(), "cfg.json");
+  EXPECT_EQ(c.head_dim, 12);
+  // transformers' _compute_yarn_parameters: mscale and mscale_all_dim both set.
+  const double m = 0.1 * 0.8 * std::log(4.0) + 1.0, mall = 0.1 * 0.6 * std::log(4.0) + 1.0;
+  EXPECT_NEAR(c.rope_attention_factor(), m / mall, 1e-15);
+  EXPECT_NEAR(c.softmax_scale_factor(), mall * mall, 1e-15);
+  expect_same(c, model_config_from_json(model_config_to_json(c), "round-trip"));
+  // transformers 4's rope_scaling gives the same, and a factor that disagrees between the two is refused.
+  json j = tiny_deepseek();
+  json rs = j["rope_parameters"];
+  rs.erase("rope_theta");
+  rs.erase("rope_type");
+  rs["type"] = "yarn";
+  j["rope_scaling"] = rs;
+  j["rope_theta"] = 10000.0;
+  j.erase("rope_parameters");
+  expect_same(c, model_config_from_json(j, "cfg.json"));
+  j["rope_parameters"] = tiny_deepseek()["rope_parameters"];
+  j["rope_parameters"]["factor"] = 8.0;
+  expect_config_error(j, {"'rope_parameters.factor'", "disagrees"});
+  // q_lora_rank null: a plain q_proj.
+  j = tiny_deepseek();
+  j["q_lora_rank"] = nullptr;
+  c = model_config_from_json(j, "cfg.json");
+  EXPECT_EQ(c.q_lora_rank, 0);
+  EXPECT_TRUE(model_config_to_json(c).at("q_lora_rank").is_null());
+  // yarn without a factor: max_position_embeddings / original (transformers' rule).
+  j = tiny_deepseek();
+  j["rope_parameters"].erase("factor");
+  EXPECT_EQ(model_config_from_json(j, "cfg.json").yarn_factor, 4.0);
+}
+
+TEST(HfConfigErrors, DeepSeekAndGlmRoutingAndRope) {
+  json j = tiny_deepseek();
+  j["n_group"] = 3;
+  expect_config_error(j, {"'n_group' = 3", "divide n_routed_experts = 8"});
+  j = tiny_deepseek();
+  j["topk_group"] = 5;
+  expect_config_error(j, {"'topk_group' = 5", "[1, n_group = 4]"});
+  j = tiny_deepseek();
+  j["n_group"] = 8;
+  j["topk_group"] = 2;
+  expect_config_error(j, {"'n_group' = 8", "at least 2"});
+  j = tiny_deepseek();
+  j["topk_group"] = 1;
+  expect_config_error(j, {"'num_experts_per_tok' = 3", "topk_group = 1"});
+  j = tiny_deepseek();
+  j["rope_parameters"]["rope_type"] = "longrope";
+  expect_config_error(j, {"'rope_parameters.rope_type'", "longrope", "not supported"});
+  j = tiny_deepseek();
+  j.erase("rope_parameters");
+  j["rope_scaling"] = {{"type", "dynamic"}, {"factor", 2.0}};
+  expect_config_error(j, {"'rope_scaling.type'", "dynamic", "not supported"});
+  j = tiny_deepseek();
+  j["rope_parameters"]["factor"] = 0.5;
+  expect_config_error(j, {"'rope_scaling.factor'", ">= 1"});
+  j = tiny_deepseek();
+  j["rope_parameters"]["low_freq_factor"] = 1.0;
+  expect_config_error(j, {"'rope_parameters.low_freq_factor'", "not supported"});
+  j = tiny_deepseek();
+  j["routed_scaling_factor"] = 0.0;
+  expect_config_error(j, {"'routed_scaling_factor'", "positive"});
+  j = tiny_deepseek();
+  j["num_key_value_heads"] = 2;
+  expect_config_error(j, {"'num_key_value_heads' = 2", "latent attention"});
+  j = tiny_deepseek();
+  j["qk_rope_head_dim"] = 3;
+  expect_config_error(j, {"rotated width 3", "even"});
+  j = tiny_deepseek();
+  j["attention_bias"] = true;
+  expect_config_error(j, {"'attention_bias' = true", "not supported"});
+  j = tiny_deepseek();
+  j["scoring_func"] = "softmax";
+  expect_config_error(j, {"'scoring_func'", "softmax", "not supported"});
+  j = tiny_deepseek();
+  j["first_k_dense_replace"] = 4;
+  expect_config_error(j, {"'first_k_dense_replace' = 4", "num_hidden_layers = 3"});
+  j = tiny_glm();
+  j["partial_rotary_factor"] = 0.3;  // int(16 x 0.3) = 4: fine
+  EXPECT_EQ(model_config_from_json(j, "cfg.json").rope_dim(), 4);
+  j["partial_rotary_factor"] = 0.2;  // int(3.2) = 3: odd
+  expect_config_error(j, {"rotated width 3", "even"});
+  j["partial_rotary_factor"] = 1.5;
+  expect_config_error(j, {"'partial_rotary_factor'", "(0, 1]"});
+  j = tiny_glm();
+  j["rope_interleave"] = true;  // not a GLM field: kept in extra, never followed
+  EXPECT_FALSE(model_config_from_json(j, "cfg.json").rope_interleave);
+  // The DeepSeek fields are refused on other families (built in code, past the reader).
+  ModelConfig m = model_config_from_json(tiny_mixtral(), "cfg.json");
+  m.n_group = 2;
+  try {
+    validate_model_config(m, "cfg.json");
+    ADD_FAILURE() << "n_group on Mixtral";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'n_group'"), std::string::npos) << e.what();
+  }
 }

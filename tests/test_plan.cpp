@@ -117,6 +117,41 @@ TEST(PlanTotals, Mixtral8x7bParameterCounts) {
   EXPECT_EQ(p.params_total, sum);
 }
 
+// DeepSeek-V3, Kimi-K2, GLM-4.5 and GLM-4.5-Air from their Hub configs: the totals transformers'
+// own modules count (tools/count_params_hf.py, transformers 5.24, meta device: buffers and the
+// multi-token-prediction layers excluded), and the published figures they round to.
+TEST(PlanTotals, DeepSeekKimiGlmMatchTransformers) {
+  struct Want {
+    const char* dir;
+    int64_t total, experts, active, active_without_embedding;
+    const char *total_printed, *active_printed;
+  };
+  const Want wants[] = {
+      {"deepseek-v3", 671026404352, 653908770816, 37552282624, 36625603584, "671.0B", "36.6B"},
+      {"kimi-k2-instruct", 1026408209408, 1014686023680, 32861477888, 31687072768, "1.0T", "31.7B"},
+      {"glm-4.5", 352797814784, 335963750400, 33632251904, 32856305664, "352.8B", "32.9B"},
+      {"glm-4.5-air", 106852245504, 99656663040, 13424123904, 12803366912, "106.9B", "12.8B"},
+  };
+  for (const Want& w : wants) {
+    SCOPED_TRACE(w.dir);
+    const ModelConfig m = load_model_config((kSrc / "configs" / "models" / w.dir / "config.json").string());
+    const Plan p =
+        make_plan(recipe({"parallel.pp=1", "parallel.tp=8", "parallel.ep=8", "device=cpu", "model.dtype=fp32"}), m, 64);
+    EXPECT_EQ(p.params_total, w.total);
+    EXPECT_EQ(p.params_experts, w.experts);
+    EXPECT_EQ(p.params_active, w.active);
+    EXPECT_EQ(p.params_active_compute, w.active_without_embedding);
+    EXPECT_EQ(format_count((double)p.params_total, 1), w.total_printed);
+    EXPECT_EQ(format_count((double)p.params_active_compute, 1), w.active_printed);
+    // The table holds the selection biases too (one [E] per MoE layer), which are not parameters.
+    const ParamTable t(m);
+    int64_t sum = 0, bias = 0;
+    for (const ParamSpec& s : t.specs()) (s.is_buffer() ? bias : sum) += (int64_t)s.numel;
+    EXPECT_EQ(sum, w.total);
+    EXPECT_EQ(bias, (int64_t)(m.num_hidden_layers - m.first_k_dense_replace) * m.num_local_experts);
+  }
+}
+
 // The blog post's own layout (TP 8 x PP 8 on 64 ranks, no recompute) still plans.
 TEST(PlanLayout, RecipesOwnLayoutOn64Ranks) {
   const Plan p = make_plan(recipe64(), mixtral(), 64);

@@ -152,8 +152,8 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
 struct TemplateChoice {
   ChatTemplate tmpl = ChatTemplate::mistral;
   std::string source;
-  std::shared_ptr<const jinja::Template> jinja;
-  std::vector<std::pair<std::string, std::string>> special_tokens;  // what the Jinja template sees
+  std::shared_ptr<const jinja::Template> jinja = {};
+  std::vector<std::pair<std::string, std::string>> special_tokens = {};  // what the Jinja template sees
   std::string name() const { return jinja ? "jinja" : chat_template_name(tmpl); }
 };
 

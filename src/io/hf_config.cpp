@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -34,6 +35,12 @@ struct ArchInfo {
   bool qk_norm = false;      // Qwen3: per-head q/k RMSNorm
   bool qwen2_moe = false;    // q/k/v biases (qkv_bias, default true) and a gated shared expert
   bool olmoe = false;        // num_experts, norm_topk_prob, clip_qkv; q/k norms over all heads
+  // DeepSeek-V3 / GLM-4.5: n_routed_experts, sigmoid grouped routing with the selection bias,
+  // n_shared_experts, first_k_dense_replace (hf_config.h); DeepSeek adds latent attention and YaRN,
+  // GLM partial RoPE, use_qk_norm and attention_bias (q/k/v biases).
+  bool deepseek = false;
+  bool glm = false;
+  const char* model_type_alias = nullptr;  // also accepted (Kimi-K2's config says kimi_k2)
 };
 
 constexpr ArchInfo kArchs[] = {
@@ -44,11 +51,20 @@ constexpr ArchInfo kArchs[] = {
     {"Qwen2MoeForCausalLM", "qwen2_moe", true, 1e-6, 1e4, 32768, 0, 0.001, false, true, 0, false, true},
     {"Qwen3ForCausalLM", "qwen3", false, 1e-6, 1e4, 32768, 0, 0.0, false, true, 128, true, false},
     {"OlmoeForCausalLM", "olmoe", true, 1e-5, 1e4, 4096, 0, 0.01, false, false, 0, true, false, true},
+    {"DeepseekV3ForCausalLM", "deepseek_v3", true, 1e-6, 1e4, 4096, 0, 0.0, false, false, 0, false, false, false,
+     true, false, "kimi_k2"},
+    {"Glm4MoeForCausalLM", "glm4_moe", true, 1e-5, 1e4, 131072, 0, 0.0, false, false, 0, false, false, false, false,
+     true},
 };
 constexpr const char* kArchList =
-    "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM, MistralForCausalLM, "
-    "LlamaForCausalLM or Qwen3ForCausalLM";
-constexpr const char* kModelTypeList = "mixtral, qwen3_moe, qwen2_moe, olmoe, mistral, llama or qwen3";
+    "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM, DeepseekV3ForCausalLM, "
+    "Glm4MoeForCausalLM, MistralForCausalLM, LlamaForCausalLM or Qwen3ForCausalLM";
+constexpr const char* kModelTypeList =
+    "mixtral, qwen3_moe, qwen2_moe, olmoe, deepseek_v3, kimi_k2, glm4_moe, mistral, llama or qwen3";
+
+bool model_type_fits(const ArchInfo& a, const std::string& model_type) {
+  return model_type == a.model_type || (a.model_type_alias != nullptr && model_type == a.model_type_alias);
+}
 
 const ArchInfo* arch_by_name(const std::string& architecture) {
   for (const ArchInfo& a : kArchs)
@@ -58,7 +74,7 @@ const ArchInfo* arch_by_name(const std::string& architecture) {
 
 const ArchInfo* arch_by_model_type(const std::string& model_type) {
   for (const ArchInfo& a : kArchs)
-    if (model_type == a.model_type) return &a;
+    if (model_type_fits(a, model_type)) return &a;
   return nullptr;
 }
 
@@ -177,7 +193,102 @@ void check_positive_finite(const std::string& source, const char* field, double 
     fail("{}: field '{}' must be a positive finite number, got {}", source, field, value);
 }
 
+double yarn_get_mscale(double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; }
+
+// The DeepSeek-V3 / GLM-4.5 fields (hf_config.h): routing groups, shared experts, dense-first layers,
+// partial / interleaved / YaRN RoPE and latent attention; absent from every other family.
+void validate_routing_and_attention(const ModelConfig& c, const ArchInfo& arch, const std::string& source) {
+  const bool sig = arch.deepseek || arch.glm;
+  if (c.router_sigmoid != sig)
+    fail("{}: sigmoid routing (n_group, topk_group, routed_scaling_factor) is DeepSeek-V3's and GLM-4.5's, not {}'s",
+         source, c.architecture);
+  if (sig) {
+    const int E = c.num_local_experts;
+    if (c.n_group < 1 || E % c.n_group != 0)
+      fail("{}: field 'n_group' = {} must be positive and divide n_routed_experts = {}", source, c.n_group, E);
+    if (E / c.n_group < 2)
+      fail("{}: field 'n_group' = {}: each group needs at least 2 of the {} experts (a group scores by its two best)",
+           source, c.n_group, E);
+    if (c.topk_group < 1 || c.topk_group > c.n_group)
+      fail("{}: field 'topk_group' = {} must be in [1, n_group = {}]", source, c.topk_group, c.n_group);
+    if (c.num_experts_per_tok > c.topk_group * (E / c.n_group))
+      fail("{}: field 'num_experts_per_tok' = {} exceeds the {} experts of the topk_group = {} groups searched",
+           source, c.num_experts_per_tok, c.topk_group * (E / c.n_group), c.topk_group);
+    check_positive_finite(source, "routed_scaling_factor", c.routed_scaling_factor);
+    if (c.first_k_dense_replace < 0 || c.first_k_dense_replace > c.num_hidden_layers)
+      fail("{}: field 'first_k_dense_replace' = {} must be in [0, num_hidden_layers = {}]", source,
+           c.first_k_dense_replace, c.num_hidden_layers);
+    if (c.n_shared_experts < 0 || c.shared_expert_intermediate_size != c.n_shared_experts * c.moe_intermediate_size)
+      fail("{}: field 'n_shared_experts' = {}: the shared experts' width must be n_shared_experts x "
+           "moe_intermediate_size",
+           source, c.n_shared_experts);
+  } else if (c.n_group != 1 || c.topk_group != 1 || c.routed_scaling_factor != 1.0 || c.n_shared_experts != 0 ||
+             c.first_k_dense_replace != 0) {
+    fail("{}: fields 'n_group', 'topk_group', 'routed_scaling_factor', 'n_shared_experts' and "
+         "'first_k_dense_replace' are DeepSeek-V3's and GLM-4.5's, not {}'s",
+         source, c.architecture);
+  }
+  // RoPE.
+  if (c.rotary_dim < 0 || c.rotary_dim > c.head_dim || c.rotary_dim % 2 != 0 || (c.rotary_dim == 0 && c.head_dim % 2))
+    fail("{}: field 'partial_rotary_factor' / 'qk_rope_head_dim': the rotated width {} must be even, positive and at "
+         "most head_dim = {}",
+         source, c.rope_dim(), c.head_dim);
+  if (c.rope_interleave && !arch.deepseek)
+    fail("{}: field 'rope_interleave' is DeepSeek-V3's, not {}'s", source, c.architecture);
+  if (c.rope_type != "default" && c.rope_type != "yarn")
+    fail("{}: field 'rope_parameters.rope_type' = '{}' is not supported (expected \"default\" or \"yarn\")", source,
+         c.rope_type);
+  if (c.rope_type == "yarn") {
+    if (!sig) fail("{}: YaRN RoPE scaling is supported for DeepSeek-V3 and GLM-4.5 only, not {}", source, c.architecture);
+    if (!(c.yarn_factor >= 1.0) || !std::isfinite(c.yarn_factor))
+      fail("{}: field 'rope_scaling.factor' must be a finite number >= 1, got {}", source, c.yarn_factor);
+    check_positive(source, "rope_scaling.original_max_position_embeddings", c.yarn_original_max_position_embeddings);
+    check_positive_finite(source, "rope_scaling.beta_fast", c.yarn_beta_fast);
+    check_positive_finite(source, "rope_scaling.beta_slow", c.yarn_beta_slow);
+    if (!(c.yarn_mscale >= 0) || !(c.yarn_mscale_all_dim >= 0) || !(c.yarn_attention_factor >= 0))
+      fail("{}: fields 'rope_scaling.mscale', 'mscale_all_dim' and 'attention_factor' must be >= 0", source);
+  }
+  // Latent attention.
+  if (arch.deepseek) {
+    if (c.kv_lora_rank <= 0 || c.qk_rope_head_dim <= 0 || c.v_head_dim <= 0 || c.qk_nope_head_dim < 0 ||
+        c.q_lora_rank < 0)
+      fail("{}: fields 'kv_lora_rank', 'qk_rope_head_dim', 'v_head_dim' must be positive (qk_nope_head_dim, "
+           "q_lora_rank >= 0)",
+           source);
+    if (c.head_dim != c.qk_nope_head_dim + c.qk_rope_head_dim || c.rotary_dim != c.qk_rope_head_dim)
+      fail("{}: latent attention's head_dim must be qk_nope_head_dim + qk_rope_head_dim = {}", source,
+           c.qk_nope_head_dim + c.qk_rope_head_dim);
+    if (c.num_key_value_heads != c.num_attention_heads)
+      fail("{}: field 'num_key_value_heads' = {} must equal num_attention_heads = {} (latent attention expands the "
+           "latent into every head)",
+           source, c.num_key_value_heads, c.num_attention_heads);
+    for (const auto& [field, v] : {std::pair{"q_lora_rank", c.q_lora_rank}, {"kv_lora_rank", c.kv_lora_rank},
+                                   {"qk_nope_head_dim", c.qk_nope_head_dim}, {"qk_rope_head_dim", c.qk_rope_head_dim},
+                                   {"v_head_dim", c.v_head_dim}})
+      if (v > (1 << 16)) fail("{}: field '{}' = {} is beyond what moetron supports (65536 at most)", source, field, v);
+  } else if (c.q_lora_rank != 0 || c.kv_lora_rank != 0 || c.qk_nope_head_dim != 0 || c.qk_rope_head_dim != 0 ||
+             c.v_head_dim != 0) {
+    fail("{}: latent-attention fields (q_lora_rank, kv_lora_rank, ...) are DeepSeek-V3's, not {}'s", source,
+         c.architecture);
+  }
+}
+
 }  // namespace
+
+double ModelConfig::rope_attention_factor() const {
+  if (rope_type != "yarn") return 1.0;
+  if (yarn_attention_factor > 0) return yarn_attention_factor;
+  if (yarn_mscale > 0 && yarn_mscale_all_dim > 0)
+    return yarn_get_mscale(yarn_factor, yarn_mscale) / yarn_get_mscale(yarn_factor, yarn_mscale_all_dim);
+  return yarn_get_mscale(yarn_factor, 1.0);
+}
+
+double ModelConfig::softmax_scale_factor() const {
+  // DeepseekV3Attention: scaling *= mscale(factor, mscale_all_dim)^2 when mscale_all_dim is set.
+  if (rope_type != "yarn" || !is_mla() || yarn_mscale_all_dim <= 0) return 1.0;
+  const double m = yarn_get_mscale(yarn_factor, yarn_mscale_all_dim);
+  return m * m;
+}
 
 ModelConfig model_config_from_json(const json& j, const std::string& source) {
   if (!j.is_object()) fail("{}: config must be a JSON object, got {}", source, j.type_name());
@@ -211,7 +322,7 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
     fail("{}: missing required field 'architectures' (or 'model_type')", source);
   }
   if (c.model_type.empty()) c.model_type = arch->model_type;
-  if (c.model_type != arch->model_type)
+  if (!model_type_fits(*arch, c.model_type))
     fail("{}: field 'model_type' is '{}' but architecture {} needs '{}'", source, c.model_type,
          c.architecture, arch->model_type);
 
@@ -228,6 +339,8 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
     c.head_dim = f.optional_int("head_dim", 0);
   } else if (arch->default_head_dim > 0) {
     c.head_dim = arch->default_head_dim;
+  } else if (arch->deepseek) {
+    // set from the latent-attention fields below
   } else {
     if (c.hidden_size % c.num_attention_heads != 0)
       fail("{}: field 'head_dim' is absent and hidden_size {} is not divisible by "
@@ -253,6 +366,65 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
       fail("{}: field 'clip_qkv' must be null or a positive number, got {}", source, c.clip_qkv);
     c.qk_norm = true;
     c.qk_norm_full = true;
+  } else if (arch->deepseek || arch->glm) {  // DeepseekV3Config's / Glm4MoeConfig's names and defaults
+    const bool ds = arch->deepseek;
+    const int routed = f.optional_int("n_routed_experts", -1), v5 = f.optional_int("num_local_experts", -1);
+    if (routed >= 0 && v5 >= 0 && routed != v5)
+      fail("{}: fields 'n_routed_experts' ({}) and 'num_local_experts' ({}) disagree", source, routed, v5);
+    c.num_local_experts = v5 >= 0 ? v5 : routed >= 0 ? routed : ds ? 256 : 128;
+    c.num_experts_per_tok = f.optional_int("num_experts_per_tok", 8);
+    c.moe_intermediate_size = f.optional_int("moe_intermediate_size", ds ? 2048 : 1408);
+    check_positive(source, "moe_intermediate_size", c.moe_intermediate_size);
+    c.n_shared_experts = f.optional_int("n_shared_experts", f.has("n_shared_experts") ? 0 : 1);
+    if (c.n_shared_experts < 0 || c.n_shared_experts > 64)
+      fail("{}: field 'n_shared_experts' must be in [0, 64], got {}", source, c.n_shared_experts);
+    c.shared_expert_intermediate_size = c.n_shared_experts * c.moe_intermediate_size;
+    c.routed_scaling_factor = f.optional_double("routed_scaling_factor", ds ? 2.5 : 1.0);
+    c.n_group = f.optional_int("n_group", ds ? 8 : 1);
+    c.topk_group = f.optional_int("topk_group", ds ? 4 : 1);
+    c.first_k_dense_replace = f.optional_int("first_k_dense_replace", ds ? 3 : 1);
+    c.norm_topk_prob = f.optional_bool("norm_topk_prob", true);
+    c.router_aux_loss_coef = f.optional_double("router_aux_loss_coef", 0.0);
+    c.router_sigmoid = true;
+    // DeepSeek's own config fields (its remote code; transformers ignores them): kept in `extra`, but a
+    // value transformers' model would silently not follow is refused.
+    auto expect = [&](const char* key, const json& want) {
+      auto it = j.find(key);
+      if (it != j.end() && !it->is_null() && *it != want)
+        fail("{}: field '{}' = {} is not supported (DeepSeek-V3's is {})", source, key, json_preview(*it),
+             want.dump());
+    };
+    expect("scoring_func", "sigmoid");
+    expect("topk_method", "noaux_tc");
+    expect("moe_layer_freq", 1);
+    if (ds) {
+      if (f.has("q_lora_rank") && f.get("q_lora_rank") == nullptr)
+        c.q_lora_rank = 0;  // null: a plain q_proj
+      else
+        c.q_lora_rank = f.optional_int("q_lora_rank", 1536);
+      c.kv_lora_rank = f.optional_int("kv_lora_rank", 512);
+      c.qk_nope_head_dim = f.optional_int("qk_nope_head_dim", 128);
+      c.qk_rope_head_dim = f.optional_int("qk_rope_head_dim", 64);
+      c.v_head_dim = f.optional_int("v_head_dim", 128);
+      check_positive(source, "kv_lora_rank", c.kv_lora_rank);
+      check_positive(source, "qk_rope_head_dim", c.qk_rope_head_dim);
+      check_positive(source, "v_head_dim", c.v_head_dim);
+      if (c.q_lora_rank < 0) fail("{}: field 'q_lora_rank' must be null or positive, got {}", source, c.q_lora_rank);
+      if (c.qk_nope_head_dim < 0)
+        fail("{}: field 'qk_nope_head_dim' must be >= 0, got {}", source, c.qk_nope_head_dim);
+      // transformers sets head_dim to qk_rope_head_dim whatever the file says (the RoPE width).
+      (void)f.get("head_dim");
+      c.head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim;
+      c.rotary_dim = c.qk_rope_head_dim;
+      c.rope_interleave = f.optional_bool("rope_interleave", true);
+      if (f.optional_bool("attention_bias", false))
+        fail("{}: field 'attention_bias' = true is not supported for DeepseekV3ForCausalLM (latent attention "
+             "without biases)",
+             source);
+    } else {
+      c.qk_norm = f.optional_bool("use_qk_norm", false);
+      c.qkv_bias = f.optional_bool("attention_bias", false);  // q, k, v biases; o_proj has none
+    }
   } else if (arch->moe && !arch->qwen) {
     c.num_local_experts = f.required_int("num_local_experts");
     c.num_experts_per_tok = f.required_int("num_experts_per_tok");
@@ -304,41 +476,109 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
   }
 
   // RoPE: top-level rope_theta (transformers 4) or rope_parameters (transformers 5).
-  if (const json* rs = f.get("rope_scaling"))
-    fail("{}: field 'rope_scaling' is not supported (got {}); only plain RoPE with rope_theta is",
-         source, rs->dump());
+  // DeepSeek-V3 and GLM-4.5 also take YaRN scaling (rope_scaling, transformers 4; or rope_parameters'
+  // rope_type "yarn", transformers 5) and GLM's partial_rotary_factor (top level or in rope_parameters);
+  // a key given twice must agree.
+  const bool scaled_rope = arch->deepseek || arch->glm;
+  if (!scaled_rope) {
+    if (const json* rs = f.get("rope_scaling"))
+      fail("{}: field 'rope_scaling' is not supported (got {}); only plain RoPE with rope_theta is",
+           source, rs->dump());
+  }
   const bool has_top_theta = f.get("rope_theta") != nullptr;
   const double top_theta = f.optional_double("rope_theta", arch->rope_theta);
   c.rope_theta = top_theta;
-  if (const json* rp = f.get("rope_parameters")) {
-    if (!rp->is_object())
-      fail("{}: field 'rope_parameters' must be an object, got {}", source, rp->dump());
-    bool has_theta = false;
-    for (const auto& [k, v] : rp->items()) {
-      if (k == "rope_type" || k == "type") {
-        if (!v.is_string() || v.get<std::string>() != "default")
-          fail("{}: field 'rope_parameters.{}' = {} is not supported; only \"default\" is", source,
-               k, json_preview(v));
-      } else if (k == "rope_theta") {
-        if (!v.is_number())
-          fail("{}: field 'rope_parameters.rope_theta' must be a number, got {}", source, json_preview(v));
-        c.rope_theta = v.get<double>();
-        has_theta = true;
-      } else {
-        fail("{}: field 'rope_parameters.{}' is not supported (only rope_type \"default\" and "
-             "rope_theta are)",
-             source, k);
+  std::map<std::string, std::pair<std::string, json>> rope_keys;  // key -> (where, value), for the agreement check
+  auto rope_key = [&](const std::string& field, const std::string& k, const json& v) {
+    const std::string where = field == k ? field : field + "." + k;
+    auto [it, fresh] = rope_keys.emplace(k, std::pair{where, v});
+    if (!fresh && it->second.second != v)
+      fail("{}: field '{}' = {} disagrees with '{}' = {}", source, where, json_preview(v), it->second.first,
+           json_preview(it->second.second));
+  };
+  auto read_rope = [&](const char* field, const json& rp) {
+    if (!rp.is_object()) fail("{}: field '{}' must be an object, got {}", source, field, json_preview(rp));
+    for (const auto& [k, v] : rp.items()) {
+      const std::string key = k == "type" ? "rope_type" : k;
+      auto number = [&]() {
+        if (!v.is_number() || !std::isfinite(v.get<double>()))
+          fail("{}: field '{}.{}' must be a number, got {}", source, field, k, json_preview(v));
+        return v.get<double>();
+      };
+      if (key == "rope_type") {
+        if (!v.is_string() || (v.get<std::string>() != "default" && (!scaled_rope || v.get<std::string>() != "yarn")))
+          fail("{}: field '{}.{}' = {} is not supported (expected \"default\"{})", source, field, k, json_preview(v),
+               scaled_rope ? " or \"yarn\"" : "");
+        rope_key(field, key, v);
+        c.rope_type = v.get<std::string>();
+        continue;
       }
+      if (key == "rope_theta") {
+        c.rope_theta = number();
+      } else if (!scaled_rope) {
+        fail("{}: field '{}.{}' is not supported (only rope_type \"default\" and rope_theta are)", source, field, k);
+      } else if (key == "partial_rotary_factor") {
+        c.partial_rotary_factor = number();
+      } else if (key == "factor") {
+        c.yarn_factor = number();
+      } else if (key == "original_max_position_embeddings") {
+        c.yarn_original_max_position_embeddings = f.to_int("original_max_position_embeddings", v);
+      } else if (key == "beta_fast") {
+        c.yarn_beta_fast = number();
+      } else if (key == "beta_slow") {
+        c.yarn_beta_slow = number();
+      } else if (key == "mscale") {
+        c.yarn_mscale = number();
+      } else if (key == "mscale_all_dim") {
+        c.yarn_mscale_all_dim = number();
+      } else if (key == "attention_factor") {
+        c.yarn_attention_factor = number();
+      } else if (key == "truncate") {
+        if (!v.is_boolean() || !v.get<bool>())
+          fail("{}: field '{}.truncate' = {} is not supported (only true, the default)", source, field,
+               json_preview(v));
+      } else {
+        fail("{}: field '{}.{}' is not supported (expected rope_type, rope_theta, factor, "
+             "original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, "
+             "partial_rotary_factor)",
+             source, field, k);
+      }
+      rope_key(field, key, v);
     }
-    if (has_theta && has_top_theta && c.rope_theta != top_theta)
-      fail("{}: field 'rope_theta' {} disagrees with 'rope_parameters.rope_theta' {}", source,
-           top_theta, c.rope_theta);
+  };
+  if (has_top_theta) rope_key("rope_theta", "rope_theta", json(top_theta));
+  if (scaled_rope) {
+    if (const json* rs = f.get("rope_scaling")) read_rope("rope_scaling", *rs);
+    if (const json* pr = f.get("partial_rotary_factor")) {
+      if (!pr->is_number()) fail("{}: field 'partial_rotary_factor' must be a number, got {}", source, json_preview(*pr));
+      rope_key("partial_rotary_factor", "partial_rotary_factor", *pr);
+      c.partial_rotary_factor = pr->get<double>();
+    } else if (arch->glm) {
+      c.partial_rotary_factor = 0.5;  // Glm4MoeConfig's default
+    }
   }
+  if (const json* rp = f.get("rope_parameters")) read_rope("rope_parameters", *rp);
+  if (c.rope_type == "yarn" && c.yarn_original_max_position_embeddings == 0)
+    c.yarn_original_max_position_embeddings = -1;  // resolved below, once max_position_embeddings is read
 
   // Flags and ids.
+  if (c.yarn_original_max_position_embeddings == -1)  // transformers' default: the model's own
+    c.yarn_original_max_position_embeddings = c.max_position_embeddings;
+  if (c.rope_type == "yarn" && c.yarn_factor == 0.0 && c.yarn_original_max_position_embeddings > 0)
+    c.yarn_factor = (double)c.max_position_embeddings / c.yarn_original_max_position_embeddings;  // transformers' rule
+  if (arch->glm) {  // transformers: int(head_dim * partial_rotary_factor) dims rotated
+    if (!(c.partial_rotary_factor > 0.0 && c.partial_rotary_factor <= 1.0))
+      fail("{}: field 'partial_rotary_factor' must be in (0, 1], got {}", source, c.partial_rotary_factor);
+    c.rotary_dim = (int)(c.head_dim * c.partial_rotary_factor);
+  } else if (arch->deepseek && c.partial_rotary_factor != 1.0) {
+    fail("{}: field 'partial_rotary_factor' is not supported for DeepseekV3ForCausalLM (qk_rope_head_dim sets "
+         "the rotated width)",
+         source);
+  }
   c.tie_word_embeddings = f.optional_bool("tie_word_embeddings", false);
   c.hidden_act = f.optional_string("hidden_act", "silu");
   for (const char* key : {"attention_bias", "mlp_bias"}) {
+    if (std::string(key) == "attention_bias" && (arch->deepseek || arch->glm)) continue;  // read above
     auto it = j.find(key);  // validated here, kept in `extra`
     if (it != j.end() && !it->is_null()) {
       if (!it->is_boolean())
@@ -378,7 +618,7 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
 }
 
 bool ModelConfig::is_moe_layer(int l) const {
-  if (!is_moe()) return false;
+  if (!is_moe() || l < first_k_dense_replace) return false;
   if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), l) != mlp_only_layers.end()) return false;
   return (l + 1) % std::max(decoder_sparse_step, 1) == 0;
 }
@@ -417,6 +657,31 @@ json model_config_to_json(const ModelConfig& c) {
     }
   }
   if (qwen) j["use_sliding_window"] = false;
+  if (arch != nullptr && (arch->deepseek || arch->glm)) {  // DeepseekV3Config's / Glm4MoeConfig's names
+    j.erase("num_local_experts");
+    j["n_routed_experts"] = c.num_local_experts;
+    j["moe_intermediate_size"] = c.moe_intermediate_size;
+    j["n_shared_experts"] = c.n_shared_experts;
+    j["routed_scaling_factor"] = c.routed_scaling_factor;
+    j["n_group"] = c.n_group;
+    j["topk_group"] = c.topk_group;
+    j["first_k_dense_replace"] = c.first_k_dense_replace;
+    j["norm_topk_prob"] = c.norm_topk_prob;
+    if (arch->deepseek) {
+      j["q_lora_rank"] = c.q_lora_rank > 0 ? json(c.q_lora_rank) : json(nullptr);
+      j["kv_lora_rank"] = c.kv_lora_rank;
+      j["qk_nope_head_dim"] = c.qk_nope_head_dim;
+      j["qk_rope_head_dim"] = c.qk_rope_head_dim;
+      j["v_head_dim"] = c.v_head_dim;
+      j["rope_interleave"] = c.rope_interleave;
+      j["attention_bias"] = false;
+      j["head_dim"] = c.qk_rope_head_dim;  // what transformers sets (and ignores on reading)
+    } else {
+      j["use_qk_norm"] = c.qk_norm;
+      j["attention_bias"] = c.qkv_bias;
+      j["partial_rotary_factor"] = c.partial_rotary_factor;
+    }
+  }
   if (arch != nullptr && arch->olmoe) {
     j["num_experts"] = c.num_local_experts;
     j["norm_topk_prob"] = c.norm_topk_prob;
@@ -428,7 +693,24 @@ json model_config_to_json(const ModelConfig& c) {
   }
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["rope_theta"] = c.rope_theta;
-  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", c.rope_theta}};
+  j["rope_parameters"] = {{"rope_type", c.rope_type}, {"rope_theta", c.rope_theta}};
+  if (arch != nullptr && arch->glm) j["rope_parameters"]["partial_rotary_factor"] = c.partial_rotary_factor;
+  if (c.rope_type == "yarn") {
+    json& rp = j["rope_parameters"];
+    rp["factor"] = c.yarn_factor;
+    rp["original_max_position_embeddings"] = c.yarn_original_max_position_embeddings;
+    rp["beta_fast"] = c.yarn_beta_fast;
+    rp["beta_slow"] = c.yarn_beta_slow;
+    if (c.yarn_mscale > 0) rp["mscale"] = c.yarn_mscale;
+    if (c.yarn_mscale_all_dim > 0) rp["mscale_all_dim"] = c.yarn_mscale_all_dim;
+    if (c.yarn_attention_factor > 0) rp["attention_factor"] = c.yarn_attention_factor;
+    // transformers 4 reads rope_scaling; 5 takes it over rope_parameters when both are present.
+    j["rope_scaling"] = rp;
+    j["rope_scaling"].erase("rope_theta");
+    j["rope_scaling"].erase("partial_rotary_factor");
+  } else {
+    j.erase("rope_scaling");
+  }
   if (arch == nullptr || arch->has_sliding_window)
     j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
   j["max_position_embeddings"] = c.max_position_embeddings;
@@ -450,7 +732,7 @@ void validate_model_config(const ModelConfig& c, const std::string& source) {
   const ArchInfo* arch = arch_by_name(c.architecture);
   if (arch == nullptr)
     fail("{}: field 'architectures': unsupported architecture '{}' (expected {})", source, c.architecture, kArchList);
-  if (c.model_type != arch->model_type)
+  if (!model_type_fits(*arch, c.model_type))
     fail("{}: field 'model_type' is '{}' but architecture {} needs '{}'", source, c.model_type,
          c.architecture, arch->model_type);
   check_positive(source, "vocab_size", c.vocab_size);
@@ -473,12 +755,14 @@ void validate_model_config(const ModelConfig& c, const std::string& source) {
     if (!(c.router_aux_loss_coef >= 0.0) || !std::isfinite(c.router_aux_loss_coef))
       fail("{}: field 'router_aux_loss_coef' must be a finite number >= 0, got {}", source,
            c.router_aux_loss_coef);
-    if (c.moe_intermediate_size < 0 || (c.moe_intermediate_size > 0 && !arch->qwen))
+    if (c.moe_intermediate_size < 0 || (c.moe_intermediate_size > 0 && !arch->qwen && !arch->deepseek && !arch->glm))
       fail("{}: field 'moe_intermediate_size' = {} does not fit architecture {}", source, c.moe_intermediate_size,
            c.architecture);
     if (c.decoder_sparse_step < 1)
       fail("{}: field 'decoder_sparse_step' must be >= 1, got {}", source, c.decoder_sparse_step);
-    if (!arch->qwen && (c.decoder_sparse_step != 1 || !c.mlp_only_layers.empty() || (!c.norm_topk_prob && !arch->olmoe)))
+    const bool sigmoid_family = arch->deepseek || arch->glm;
+    if (!arch->qwen && (c.decoder_sparse_step != 1 || !c.mlp_only_layers.empty() ||
+                        (!c.norm_topk_prob && !arch->olmoe && !sigmoid_family)))
       fail("{}: fields 'decoder_sparse_step', 'mlp_only_layers' and 'norm_topk_prob' are Qwen3-MoE's; {} routes "
            "every layer with renormalised weights",
            source, c.architecture);
@@ -493,6 +777,7 @@ void validate_model_config(const ModelConfig& c, const std::string& source) {
          "and {})",
          source, c.architecture, c.num_local_experts, c.num_experts_per_tok);
   }
+  validate_routing_and_attention(c, *arch, source);
   check_sizes(c, source);
   check_positive_finite(source, "rms_norm_eps", c.rms_norm_eps);
   check_positive_finite(source, "rope_theta", c.rope_theta);
@@ -509,9 +794,10 @@ void validate_model_config(const ModelConfig& c, const std::string& source) {
     fail("{}: field 'head_dim' = {}: OLMoE's q norm spans hidden_size {}, so head_dim must be hidden_size / "
          "num_attention_heads = {}",
          source, c.head_dim, c.hidden_size, c.hidden_size / c.num_attention_heads);
-  if (c.qk_norm != arch->qk_norm)
+  if (c.qk_norm != arch->qk_norm && !arch->glm)
     fail("{}: q/k norms are {} for architecture {}", source, arch->qk_norm ? "required" : "not part", c.architecture);
-  if (!arch->qwen2_moe && (c.qkv_bias || c.shared_expert_intermediate_size != 0))
+  if ((!arch->qwen2_moe && !arch->glm && c.qkv_bias) ||
+      (!arch->qwen2_moe && !arch->deepseek && !arch->glm && c.shared_expert_intermediate_size != 0))
     fail("{}: fields 'qkv_bias' and 'shared_expert_intermediate_size' are Qwen2-MoE's, not {}'s", source,
          c.architecture);
   if (c.shared_expert_intermediate_size < 0)

@@ -1,5 +1,6 @@
-// Hugging Face config.json <-> ModelConfig for the MoE models Mixtral, Qwen3-MoE, Qwen2-MoE and
-// OLMoE, and the dense Mistral / Llama / Qwen3 models.
+// Hugging Face config.json <-> ModelConfig for the MoE models Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE,
+// DeepSeek-V3 (and Kimi-K2, model_type kimi_k2) and GLM-4.5, and the dense Mistral / Llama / Qwen3
+// models.
 //
 // Reading follows transformers' semantics: absent optional fields take the defaults of the
 // architecture's config class (MixtralConfig, Qwen3MoeConfig, Qwen2MoeConfig, OlmoeConfig,
@@ -65,6 +66,41 @@ struct ModelConfig {
   std::vector<int> eos_token_ids;  // every eos id the config names (empty when absent)
   std::string torch_dtype;         // "float32" | "bfloat16" | "float16"; "" when absent
   std::string hidden_act = "silu";
+
+  // DeepSeek-V3 / GLM-4.5 routing (modeling_deepseek_v3.py DeepseekV3TopkRouter): scores =
+  // sigmoid(logits); the experts are chosen by scores + e_score_correction_bias (a per-layer [E] f32
+  // selection bias, `mlp.gate.e_score_correction_bias`, moved by aux-loss-free balancing, never by the
+  // optimizer) among the topk_group best of n_group expert groups (a group's score: the sum of its two
+  // best biased scores); the weights are the unbiased scores of the chosen, renormalised when
+  // norm_topk_prob, times routed_scaling_factor.
+  bool router_sigmoid = false;
+  int n_group = 1, topk_group = 1;
+  double routed_scaling_factor = 1.0;
+  // Ungated shared experts (`mlp.shared_experts.*`) of width moe_intermediate_size * n_shared_experts,
+  // held as shared_expert_intermediate_size; Qwen2-MoE's single shared expert is gated instead.
+  int n_shared_experts = 0;
+  // The first layers are dense FFNs of intermediate_size (DeepSeek-V3, GLM-4.5); the rest MoE.
+  int first_k_dense_replace = 0;
+
+  // RoPE: the rotated part of each q/k head (GLM's partial_rotary_factor; MLA's qk_rope_head_dim),
+  // the pair layout (rope_interleave: DeepSeek's (x0,x1),(x2,x3).. pairs; else rotate-half), and
+  // YaRN scaling (rope_type "yarn").
+  int rotary_dim = 0;  // 0: head_dim
+  double partial_rotary_factor = 1.0;
+  bool rope_interleave = false;
+  std::string rope_type = "default";  // "default" | "yarn"
+  double yarn_factor = 0.0;  // yarn: the context extension (absent: max / original max positions)
+  int yarn_original_max_position_embeddings = 0;
+  double yarn_beta_fast = 32.0, yarn_beta_slow = 1.0;
+  double yarn_mscale = 0.0, yarn_mscale_all_dim = 0.0;  // 0: absent
+  double yarn_attention_factor = 0.0;                   // 0: absent (derived)
+
+  // Multi-head latent attention (DeepSeek-V3): kv_lora_rank > 0.  q = q_b(norm(q_a(x))) with
+  // q_lora_rank > 0, else q_proj(x); [latent | k_rope] = kv_a_proj_with_mqa(x), the latent normed;
+  // kv_b_proj(latent) gives each head [k_nope | v].  A head's query/key is [nope | rope]:
+  // head_dim = qk_nope_head_dim + qk_rope_head_dim; values are v_head_dim wide.
+  int q_lora_rank = 0, kv_lora_rank = 0, qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+
   nlohmann::json extra = nlohmann::json::object();  // every other config.json field
 
   bool is_moe() const { return num_local_experts > 0; }
@@ -79,6 +115,18 @@ struct ModelConfig {
   // Qwen2-MoE: every MoE layer also runs a dense "shared expert" FFN of this width, scaled per token by
   // sigmoid(x . shared_expert_gate) (`mlp.shared_expert.{gate,up,down}_proj`, `mlp.shared_expert_gate`).
   bool has_shared_expert() const { return shared_expert_intermediate_size > 0; }
+  // Qwen2-MoE's shared expert is scaled by sigmoid(x . shared_expert_gate); DeepSeek's are not.
+  bool shared_expert_gated() const { return has_shared_expert() && n_shared_experts == 0; }
+  bool is_mla() const { return kv_lora_rank > 0; }
+  // The dims of each head rotated by RoPE, and the value head width.
+  int rope_dim() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
+  int value_head_dim() const { return is_mla() ? v_head_dim : head_dim; }
+  // The per-layer MoE selection bias (e_score_correction_bias) exists.
+  bool has_selection_bias() const { return router_sigmoid; }
+  // YaRN: the multiplier of cos/sin (attention_factor) and of the softmax scale (DeepSeek's
+  // mscale_all_dim squared; 1 otherwise).
+  double rope_attention_factor() const;
+  double softmax_scale_factor() const;
 };
 
 // Parses and validates; errors name `source_name` and the field.

@@ -17,6 +17,11 @@ std::string layer_prefix(int layer) { return fmt::format("model.layers.{}.", lay
 // The moe block's prefix: Mixtral's block_sparse_moe, Qwen3-MoE's mlp.
 const char* moe_block(const ModelConfig& cfg) { return cfg.mixtral_names() ? "block_sparse_moe." : "mlp."; }
 
+// The shared expert(s): Qwen2-MoE's gated mlp.shared_expert, DeepSeek's / GLM's mlp.shared_experts.
+std::string shared_block(const ModelConfig& cfg) {
+  return cfg.shared_expert_gated() ? "mlp.shared_expert." : "mlp.shared_experts.";
+}
+
 std::string spec_name(const ModelConfig& cfg, ParamKind kind, int layer) {
   const std::string p = layer >= 0 ? layer_prefix(layer) : "";
   const bool moe = layer >= 0 && cfg.is_moe_layer(layer);
@@ -40,9 +45,23 @@ std::string spec_name(const ModelConfig& cfg, ParamKind kind, int layer) {
     case ParamKind::v_bias:
       return p + "self_attn.v_proj.bias";
     case ParamKind::shared_w13:
-      return p + "mlp.shared_expert.gate_up_proj";
+      return p + shared_block(cfg) + "gate_up_proj";
     case ParamKind::shared_w2:
-      return p + "mlp.shared_expert.down_proj.weight";
+      return p + shared_block(cfg) + "down_proj.weight";
+    case ParamKind::router_bias:
+      return p + moe_block(cfg) + "gate.e_score_correction_bias";
+    case ParamKind::q_a_proj:
+      return p + "self_attn.q_a_proj.weight";
+    case ParamKind::q_a_norm:
+      return p + "self_attn.q_a_layernorm.weight";
+    case ParamKind::q_b_proj:
+      return p + "self_attn.q_b_proj.weight";
+    case ParamKind::kv_a_proj:
+      return p + "self_attn.kv_a_proj_with_mqa.weight";
+    case ParamKind::kv_a_norm:
+      return p + "self_attn.kv_a_layernorm.weight";
+    case ParamKind::kv_b_proj:
+      return p + "self_attn.kv_b_proj.weight";
     case ParamKind::shared_gate:
       return p + "mlp.shared_expert_gate.weight";
     case ParamKind::q_norm:
@@ -137,6 +156,23 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
     const bool moe_l = cfg.is_moe_layer(l);
     const int64_t Ir = cfg.ffn_size(l) / tp, El_l = moe_l ? El : 1;
     replicated(add(cfg, ParamKind::input_norm, l, {C}, false));
+    if (cfg.is_mla()) {
+      // Latent attention: the down-projections and their norms whole on every tp rank, the
+      // up-projections and o_proj split by heads.
+      const int64_t qr = cfg.q_lora_rank, kvr = cfg.kv_lora_rank, dr = cfg.qk_rope_head_dim;
+      const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
+      if (qr > 0) {
+        replicated(add(cfg, ParamKind::q_a_proj, l, {qr, C}, true));
+        replicated(add(cfg, ParamKind::q_a_norm, l, {qr}, false));
+        rows(add(cfg, ParamKind::q_b_proj, l, {Qr, qr}, true));
+      } else {
+        rows(add(cfg, ParamKind::q_proj, l, {Qr, C}, true));
+      }
+      replicated(add(cfg, ParamKind::kv_a_proj, l, {kvr + dr, C}, true));
+      replicated(add(cfg, ParamKind::kv_a_norm, l, {kvr}, false));
+      rows(add(cfg, ParamKind::kv_b_proj, l, {nh * (dn + dv), kvr}, true));
+      cols(add(cfg, ParamKind::o_proj, l, {C, nh * dv}, true));
+    } else {
     rows(add(cfg, ParamKind::q_proj, l, {Qr, C}, true));
     for (ParamKind k : {ParamKind::k_proj, ParamKind::v_proj}) {
       ParamSpec& s = add(cfg, k, l, {KVr, C}, true);
@@ -161,8 +197,10 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
       replicated(add(cfg, ParamKind::q_norm, l, {HD}, false));
       replicated(add(cfg, ParamKind::k_norm, l, {HD}, false));
     }
+    }
     replicated(add(cfg, ParamKind::post_norm, l, {C}, false));
     if (moe_l) replicated(add(cfg, ParamKind::router, l, {E, C}, true));
+    if (moe_l && cfg.has_selection_bias()) replicated(add(cfg, ParamKind::router_bias, l, {E}, false));
     ParamSpec& w13 = add(cfg, ParamKind::ffn_w13, l, {El_l, 2 * Ir, C}, true);
     rows(w13);
     w13.expert = moe_l;
@@ -173,7 +211,7 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
       const int64_t Is = cfg.shared_expert_intermediate_size / tp;
       rows(add(cfg, ParamKind::shared_w13, l, {1, 2 * Is, C}, true));
       cols(add(cfg, ParamKind::shared_w2, l, {1, C, Is}, true));
-      replicated(add(cfg, ParamKind::shared_gate, l, {1, C}, true));
+      if (cfg.shared_expert_gated()) replicated(add(cfg, ParamKind::shared_gate, l, {1, C}, true));
     }
   }
   if (last_stage) {
@@ -235,9 +273,24 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
           }
           break;
         case ParamKind::o_proj:
-          t.full_shape = {C, Q};
+          if (cfg.is_mla()) {
+            t.full_shape = {C, NH * cfg.v_head_dim};
+            slice_of(t, s, h0 * cfg.v_head_dim, (h0 + nh) * cfg.v_head_dim);
+          } else {
+            t.full_shape = {C, Q};
+            slice_of(t, s, h0 * HD, (h0 + nh) * HD);
+          }
+          break;
+        case ParamKind::q_b_proj:
+          t.full_shape = {Q, cfg.q_lora_rank};
           slice_of(t, s, h0 * HD, (h0 + nh) * HD);
           break;
+        case ParamKind::kv_b_proj: {
+          const int64_t w = cfg.qk_nope_head_dim + cfg.v_head_dim;
+          t.full_shape = {NH * w, cfg.kv_lora_rank};
+          slice_of(t, s, h0 * w, (h0 + nh) * w);
+          break;
+        }
         default:
           break;
       }
@@ -252,7 +305,7 @@ ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
     for (int el = 0; el < s.shape[0]; el++) {
       const int e = s.expert ? eb + el : 0;
       auto name = [&](const char* mixtral_suffix, const char* qwen_suffix, const char* dense_name) {
-        if (shared) return p + "mlp.shared_expert." + qwen_suffix + ".weight";
+        if (shared) return fmt::format("{}{}{}.weight", p, shared_block(cfg), qwen_suffix);
         if (!s.expert) return p + dense_name;
         return fmt::format("{}{}experts.{}.{}.weight", p, moe_block(cfg), e, mixtral ? mixtral_suffix : qwen_suffix);
       };
@@ -436,7 +489,7 @@ void init_parameters(const ParamTable& table, const ModelConfig& cfg, uint64_t s
 void init_hf_tensor(const ParamTable& table, const ModelConfig& cfg, uint64_t seed, const HfTensorRef& t, float* p) {
   const double std = cfg.initializer_range;
   {
-    if (table.spec_of(t).is_norm() || table.spec_of(t).is_bias()) {
+    if (table.spec_of(t).is_norm() || table.spec_of(t).is_bias() || table.spec_of(t).is_buffer()) {
       const float fill = table.spec_of(t).is_norm() ? 1.0f : 0.0f;
       for (size_t i = 0; i < t.numel; i++) p[i] = fill;
       return;

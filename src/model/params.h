@@ -40,6 +40,16 @@ enum class ParamKind {
   shared_w13,  // [1, 2Is, C] the shared expert's gate and up rows (Qwen2-MoE MoE layers)
   shared_w2,   // [1, C, Is] its down projection
   shared_gate, // [1, C] its per-token gate: sigmoid(x . w)
+  router_bias, // [E] f32 selection bias (DeepSeek-V3 / GLM-4.5 e_score_correction_bias): no gradient, no
+               //     optimizer step; moved by aux-loss-free balancing only
+  // Latent attention (DeepSeek-V3; hf_config.h): q_a / q_b (or q_proj when q_lora_rank is 0), the
+  // kv down-projection with the shared RoPE key, its norm, and the up-projection to every head.
+  q_a_proj,    // [qr, C]
+  q_a_norm,    // [qr]
+  q_b_proj,    // [NH*HD, qr]  HD = qk_nope + qk_rope
+  kv_a_proj,   // [kvr + dr, C]  the latent, then the shared RoPE key
+  kv_a_norm,   // [kvr]
+  kv_b_proj,   // [NH*(dn + dv), kvr]  per head: k_nope rows, then v rows
   final_norm,  // [C]
   lm_head,     // [V, C]; absent when tie_word_embeddings (the head reads `embedding`)
   lora_a,      // adapter tables only (model/lora.h): [r, in], experts [E, r, in]
@@ -99,7 +109,13 @@ struct ParamSpec {
   // tp ranks > 0; replicated kv heads on all but the first rank sharing the head): sums over the
   // model (gradient norms) and checkpoint assembly use primary copies only.
   bool tp_primary = true;
-  bool is_norm() const { return !weight_decay; }
+  bool is_norm() const {
+    return kind == ParamKind::input_norm || kind == ParamKind::post_norm || kind == ParamKind::q_norm ||
+           kind == ParamKind::k_norm || kind == ParamKind::final_norm || kind == ParamKind::q_a_norm ||
+           kind == ParamKind::kv_a_norm;
+  }
+  // Not trained by the optimizer (no gradient): the routing selection bias.
+  bool is_buffer() const { return kind == ParamKind::router_bias; }
   bool is_bias() const { return kind == ParamKind::q_bias || kind == ParamKind::k_bias || kind == ParamKind::v_bias; }
 };
 

@@ -71,17 +71,27 @@ RankParams rank_params(const Plan& p, const ParamTable& t, int first, int n, boo
   RankParams r;
   if (first_stage) r.embedding = numel(t, ParamKind::embedding) / p.tp;
   for (int l = first; l < first + n; l++) {
-    r.attention += numel(t, ParamKind::q_proj, l) / p.tp + numel(t, ParamKind::o_proj, l) / p.tp +
-                   kv_rank(numel(t, ParamKind::k_proj, l)) + kv_rank(numel(t, ParamKind::v_proj, l));
+    if (t.has(ParamKind::kv_a_proj, l)) {  // latent attention: down-projections whole, up-projections by heads
+      for (ParamKind k : {ParamKind::q_proj, ParamKind::q_b_proj, ParamKind::kv_b_proj, ParamKind::o_proj})
+        if (t.has(k, l)) r.attention += numel(t, k, l) / p.tp;
+      for (ParamKind k : {ParamKind::q_a_proj, ParamKind::kv_a_proj})
+        if (t.has(k, l)) r.attention += numel(t, k, l);
+      for (ParamKind k : {ParamKind::q_a_norm, ParamKind::kv_a_norm})
+        if (t.has(k, l)) r.norms += numel(t, k, l);
+    } else {
+      r.attention += numel(t, ParamKind::q_proj, l) / p.tp + numel(t, ParamKind::o_proj, l) / p.tp +
+                     kv_rank(numel(t, ParamKind::k_proj, l)) + kv_rank(numel(t, ParamKind::v_proj, l));
+    }
     r.norms += numel(t, ParamKind::input_norm, l) + numel(t, ParamKind::post_norm, l);
     if (t.has(ParamKind::q_norm, l)) r.norms += numel(t, ParamKind::q_norm, l) + numel(t, ParamKind::k_norm, l);
     if (t.has(ParamKind::q_bias, l))
       r.attention += numel(t, ParamKind::q_bias, l) / p.tp + kv_rank(numel(t, ParamKind::k_bias, l)) +
                      kv_rank(numel(t, ParamKind::v_bias, l));
     if (t.has(ParamKind::router, l)) r.router += numel(t, ParamKind::router, l);
-    if (t.has(ParamKind::shared_w13, l)) {  // Qwen2-MoE's shared expert: dense, tp-split; its gate replicated
+    if (t.has(ParamKind::router_bias, l)) r.router += numel(t, ParamKind::router_bias, l);
+    if (t.has(ParamKind::shared_w13, l)) {  // shared experts: dense, tp-split; Qwen2-MoE's gate replicated
       r.dense_ffn += (numel(t, ParamKind::shared_w13, l) + numel(t, ParamKind::shared_w2, l)) / p.tp;
-      r.router += numel(t, ParamKind::shared_gate, l);
+      if (t.has(ParamKind::shared_gate, l)) r.router += numel(t, ParamKind::shared_gate, l);
     }
     // Routed experts split over ep; a dense layer's FFN in an MoE model (Qwen3-MoE mlp_only_layers)
     // only over tp, and it is a dense parameter (dp) for ZeRO-1.
@@ -257,12 +267,21 @@ Plan make_plan(const TrainConfig& cfg, const ModelConfig& model, int world_size,
 
   const ParamTable t(model);
   for (const ParamSpec& s : t.specs()) {
+    if (s.is_buffer()) continue;  // the routing selection bias: state, not a parameter (transformers' count)
     p.params_total += (int64_t)s.numel;
     if (s.expert) p.params_experts += (int64_t)s.numel;
   }
   p.params_active = p.params_total;
-  if (model.is_moe())
-    p.params_active -= p.params_experts / model.num_local_experts * (model.num_local_experts - model.num_experts_per_tok);
+  // The input embedding is a lookup, not a product: DeepSeek-V3's published 36.6B active leaves it out.
+  p.params_active_compute = p.params_active - (t.has(ParamKind::embedding) && !model.tie_word_embeddings
+                                                   ? (int64_t)t.at(ParamKind::embedding).numel
+                                                   : 0);
+  if (model.is_moe()) {
+    const int64_t idle =
+        p.params_experts / model.num_local_experts * (model.num_local_experts - model.num_experts_per_tok);
+    p.params_active -= idle;
+    p.params_active_compute -= idle;
+  }
 
   const FlopCount fc = count_flops(model, p.seq_length);
   p.flops_per_step = fc.train_per_token() * (double)p.tokens_per_step;
@@ -391,11 +410,11 @@ std::string format_plan(const Plan& p) {
                    c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.num_local_experts,
                    c.num_experts_per_tok, c.intermediate_size, c.vocab_size);
   if (c.is_moe())
-    o += fmt::format("parameters  {} total ({}), {} active per token ({}); expert weights {}, {} of {} experts "
-                     "per token\n",
+    o += fmt::format("parameters  {} total ({}), {} active per token ({}; {} without the input embedding); expert "
+                     "weights {}, {} of {} experts per token\n",
                      format_count((double)p.params_total, 1), p.params_total, format_count((double)p.params_active, 1),
-                     p.params_active, format_count((double)p.params_experts, 2), c.num_experts_per_tok,
-                     c.num_local_experts);
+                     p.params_active, format_count((double)p.params_active_compute, 1),
+                     format_count((double)p.params_experts, 2), c.num_experts_per_tok, c.num_local_experts);
   else
     o += fmt::format("parameters  {} total ({}), all active per token (dense)\n",
                      format_count((double)p.params_total, 1), p.params_total);
@@ -463,7 +482,10 @@ nlohmann::json plan_to_json(const Plan& p) {
                 {"num_experts_per_tok", p.model.num_experts_per_tok},
                 {"intermediate_size", p.model.intermediate_size},
                 {"vocab_size", p.model.vocab_size}};
-  j["params"] = {{"total", p.params_total}, {"active", p.params_active}, {"experts", p.params_experts}};
+  j["params"] = {{"total", p.params_total},
+                 {"active", p.params_active},
+                 {"active_without_embedding", p.params_active_compute},
+                 {"experts", p.params_experts}};
   if (p.lora_rank > 0)
     j["lora"] = {{"rank", p.lora_rank}, {"params", p.lora_params_total}, {"base_bytes_per_param", p.base_bytes_per_param}};
   j["layout"] = {{"world", p.world}, {"tp", p.tp}, {"pp", p.pp}, {"dp", p.dp}, {"ep", p.ep}, {"zero1", p.zero1}, {"recompute", p.recompute}};

@@ -89,6 +89,7 @@ struct Plan {
   int64_t params_total = 0;
   int64_t params_experts = 0;  // all expert (or dense FFN) weights
   int64_t params_active = 0;   // per token: total - (E - K)/E x experts
+  int64_t params_active_compute = 0;  // the same without the input embedding (a lookup)
   double flops_per_step = 0;   // whole model, all ranks
   double bubble = 0;           // (pp - 1) / (m + pp - 1)
   std::vector<StagePlan> stages;
