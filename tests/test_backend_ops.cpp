@@ -204,13 +204,14 @@ OpCase matmul_case() {
   return c;
 }
 
-OpCase rope_case() {
+// R: the rotated dims of each head (GLM's partial RoPE; 0: all HD).
+OpCase rope_case(const std::string& name = "rope", int R = 0) {
   const long N = 12;
   const int H = 3, HD = 16;
   std::vector<int32_t> pos(N);
   for (long i = 0; i < N; i++) pos[i] = (int32_t)(i * 7 % 19);
   OpCase c;
-  c.name = "rope";
+  c.name = name;
   c.inputs = {{"x", rnd_bf16(N * H * HD, 1)}};
   c.act_inputs = {"x"};
   c.wrt = {"x"};
@@ -220,12 +221,12 @@ OpCase rope_case() {
   c.forward = [=](Env& e) {
     const Tensor y = e.act("y", N * H * HD);
     e.be().copy(y, e["x"]);
-    e.be().rope_forward(y, e.put_i32("pos", pos), N, H, HD, 10000.0f);
+    e.be().rope_forward(y, e.put_i32("pos", pos), N, H, HD, 10000.0f, R);
   };
   c.backward = [=](Env& e) {
     const Tensor g = e.act("g:x", N * H * HD);
     e.be().copy(g, e["d:y"]);
-    e.be().rope_backward(g, e["pos"], N, H, HD, 10000.0f);
+    e.be().rope_backward(g, e["pos"], N, H, HD, 10000.0f, R);
   };
   return c;
 }
@@ -289,9 +290,10 @@ OpCase attention_case(const std::string& name, int B, int T, int NH, int NKV, in
 // The router: probabilities and renormalised top-K weights, with the aux-loss gradient per expert
 // on the probabilities of real tokens (the objective's probs cotangent is that gradient, masked).
 // renormalize false: the top-K weights are the probabilities (Qwen3-MoE's norm_topk_prob false).
-OpCase router_case(bool renormalize) {
+// Sigmoid (DeepSeek-V3 / GLM-4.5, ops/router.h): grouped selection by score + bias, weights scaled;
+// the selection bias is an input that is not differentiated.
+OpCase router_case(const std::string& name, const ops::RouterSpec& spec, int E, int K) {
   const long N = 16;
-  const int E = 8, K = 2;
   std::vector<uint8_t> mask(N, 1);
   mask[N - 1] = mask[N - 2] = 0;
   std::vector<double> daux(E);
@@ -300,25 +302,37 @@ OpCase router_case(bool renormalize) {
   for (long n = 0; n < N; n++)
     for (int e = 0; e < E; e++) cot_probs[n * E + e] = mask[n] ? (float)daux[e] : 0.0f;
   OpCase c;
-  c.name = renormalize ? "router" : "router_no_renormalize";
-  // Logits spread apart so the top-K choice does not flip under a finite-difference step.
-  std::vector<float> logits((size_t)N * E);
+  c.name = name;
+  // Logits spread apart so the top-K choice (and the groups') does not flip under a finite-difference step.
+  std::vector<float> logits((size_t)N * E), bias(E);
   for (long n = 0; n < N; n++)
     for (int e = 0; e < E; e++)
       logits[n * E + e] = 0.5f * (float)((e * 5 + n * 3) % E) + 0.02f * (float)(mix64(n * E + e) % 5);
+  for (int e = 0; e < E; e++) bias[e] = 0.05f * (float)((e * 3) % 4);  // shifts choices, kept out of ties
   c.inputs = {{"logits", logits}};
+  if (spec.sigmoid) c.inputs["bias"] = bias;
   c.wrt = {"logits"};
   c.outputs = {"probs", "w", "idx"};
   c.cot = {{"w", rnd(N * K, 2)}, {"probs", cot_probs}};
   c.forward = [=](Env& e) {
-    e.be().router_forward(e.f32("probs", N * E), e.alloc("idx", Store::i32, N * K), e.f32("w", N * K), e["logits"], N,
-                          E, K, renormalize);
+    e.be().router_forward(e.f32("probs", N * E), e.alloc("idx", Store::i32, N * K), e.f32("w", N * K), e["logits"],
+                          spec.sigmoid ? e["bias"] : Tensor{}, N, E, K, spec);
   };
   c.backward = [=](Env& e) {
     e.be().router_backward(e.f32("g:logits", N * E), e["d:w"], daux.data(), e.put_u8("mask", mask), e["probs"],
-                           e["idx"], e["w"], N, E, K, renormalize);
+                           e["idx"], e["w"], N, E, K, spec);
   };
   return c;
+}
+
+ops::RouterSpec sigmoid_spec(bool renormalize, int n_group, int topk_group, float scale) {
+  ops::RouterSpec s;
+  s.sigmoid = true;
+  s.renormalize = renormalize;
+  s.n_group = n_group;
+  s.topk_group = topk_group;
+  s.scale = scale;
+  return s;
 }
 
 // The router z-loss: z = mean over real tokens of logsumexp(logits)^2 from the layer statistics.
@@ -336,7 +350,7 @@ OpCase z_loss_case() {
   c.forward = [=](Env& e) {
     Backend& be = e.be();
     const Tensor probs = e.f32("probs", N * E), idx = e.alloc("idx", Store::i32, N * K), w = e.f32("w", N * K);
-    be.router_forward(probs, idx, w, e["logits"], N, E, K, true);
+    be.router_forward(probs, idx, w, e["logits"], Tensor{}, N, E, K, ops::RouterSpec{});
     ops::RouterLayerStats st;
     be.router_layer_stats(st, e["logits"], probs, idx, e.put_u8("mask", mask), N, E, K);
     e.set_scalar("z", ops::router_z_loss_layer(st));
@@ -657,9 +671,16 @@ std::vector<int32_t> routed(long N, int K, const std::function<int(long, int)>& 
 
 std::vector<OpCase> all_cases() {
   const long N = 12;
-  std::vector<OpCase> cases = {rmsnorm_case(),     matmul_case(),        rope_case(), router_case(true),
-                               router_case(false), z_loss_case(),        bias_case(), sigmoid_case(),
-                               clamp_case(),       rmsnorm_stats_case(), head_case(), embedding_case()};
+  std::vector<OpCase> cases = {rmsnorm_case(), matmul_case(),        rope_case(),  z_loss_case(),
+                               bias_case(),    sigmoid_case(),       clamp_case(), rmsnorm_stats_case(),
+                               head_case(),    embedding_case()};
+  cases.push_back(rope_case("rope_partial", 8));  // GLM-4.5: half of each head rotates
+  cases.push_back(router_case("router", ops::RouterSpec::softmax(true), 8, 2));
+  cases.push_back(router_case("router_no_renormalize", ops::RouterSpec::softmax(false), 8, 2));
+  // DeepSeek-V3's rule: 4 groups of 2, the 2 best searched, K = 3, weights renormalised x 2.5.
+  cases.push_back(router_case("router_sigmoid_groups", sigmoid_spec(true, 4, 2, 2.5f), 8, 3));
+  // GLM-4.5-Air's: one group, weights not renormalised, x 1.5.
+  cases.push_back(router_case("router_sigmoid_plain", sigmoid_spec(false, 1, 1, 1.5f), 8, 2));
   cases.push_back(attention_case("attention_gqa", 2, 17, 4, 2, 8, 0, false, false));
   // Unmasked with a sliding window: on a GPU with cuDNN, the fused SDPA path (attention_cudnn.h).
   cases.push_back(attention_case("attention_gqa_window", 2, 24, 4, 2, 16, 7, false, false));

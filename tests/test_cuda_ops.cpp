@@ -15,6 +15,7 @@
 // Without a GPU (or built without CUDA) every test here skips with the reason, except the first,
 // which checks that the backend reports its absence cleanly.
 #include <cmath>
+#include <optional>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -520,22 +521,41 @@ TEST_F(CudaOps, RouterForwardStatsAndBackward) {
     long N;
     int E, K;
   };
-  for (const RC rc : {RC{300, 8, 2}, RC{77, 3, 1}, RC{64, 64, 6}}) {
-    SCOPED_TRACE(::testing::Message() << "E=" << rc.E << " K=" << rc.K);
+  // Softmax cases, then DeepSeek-V3's sigmoid rule (256 experts in 8 groups, 4 searched, K 8, the
+  // selection bias) and Kimi-K2's (384 experts, one group).
+  ops::RouterSpec ds;
+  ds.sigmoid = true;
+  ds.n_group = 8;
+  ds.topk_group = 4;
+  ds.scale = 2.5f;
+  ops::RouterSpec kimi = ds;
+  kimi.n_group = kimi.topk_group = 1;
+  kimi.scale = 2.827f;
+  struct SC {
+    long N;
+    int E, K;
+    std::optional<ops::RouterSpec> spec;  // none: softmax, renormalised and not
+  };
+  for (const SC rc : {SC{300, 8, 2, {}}, SC{77, 3, 1, {}}, SC{64, 64, 6, {}}, SC{200, 256, 8, ds}, SC{50, 384, 8, kimi}}) {
+    SCOPED_TRACE(::testing::Message() << "E=" << rc.E << " K=" << rc.K << (rc.spec ? " sigmoid" : ""));
     const long N = rc.N;
     const int E = rc.E, K = rc.K;
     const std::vector<float> logits = random_vector((size_t)N * E, 1, 2.0f);
+    const std::vector<float> bias = random_vector((size_t)E, 3, 0.05f);
     std::vector<uint8_t> mask(N, 1);
     for (long n = 0; n < N; n += 5) mask[n] = 0;
     std::vector<float> probs((size_t)N * E), tw((size_t)N * K);
     std::vector<int32_t> ti((size_t)N * K);
    for (bool renorm : {true, false}) {
     SCOPED_TRACE(renorm ? "renormalised" : "not renormalised");
-    ops::router_forward(probs.data(), ti.data(), tw.data(), logits.data(), N, E, K, renorm);
+    ops::RouterSpec spec = rc.spec.value_or(ops::RouterSpec{});
+    spec.renormalize = renorm;
+    const float* hb = spec.sigmoid ? bias.data() : nullptr;
+    ops::router_forward(probs.data(), ti.data(), tw.data(), logits.data(), hb, N, E, K, spec);
     float* dl = buf->copy(logits);
     float *gp = buf->zero<float>(probs.size()), *gw = buf->zero<float>(tw.size());
     int32_t* gi = buf->zero<int32_t>(ti.size());
-    gpu::router_forward(*ctx, gp, gi, gw, dl, N, E, K, renorm);
+    gpu::router_forward(*ctx, gp, gi, gw, dl, spec.sigmoid ? buf->copy(bias) : nullptr, N, E, K, spec);
     expect_close(buf->get(gp, probs.size()), probs, 1e-6, 0.0, "router probs");
     EXPECT_EQ(buf->get(gi, ti.size()), ti) << "top-k choices";
     expect_close(buf->get(gw, tw.size()), tw, 1e-6, 0.0, "top-k weights");
@@ -558,9 +578,9 @@ TEST_F(CudaOps, RouterForwardStatsAndBackward) {
     for (int e = 0; e < E; e++) daux[e] = 0.01 * (e + 1);
     std::vector<float> dref((size_t)N * E);
     ops::router_backward(dref.data(), dtw.data(), daux.data(), mask.data(), probs.data(), ti.data(), tw.data(), N, E,
-                         K, renorm);
+                         K, spec);
     float* gd = buf->zero<float>(dref.size());
-    gpu::router_backward(*ctx, gd, buf->copy(dtw), daux.data(), gmask, gp, gi, gw, N, E, K, renorm);
+    gpu::router_backward(*ctx, gd, buf->copy(dtw), daux.data(), gmask, gp, gi, gw, N, E, K, spec);
     expect_close(buf->get(gd, dref.size()), dref, 1e-5, 1e-9, "router dlogits");
     // z-loss accumulates on top
     ops::router_z_loss_backward(dref.data(), logits.data(), probs.data(), mask.data(), N, E, 0.3f);

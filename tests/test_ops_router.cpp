@@ -331,5 +331,49 @@ TEST(RouterAuxLoss, PerLayerGradientAllLayers) {
 }
 TEST(RouterAuxLoss, ZLossGradientAllLayers) { check_aux_gradient(Aux::kZ, 2); }
 
+// DeepSeek-V3's selection (ops/router.h) on hand-made scores: the best single expert sits in a group
+// whose two best sum less than another group's, so the group limit moves the choice; the selection
+// bias moves it again without changing the weights, which are the unbiased sigmoid scores.
+TEST(RouterSigmoid, GroupsAndSelectionBiasChooseWeightsDoNot) {
+  const auto logit = [](double p) { return (float)std::log(p / (1.0 - p)); };
+  // Experts 0..3 in groups {0,1} and {2,3}: scores 0.9, 0.1 | 0.6, 0.55.
+  const std::vector<float> l = {logit(0.9), logit(0.1), logit(0.6), logit(0.55)};
+  ops::RouterSpec spec;
+  spec.sigmoid = true;
+  spec.renormalize = false;
+  spec.scale = 2.0f;
+  std::vector<float> p(4), w(1);
+  std::vector<int32_t> idx(1);
+  spec.n_group = 1;  // one group: the best score wins
+  ops::route_token(p.data(), idx.data(), w.data(), l.data(), nullptr, 4, 1, spec);
+  EXPECT_EQ(idx[0], 0);
+  EXPECT_NEAR(w[0], 2.0 * 0.9, 1e-6);
+  spec.n_group = 2;  // group {2,3} scores 1.15 > 1.0: expert 0 is not searched
+  spec.topk_group = 1;
+  ops::route_token(p.data(), idx.data(), w.data(), l.data(), nullptr, 4, 1, spec);
+  EXPECT_EQ(idx[0], 2);
+  EXPECT_NEAR(w[0], 2.0 * 0.6, 1e-6);
+  // A bias of +0.1 on expert 3 makes it the group's best; the weight stays its own score.
+  const std::vector<float> bias = {0.0f, 0.0f, 0.0f, 0.1f};
+  ops::route_token(p.data(), idx.data(), w.data(), l.data(), bias.data(), 4, 1, spec);
+  EXPECT_EQ(idx[0], 3);
+  EXPECT_NEAR(w[0], 2.0 * 0.55, 1e-6);
+  // A bias of +0.3 on expert 1 lifts group {0,1} to 1.3 > 1.25: expert 0 (0.9) is chosen again.
+  const std::vector<float> bias1 = {0.0f, 0.3f, 0.0f, 0.1f};
+  ops::route_token(p.data(), idx.data(), w.data(), l.data(), bias1.data(), 4, 1, spec);
+  EXPECT_EQ(idx[0], 0);
+  // K = 2, renormalised: the two weights are p / (p0 + p1) x scale.
+  spec.renormalize = true;
+  std::vector<float> w2(2);
+  std::vector<int32_t> idx2(2);
+  ops::route_token(p.data(), idx2.data(), w2.data(), l.data(), nullptr, 4, 2, spec);
+  EXPECT_EQ(idx2, (std::vector<int32_t>{2, 3}));
+  EXPECT_NEAR(w2[0], 2.0 * 0.6 / 1.15, 1e-6);
+  EXPECT_NEAR(w2[1], 2.0 * 0.55 / 1.15, 1e-6);
+  // Bad specs are refused naming the op.
+  spec.n_group = 3;
+  EXPECT_THROW(ops::router_forward(p.data(), idx.data(), w.data(), l.data(), nullptr, 1, 4, 1, spec), Error);
+}
+
 }  // namespace
 }  // namespace moetron

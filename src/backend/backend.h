@@ -213,9 +213,9 @@ class Backend {
     for (const MatmulTask& t : tasks) matmul_forward(t.out, inp, t.weight, N, IC, t.OC, t.accumulate);
   }
 
-  // ---- RoPE (HF rotate-half, in place) --------------------------------------------------------
-  virtual void rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta) = 0;
-  virtual void rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, float theta) = 0;
+  // ---- RoPE (HF rotate-half, in place; the first R dims of each head: ops/rope.h) ----------------
+  virtual void rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta, int R) = 0;
+  virtual void rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, float theta, int R) = 0;
 
   // ---- attention (causal GQA; q[B,T,NH,HD], k/v[B,T,NKV,HD], packed) ----------------------------
   // What the forward saves for its own backward is the backend's (probabilities on the CPU, the
@@ -265,16 +265,17 @@ class Backend {
   virtual void clamp_backward(Tensor dx, Tensor mask, long n) = 0;
 
   // ---- router (ops/router.h) --------------------------------------------------------------------
-  // renormalize: the top-K weights sum to 1 (Mixtral), else they are the probs (norm_topk_prob false).
-  virtual void router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K,
-                              bool renormalize) = 0;
+  // spec (ops/router.h): softmax (renormalised top-K weights, or the probs: norm_topk_prob false) or
+  // DeepSeek's sigmoid; bias: the sigmoid rule's selection bias [E] f32 (empty: none).
+  virtual void router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, Tensor bias, long N, int E,
+                              int K, const ops::RouterSpec& spec) = 0;
   // Host statistics of one layer over its real tokens (token_mask u8 [N] or empty); synchronises.
   virtual void router_layer_stats(ops::RouterLayerStats& st, Tensor logits, Tensor probs, Tensor topk_idx,
                                   Tensor token_mask, long N, int E, int K) = 0;
   // dlogits[N,E] (assign); dprobs_per_expert: HOST [E] (or null).
   virtual void router_backward(Tensor dlogits, Tensor dtopk_w, const double* dprobs_per_expert, Tensor token_mask,
                                Tensor probs, Tensor topk_idx, Tensor topk_w, long N, int E, int K,
-                               bool renormalize) = 0;
+                               const ops::RouterSpec& spec) = 0;
   // dlogits += scale * d z / d logits; real_tokens: tokens with token_mask != 0 (N without a mask).
   virtual void router_z_loss_backward(Tensor dlogits, Tensor logits, Tensor probs, Tensor token_mask, long N, int E,
                                       float scale, long real_tokens) = 0;

@@ -184,11 +184,11 @@ void CpuBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tenso
   add_inplace(dinp.f32(), t, (long)N * IC);
 }
 
-void CpuBackend::rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta) {
-  ops::rope_forward(x.f32(), x.f32(), pos.i32(), N, H, HD, theta);
+void CpuBackend::rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta, int R) {
+  ops::rope_forward(x.f32(), x.f32(), pos.i32(), N, H, HD, theta, R);
 }
-void CpuBackend::rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, float theta) {
-  ops::rope_backward(dx.f32(), dx.f32(), pos.i32(), N, H, HD, theta);
+void CpuBackend::rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, float theta, int R) {
+  ops::rope_backward(dx.f32(), dx.f32(), pos.i32(), N, H, HD, theta, R);
 }
 
 size_t CpuBackend::attention_saved_numel(int B, int T, int NH) const { return (size_t)B * NH * T * T; }
@@ -234,9 +234,10 @@ void CpuBackend::sigmoid_backward(Tensor dx, Tensor ds, Tensor s, long n) {
   ops::sigmoid_backward(dx.f32(), ds.f32(), s.f32(), n);
 }
 
-void CpuBackend::router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K,
-                                bool renormalize) {
-  ops::router_forward(probs.f32(), topk_idx.i32(), topk_w.f32(), logits.f32(), N, E, K, renormalize);
+void CpuBackend::router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, Tensor bias, long N, int E,
+                                int K, const ops::RouterSpec& spec) {
+  ops::router_forward(probs.f32(), topk_idx.i32(), topk_w.f32(), logits.f32(), bias.empty() ? nullptr : bias.f32(), N,
+                      E, K, spec);
 }
 
 void CpuBackend::router_layer_stats(ops::RouterLayerStats& st, Tensor logits, Tensor probs, Tensor topk_idx,
@@ -246,9 +247,9 @@ void CpuBackend::router_layer_stats(ops::RouterLayerStats& st, Tensor logits, Te
 
 void CpuBackend::router_backward(Tensor dlogits, Tensor dtopk_w, const double* dprobs_per_expert, Tensor token_mask,
                                  Tensor probs, Tensor topk_idx, Tensor topk_w, long N, int E, int K,
-                                 bool renormalize) {
+                                 const ops::RouterSpec& spec) {
   ops::router_backward(dlogits.f32(), dtopk_w.f32(), dprobs_per_expert, mask_or_null(token_mask), probs.f32(),
-                       topk_idx.i32(), topk_w.f32(), N, E, K, renormalize);
+                       topk_idx.i32(), topk_w.f32(), N, E, K, spec);
 }
 
 void CpuBackend::router_z_loss_backward(Tensor dlogits, Tensor logits, Tensor probs, Tensor token_mask, long N, int E,

@@ -40,8 +40,8 @@ class CpuBackend : public Backend {
   void matmul_forward(Tensor out, Tensor inp, Tensor weight, int N, int IC, int OC, bool accumulate) override;
   void matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, int N, int IC, int OC,
                        bool accumulate) override;
-  void rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta) override;
-  void rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, float theta) override;
+  void rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta, int R) override;
+  void rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, float theta, int R) override;
   size_t attention_saved_numel(int B, int T, int NH) const override;
   void attention_forward(Tensor out, Tensor saved, Tensor q, Tensor k, Tensor v, const AttnMask& mask, int B, int T,
                          int NH, int NKV, int HD) override;
@@ -55,12 +55,12 @@ class CpuBackend : public Backend {
   void sigmoid_backward(Tensor dx, Tensor ds, Tensor s, long n) override;
   void clamp_forward(Tensor x, Tensor mask, float c, long n) override;
   void clamp_backward(Tensor dx, Tensor mask, long n) override;
-  void router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K,
-                      bool renormalize) override;
+  void router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, Tensor bias, long N, int E, int K,
+                      const ops::RouterSpec& spec) override;
   void router_layer_stats(ops::RouterLayerStats& st, Tensor logits, Tensor probs, Tensor topk_idx, Tensor token_mask,
                           long N, int E, int K) override;
   void router_backward(Tensor dlogits, Tensor dtopk_w, const double* dprobs_per_expert, Tensor token_mask,
-                       Tensor probs, Tensor topk_idx, Tensor topk_w, long N, int E, int K, bool renormalize) override;
+                       Tensor probs, Tensor topk_idx, Tensor topk_w, long N, int E, int K, const ops::RouterSpec& spec) override;
   void router_z_loss_backward(Tensor dlogits, Tensor logits, Tensor probs, Tensor token_mask, long N, int E,
                               float scale, long real_tokens) override;
   PlanView upload_plan(const ops::MoePlan& plan, Tensor row_token, Tensor row_of) override;

@@ -181,20 +181,21 @@ void CpuInferenceBackend::matmul_forward_group(std::span<const MatmulTask> group
   if (decode_) run_tasks(tasks_, IC);  // every product of the group in one parallel region
 }
 
-void CpuInferenceBackend::rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta) {
-  if (!in_pass_) return CpuBackend::rope_forward(x, pos, N, H, HD, theta);
+void CpuInferenceBackend::rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta, int R) {
+  if (!in_pass_) return CpuBackend::rope_forward(x, pos, N, H, HD, theta, R);
+  if (R == 0) R = HD;
   // The angles of the pass's positions once, for every layer's q and k (bitwise rope_forward's).
-  if (rope_pos_ != pos.data || rope_n_ != N || rope_hd_ != HD || rope_theta_ != theta) {
-    rope_cs_.resize((size_t)N * (HD / 2));
-    rope_sn_.resize((size_t)N * (HD / 2));
-    ops::rope_angles(rope_cs_.data(), rope_sn_.data(), pos.i32(), N, HD, theta);
+  if (rope_pos_ != pos.data || rope_n_ != N || rope_hd_ != R || rope_theta_ != theta) {
+    rope_cs_.resize((size_t)N * (R / 2));
+    rope_sn_.resize((size_t)N * (R / 2));
+    ops::rope_angles(rope_cs_.data(), rope_sn_.data(), pos.i32(), N, R, theta);
     rope_pos_ = pos.data;
     rope_n_ = N;
-    rope_hd_ = HD;
+    rope_hd_ = R;
     rope_theta_ = theta;
   }
   PromptLimit lim(decode_, N * H * HD);
-  ops::rope_forward_angles(x.f32(), x.f32(), rope_cs_.data(), rope_sn_.data(), N, H, HD);
+  ops::rope_forward_angles(x.f32(), x.f32(), rope_cs_.data(), rope_sn_.data(), N, H, HD, R);
 }
 
 void CpuInferenceBackend::add_bias_rows(Tensor x, Tensor bias, long N, int E) {
@@ -202,10 +203,10 @@ void CpuInferenceBackend::add_bias_rows(Tensor x, Tensor bias, long N, int E) {
   CpuBackend::add_bias_rows(x, bias, N, E);
 }
 
-void CpuInferenceBackend::router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E,
-                                         int K, bool renormalize) {
+void CpuInferenceBackend::router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, Tensor bias,
+                                         long N, int E, int K, const ops::RouterSpec& spec) {
   PromptLimit lim(decode_, N * E * 8);  // a softmax and K passes over the experts per row
-  CpuBackend::router_forward(probs, topk_idx, topk_w, logits, N, E, K, renormalize);
+  CpuBackend::router_forward(probs, topk_idx, topk_w, logits, bias, N, E, K, spec);
 }
 
 void CpuInferenceBackend::moe_permute_forward(Tensor xperm, Tensor x, const PlanView& plan, int C) {

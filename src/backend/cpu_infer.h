@@ -76,12 +76,12 @@ class CpuInferenceBackend final : public CpuBackend {
   void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, long N, int C, float eps) override;
   void matmul_forward(Tensor out, Tensor inp, Tensor weight, int N, int IC, int OC, bool accumulate) override;
   void matmul_forward_group(std::span<const MatmulTask> tasks, Tensor inp, int N, int IC) override;
-  void rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta) override;
+  void rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta, int R) override;
   void attention_kv_forward(Tensor out, Tensor q, std::span<const KvSeq> seqs, int sliding_window, int NH, int NKV,
                             int HD) override;
   void add_bias_rows(Tensor x, Tensor bias, long N, int E) override;
-  void router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K,
-                      bool renormalize) override;
+  void router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, Tensor bias, long N, int E, int K,
+                      const ops::RouterSpec& spec) override;
   void moe_permute_forward(Tensor xperm, Tensor x, const PlanView& plan, int C) override;
   void moe_combine_forward(Tensor out, Tensor yperm, Tensor w, const PlanView& plan, int C) override;
   void moe_experts_forward(Tensor y, Tensor h13, Tensor act, Tensor xperm, Tensor w13, Tensor w2,

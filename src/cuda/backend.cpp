@@ -56,7 +56,7 @@ AttentionMask device_mask(const AttnMask& m) {
 std::string cuda_model_limits(int head_dim, int experts) {
   if (head_dim > 128 || head_dim % 2 != 0)
     return fmt::format("the CUDA attention supports even head dims up to 128, the model has head_dim {}", head_dim);
-  if (experts > 256) return fmt::format("the CUDA router supports at most 256 experts, the model has {}", experts);
+  if (experts > 512) return fmt::format("the CUDA router supports at most 512 experts, the model has {}", experts);
   return "";
 }
 
@@ -190,13 +190,13 @@ void CudaBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tens
     gemm(*ctx_, true, false, OC, IC, N, 1.0f, dout.data, OC, inp.data, IC, 1.0f, dweight.data, IC, ab, DType::F32);
 }
 
-void CudaBackend::rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta) {
+void CudaBackend::rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta, int R) {
   expect(x, Store::bf16, "rope_forward", "x");
-  gpu::rope_forward(*ctx_, b16(x), b16(x), 0, i32p(pos), N, H, HD, theta);
+  gpu::rope_forward(*ctx_, b16(x), b16(x), 0, i32p(pos), N, H, HD, theta, R);
 }
-void CudaBackend::rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, float theta) {
+void CudaBackend::rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, float theta, int R) {
   expect(dx, Store::bf16, "rope_backward", "dx");
-  gpu::rope_backward(*ctx_, b16(dx), b16(dx), 0, i32p(pos), N, H, HD, theta);
+  gpu::rope_backward(*ctx_, b16(dx), b16(dx), 0, i32p(pos), N, H, HD, theta, R);
 }
 
 size_t CudaBackend::attention_saved_numel(int B, int T, int NH) const { return (size_t)B * NH * T; }
@@ -252,9 +252,9 @@ void CudaBackend::clamp_backward(Tensor dx, Tensor mask, long n) {
 void CudaBackend::sigmoid_backward(Tensor dx, Tensor ds, Tensor s, long n) {
   gpu::sigmoid_backward(*ctx_, f32p(dx), f32p(ds), f32p(s), n);
 }
-void CudaBackend::router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, long N, int E, int K,
-                                 bool renormalize) {
-  gpu::router_forward(*ctx_, f32p(probs), i32p(topk_idx), f32p(topk_w), f32p(logits), N, E, K, renormalize);
+void CudaBackend::router_forward(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor logits, Tensor bias, long N, int E,
+                                 int K, const ops::RouterSpec& spec) {
+  gpu::router_forward(*ctx_, f32p(probs), i32p(topk_idx), f32p(topk_w), f32p(logits), f32p(bias), N, E, K, spec);
 }
 void CudaBackend::router_layer_stats(ops::RouterLayerStats& st, Tensor logits, Tensor probs, Tensor topk_idx,
                                      Tensor token_mask, long N, int E, int K) {
@@ -269,9 +269,9 @@ void CudaBackend::router_layer_stats(ops::RouterLayerStats& st, Tensor logits, T
 }
 void CudaBackend::router_backward(Tensor dlogits, Tensor dtopk_w, const double* dprobs_per_expert, Tensor token_mask,
                                   Tensor probs, Tensor topk_idx, Tensor topk_w, long N, int E, int K,
-                                  bool renormalize) {
+                                  const ops::RouterSpec& spec) {
   gpu::router_backward(*ctx_, f32p(dlogits), f32p(dtopk_w), dprobs_per_expert, u8p(token_mask), f32p(probs),
-                       i32p(topk_idx), f32p(topk_w), N, E, K, renormalize);
+                       i32p(topk_idx), f32p(topk_w), N, E, K, spec);
 }
 void CudaBackend::router_z_loss_backward(Tensor dlogits, Tensor logits, Tensor probs, Tensor token_mask, long N, int E,
                                          float scale, long real_tokens) {

@@ -22,6 +22,7 @@
 
 #include "core/dtype.h"
 #include "cuda/runtime.h"
+#include "ops/router.h"
 
 namespace moetron::gpu {
 
@@ -75,11 +76,11 @@ void rmsnorm_backward_stats(Context& ctx, float* dinp, float* dweight, const flo
 
 // ---- RoPE (HF rotate-half; the angle in fp32 exactly as ops::rope) ---------------------------
 // Rows are `stride` elements apart (0: H*HD), so q and k can live inside one fused qkv buffer.
-// out may alias inp.
+// out may alias inp.  R: the rotated dims of each head (partial RoPE, ops/rope.h; 0: HD), the rest kept.
 void rope_forward(Context& ctx, Bf16* out, const Bf16* inp, long stride, const int32_t* pos, long N, int H, int HD,
-                  float theta);
+                  float theta, int R = 0);
 void rope_backward(Context& ctx, Bf16* dinp, const Bf16* dout, long stride, const int32_t* pos, long N, int H,
-                   int HD, float theta);
+                   int HD, float theta, int R = 0);
 
 // ---- attention (flash-attention style: tiled online softmax, T x T never stored) -------------
 struct AttentionMask {
@@ -128,9 +129,10 @@ void swiglu_forward(Context& ctx, Bf16* out, const Bf16* gate_up, long N, int I)
 // dgate_up[N,2I] (bf16, assign)
 void swiglu_backward(Context& ctx, Bf16* dgate_up, const Bf16* dout, const Bf16* gate_up, long N, int I);
 
-// ---- router (softmax over all E in fp32, top-K, renormalised unless !renormalize; E <= 64) ----
-void router_forward(Context& ctx, float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, long N,
-                    int E, int K, bool renormalize);
+// ---- router (ops/router.h: softmax over all E in fp32, top-K, renormalised unless !renormalize; or
+// DeepSeek's sigmoid rule with the selection bias [E] (device, or null); E <= 512) ----
+void router_forward(Context& ctx, float* probs, int32_t* topk_idx, float* topk_weight, const float* logits,
+                    const float* bias, long N, int E, int K, const ops::RouterSpec& spec);
 // stats[2E+2] (fp64, assign): assigned[E], prob_sum[E], tokens, z_sum over real tokens, as
 // ops::router_layer_stats.  token_mask: device uint8 [N] or null.
 void router_layer_stats(Context& ctx, double* stats, const float* logits, const float* probs,
@@ -138,7 +140,7 @@ void router_layer_stats(Context& ctx, double* stats, const float* logits, const 
 // dlogits[N,E] (assign), as ops::router_backward.  dprobs_per_expert is a HOST array [E] (or null).
 void router_backward(Context& ctx, float* dlogits, const float* dtopk_weight, const double* dprobs_per_expert,
                      const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
-                     const float* topk_weight, long N, int E, int K, bool renormalize);
+                     const float* topk_weight, long N, int E, int K, const ops::RouterSpec& spec);
 // dlogits += scale * d z / d logits (accumulate), as ops::router_z_loss_backward; real_tokens is
 // the number of tokens with token_mask != 0 (all N without a mask).
 void router_z_loss_backward(Context& ctx, float* dlogits, const float* logits, const float* probs,

@@ -1,6 +1,7 @@
 // MoE router on the device: softmax over all experts in fp32, top-K, renormalisation, the routing
 // statistics of the auxiliary losses, and the backward; see ops.h and src/ops/router.h for the maths.
-//   N tokens, E experts (<= 64), K experts per token.  One thread per token.
+//   N tokens, E experts (<= kMaxE), K experts per token.  One thread per token.  The sigmoid rule
+// (DeepSeek-V3's grouped selection by score + bias) follows ops::route_token's loops exactly.
 // Activation gradients assign (=), except router_z_loss_backward, which accumulates (+=).
 #include <cmath>
 
@@ -11,7 +12,7 @@ namespace moetron::gpu {
 
 namespace {
 
-constexpr int kMaxE = 256;  // Qwen3-MoE has 128 experts, DeepSeek-V3 256
+constexpr int kMaxE = 512;  // Qwen3-MoE has 128 experts, DeepSeek-V3 256, Kimi-K2 384
 
 struct ExpertDoubles {
   double v[kMaxE];
@@ -27,10 +28,65 @@ __device__ double row_logsumexp(const float* row, int E) {
   return mx + log(s);
 }
 
+// The sigmoid rule for one token (ops/router.h); groups searched as a bit mask (n_group <= 64).
+__device__ void route_sigmoid(float* p, int32_t* idx, float* w, const float* l, const float* bias, int E, int K,
+                              ops::RouterSpec spec) {
+  for (int e = 0; e < E; e++) p[e] = 1.0f / (1.0f + expf(-l[e]));
+  auto choice = [&](int e) { return bias ? p[e] + bias[e] : p[e]; };
+  const int G = spec.n_group, gsz = E / G;
+  unsigned long long allowed = G >= 64 ? ~0ull : (1ull << G) - 1;
+  if (spec.topk_group < G) {
+    allowed = 0;
+    for (int t = 0; t < spec.topk_group; t++) {
+      int best = -1;
+      float best_score = 0.0f;
+      for (int g = 0; g < G; g++) {
+        if (allowed >> g & 1ull) continue;
+        int b1 = -1, b2 = -1;
+        for (int e = g * gsz; e < (g + 1) * gsz; e++) {
+          if (b1 < 0 || choice(e) > choice(b1)) {
+            b2 = b1;
+            b1 = e;
+          } else if (b2 < 0 || choice(e) > choice(b2)) {
+            b2 = e;
+          }
+        }
+        const float score = choice(b1) + choice(b2);
+        if (best < 0 || score > best_score) {
+          best = g;
+          best_score = score;
+        }
+      }
+      allowed |= 1ull << best;
+    }
+  }
+  float sum = 0.0f;
+  for (int k = 0; k < K; k++) {
+    int best = -1;
+    for (int e = 0; e < E; e++) {
+      if (!(allowed >> (e / gsz) & 1ull)) continue;
+      bool taken = false;
+      for (int j = 0; j < k; j++) taken |= idx[j] == e;
+      if (taken) continue;
+      if (best < 0 || choice(e) > choice(best)) best = e;
+    }
+    idx[k] = best;
+    w[k] = p[best];
+    sum += p[best];
+  }
+  const float den = spec.renormalize ? sum + 1e-20f : 1.0f;
+  for (int k = 0; k < K; k++) w[k] = w[k] / den * spec.scale;
+}
+
 __global__ void router_forward_kernel(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits,
-                                      long N, int E, int K, bool renormalize) {
+                                      const float* bias, long N, int E, int K, ops::RouterSpec spec) {
   const long n = blockIdx.x * (long)blockDim.x + threadIdx.x;
   if (n >= N) return;
+  if (spec.sigmoid) {
+    route_sigmoid(probs + n * E, topk_idx + n * K, topk_weight + n * K, logits + n * E, bias, E, K, spec);
+    return;
+  }
+  const bool renormalize = spec.renormalize;
   const float* l = logits + n * E;
   float* p = probs + n * E;
   float mx = l[0];
@@ -88,12 +144,37 @@ __global__ void router_stats_kernel(double* stats, const float* logits, const fl
 
 __global__ void router_backward_kernel(float* dlogits, const float* dtopk_weight, ExpertDoubles daux, bool has_aux,
                                        const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
-                                       const float* topk_weight, long N, int E, int K, bool renormalize) {
+                                       const float* topk_weight, long N, int E, int K, ops::RouterSpec spec) {
   const long n = blockIdx.x * (long)blockDim.x + threadIdx.x;
   if (n >= N) return;
   const float* p = probs + n * E;
   double dp[kMaxE];
   for (int e = 0; e < E; e++) dp[e] = 0.0;
+  const bool renormalize = spec.renormalize;
+  if (spec.sigmoid) {  // ops::router_backward's sigmoid branch
+    const int32_t* idx = topk_idx + n * K;
+    if (dtopk_weight != nullptr) {
+      const float* w = topk_weight + n * K;
+      const float* dw = dtopk_weight + n * K;
+      if (renormalize) {
+        float S = 0.0f;
+        double dot = 0.0;
+        for (int k = 0; k < K; k++) {
+          S += p[idx[k]];
+          dot += (double)dw[k] * (double)w[k];
+        }
+        const double den = (double)(S + 1e-20f);
+        for (int k = 0; k < K; k++) dp[idx[k]] += ((double)spec.scale * dw[k] - dot) / den;
+      } else {
+        for (int k = 0; k < K; k++) dp[idx[k]] += (double)spec.scale * dw[k];
+      }
+    }
+    if (has_aux && is_real(token_mask, n))
+      for (int e = 0; e < E; e++) dp[e] += daux.v[e];
+    float* dl = dlogits + n * E;
+    for (int e = 0; e < E; e++) dl[e] = (float)(dp[e] * (double)p[e] * (1.0 - (double)p[e]));
+    return;
+  }
   if (dtopk_weight != nullptr && !renormalize) {
     // w_k = p_k
     for (int k = 0; k < K; k++) dp[topk_idx[n * K + k]] += (double)dtopk_weight[n * K + k];
@@ -133,12 +214,14 @@ void check_dims(const char* op, long N, int E, int K) {
 
 }  // namespace
 
-void router_forward(Context& ctx, float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, long N,
-                    int E, int K, bool renormalize) {
+void router_forward(Context& ctx, float* probs, int32_t* topk_idx, float* topk_weight, const float* logits,
+                    const float* bias, long N, int E, int K, const ops::RouterSpec& spec) {
   check_dims("router_forward", N, E, K);
+  ops::check_router_spec("router_forward", spec, E, K);
+  MOETRON_OP_CHECK(spec.n_group <= 64, "router_forward", "n_group {} exceeds the device router's 64", spec.n_group);
   if (N == 0) return;
-  router_forward_kernel<<<blocks_for(N, 128), 128, 0, stream_of(ctx)>>>(probs, topk_idx, topk_weight, logits, N, E,
-                                                                        K, renormalize);
+  router_forward_kernel<<<blocks_for(N, 128), 128, 0, stream_of(ctx)>>>(probs, topk_idx, topk_weight, logits, bias, N,
+                                                                        E, K, spec);
   CUDA_LAUNCHED("router_forward");
 }
 
@@ -154,14 +237,15 @@ void router_layer_stats(Context& ctx, double* stats, const float* logits, const 
 
 void router_backward(Context& ctx, float* dlogits, const float* dtopk_weight, const double* dprobs_per_expert,
                      const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
-                     const float* topk_weight, long N, int E, int K, bool renormalize) {
+                     const float* topk_weight, long N, int E, int K, const ops::RouterSpec& spec) {
   check_dims("router_backward", N, E, K);
+  ops::check_router_spec("router_backward", spec, E, K);
   if (N == 0) return;
   ExpertDoubles daux{};
   if (dprobs_per_expert)
     for (int e = 0; e < E; e++) daux.v[e] = dprobs_per_expert[e];
   router_backward_kernel<<<blocks_for(N, 128), 128, 0, stream_of(ctx)>>>(
-      dlogits, dtopk_weight, daux, dprobs_per_expert != nullptr, token_mask, probs, topk_idx, topk_weight, N, E, K, renormalize);
+      dlogits, dtopk_weight, daux, dprobs_per_expert != nullptr, token_mask, probs, topk_idx, topk_weight, N, E, K, spec);
   CUDA_LAUNCHED("router_backward");
 }
 

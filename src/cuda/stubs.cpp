@@ -61,8 +61,10 @@ void rmsnorm_backward(Context&, float*, float*, const float*, const float*, cons
                       bool) {
   no_cuda("rmsnorm_backward");
 }
-void rope_forward(Context&, Bf16*, const Bf16*, long, const int32_t*, long, int, int, float) { no_cuda("rope_forward"); }
-void rope_backward(Context&, Bf16*, const Bf16*, long, const int32_t*, long, int, int, float) {
+void rope_forward(Context&, Bf16*, const Bf16*, long, const int32_t*, long, int, int, float, int) {
+  no_cuda("rope_forward");
+}
+void rope_backward(Context&, Bf16*, const Bf16*, long, const int32_t*, long, int, int, float, int) {
   no_cuda("rope_backward");
 }
 void attention_forward(Context&, Bf16*, float*, const Bf16*, const Bf16*, const Bf16*, const AttentionMask&, int, int,
@@ -81,12 +83,15 @@ void attention_backward(Context&, Bf16*, Bf16*, Bf16*, float*, const Bf16*, cons
 }
 void swiglu_forward(Context&, Bf16*, const Bf16*, long, int) { no_cuda("swiglu_forward"); }
 void swiglu_backward(Context&, Bf16*, const Bf16*, const Bf16*, long, int) { no_cuda("swiglu_backward"); }
-void router_forward(Context&, float*, int32_t*, float*, const float*, long, int, int, bool) { no_cuda("router_forward"); }
+void router_forward(Context&, float*, int32_t*, float*, const float*, const float*, long, int, int,
+                    const ops::RouterSpec&) {
+  no_cuda("router_forward");
+}
 void router_layer_stats(Context&, double*, const float*, const float*, const int32_t*, const uint8_t*, long, int, int) {
   no_cuda("router_layer_stats");
 }
 void router_backward(Context&, float*, const float*, const double*, const uint8_t*, const float*, const int32_t*,
-                     const float*, long, int, int, bool) {
+                     const float*, long, int, int, const ops::RouterSpec&) {
   no_cuda("router_backward");
 }
 void router_z_loss_backward(Context&, float*, const float*, const float*, const uint8_t*, long, int, float, long) {

@@ -174,8 +174,8 @@ void AttentionBlock::project(const BlockEnv& env, AttentionSaved& a, AttentionSc
     }
   }
   Section t(env, env.sec("fwd.rope", "q/k/v"));
-  be.rope_forward(a.q, positions, N, NH, HD, (float)cfg.rope_theta);
-  be.rope_forward(a.k, positions, N, NKV, HD, (float)cfg.rope_theta);
+  be.rope_forward(a.q, positions, N, NH, HD, (float)cfg.rope_theta, cfg.rope_dim());
+  be.rope_forward(a.k, positions, N, NKV, HD, (float)cfg.rope_theta, cfg.rope_dim());
 }
 
 void AttentionBlock::output(const BlockEnv& env, Tensor h, AttentionSaved& a, AttentionScratch& sc,
@@ -249,8 +249,8 @@ void AttentionBlock::backward(const BlockEnv& env, Tensor dln, Tensor dh_act, co
   }
   {
     Section t(env, "bwd.rope");
-    be.rope_backward(sc.dq, positions, N, NH, HD, theta);
-    be.rope_backward(sc.dk, positions, N, NKV, HD, theta);
+    be.rope_backward(sc.dq, positions, N, NH, HD, theta, cfg.rope_dim());
+    be.rope_backward(sc.dk, positions, N, NKV, HD, theta, cfg.rope_dim());
   }
   Tensor dq = sc.dq, dk = sc.dk;  // d(the projections' outputs), in the act store
   if (cfg.clip_qkv > 0) {         // clipped values pass no gradient

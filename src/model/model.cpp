@@ -237,7 +237,8 @@ MoeWeights Model::moe_weights(int l, bool base) {
   if (!base) return w;
   w.router.w = W(ParamKind::router, l);
   w.router.dw = G(ParamKind::router, l);
-  if (cfg_.has_shared_expert()) {
+  if (cfg_.has_selection_bias()) w.selection_bias = W(ParamKind::router_bias, l);
+  if (cfg_.shared_expert_gated()) {
     w.shared_gate.w = W(ParamKind::shared_gate, l);
     w.shared_gate.dw = G(ParamKind::shared_gate, l);
   }

@@ -6,6 +6,17 @@
 
 namespace moetron {
 
+ops::RouterSpec router_spec(const ModelConfig& cfg) {
+  ops::RouterSpec s = ops::RouterSpec::softmax(cfg.norm_topk_prob);
+  if (cfg.router_sigmoid) {
+    s.sigmoid = true;
+    s.n_group = cfg.n_group;
+    s.topk_group = cfg.topk_group;
+    s.scale = (float)cfg.routed_scaling_factor;
+  }
+  return s;
+}
+
 void MoeSaved::carve(TensorCarver& c, const BlockEnv& env, const MoeWeights& w, long N, bool local_experts,
                      bool training) {
   const ModelConfig& cfg = env.cfg;
@@ -44,8 +55,8 @@ void MoeSaved::carve(TensorCarver& c, const BlockEnv& env, const MoeWeights& w, 
   shact = sh_hidden && !rc ? c.take(act, N * Is) : Tensor{};
   shact_recompute = sh_hidden && rc;
   shy = sh ? c.take(act, N * C) : Tensor{};
-  sgl = sh ? c.take(f32, N) : Tensor{};
-  sg = sh ? c.take(f32, N) : Tensor{};
+  sgl = cfg.shared_expert_gated() ? c.take(f32, N) : Tensor{};
+  sg = cfg.shared_expert_gated() ? c.take(f32, N) : Tensor{};
 }
 
 void MoeScratch::carve(TensorCarver& c, const BlockEnv& env, int router_lora_rank, long N) {
@@ -53,14 +64,14 @@ void MoeScratch::carve(TensorCarver& c, const BlockEnv& env, int router_lora_ran
   const Store act = env.be.act_store(), f32 = Store::f32;
   const int C = cfg.hidden_size, E = cfg.num_local_experts, K = cfg.num_experts_per_tok;
   const long M = N * K;
-  const bool shared = cfg.has_shared_expert();
+  const bool shared = cfg.has_shared_expert(), gated = cfg.shared_expert_gated();
   drlogits = c.take(f32, N * E);
   dtopk = c.take(f32, N * K);
   dxperm = c.take(act, M * C);
   dyperm = c.take(act, M * C);
   dshy = shared ? c.take(act, N * C) : Tensor{};
-  dsg = shared ? c.take(f32, N) : Tensor{};
-  dsgl = shared ? c.take(f32, N) : Tensor{};
+  dsg = gated ? c.take(f32, N) : Tensor{};
+  dsgl = gated ? c.take(f32, N) : Tensor{};
   dxs = shared ? c.take(f32, N * C) : Tensor{};
   dur = router_lora_rank > 0 ? c.take(f32, N * (long)router_lora_rank) : Tensor{};
 }
@@ -88,7 +99,7 @@ long MoeBlock::forward(const BlockEnv& env, Tensor out, MoeSaved& a, MoeScratch&
     Section t(env, env.sec("fwd.router", "router and gathering"));
     linear_forward(be, a.rlogits, a.ur, lnf, w.router, ident, N, C, E, false);  // f32, its LoRA too
     if (!router_bias_.empty()) be.add_bias_rows(a.rlogits, router_bias_, N, E);
-    be.router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, N, E, K, cfg.norm_topk_prob);
+    be.router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, w.selection_bias, N, E, K, router_spec(cfg));
     if (stats) be.router_layer_stats(*stats, a.rlogits, a.rprobs, a.topk_idx, token_mask, N, E, K);
     // The plan is built on the host from the router's choices (copies on a device backend).
     const int32_t* idx = nullptr;
@@ -130,14 +141,19 @@ long MoeBlock::forward(const BlockEnv& env, Tensor out, MoeSaved& a, MoeScratch&
     be.moe_combine_forward(out, a.yperm, a.plan.overflow ? a.combine_w : a.topk_w, a.pv, C);
   }
   if (!a.shy.empty()) {
-    // The shared expert (Qwen2-MoE): out += sigmoid(ln . w_gate) * FFN_shared(ln), every token.
+    // The shared expert, every token: out += sigmoid(ln . w_gate) * FFN_shared(ln) (Qwen2-MoE), or
+    // out += FFN_shared(ln) (DeepSeek-V3 / GLM-4.5's ungated shared experts, one FFN of their summed width).
     Section t(env, env.sec("fwd.shared_expert", "shared expert"));
     const int Is = cfg.shared_expert_intermediate_size / env.tp_size;
     shared_ffn_.forward(be, a.shy, ExpertFfnSaved{a.sh13, a.shact, a.shu13, a.shu2, a.shact_recompute}, ln, ident,
                        w.shared, C, Is);
-    linear_forward(be, a.sgl, Tensor{}, lnf, w.shared_gate, ident, N, C, 1, false);
-    be.sigmoid_forward(a.sg, a.sgl, N);
-    be.moe_combine_forward(sc.tmp, a.shy, a.sg, ident, C);
+    if (cfg.shared_expert_gated()) {
+      linear_forward(be, a.sgl, Tensor{}, lnf, w.shared_gate, ident, N, C, 1, false);
+      be.sigmoid_forward(a.sg, a.sgl, N);
+      be.moe_combine_forward(sc.tmp, a.shy, a.sg, ident, C);
+    } else {
+      be.convert(sc.tmp, a.shy);
+    }
     be.add(out, sc.tmp);  // under tp both parts are partial sums, all-reduced together below
   }
   // Row-parallel w2: the output is a partial sum on each tp rank.
@@ -167,19 +183,24 @@ void MoeBlock::backward(const BlockEnv& env, Tensor dln, Tensor dout, MoeSaved& 
   if (env.tp_on()) env.tp_all_reduce(dln);  // column-parallel w1/w3: partial input gradient
   Section t(env, "bwd.router");
   be.router_backward(sc.drlogits, sc.dtopk, aux_dprobs, token_mask, a.rprobs, a.topk_idx, a.topk_w, N, E, K,
-                     cfg.norm_topk_prob);
+                     router_spec(cfg));
   if (z_coef != 0.0)
     be.router_z_loss_backward(sc.drlogits, a.rlogits, a.rprobs, token_mask, N, E, (float)z_coef, real_tokens);
   linear_backward(be, dln, sc.dur, sc.drlogits, lnf, a.ur, w.router, ident, N, C, E, true);
   if (a.shy.empty()) return;
   // The shared expert in reverse: d(shy) = sg * dout, d(sg) = <dout, shy> (a partial sum under tp,
-  // like shy), through the sigmoid into the gate; the FFN's input gradient is partial too.
+  // like shy), through the sigmoid into the gate (ungated: d(shy) = dout); the FFN's input gradient
+  // is partial too.
   Section ts(env, "bwd.shared_expert");
   const int Is = cfg.shared_expert_intermediate_size / env.tp_size;
-  be.moe_combine_backward(sc.dshy, sc.dsg, dout, a.shy, a.sg, ident, C);
-  if (env.tp_on()) env.tp_all_reduce(sc.dsg);
-  be.sigmoid_backward(sc.dsgl, sc.dsg, a.sg, N);
-  linear_backward(be, dln, Tensor{}, sc.dsgl, lnf, Tensor{}, w.shared_gate, ident, N, C, 1, true);
+  if (cfg.shared_expert_gated()) {
+    be.moe_combine_backward(sc.dshy, sc.dsg, dout, a.shy, a.sg, ident, C);
+    if (env.tp_on()) env.tp_all_reduce(sc.dsg);
+    be.sigmoid_backward(sc.dsgl, sc.dsg, a.sg, N);
+    linear_backward(be, dln, Tensor{}, sc.dsgl, lnf, Tensor{}, w.shared_gate, ident, N, C, 1, true);
+  } else {
+    be.convert(sc.dshy, dout);
+  }
   shared_ffn_.backward(be, sc.dxs, sc.dshy, ExpertFfnSaved{a.sh13, a.shact, a.shu13, a.shu2, a.shact_recompute}, ln, ident,
                        w.shared, C,
                        Is);

@@ -1,8 +1,10 @@
 // The MoE block of the layer body (DESIGN §4): from the normalised input ln [N,C] to
-//   out = sum_k w[n,k] expert_{idx[n,k]}(ln[n]) (+ sigmoid(ln . g) shared_expert(ln), Qwen2-MoE)
+//   out = sum_k w[n,k] expert_{idx[n,k]}(ln[n]) (+ sigmoid(ln . g) shared_expert(ln), Qwen2-MoE;
+//                                                 + shared_experts(ln), DeepSeek-V3 / GLM-4.5)
 // as router -> dispatch plan -> token dispatcher -> experts -> combine:
 //   1. the router: logits = ln W_r^T (f32, + its LoRA), softmax over the experts, top-K, the K
-//      weights renormalised (norm_topk_prob) or not; per-layer statistics for the losses;
+//      weights renormalised (norm_topk_prob) or not -- or DeepSeek's sigmoid rule with the layer's
+//      selection bias (ops/router.h, router_spec below); per-layer statistics for the losses;
 //   2. the plan (model/token_dispatch.h build_dispatch_plan, host): expert-contiguous rows, dropless or
 //      capacity-limited; the rows permuted into plan order;
 //   3. the dispatcher runs the experts (local, or all-to-all under expert parallelism);
@@ -27,14 +29,18 @@
 namespace moetron {
 
 // One MoE layer's parameters as the block reads them: the router (f32, and its f32 adapter), the
-// routed experts (this rank's; model/expert_ffn.h), and the shared expert with its gate [1,C] (f32)
-// when the model has one.
+// selection bias [E] f32 (sigmoid routing; no gradient), the routed experts (this rank's;
+// model/expert_ffn.h), and the shared expert(s) with -- Qwen2-MoE -- its gate [1,C] (f32).
 struct MoeWeights {
   LinearWeights router;
+  Tensor selection_bias;
   ExpertFfnWeights experts;
   ExpertFfnWeights shared;
   LinearWeights shared_gate;
 };
+
+// The routing rule of a config (hf_config.h): softmax with norm_topk_prob, or DeepSeek's sigmoid.
+ops::RouterSpec router_spec(const ModelConfig& cfg);
 
 // What the forward keeps for the backward (one micro-batch, one layer).
 struct MoeSaved {

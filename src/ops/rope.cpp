@@ -40,12 +40,15 @@ void angles_row(float* cs, float* sn, int32_t pos, const float* inv_freq, int ha
   }
 }
 
-// One token's H heads rotated by its angles (cs, sn: half values each).
-void rotate_row(float* out, const float* inp, const float* cs, const float* sn, int H, int HD) {
-  const int half = HD / 2;
+// One token's H heads rotated by its angles (cs, sn: R/2 values each): the first R dims of each
+// head; the rest copied (when out is not inp).
+void rotate_row(float* out, const float* inp, const float* cs, const float* sn, int H, int HD, int R) {
+  const int half = R / 2;
   for (int h = 0; h < H; h++) {
     const float* x = inp + (size_t)h * HD;
     float* y = out + (size_t)h * HD;
+    if (y != x)
+      for (int j = R; j < HD; j++) y[j] = x[j];
     for (int j = 0; j < half; j++) {
       const float x1 = x[j], x2 = x[j + half];  // read both before writing (out may alias)
       // HF: q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1)
@@ -55,38 +58,40 @@ void rotate_row(float* out, const float* inp, const float* cs, const float* sn, 
   }
 }
 
-void check_dims(const char* op, long N, int H, int HD) {
+void check_dims(const char* op, long N, int H, int HD, int R = 0) {
   MOETRON_OP_CHECK(N >= 0 && H > 0 && HD > 0 && HD % 2 == 0, op, "bad dimensions N={} H={} HD={} (HD must be even)", N,
                    H, HD);
+  MOETRON_OP_CHECK(R >= 0 && R <= HD && R % 2 == 0, op, "rotated dims R={} must be even and at most HD={}", R, HD);
 }
 
 // sign = +1: forward rotation; sign = -1: inverse rotation (the transpose, for the backward).
 void rope_apply(const char* op, float* out, const float* inp, const int32_t* pos, long N, int H, int HD, float theta,
-                float sign) {
-  check_dims(op, N, H, HD);
+                float sign, int R) {
+  check_dims(op, N, H, HD, R);
   MOETRON_OP_CHECK(theta > 0.0f, op, "rope theta must be positive, got {}", theta);
-  const int half = HD / 2;
-  const std::vector<float> inv_freq = rope_inv_freq(HD, theta);
+  if (R == 0) R = HD;
+  const int half = R / 2;
+  const std::vector<float> inv_freq = rope_inv_freq(R, theta);
 #pragma omp parallel if (N * H * HD >= kParallelMin)
   {
     std::vector<float> cs(half), sn(half);
 #pragma omp for schedule(static)
     for (long n = 0; n < N; n++) {
       angles_row(cs.data(), sn.data(), pos[n], inv_freq.data(), half, sign);
-      rotate_row(out + n * H * HD, inp + n * H * HD, cs.data(), sn.data(), H, HD);
+      rotate_row(out + n * H * HD, inp + n * H * HD, cs.data(), sn.data(), H, HD, R);
     }
   }
 }
 
 }  // namespace
 
-void rope_forward(float* out, const float* inp, const int32_t* pos, long N, int H, int HD, float theta) {
-  rope_apply("rope_forward", out, inp, pos, N, H, HD, theta, 1.0f);
+void rope_forward(float* out, const float* inp, const int32_t* pos, long N, int H, int HD, float theta, int R) {
+  rope_apply("rope_forward", out, inp, pos, N, H, HD, theta, 1.0f, R);
 }
 
-void rope_backward(float* dinp, const float* dout, const int32_t* pos, long N, int H, int HD, float theta) {
+void rope_backward(float* dinp, const float* dout, const int32_t* pos, long N, int H, int HD, float theta, int R) {
   // The rotation is orthogonal, so the gradient is the inverse rotation (sin -> -sin).
-  rope_apply("rope_backward", dinp, dout, pos, N, H, HD, theta, -1.0f);
+  rope_apply("rope_backward", dinp, dout, pos, N, H, HD, theta, -1.0f, R);
 }
 
 void rope_angles(float* cs, float* sn, const int32_t* pos, long N, int HD, float theta) {
@@ -97,11 +102,12 @@ void rope_angles(float* cs, float* sn, const int32_t* pos, long N, int HD, float
   for (long n = 0; n < N; n++) angles_row(cs + n * half, sn + n * half, pos[n], inv_freq.data(), half, 1.0f);
 }
 
-void rope_forward_angles(float* out, const float* inp, const float* cs, const float* sn, long N, int H, int HD) {
-  check_dims("rope_forward_angles", N, H, HD);
-  const int half = HD / 2;
+void rope_forward_angles(float* out, const float* inp, const float* cs, const float* sn, long N, int H, int HD, int R) {
+  check_dims("rope_forward_angles", N, H, HD, R);
+  if (R == 0) R = HD;
+  const int half = R / 2;
 #pragma omp parallel for schedule(static) if (N * H * HD >= kParallelMin)
-  for (long n = 0; n < N; n++) rotate_row(out + n * H * HD, inp + n * H * HD, cs + n * half, sn + n * half, H, HD);
+  for (long n = 0; n < N; n++) rotate_row(out + n * H * HD, inp + n * H * HD, cs + n * half, sn + n * half, H, HD, R);
 }
 
 }  // namespace moetron::ops

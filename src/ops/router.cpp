@@ -38,6 +38,79 @@ void check_dims(const char* op, long N, int E, int K) {
 
 }  // namespace
 
+void check_router_spec(const char* op, const RouterSpec& spec, int E, int K) {
+  if (!spec.sigmoid) return;
+  MOETRON_OP_CHECK(spec.n_group >= 1 && E % spec.n_group == 0 && E / spec.n_group >= 2, op,
+                   "n_group {} must divide E={} into groups of at least 2 experts", spec.n_group, E);
+  MOETRON_OP_CHECK(spec.topk_group >= 1 && spec.topk_group <= spec.n_group, op,
+                   "topk_group {} must be in [1, n_group={}]", spec.topk_group, spec.n_group);
+  MOETRON_OP_CHECK(K <= spec.topk_group * (E / spec.n_group), op, "K={} exceeds the {} experts searched", K,
+                   spec.topk_group * (E / spec.n_group));
+  MOETRON_OP_CHECK(std::isfinite(spec.scale) && spec.scale > 0, op, "scale must be finite and > 0, got {}",
+                   spec.scale);
+}
+
+namespace {
+
+// The sigmoid rule for one token (router.h).  Selections use strict '>' over the candidates in index
+// order, so ties go to the lower index and a NaN still yields valid distinct indices.
+void route_token_sigmoid(float* p, int32_t* idx, float* w, const float* l, const float* bias, int E, int K,
+                         const RouterSpec& spec) {
+  for (int e = 0; e < E; e++) p[e] = 1.0f / (1.0f + std::exp(-l[e]));
+  const auto choice = [&](int e) { return bias ? p[e] + bias[e] : p[e]; };
+  const int G = spec.n_group, gsz = E / G;
+  // Groups searched: a bit per group (G <= E <= the router's limit; a vector keeps it general).
+  std::vector<char> allowed(G, 1);
+  if (spec.topk_group < G) {
+    std::vector<float> gscore(G);
+    for (int g = 0; g < G; g++) {
+      int b1 = -1, b2 = -1;
+      for (int e = g * gsz; e < (g + 1) * gsz; e++) {
+        if (b1 < 0 || choice(e) > choice(b1)) {
+          b2 = b1;
+          b1 = e;
+        } else if (b2 < 0 || choice(e) > choice(b2)) {
+          b2 = e;
+        }
+      }
+      gscore[g] = choice(b1) + choice(b2);
+    }
+    std::fill(allowed.begin(), allowed.end(), 0);
+    for (int t = 0; t < spec.topk_group; t++) {
+      int best = -1;
+      for (int g = 0; g < G; g++)
+        if (!allowed[g] && (best < 0 || gscore[g] > gscore[best])) best = g;
+      allowed[best] = 1;
+    }
+  }
+  float sum = 0.0f;
+  for (int k = 0; k < K; k++) {
+    int best = -1;
+    for (int e = 0; e < E; e++) {
+      if (!allowed[e / gsz]) continue;
+      bool taken = false;
+      for (int j = 0; j < k; j++) taken |= idx[j] == e;
+      if (taken) continue;
+      if (best < 0 || choice(e) > choice(best)) best = e;
+    }
+    idx[k] = best;
+    w[k] = p[best];
+    sum += p[best];
+  }
+  const float den = spec.renormalize ? sum + 1e-20f : 1.0f;
+  for (int k = 0; k < K; k++) w[k] = w[k] / den * spec.scale;
+}
+
+}  // namespace
+
+void route_token(float* p, int32_t* idx, float* w, const float* l, const float* bias, int E, int K,
+                 const RouterSpec& spec) {
+  if (spec.sigmoid)
+    route_token_sigmoid(p, idx, w, l, bias, E, K, spec);
+  else
+    route_token(p, idx, w, l, E, K, spec.renormalize);
+}
+
 void route_token(float* p, int32_t* idx, float* w, const float* l, int E, int K, bool renormalize) {
   std::copy(l, l + E, p);
   softmax_inplace(p, E);
@@ -66,6 +139,62 @@ void router_forward(float* probs, int32_t* topk_idx, float* topk_weight, const f
 #pragma omp parallel for schedule(static) if (N * E >= kParallelMin)
   for (long n = 0; n < N; n++)
     route_token(probs + n * E, topk_idx + n * K, topk_weight + n * K, logits + n * E, E, K, renormalize);
+}
+
+void router_forward(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, const float* bias,
+                    long N, int E, int K, const RouterSpec& spec) {
+  check_dims("router_forward", N, E, K);
+  check_router_spec("router_forward", spec, E, K);
+  if (!spec.sigmoid) {
+    router_forward(probs, topk_idx, topk_weight, logits, N, E, K, spec.renormalize);
+    return;
+  }
+#pragma omp parallel for schedule(static) if (N * E >= kParallelMin)
+  for (long n = 0; n < N; n++)
+    route_token_sigmoid(probs + n * E, topk_idx + n * K, topk_weight + n * K, logits + n * E, bias, E, K, spec);
+}
+
+void router_backward(float* dlogits, const float* dtopk_weight, const double* dprobs_per_expert,
+                     const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
+                     const float* topk_weight, long N, int E, int K, const RouterSpec& spec) {
+  check_dims("router_backward", N, E, K);
+  check_router_spec("router_backward", spec, E, K);
+  if (!spec.sigmoid) {
+    router_backward(dlogits, dtopk_weight, dprobs_per_expert, token_mask, probs, topk_idx, topk_weight, N, E, K,
+                    spec.renormalize);
+    return;
+  }
+#pragma omp parallel
+  {
+    std::vector<double> dp(E);
+#pragma omp for schedule(static)
+    for (long n = 0; n < N; n++) {
+      const float* p = probs + n * E;
+      const int32_t* idx = topk_idx + n * K;
+      std::fill(dp.begin(), dp.end(), 0.0);
+      if (dtopk_weight != nullptr) {
+        const float* w = topk_weight + n * K;
+        const float* dw = dtopk_weight + n * K;
+        if (spec.renormalize) {
+          // w_k = c p_k / (S + eps): dp_j = (c dw_j - sum_k dw_k w_k) / (S + eps)
+          float S = 0.0f;  // as the forward summed it
+          double dot = 0.0;
+          for (int k = 0; k < K; k++) {
+            S += p[idx[k]];
+            dot += (double)dw[k] * (double)w[k];
+          }
+          const double den = (double)(S + 1e-20f);
+          for (int k = 0; k < K; k++) dp[idx[k]] += ((double)spec.scale * dw[k] - dot) / den;
+        } else {
+          for (int k = 0; k < K; k++) dp[idx[k]] += (double)spec.scale * dw[k];  // w_k = c p_k
+        }
+      }
+      if (dprobs_per_expert != nullptr && is_real(token_mask, n))
+        for (int e = 0; e < E; e++) dp[e] += dprobs_per_expert[e];
+      float* dl = dlogits + n * E;
+      for (int e = 0; e < E; e++) dl[e] = (float)(dp[e] * (double)p[e] * (1.0 - (double)p[e]));
+    }
+  }
 }
 
 void router_backward(float* dlogits, const float* dtopk_weight, const double* dprobs_per_expert,

@@ -5,6 +5,14 @@
 // to 1 -- or, with renormalize false (Qwen3-MoE's norm_topk_prob false), are the probs themselves.
 // Activation gradients assign (=) unless stated.
 //
+// Sigmoid routing (DeepSeek-V3, GLM-4.5; RouterSpec::sigmoid): probs = sigmoid(logits) per expert;
+// the choice score is probs + bias (the selection bias, [E], or none); with n_group groups of E/n_group
+// experts, a group scores the sum of its two best choice scores and only the topk_group best groups
+// are searched (ties: the lower group); the K best choice scores among them are chosen (descending,
+// ties to the lower expert); their weights are the unbiased probs, divided by (their sum + 1e-20) when
+// renormalize, times `scale` (routed_scaling_factor).  The selection is not differentiated; the
+// backward runs through the weights and the sigmoid only.
+//
 // Auxiliary losses, all computed over "real" tokens only (token_mask[n] != 0, or all tokens when
 // token_mask is null):
 //  - hf_pooled (HF load_balancing_loss_func, the default): statistics are pooled over ALL layers:
@@ -24,14 +32,36 @@
 
 namespace moetron::ops {
 
+// How a router scores and weighs its experts (above); the default is Mixtral's.
+struct RouterSpec {
+  bool sigmoid = false;
+  bool renormalize = true;
+  int n_group = 1, topk_group = 1;  // sigmoid only
+  float scale = 1.0f;               // sigmoid only
+  static RouterSpec softmax(bool renormalize) {
+    RouterSpec s;
+    s.renormalize = renormalize;
+    return s;
+  }
+};
+
+// The sigmoid rule's checks (Error naming `op`): groups divide E, each holds >= 2 experts, topk_group
+// in [1, n_group], K fits the searched groups, scale finite and > 0.
+void check_router_spec(const char* op, const RouterSpec& spec, int E, int K);
+
 // One token: probs[E], topk_idx[K], topk_weight[K] from logits[E] (router_forward's per-token body;
 // no parallel region and no allocation, for the decoder's decode steps).
 void route_token(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, int E, int K,
                  bool renormalize = true);
+// The same under any RouterSpec; bias: the selection bias [E] (null: none).
+void route_token(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, const float* bias, int E,
+                 int K, const RouterSpec& spec);
 
 // probs[N,E], topk_idx[N,K], topk_weight[N,K] from logits[N,E] (route_token per token, in parallel).
 void router_forward(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, long N,
                     int E, int K, bool renormalize = true);
+void router_forward(float* probs, int32_t* topk_idx, float* topk_weight, const float* logits, const float* bias,
+                    long N, int E, int K, const RouterSpec& spec);
 
 // dlogits[N,E] (assign) = softmax backward of the total gradient on probs, which is
 //   the chain through the top-K weights (dtopk_weight[N,K]; renormalised or not, as the forward)
@@ -39,6 +69,11 @@ void router_forward(float* probs, int32_t* topk_idx, float* topk_weight, const f
 void router_backward(float* dlogits, const float* dtopk_weight, const double* dprobs_per_expert,
                      const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
                      const float* topk_weight, long N, int E, int K, bool renormalize = true);
+// Under any RouterSpec (sigmoid: dlogits is zero outside the chosen experts unless dprobs_per_expert
+// is given, whose term runs through every expert's sigmoid).
+void router_backward(float* dlogits, const float* dtopk_weight, const double* dprobs_per_expert,
+                     const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
+                     const float* topk_weight, long N, int E, int K, const RouterSpec& spec);
 
 // One layer's routing statistics over its real tokens.
 struct RouterLayerStats {
