@@ -3,11 +3,13 @@
 
 For each case: build a tiny random HF model in float32 (fixed torch seed), save it with
 save_pretrained, load it back, cast a copy to float64 and compute, with eager attention,
-the logits, the losses (HF's outputs.loss with output_router_logits=True), d loss / d param
-for every parameter under its Hub name, and the loss over 5 AdamW steps on the same batch.
+the logits, the losses (HF's outputs.loss with output_router_logits=True; cross-entropy only for
+the sigmoid-router families GLM-4-MoE and DeepSeek-V3), d loss / d param for every parameter
+under its Hub name, and the loss over 5 AdamW steps on the same batch.
 
 HF's modeling code casts to float32 in a few places even in a float64 model (RMSNorm,
-router softmax, attention softmax, RoPE angles, the load-balancing loss, the causal-LM loss).
+router softmax or sigmoid, attention softmax, RoPE angles and YaRN frequencies, the
+load-balancing loss, the causal-LM loss).
 For the reference these casts are replaced by the input dtype (`float64_numerics`); the
 patched float64 result is checked against unpatched HF (float64 and float32) and against an
 independent float64 formula of the loss, so the patches change rounding only.
@@ -20,6 +22,7 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import os
 import shutil
 import sys
@@ -29,9 +32,13 @@ import torch
 import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers.modeling_rope_utils import _compute_yarn_parameters
+from transformers.models.deepseek_v3 import modeling_deepseek_v3
+from transformers.models.glm4_moe import modeling_glm4_moe
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.mixtral import modeling_mixtral
@@ -90,9 +97,47 @@ CASES = {
     # Dense Qwen3 as the small ones are: q/k norms, head_dim 16 != hidden / heads = 8, tied embeddings.
     "qwen3_dense": dict(arch="qwen3", seed=25, vocab=120, hidden=32, inter=56, layers=2, heads=4, kv_heads=2,
                         head_dim=16, T=12, rope_theta=1e6, sliding_window=None, pad_row1=0, tie=True),
+    # GLM-4.5 style: partial RoPE (first 8 of 16 head dims), per-head q/k norms, q/k/v biases, layer 0 dense,
+    # sigmoid router with a score-correction bias, renormalised top-2 x 2.5, one ungated shared expert; padding.
+    # Its routing concentrates within the first AdamW steps (no seed in 0-8000 and 12400-20400 keeps all 8
+    # experts in use through step 2), so the AdamW steps need only 7 of 8; the reference pass uses all 8.
+    "glm4_moe_partial": dict(arch="glm4_moe", seed=4369, adamw_min_experts=7, vocab=128, hidden=32, inter=48, moe_inter=16, layers=3,
+                             heads=4, kv_heads=2, head_dim=16, partial_rotary_factor=0.5, use_qk_norm=True,
+                             attention_bias=True, experts=8, top_k=2, n_shared=1, n_group=1, topk_group=1,
+                             routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense=1, T=16,
+                             rope_theta=1e6, sliding_window=None, pad_row1=3),
+    # GLM-4.5-Air style: no q/k norms, every layer MoE, 2 groups of 4 experts (top-1 group), no renormalisation.
+    "glm4_moe_air": dict(arch="glm4_moe", seed=541, vocab=112, hidden=32, inter=48, moe_inter=16, layers=2,
+                         heads=4, kv_heads=2, head_dim=8, partial_rotary_factor=0.5, use_qk_norm=False,
+                         attention_bias=True, experts=8, top_k=2, n_shared=2, n_group=2, topk_group=1,
+                         routed_scaling_factor=1.0, norm_topk_prob=False, first_k_dense=0, T=14,
+                         rope_theta=1e6, sliding_window=None, pad_row1=0),
+    # DeepSeek-V3: MLA with a q LoRA, interleaved YaRN RoPE (attention_factor and softmax mscale != 1),
+    # 4 groups of 2 experts (top-2 groups), top-3 renormalised x 2.5, shared width 2 x 16; padding.
+    "deepseek_v3_mla_yarn": dict(arch="deepseek_v3", seed=689, vocab=128, hidden=32, inter=48, moe_inter=16,
+                                 layers=3, heads=4, kv_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope=8,
+                                 qk_rope=4, v_head=6, experts=8, top_k=3, n_shared=2, n_group=4, topk_group=2,
+                                 routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense=1,
+                                 rope_interleave=True, T=16, rope_theta=1e4,
+                                 yarn=dict(factor=4.0, original_max_position_embeddings=64, beta_fast=32,
+                                           beta_slow=1, mscale=0.8, mscale_all_dim=0.6),
+                                 sliding_window=None, pad_row1=4),
+    # DeepSeek-V3 with a plain q_proj, rotate-half RoPE (default type), one group, every layer MoE.
+    "deepseek_v3_plain_q": dict(arch="deepseek_v3", seed=418, vocab=128, hidden=32, inter=48, moe_inter=16,
+                                layers=2, heads=4, kv_heads=4, q_lora_rank=None, kv_lora_rank=12, qk_nope=8,
+                                qk_rope=4, v_head=6, experts=6, top_k=2, n_shared=1, n_group=1, topk_group=1,
+                                routed_scaling_factor=1.0, norm_topk_prob=False, first_k_dense=0,
+                                rope_interleave=False, T=15, rope_theta=1e4, yarn=None, sliding_window=None,
+                                pad_row1=0),
 }
 MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 MOE_CLASSES = (MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM)
+# Sigmoid-router MoE (DeepSeek-V3 style): cross-entropy only, no load-balancing loss in HF's outputs.loss.
+SIGMOID_MOE_ARCHS = ("glm4_moe", "deepseek_v3")
+SIGMOID_MOE_CLASSES = (Glm4MoeForCausalLM, DeepseekV3ForCausalLM)
+SIGMOID_ROUTERS = (modeling_glm4_moe.Glm4MoeTopkRouter, modeling_deepseek_v3.DeepseekV3TopkRouter)
+E_BIAS_SCALE = 0.1  # mlp.gate.e_score_correction_bias (HF inits it to 0): N(0, 0.1) so it changes some choices
+MLA_KV_SCALE = 6.0  # MLA: kv_b_proj and kv_a_proj_with_mqa (k_nope, k_rope) scaled like q, attention far from uniform
 V_SCALE_CLIP = 6.0  # olmoe_clip: v_proj scaled so that clip_qkv clips some v values too
 BIAS_SCALE = 0.1  # q/k/v biases (HF initialises them to 0): N(0, 0.1) so a missing bias shows
 GATE_SCALE = 10.0
@@ -103,6 +148,7 @@ MODULES = (modeling_mixtral, modeling_mistral, modeling_llama, modeling_qwen3, m
            modeling_olmoe)
 PREFIX = {modeling_mixtral: "Mixtral", modeling_mistral: "Mistral", modeling_llama: "Llama", modeling_qwen3: "Qwen3",
           modeling_qwen3_moe: "Qwen3Moe", modeling_qwen2_moe: "Qwen2Moe", modeling_olmoe: "Olmoe"}
+SIGMOID_MODULES = {modeling_glm4_moe: "Glm4Moe", modeling_deepseek_v3: "DeepseekV3"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,6 +186,103 @@ def _make_eager_attention(module_globals):
         return attn_output, attn_weights
 
     return eager_attention_forward
+
+
+def rope_parameters_f64(cfg):
+    """float64 inv_freq and attention_factor (the cos/sin multiplier) of a default or YaRN RoPE, the same
+    formulas as transformers' _compute_default_rope_parameters / _compute_yarn_parameters (which run in
+    float32), over the first int(head_dim * partial_rotary_factor) dims of a head."""
+    rp = cfg.rope_parameters
+    base = rp["rope_theta"]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dim = int(head_dim * rp.get("partial_rotary_factor", 1.0))
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if rp["rope_type"] == "default":
+        return 1.0 / pos_freqs, 1.0
+    assert rp["rope_type"] == "yarn", rp
+    factor = rp["factor"]
+    if factor is None:
+        factor = cfg.max_position_embeddings / rp["original_max_position_embeddings"]
+    mscale, mscale_all_dim = rp.get("mscale"), rp.get("mscale_all_dim")
+    attention_factor = rp.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast, beta_slow = rp.get("beta_fast") or 32, rp.get("beta_slow") or 1
+    orig = rp["original_max_position_embeddings"]
+
+    def correction_dim(rotations):  # the dim index whose wavelength fits `rotations` times into orig
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rp.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low), 0, 1)
+    # ramp 0: extrapolation (the plain frequency), 1: interpolation (frequency / factor)
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * (1 - ramp)
+    return inv_freq, float(attention_factor)
+
+
+def yarn_mscale(scale, mscale=1.0):
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rotary_forward_general(self, x, position_ids):
+    """Default or YaRN RoPE, partial rotary dims included, in float64 (cos/sin x attention_factor)."""
+    inv_freq, attention_factor = rope_parameters_f64(self.config)
+    assert self.rope_type in ("default", "yarn") and abs(attention_factor - self.attention_scaling) < 1e-15
+    assert inv_freq.shape == self.inv_freq.shape
+    freqs = position_ids[..., None].to(torch.float64) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * attention_factor).to(x.dtype), (emb.sin() * attention_factor).to(x.dtype)
+
+
+def route_sigmoid(scores_for_choice, n_group, topk_group, top_k):
+    """HF's group-limited top-K choice (Glm4MoeTopkRouter / DeepseekV3TopkRouter): group score = sum of the
+    group's two best scores, keep the topk_group best groups, top-K of the scores inside them. Returns the
+    sorted choice [N, K], the topk_group-th minus (topk_group+1)-th group score (None if every group is
+    kept) and the K-th minus (K+1)-th score among the allowed experts."""
+    n, e = scores_for_choice.shape
+    group_scores = scores_for_choice.view(n, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_gap = None
+    if n_group > topk_group:
+        gs = torch.sort(group_scores, dim=-1, descending=True).values
+        group_gap = gs[:, topk_group - 1] - gs[:, topk_group]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, topk_group, dim=-1)[1], 1)
+    allowed = group_mask.unsqueeze(-1).expand(-1, n_group, e // n_group).reshape(n, e).bool()
+    assert topk_group * (e // n_group) > top_k
+    masked = scores_for_choice.masked_fill(~allowed, float("-inf"))
+    srt = torch.sort(masked, dim=-1, descending=True).values
+    choice = torch.sort(torch.topk(masked, top_k, dim=-1)[1], dim=-1).values
+    return choice, group_gap, srt[:, top_k - 1] - srt[:, top_k]
+
+
+def _sigmoid_router_forward(self, hidden_states):
+    """Glm4MoeTopkRouter / DeepseekV3TopkRouter.forward without the float32 casts (same selection rule)."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    scores = router_logits.sigmoid()
+    scores_for_choice = scores + self.e_score_correction_bias
+    group_scores = (
+        scores_for_choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0].sum(dim=-1))
+    group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = (group_mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group)
+                  .reshape(-1, self.num_experts))
+    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if self.norm_topk_prob:
+        denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+        topk_weights /= denominator
+    topk_weights = topk_weights * self.routed_scaling_factor
+    return router_logits, topk_weights, topk_indices
 
 
 def _router_forward(self, hidden_states):
@@ -197,6 +340,11 @@ def float64_numerics():
     for mod in (modeling_mixtral, modeling_qwen3_moe, modeling_qwen2_moe, modeling_olmoe):
         patch(getattr(mod, PREFIX[mod] + "TopKRouter"), "forward", _router_forward)
         patch(mod, "load_balancing_loss_func", _load_balancing_loss)
+    for mod, prefix in SIGMOID_MODULES.items():
+        patch(getattr(mod, prefix + "RMSNorm"), "forward", _rmsnorm_forward)
+        patch(getattr(mod, prefix + "RotaryEmbedding"), "forward", _rotary_forward_general)
+        patch(mod, "eager_attention_forward", _make_eager_attention(mod))
+        patch(getattr(mod, prefix + "TopkRouter"), "forward", _sigmoid_router_forward)
     try:
         yield
     finally:
@@ -237,6 +385,24 @@ def build_config(c):
                           norm_topk_prob=c["norm_topk_prob"], clip_qkv=c["clip_qkv"],
                           router_aux_loss_coef=ROUTER_AUX_LOSS_COEF, attention_bias=False)
         cls = OlmoeForCausalLM
+    elif c["arch"] in SIGMOID_MOE_ARCHS:
+        moe = dict(moe_intermediate_size=c["moe_inter"], n_routed_experts=c["experts"], num_experts_per_tok=c["top_k"],
+                   n_shared_experts=c["n_shared"], n_group=c["n_group"], topk_group=c["topk_group"],
+                   routed_scaling_factor=c["routed_scaling_factor"], norm_topk_prob=c["norm_topk_prob"],
+                   first_k_dense_replace=c["first_k_dense"])
+        if c["arch"] == "glm4_moe":
+            common["rope_parameters"] = {"rope_type": "default", "rope_theta": c["rope_theta"],
+                                         "partial_rotary_factor": c["partial_rotary_factor"]}
+            cfg = Glm4MoeConfig(**common, **moe, head_dim=c["head_dim"], use_qk_norm=c["use_qk_norm"],
+                                attention_bias=c["attention_bias"])
+            cls = Glm4MoeForCausalLM
+        else:
+            if c["yarn"]:
+                common["rope_parameters"] = {"rope_type": "yarn", "rope_theta": c["rope_theta"], **c["yarn"]}
+            cfg = DeepseekV3Config(**common, **moe, q_lora_rank=c["q_lora_rank"], kv_lora_rank=c["kv_lora_rank"],
+                                   qk_nope_head_dim=c["qk_nope"], qk_rope_head_dim=c["qk_rope"], v_head_dim=c["v_head"],
+                                   rope_interleave=c["rope_interleave"], attention_bias=False)
+            cls = DeepseekV3ForCausalLM
     elif c["arch"] == "qwen3":
         cfg = Qwen3Config(**common, head_dim=c["head_dim"], attention_bias=False, use_sliding_window=False)
         cls = Qwen3ForCausalLM
@@ -247,7 +413,7 @@ def build_config(c):
         cfg = LlamaConfig(**common, attention_bias=False, mlp_bias=False)
         cls = LlamaForCausalLM
     cfg._attn_implementation = "eager"
-    if c["arch"] in MOE_ARCHS:
+    if c["arch"] in MOE_ARCHS + SIGMOID_MOE_ARCHS:
         cfg._experts_implementation = "eager"  # the plain per-expert loop (grouped_mm has no float64)
     return cfg, cls
 
@@ -268,6 +434,14 @@ def build_model(c):
                 p.copy_(BIAS_SCALE * torch.randn(p.shape))
             if c.get("clip_qkv") and name.endswith("v_proj.weight"):
                 p.mul_(V_SCALE_CLIP)
+            if c["arch"] == "deepseek_v3" and name.endswith("q_b_proj.weight"):  # MLA's q (with a q LoRA)
+                p.mul_(QK_SCALE)
+            if c["arch"] == "deepseek_v3" and name.endswith(("kv_b_proj.weight", "kv_a_proj_with_mqa.weight")):
+                p.mul_(MLA_KV_SCALE)
+        if c["arch"] in SIGMOID_MOE_ARCHS:  # a persistent float32 buffer, saved with the weights
+            for name, b in model.named_buffers():
+                if name.endswith("mlp.gate.e_score_correction_bias"):
+                    b.copy_(E_BIAS_SCALE * torch.randn(b.shape))
     return model
 
 
@@ -290,7 +464,8 @@ def build_inputs(c):
 
 def hub_named(model, tensors_by_param):
     """{internal param name: tensor} -> {Hub name: tensor}; unpacks 5.x packed experts (Mixtral:
-    block_sparse_moe.experts.e.w1/w3/w2; Qwen3-MoE: mlp.experts.e.gate_proj/up_proj/down_proj)."""
+    block_sparse_moe.experts.e.w1/w3/w2; Qwen2/3-MoE, OLMoE, GLM-4-MoE, DeepSeek-V3:
+    mlp.experts.e.gate_proj/up_proj/down_proj)."""
     out = {}
     mixtral = isinstance(model, MixtralForCausalLM)
     block = ".block_sparse_moe.experts." if mixtral else ".mlp.experts."
@@ -313,15 +488,70 @@ def hub_named(model, tensors_by_param):
     return out
 
 
+def saved_buffers(model):
+    """The persistent buffers save_pretrained writes next to the parameters: the sigmoid routers'
+    mlp.gate.e_score_correction_bias (no other model here has one)."""
+    return {n: b for n, b in model.named_buffers() if n.endswith("mlp.gate.e_score_correction_bias")}
+
+
+def expected_hub_shapes(c):
+    """{Hub name: shape} of a GLM-4-MoE / DeepSeek-V3 case, written out from the configuration."""
+    C, V, H, E = c["hidden"], c["vocab"], c["heads"], c["experts"]
+    shapes = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,), "lm_head.weight": (V, C)}
+    for l in range(c["layers"]):
+        p = f"model.layers.{l}."
+        a = p + "self_attn."
+        shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (C,)
+        if c["arch"] == "glm4_moe":
+            hd, kv = c["head_dim"], c["kv_heads"]
+            shapes.update({a + "q_proj.weight": (H * hd, C), a + "k_proj.weight": (kv * hd, C),
+                           a + "v_proj.weight": (kv * hd, C), a + "o_proj.weight": (C, H * hd)})
+            if c["attention_bias"]:  # q/k/v only: GLM's o_proj has no bias
+                shapes.update({a + "q_proj.bias": (H * hd,), a + "k_proj.bias": (kv * hd,), a + "v_proj.bias": (kv * hd,)})
+            if c["use_qk_norm"]:
+                shapes.update({a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)})
+        else:
+            qk = c["qk_nope"] + c["qk_rope"]
+            if c["q_lora_rank"]:
+                r = c["q_lora_rank"]
+                shapes.update({a + "q_a_proj.weight": (r, C), a + "q_a_layernorm.weight": (r,),
+                               a + "q_b_proj.weight": (H * qk, r)})
+            else:
+                shapes[a + "q_proj.weight"] = (H * qk, C)
+            r = c["kv_lora_rank"]
+            shapes.update({a + "kv_a_proj_with_mqa.weight": (r + c["qk_rope"], C), a + "kv_a_layernorm.weight": (r,),
+                           a + "kv_b_proj.weight": (H * (c["qk_nope"] + c["v_head"]), r),
+                           a + "o_proj.weight": (C, H * c["v_head"])})
+        m = p + "mlp."
+        if l < c["first_k_dense"]:
+            I = c["inter"]
+            shapes.update({m + "gate_proj.weight": (I, C), m + "up_proj.weight": (I, C), m + "down_proj.weight": (C, I)})
+        else:
+            I, S = c["moe_inter"], c["moe_inter"] * c["n_shared"]
+            shapes.update({m + "gate.weight": (E, C), m + "gate.e_score_correction_bias": (E,),
+                           m + "shared_experts.gate_proj.weight": (S, C), m + "shared_experts.up_proj.weight": (S, C),
+                           m + "shared_experts.down_proj.weight": (C, S)})
+            for e in range(E):
+                shapes.update({f"{m}experts.{e}.gate_proj.weight": (I, C), f"{m}experts.{e}.up_proj.weight": (I, C),
+                               f"{m}experts.{e}.down_proj.weight": (C, I)})
+    return shapes
+
+
 def check_hub_file(model_dir, model, c):
     """The saved file holds exactly the Hub names and the in-memory values."""
     want = {k: v.detach().numpy() for k, v in hub_named(model, dict(model.named_parameters())).items()}
+    want.update({k: v.detach().numpy() for k, v in saved_buffers(model).items()})
     with safe_open(os.path.join(model_dir, "model.safetensors"), "np") as f:
         keys = set(f.keys())
         assert keys == set(want), f"saved names differ: {sorted(keys ^ set(want))}"
         for k in keys:
             t = f.get_tensor(k)
             assert t.dtype == np.float32 and t.shape == want[k].shape and np.array_equal(t, want[k]), k
+    if c["arch"] in SIGMOID_MOE_ARCHS:
+        shapes = expected_hub_shapes(c)
+        got = {k: tuple(want[k].shape) for k in keys}
+        assert got == shapes, f"saved names/shapes differ: {sorted(set(got.items()) ^ set(shapes.items()))}"
+        return
     if c.get("tie"):  # transformers saves a tied head as the embedding alone
         assert "lm_head.weight" not in keys and model.lm_head.weight is model.model.embed_tokens.weight
     for needle in ["model.embed_tokens.weight", "model.norm.weight"] + ([] if c.get("tie") else ["lm_head.weight"]) + [
@@ -365,7 +595,16 @@ def forward_backward(model, inputs):
     kw = dict(inputs)
     if isinstance(model, MOE_CLASSES):
         kw["output_router_logits"] = True
+    hooks = []
+    if isinstance(model, SIGMOID_MOE_CLASSES):  # each router's logits and HF's choice, for check_routing
+        model.golden_routes = []
+        for layer, block in enumerate(model.model.layers):
+            if isinstance(getattr(block.mlp, "gate", None), SIGMOID_ROUTERS):
+                hooks.append(block.mlp.gate.register_forward_hook(
+                    lambda m, i, o, layer=layer: model.golden_routes.append((layer, m, o[0].detach(), o[2].detach()))))
     out = model(**kw)
+    for h in hooks:
+        h.remove()
     out.loss.backward()
     return out
 
@@ -396,7 +635,39 @@ def clip_fractions(model, inputs, clip):
     return {k: torch.cat([x.reshape(-1) for x in v]).double().mean().item() for k, v in seen.items()}
 
 
+def check_sigmoid_routing(model, c, where):
+    """Every MoE layer and token (padding too): HF's choice equals route_sigmoid's on the biased scores;
+    the group and the K-th choice margins exceed MIN_ROUTING_GAP; every expert is chosen (in AdamW steps
+    at least c["adamw_min_experts"] where set). Returns the group gaps, the choice gaps, the number of
+    (layer, token) choices the correction bias changes and the fewest experts a layer used."""
+    moe_layers = [l for l in range(c["layers"]) if l >= c["first_k_dense"]]
+    assert [r[0] for r in model.golden_routes] == moe_layers, [r[0] for r in model.golden_routes]
+    group_gaps, choice_gaps, changed, min_used = [], [], 0, []
+    for layer, gate, logits, hf_choice in model.golden_routes:
+        scores = torch.sigmoid(logits.double())
+        biased = scores + gate.e_score_correction_bias.detach().double()
+        choice, group_gap, choice_gap = route_sigmoid(biased, c["n_group"], c["topk_group"], c["top_k"])
+        plain, _, _ = route_sigmoid(scores, c["n_group"], c["topk_group"], c["top_k"])
+        assert torch.equal(choice, torch.sort(hf_choice, dim=-1).values), f"{where}: layer {layer} choice differs"
+        if group_gap is not None:
+            g = group_gap.min().item()
+            assert g > MIN_ROUTING_GAP, f"{where}: layer {layer} group gap {g:.3g}; change the seed"
+            group_gaps.append(g)
+        g = choice_gap.min().item()
+        assert g > MIN_ROUTING_GAP, f"{where}: layer {layer} routing gap {g:.3g}; change the seed"
+        choice_gaps.append(g)
+        used = torch.unique(choice).numel()
+        need = c["experts"] if where == "reference" else c.get("adamw_min_experts", c["experts"])
+        assert used >= need, f"{where}: layer {layer} uses only {used} of {c['experts']} experts; change the seed"
+        min_used.append(used)
+        changed += (choice != plain).any(dim=-1).sum().item()
+    return group_gaps, choice_gaps, changed, min(min_used)
+
+
 def check_routing(model, out, c, where):
+    if isinstance(model, SIGMOID_MOE_CLASSES):
+        group_gaps, choice_gaps, _, used = check_sigmoid_routing(model, c, where)
+        return [("group", g) for g in group_gaps] + [("choice", g) for g in choice_gaps] + [("used", used)]
     if not isinstance(model, MOE_CLASSES):
         return []
     k, e = c["top_k"], c["experts"]
@@ -413,7 +684,8 @@ def check_routing(model, out, c, where):
 
 def own_loss_formula(out, inputs, c):
     """Independent float64 formula: mean CE over shifted, non-ignored labels + coef * aux,
-    aux = E * sum_e f_e P_e pooled over layers and non-padding tokens."""
+    aux = E * sum_e f_e P_e pooled over layers and non-padding tokens. Dense and sigmoid-router
+    (GLM-4-MoE, DeepSeek-V3: HF's loss is cross-entropy only) models: aux = 0."""
     logits = out.logits.detach().double()
     labels = inputs["labels"][:, 1:]
     lg = logits[:, :-1]
@@ -502,10 +774,33 @@ def make_case(name, c, out_root):
     model32 = build_model(c)
     model32.save_pretrained(case_dir, safe_serialization=True)
     check_hub_file(case_dir, model32, c)
-    kw = {"experts_implementation": "eager"} if c["arch"] in MOE_ARCHS else {}
+    kw = {"experts_implementation": "eager"} if c["arch"] in MOE_ARCHS + SIGMOID_MOE_ARCHS else {}
     loaded = type(model32).from_pretrained(case_dir, dtype=torch.float32, attn_implementation="eager", **kw)
     for (n1, p1), (n2, p2) in zip(model32.named_parameters(), loaded.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2), f"reload changed {n1}"
+    for (n1, b1), (n2, b2) in zip(saved_buffers(model32).items(), saved_buffers(loaded).items()):
+        assert n1 == n2 and b2.dtype == torch.float32 and torch.equal(b1, b2), f"reload changed {n1}"
+    assert len(saved_buffers(loaded)) == len(saved_buffers(model32))
+    yarn = {}
+    if c["arch"] in SIGMOID_MOE_ARCHS:  # the float64 RoPE re-implementation against transformers' own
+        inv64, att64 = rope_parameters_f64(loaded.config)
+        rot = loaded.model.rotary_emb
+        assert rel_err(rot.inv_freq, inv64) < 2e-7 and abs(rot.attention_scaling - att64) < 1e-15
+        attn = loaded.model.layers[0].self_attn
+        if c["arch"] == "deepseek_v3":
+            qk_head_dim = c["qk_nope"] + c["qk_rope"]
+            softmax_mscale = yarn_mscale(c["yarn"]["factor"], c["yarn"]["mscale_all_dim"]) ** 2 if c["yarn"] else 1.0
+            assert abs(attn.scaling - qk_head_dim ** -0.5 * softmax_mscale) < 1e-15, attn.scaling
+        else:
+            softmax_mscale = 1.0
+            assert attn.scaling == c["head_dim"] ** -0.5
+        if c.get("yarn"):
+            inv_hf, att_hf = _compute_yarn_parameters(copy.deepcopy(loaded.config))
+            yarn = dict(attention_factor=att64, softmax_mscale=softmax_mscale,
+                        inv_freq_rel=rel_err(inv_hf, inv64), attention_factor_abs=abs(att_hf - att64),
+                        inv_freq=inv64.tolist())
+            assert yarn["inv_freq_rel"] < 2e-7 and yarn["attention_factor_abs"] < 1e-15, yarn
+            assert att64 != 1.0 and softmax_mscale != 1.0
     inputs = build_inputs(c)
     save_safetensors(os.path.join(case_dir, "input.safetensors"), {k: v.numpy() for k, v in inputs.items()})
     clipped = {}
@@ -527,6 +822,8 @@ def make_case(name, c, out_root):
         loss = out.loss.detach()
         assert abs(loss.item() - (ce + coef * aux).item()) < 1e-14
         gaps = check_routing(model, out, c, "reference")
+        changed = check_sigmoid_routing(model, c, "reference")[2] if c["arch"] in SIGMOID_MOE_ARCHS else 0
+        assert changed > 0 or c["arch"] not in SIGMOID_MOE_ARCHS, "e_score_correction_bias changes no choice"
         grads = {n: p.grad for n, p in model.named_parameters()}
         assert all(g is not None for g in grads.values())
         own_ce, own_aux = own_loss_formula(out, inputs, c)
@@ -557,23 +854,46 @@ def make_case(name, c, out_root):
     for hub_name, g in hub_named(model, grads).items():
         expected["grad." + hub_name] = f32(g)
     with safe_open(os.path.join(case_dir, "model.safetensors"), "np") as f:
-        missing = set(f.keys()) ^ {k[5:] for k in expected if k.startswith("grad.")}
+        # the saved buffers (e_score_correction_bias) have no gradient
+        missing = (set(f.keys()) - set(saved_buffers(model))) ^ {k[5:] for k in expected if k.startswith("grad.")}
         assert not missing, f"grad names differ from the saved names: {sorted(missing)}"
     meta = {k: repr(v) if isinstance(v, float) else str(v) for k, v in ADAMW.items()}
+    if c["arch"] in SIGMOID_MOE_ARCHS:  # every norm weight present, by name pattern
+        patterns = []
+        for n, _ in model.named_parameters():
+            if n.endswith("norm.weight") and n.startswith("model.layers."):
+                pat = "*" + n.split(".", 3)[3]
+                if pat not in patterns:
+                    patterns.append(pat)
+        patterns.sort(key=lambda pat: not pat.startswith(("*input_layernorm", "*post_attention_layernorm")))
+        no_decay = "RMSNorm weights (" + ", ".join(patterns + ["model.norm.weight"]) + ")"
+    else:
+        no_decay = ("RMSNorm weights (*input_layernorm.weight, *post_attention_layernorm.weight, "
+                    + ("*self_attn.q_norm.weight, *self_attn.k_norm.weight, " if c["arch"].startswith("qwen3") else "")
+                    + "model.norm.weight)")
     meta.update(router_aux_loss_coef=repr(float(coef)), torch_version=torch.__version__,
                 transformers_version=transformers.__version__, reference_dtype="float64",
-                no_weight_decay="RMSNorm weights (*input_layernorm.weight, *post_attention_layernorm.weight, "
-                                + ("*self_attn.q_norm.weight, *self_attn.k_norm.weight, " if c["arch"].startswith("qwen3") else "")
-                                + "model.norm.weight)",
-                lr_schedule="constant", seed=str(c["seed"]))
+                no_weight_decay=no_decay, lr_schedule="constant", seed=str(c["seed"]))
     save_safetensors(os.path.join(case_dir, "expected.safetensors"), expected, meta)
 
     size = sum(os.path.getsize(os.path.join(case_dir, f)) for f in os.listdir(case_dir))
     assert size < 2_000_000, f"{name}: {size} bytes"
+    if c["arch"] in SIGMOID_MOE_ARCHS:
+        group_gaps = [g for kind, g in gaps + step_gaps if kind == "group"]
+        choice_gaps = [g for kind, g in gaps + step_gaps if kind == "choice"]
+        gap_text = (f"min_group_gap {min(group_gaps) if group_gaps else float('nan'):.4f} "
+                    f"min_choice_gap {min(choice_gaps):.4f} bias_changed_choices {changed} "
+                    f"experts_used_min {min(u for kind, u in gaps + step_gaps if kind == 'used')}/{c['experts']}")
+    else:
+        gap_text = f"min_gap {min(gaps + step_gaps) if gaps else float('nan'):.4f}"
     print(f"{name}: loss {loss.item():.9f} ce {ce.item():.9f} aux {aux.item():.9f} "
           f"adamw {['%.6f' % x for x in losses]} grad_norm {['%.4f' % x for x in norms]} "
-          f"min_gap {min(gaps + step_gaps) if gaps else float('nan'):.4f} size {size}")
+          f"{gap_text} size {size}")
     print("   checks " + " ".join(f"{k}={v:.2e}" for k, v in checks.items()))
+    if yarn:
+        print(f"   yarn attention_factor {yarn['attention_factor']!r} softmax_mscale {yarn['softmax_mscale']!r} "
+              f"inv_freq {yarn['inv_freq']} (vs transformers: inv_freq rel {yarn['inv_freq_rel']:.1e}, "
+              f"attention_factor abs {yarn['attention_factor_abs']:.1e})")
     if clipped:
         print("   clip_qkv clips " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in clipped.items()))
 
