@@ -49,7 +49,8 @@ class DistTrain : public ::testing::Test {
     write_dist_split(*root_ / "data", "valid", 8, 2);
   }
   static void TearDownTestSuite() {
-    fs::remove_all(*root_);
+    // MOETRON_KEEP_TEST_DIRS=1 keeps the runs (their checkpoints for tools/check_checkpoint_hf.py).
+    if (std::getenv("MOETRON_KEEP_TEST_DIRS") == nullptr) fs::remove_all(*root_);
     delete root_;
     root_ = nullptr;
   }
@@ -521,6 +522,24 @@ ArchCase olmoe(const std::string& clip) {
           {}};
 }
 
+// GLM-4.5: partial RoPE (half of each head), per-head q/k norms, q/k/v biases, a dense first layer
+// (first_k_dense_replace), the sigmoid router with two groups of which one is searched, and
+// ungated shared experts (a dense FFN split over tp, whole on every ep rank).  The selection bias is
+// state, not a parameter: it rides in the checkpoint (zeros here: no balancing) on every rank.
+const ArchCase kGlm4Moe{
+    "{architectures: [Glm4MoeForCausalLM], model_type: glm4_moe, vocab_size: 256, hidden_size: 32, "
+    "intermediate_size: 48, moe_intermediate_size: 24, num_hidden_layers: 4, num_attention_heads: 4, "
+    "num_key_value_heads: 2, head_dim: 16, partial_rotary_factor: 0.5, use_qk_norm: true, attention_bias: true, "
+    "n_routed_experts: 4, num_experts_per_tok: 2, n_group: 2, topk_group: 2, n_shared_experts: 1, "
+    "first_k_dense_replace: 1, routed_scaling_factor: 2.5, norm_topk_prob: true, rope_theta: 10000.0, "
+    "rms_norm_eps: 1.0e-5, tie_word_embeddings: false, max_position_embeddings: 256}",
+    "glm_ref",
+    {},
+    {"model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
+     "model.layers.1.mlp.shared_experts.down_proj.weight", "model.layers.3.mlp.experts.3.up_proj.weight",
+     "model.layers.2.self_attn.q_proj.bias"},
+    {"model.layers.0.mlp.gate.weight", "model.layers.1.mlp.shared_expert_gate.weight"}};
+
 }  // namespace
 
 TEST_F(DistTrainArch, Qwen3MoeTensorParallel2MatchesOneProcess) {
@@ -543,6 +562,15 @@ TEST_F(DistTrainArch, Qwen2MoeExpertParallel2OfDataParallel2MatchesOneProcess) {
 }
 TEST_F(DistTrainArch, Qwen2MoePipelineParallel2MatchesOneProcess) {
   expect_architecture_equivalent(kQwen2Moe, "qwen2_pp2", 2, {"parallel.pp=2"});
+}
+TEST_F(DistTrainArch, Glm4MoeTensorParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(kGlm4Moe, "glm_tp2", 2, {"parallel.tp=2"});
+}
+TEST_F(DistTrainArch, Glm4MoeExpertParallel2OfDataParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(kGlm4Moe, "glm_ep2dp2", 2, {"parallel.ep=2", "parallel.zero1=true"});
+}
+TEST_F(DistTrainArch, Glm4MoePipelineParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(kGlm4Moe, "glm_pp2", 2, {"parallel.pp=2"});
 }
 TEST_F(DistTrainArch, Qwen3TiedTensorParallel2MatchesOneProcess) {
   expect_architecture_equivalent(kQwen3Tied, "qwen3_tied_tp2", 2, {"parallel.tp=2"});
