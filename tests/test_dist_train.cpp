@@ -572,6 +572,114 @@ TEST_F(DistTrainArch, Glm4MoeExpertParallel2OfDataParallel2MatchesOneProcess) {
 TEST_F(DistTrainArch, Glm4MoePipelineParallel2MatchesOneProcess) {
   expect_architecture_equivalent(kGlm4Moe, "glm_pp2", 2, {"parallel.pp=2"});
 }
+// Aux-loss-free balancing (moe.bias_update_rate, DeepSeek-V3's rule) checked against this test's own
+// reading of the rule: from each step's expert shares in metrics.jsonl, bias += rate * sign(1/E - share)
+// in f32, layer by layer; the checkpoints must hold exactly that after steps 5 and 10.  Under dp 2 x
+// ep 2 (4 ranks: each expert group replicated twice) the loads are summed over every rank, so the
+// biases equal one process's bitwise; a resume at step 5 under another layout continues them exactly.
+namespace {
+
+std::map<std::string, std::vector<float>> biases_from_rule(const fs::path& run, int E, double rate, int steps) {
+  std::map<std::string, std::vector<float>> out;
+  const auto lines = read_metrics(run, "moe");
+  EXPECT_GE((int)lines.size(), steps);
+  for (int t = 0; t < steps && t < (int)lines.size(); t++)
+    for (const auto& layer : lines[t]["moe"]) {
+      const std::string name =
+          "model.layers." + std::to_string(layer["layer"].get<int>()) + ".mlp.gate.e_score_correction_bias";
+      auto& b = out.try_emplace(name, std::vector<float>(E, 0.0f)).first->second;
+      const auto shares = layer["shares"].get<std::vector<double>>();
+      for (int e = 0; e < E; e++) {
+        const double d = 1.0 / E - shares[e];
+        b[e] += (float)rate * (float)((d > 0) - (d < 0));
+      }
+    }
+  return out;
+}
+
+}  // namespace
+
+TEST_F(DistTrainArch, Glm4MoeBiasUpdateFollowsTheRuleUnderDp2Ep2) {
+  const double rate = 0.01;
+  ArchCase a = kGlm4Moe;
+  a.ref = "glm_bias_ref";
+  a.common = {"moe.bias_update_rate=0.01"};
+  const fs::path ref = train(a.ref, 0, a.common, 0, a.model);
+  const fs::path run = train("glm_bias_dp2ep2", 4, {"moe.bias_update_rate=0.01", "parallel.ep=2", "parallel.zero1=true"},
+                             0, a.model);
+  expect_same_losses(losses(run), losses(ref), 1, "glm_bias_dp2ep2");
+  for (const fs::path& r : {ref, run})
+    for (int step : {5, 10}) {
+      SCOPED_TRACE(r.filename().string() + " step " + std::to_string(step));
+      const auto want = biases_from_rule(r, 4, rate, step);
+      ASSERT_EQ(want.size(), 3u);  // layers 1-3 (layer 0 is dense)
+      char dir[32];
+      std::snprintf(dir, sizeof dir, "step-%06d", step);
+      const auto got = read_tensors(r / "checkpoints" / dir, "model");
+      float moved = 0;
+      for (const auto& [n, b] : want) {
+        ASSERT_TRUE(got.count(n)) << n;
+        EXPECT_EQ(got.at(n), b) << n;
+        for (float x : b) moved = std::max(moved, std::fabs(x));
+      }
+      EXPECT_GT(moved, 0.0f) << "the rule moved no bias: the check could not fail";
+    }
+  const auto want = read_tensors(ref / "checkpoints" / "step-000010", "model");
+  const auto got = read_tensors(run / "checkpoints" / "step-000010", "model");
+  for (const auto& [n, w] : want)
+    if (n.find("e_score_correction_bias") != std::string::npos) EXPECT_EQ(got.at(n), w) << n;
+  // The telemetry reports each layer's bias range.
+  const auto last = read_metrics(ref, "moe").back()["moe"];
+  ASSERT_FALSE(last.empty());
+  EXPECT_TRUE(last[0].contains("bias_max") && last[0].contains("bias_min"));
+  // Resumed at step 5 under tp 2: the same losses and, bitwise, the same biases at step 10.
+  const fs::path resumed =
+      train("glm_bias_resume_tp2", 2,
+            {"moe.bias_update_rate=0.01", "parallel.tp=2",
+             "checkpoint.resume=" + (ref / "checkpoints" / "step-000005").string()},
+            0, a.model);
+  std::vector<double> tail = losses(ref);
+  tail.erase(tail.begin(), tail.begin() + 5);
+  expect_same_losses(losses(resumed), tail, 6, "glm_bias_resume_tp2");
+  const auto got_r = read_tensors(resumed / "checkpoints" / "step-000010", "model");
+  for (const auto& [n, w] : want)
+    if (n.find("e_score_correction_bias") != std::string::npos) EXPECT_EQ(got_r.at(n), w) << n;
+}
+
+// The demo of aux-loss-free balancing: a router skewed towards expert 0 (the test hook adds 1.5 to its
+// logit) sends it ~60% of the tokens; with moe.bias_update_rate the selection bias pulls the loads
+// back towards 1/E within 30 steps, and without it they stay skewed.
+TEST_F(DistTrainArch, BiasUpdateBalancesASkewedRouter) {
+  const std::vector<std::string> common = {"--debug-router-bias=1.5,0,0,0", "train.max_steps=30",
+                                           "checkpoint.every_steps=30", "eval.every_steps=30"};
+  auto imbalance = [&](const std::string& name, const std::string& rate) {
+    std::vector<std::string> o = common;
+    o.push_back("moe.bias_update_rate=" + rate);
+    const fs::path run = train(name, 0, o, 0, kGlm4Moe.model);
+    std::vector<double> per_step;  // the mean over the MoE layers of the largest expert share
+    for (const auto& j : read_metrics(run, "moe")) {
+      double s = 0;
+      for (const auto& layer : j["moe"]) s += layer["max_share"].get<double>();
+      per_step.push_back(s / (double)j["moe"].size());
+    }
+    return per_step;
+  };
+  const std::vector<double> off = imbalance("glm_skew_off", "0"), on = imbalance("glm_skew_on", "0.02");
+  ASSERT_EQ(off.size(), 30u);
+  ASSERT_EQ(on.size(), 30u);
+  auto last5 = [](const std::vector<double>& v) { return (v[25] + v[26] + v[27] + v[28] + v[29]) / 5; };
+  std::printf("max expert share, mean over MoE layers: step 1 %.3f; steps 26-30 without balancing %.3f, with %.3f\n",
+              on[0], last5(off), last5(on));
+  EXPECT_GT(on[0], 0.45) << "the hook must skew the routing";
+  EXPECT_GT(last5(off), 0.45);
+  EXPECT_LT(last5(on), last5(off) - 0.1);
+}
+
+TEST_F(DistTrainArch, BiasUpdateOnASoftmaxRouterIsRefused) {
+  const fs::path run = train("mixtral_bias", 0, {"moe.bias_update_rate=0.01"}, 2);  // 2: a config error
+  EXPECT_NE(read_file(run.parent_path() / "mixtral_bias.log").find("moe.bias_update_rate"), std::string::npos);
+}
+
 TEST_F(DistTrainArch, Qwen3TiedTensorParallel2MatchesOneProcess) {
   expect_architecture_equivalent(kQwen3Tied, "qwen3_tied_tp2", 2, {"parallel.tp=2"});
 }

@@ -192,6 +192,32 @@ TEST(Report, ChartsHaveOnePointPerLoggedStep) {
   EXPECT_EQ(count(html, "<svg"), charts.size() + 1 + 2);
 }
 
+// Aux-loss-free balancing's telemetry: each layer's selection-bias range is drawn (two lines per layer,
+// one point per step) once some bias moved; runs without it (above) have no such chart.
+TEST(Report, SelectionBiasRangeIsDrawnPerLayer) {
+  TempDir t;
+  {
+    std::ofstream f(t.path / "metrics.jsonl");
+    for (int s = 1; s <= 6; s++) {
+      json line = train_line(s, true);
+      for (auto& layer : line["moe"]) {
+        layer["bias_max"] = 0.01 * s;
+        layer["bias_min"] = -0.01 * s;
+      }
+      f << line.dump() << '\n';
+    }
+  }
+  write_file(t.path / "config.yaml", "run_dir: runs/x\n");
+  const std::string html = render_report_html(t.path.string());
+  const std::string svg = svg_by_id(html, "chart-moe_bias");
+  ASSERT_FALSE(svg.empty());
+  EXPECT_EQ(count(svg, "<polyline"), 4u);  // 2 layers x (max, min)
+  EXPECT_EQ(polyline_points(svg).size(), 24u);
+  TempDir plain;
+  write_run(plain.path, 6);
+  EXPECT_EQ(render_report_html(plain.path.string()).find("chart-moe_bias"), std::string::npos);
+}
+
 TEST(Report, HeatmapHasOneColouredCellPerLayerExpertStep) {
   TempDir t;
   write_run(t.path, 20);

@@ -391,6 +391,31 @@ void Model::refresh_gemm_weights() {
   lgemm_stale_ = false;
 }
 
+void Model::update_selection_bias(int l, const std::vector<double>& load, double rate) {
+  if (lora_on() || borrowed_)
+    fail("[Model] the selection bias moves on a model that trains its own parameters (not a LoRA base)");
+  const int E = cfg_.num_local_experts;
+  if ((int)load.size() != E) fail("[Model] update_selection_bias: {} loads for {} experts", load.size(), E);
+  const Tensor b = params_t_.part(table_.at(ParamKind::router_bias, l).offset, (size_t)E);
+  std::vector<float> bias(E);
+  be_.download(bias.data(), b);
+  double mean = 0;
+  for (double x : load) mean += x;
+  mean /= E;
+  for (int e = 0; e < E; e++) {
+    const double d = mean - load[e];  // underloaded experts rise, overloaded fall
+    bias[e] += (float)rate * (float)((d > 0) - (d < 0));
+  }
+  be_.upload(b, bias.data());
+}
+
+std::vector<float> Model::selection_bias(int l) const {
+  const int E = cfg_.num_local_experts;
+  std::vector<float> bias(E);
+  be_.download(bias.data(), W(ParamKind::router_bias, l));
+  return bias;
+}
+
 Tensor Model::W(ParamKind kind, int layer) const {
   if (borrowed_) return borrowed_->weight(kind, layer);
   const ParamSpec& s = table_.at(kind, layer);

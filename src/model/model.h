@@ -175,6 +175,14 @@ class Model {
   // For inference only (infer()): frees the gradients' memory; backward() is then an Error.
   void release_gradients();
 
+  // Aux-loss-free balancing (DeepSeek-V3's, sigmoid routers): MoE layer l's selection bias
+  // (e_score_correction_bias, a buffer of the table) moves by rate * sign(mean load - load[e]), with
+  // load[e] the tokens routed to expert e, summed over every rank that routed tokens (so every rank
+  // moves it alike).  The arithmetic is f32 on the host: bitwise the same on every backend.
+  void update_selection_bias(int l, const std::vector<double>& load, double rate);
+  // Layer l's selection bias (host copy).
+  std::vector<float> selection_bias(int l) const;
+
   int layer_begin() const { return layer_begin_; }
   int layer_end() const { return layer_end_; }
   bool first_stage() const { return layer_begin_ == 0; }

@@ -69,6 +69,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"moe.aux_loss", &c.moe.aux_loss},
       {"moe.z_loss_coef", &c.moe.z_loss_coef},
       {"moe.capacity_factor", &c.moe.capacity_factor},
+      {"moe.bias_update_rate", &c.moe.bias_update_rate},
       {"lora.rank", &c.lora.rank},
       {"lora.alpha", &c.lora.alpha},
       {"lora.dropout", &c.lora.dropout},
@@ -670,6 +671,9 @@ void validate(const TrainConfig& c, const std::string& source, const std::map<st
     if (c.lora.targets.empty()) fail("{}: lora.targets: empty (e.g. [attention, experts])", at("lora.targets"));
   }
   at_least("moe.z_loss_coef", c.moe.z_loss_coef, 0.0, "");
+  if (!(c.moe.bias_update_rate >= 0 && c.moe.bias_update_rate <= 1))
+    fail("{}: moe.bias_update_rate: must be in [0, 1] (0: off; DeepSeek-V3 used 1e-3), got {}",
+         at("moe.bias_update_rate"), c.moe.bias_update_rate);
   // Bounded: the capacity ceil(f * tokens * K / E) is cast to an integer; at f >= E / K (E <= 4096) no
   // token is ever dropped, so a larger factor means nothing more.
   if (c.moe.capacity_factor && !(*c.moe.capacity_factor > 0 && *c.moe.capacity_factor <= kMaxCapacityFactor))

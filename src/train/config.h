@@ -80,6 +80,10 @@ struct TrainConfig {
     std::string aux_loss = "hf_pooled";   // hf_pooled | per_layer
     double z_loss_coef = 0.0;
     std::optional<double> capacity_factor;  // null: dropless
+    // Aux-loss-free balancing (DeepSeek-V3's gamma): after each optimizer step every MoE layer's
+    // selection bias moves by bias_update_rate * sign(mean load - expert load); 0: off.  Needs a
+    // model with a selection bias (sigmoid routing: DeepSeek-V3, GLM-4.5).
+    double bias_update_rate = 0.0;
     bool operator==(const Moe&) const = default;
   } moe;
 

@@ -50,8 +50,9 @@ void MetricsWriter::step(const nlohmann::json& m) {
     tb_->scalar(k, step, m[k].get<double>());
   if (m.contains("moe"))
     for (const auto& layer : m["moe"])
-      for (const char* k : {"max_share", "min_share", "cv", "dropped_fraction"})
-        tb_->scalar(fmt::format("moe/layer_{}/{}", layer["layer"].get<int>(), k), step, layer[k].get<double>());
+      for (const char* k : {"max_share", "min_share", "cv", "dropped_fraction", "bias_max", "bias_min"})
+        if (layer.contains(k))
+          tb_->scalar(fmt::format("moe/layer_{}/{}", layer["layer"].get<int>(), k), step, layer[k].get<double>());
   tb_->flush();
 }
 

@@ -37,6 +37,7 @@ using Points = std::vector<std::pair<double, double>>;  // (step, value), in ste
 
 struct LayerTelemetry {
   Points cv, max_share, min_share, dropped;
+  Points bias_max, bias_min;  // aux-loss-free balancing: the range of the layer's selection bias
   std::vector<std::pair<long, std::vector<double>>> shares;  // (step, share of each expert)
   int experts = 0;                                           // length of "shares" (0: never seen)
 };
@@ -77,6 +78,8 @@ void read_moe(RunMetrics& m, const json& moe, long step, const std::string& wher
     if (auto v = number_field(e, "max_share", at)) t.max_share.emplace_back(step, *v);
     if (auto v = number_field(e, "min_share", at)) t.min_share.emplace_back(step, *v);
     if (auto v = number_field(e, "dropped_fraction", at)) t.dropped.emplace_back(step, *v);
+    if (auto v = number_field(e, "bias_max", at)) t.bias_max.emplace_back(step, *v);
+    if (auto v = number_field(e, "bias_min", at)) t.bias_min.emplace_back(step, *v);
     const auto sh = e.find("shares");
     if (sh == e.end() || sh->is_null()) continue;
     if (!sh->is_array() || sh->empty()) fail("{}: \"shares\" must be a non-empty array of numbers", at);
@@ -144,7 +147,8 @@ RunMetrics read_metrics(const fs::path& path) {
   auto by_step = [](const auto& a, const auto& b) { return a.first < b.first; };
   for (auto& [k, p] : m.scalars) std::stable_sort(p.begin(), p.end(), by_step);
   for (auto& [l, t] : m.layers) {
-    for (Points* p : {&t.cv, &t.max_share, &t.min_share, &t.dropped}) std::stable_sort(p->begin(), p->end(), by_step);
+    for (Points* p : {&t.cv, &t.max_share, &t.min_share, &t.dropped, &t.bias_max, &t.bias_min})
+      std::stable_sort(p->begin(), p->end(), by_step);
     std::stable_sort(t.shares.begin(), t.shares.end(), by_step);
   }
   return m;
@@ -655,7 +659,22 @@ std::string render_report_html(const std::string& run_dir, const ReportOptions& 
   for (const auto& [l, t] : m.layers)
     if (!t.cv.empty()) cv.push_back({fmt::format("L{}", l), kPalette[cv.size() % std::size(kPalette)], t.cv});
   if (!cv.empty()) o += "<div>" + render_chart(spec("moe_cv", "router load CV"), cv) + "</div>\n";
+  // The selection biases of aux-loss-free balancing (sigmoid routers): each layer's largest and
+  // smallest, drawn only when some bias moved.
+  std::vector<Series> bias;
+  bool bias_moved = false;
+  for (const auto& [l, t] : m.layers) {
+    for (const Points* p : {&t.bias_max, &t.bias_min})
+      for (const auto& pt : *p) bias_moved |= pt.second != 0;
+    const char* colour = kPalette[bias.size() / 2 % std::size(kPalette)];
+    if (!t.bias_max.empty()) bias.push_back({fmt::format("L{} max", l), colour, t.bias_max});
+    if (!t.bias_min.empty()) bias.push_back({fmt::format("L{} min", l), colour, t.bias_min});
+  }
+  if (bias_moved) o += "<div>" + render_chart(spec("moe_bias", "selection bias (max, min)"), bias) + "</div>\n";
   o += "</div>\n";
+  if (bias_moved)
+    o += "<p class=\"note\">selection bias: the largest and smallest e_score_correction_bias of each MoE layer, "
+         "moved by aux-loss-free balancing (moe.bias_update_rate).</p>\n";
   if (!cv.empty())
     o += "<p class=\"note\">router load CV: standard deviation / mean of the experts' shares of routed tokens, "
          "per MoE layer; 0 when perfectly balanced.</p>\n";

@@ -237,6 +237,11 @@ class Training {
   FlopCount flops_;
   std::vector<Batch> micro_;  // the current step's micro-batches
   nlohmann::json last_moe_;   // MoE telemetry of the last step
+  // The last step's tokens per expert of every layer, summed over every rank (aux-loss-free balancing).
+  std::vector<std::vector<double>> last_assigned_;
+  // Moves this stage's selection biases after an optimizer step (moe.bias_update_rate) and adds
+  // each layer's bias range to the telemetry.
+  void update_selection_biases();
   std::optional<MetricsWriter> metrics_;
   double peak_gflops_ = 0;            // for MFU: the in-process sgemm peak (cpu), or kCudaPeakGflops
   uint64_t opt_state_bytes_max_ = 0;  // the largest optimizer state of any rank
@@ -360,6 +365,14 @@ void Training::build_model() {
   groups_.emplace(*grid_, *backend_, cfg_.parallel.device_comm);
   if (root_) peak_gflops_ = backend_->host_memory() ? ops::measure_sgemm_gflops(1024, 3) : kCudaPeakGflops;
   const dist::GridShape& gs = grid_->shape();
+  if (cfg_.moe.bias_update_rate > 0 && !mcfg_.has_selection_bias())
+    fail("moe.bias_update_rate: {} routes by softmax and has no selection bias to move (aux-loss-free balancing "
+         "needs DeepSeek-V3's or GLM-4.5's sigmoid router; use moe.aux_loss_coef)",
+         mcfg_.architecture);
+  if (cfg_.moe.bias_update_rate > 0 && cfg_.lora.rank > 0)
+    fail("moe.bias_update_rate: the selection bias belongs to the frozen base of a LoRA run (lora.rank {}); "
+         "set it to 0",
+         cfg_.lora.rank);
   if (cfg_.lora.rank > 0) {
     lora_.rank = cfg_.lora.rank;
     lora_.alpha = cfg_.lora.alpha;
@@ -541,6 +554,26 @@ void Training::optimizer_step(double lr, float grad_scale) {
   if (opt_exp_) opt_exp_->step(model_->train_param_tensor(), model_->train_grad_tensor(), lr, grad_scale);
 }
 
+void Training::update_selection_biases() {
+  if (!mcfg_.has_selection_bias()) return;
+  const double rate = cfg_.moe.bias_update_rate;
+  const int L = mcfg_.num_hidden_layers;
+  std::vector<double> range(2 * (size_t)L, 0.0);  // max, min of each layer's bias (this stage's layers)
+  for (int l = model_->layer_begin(); l < model_->layer_end(); l++) {
+    if (!mcfg_.is_moe_layer(l)) continue;
+    if (rate > 0) model_->update_selection_bias(l, last_assigned_[l], rate);
+    const std::vector<float> b = model_->selection_bias(l);
+    range[2 * l] = *std::max_element(b.begin(), b.end());
+    range[2 * l + 1] = *std::min_element(b.begin(), b.end());
+  }
+  if (grid_->shape().pp > 1) grid_->pp().all_reduce(range.data(), range.size());  // every stage's layers
+  for (nlohmann::json& layer : last_moe_) {
+    const int l = layer["layer"].get<int>();
+    layer["bias_max"] = range[2 * l];
+    layer["bias_min"] = range[2 * l + 1];
+  }
+}
+
 StepResult Training::train_step() {
   StepResult r;
   micro_.resize(layout_.micro_batches);
@@ -598,6 +631,7 @@ StepResult Training::train_step() {
     grid_->dp().all_reduce(dropped.data(), dropped.size());
   }
   last_moe_ = moe_telemetry(assigned, dropped);
+  last_assigned_ = std::move(assigned);
   // Gradients: replicated kv heads over their tp ranks, then everything over dp (experts over edp).
   model_->reduce_replicated_grads();
   reduce_gradients();
@@ -790,6 +824,7 @@ TrainSummary Training::run() {
     if (finite) {
       nan_in_row = 0;
       optimizer_step(lr, (float)clip_coefficient(grad_norm, cfg_.train.grad_clip));
+      update_selection_biases();
     } else {
       nan_in_row++;
       log_.line(fmt::format("step {}: non-finite {} (loss {}, grad norm {}); update skipped ({} in a row, limit {})",
