@@ -204,8 +204,9 @@ OpCase matmul_case() {
   return c;
 }
 
-// R: the rotated dims of each head (GLM's partial RoPE; 0: all HD).
-OpCase rope_case(const std::string& name = "rope", int R = 0) {
+// spec: which dims of each head rotate and how (GLM's partial RoPE, DeepSeek's interleaved pairs at
+// an offset, YaRN's frequencies and attention factor; ops/rope.h).
+OpCase rope_case(const std::string& name = "rope", ops::RopeSpec spec = ops::RopeSpec{10000.0f}) {
   const long N = 12;
   const int H = 3, HD = 16;
   std::vector<int32_t> pos(N);
@@ -221,12 +222,12 @@ OpCase rope_case(const std::string& name = "rope", int R = 0) {
   c.forward = [=](Env& e) {
     const Tensor y = e.act("y", N * H * HD);
     e.be().copy(y, e["x"]);
-    e.be().rope_forward(y, e.put_i32("pos", pos), N, H, HD, 10000.0f, R);
+    e.be().rope_forward(y, e.put_i32("pos", pos), N, H, HD, spec);
   };
   c.backward = [=](Env& e) {
     const Tensor g = e.act("g:x", N * H * HD);
     e.be().copy(g, e["d:y"]);
-    e.be().rope_backward(g, e["pos"], N, H, HD, 10000.0f, R);
+    e.be().rope_backward(g, e["pos"], N, H, HD, spec);
   };
   return c;
 }
@@ -674,7 +675,20 @@ std::vector<OpCase> all_cases() {
   std::vector<OpCase> cases = {rmsnorm_case(), matmul_case(),        rope_case(),  z_loss_case(),
                                bias_case(),    sigmoid_case(),       clamp_case(), rmsnorm_stats_case(),
                                head_case(),    embedding_case()};
-  cases.push_back(rope_case("rope_partial", 8));  // GLM-4.5: half of each head rotates
+  {
+    ops::RopeSpec partial{10000.0f};  // GLM-4.5: the first half of each head rotates
+    partial.rotary_dim = 8;
+    cases.push_back(rope_case("rope_partial", partial));
+    ops::RopeSpec mla = partial;  // DeepSeek-V3: the last dims of each head, interleaved pairs, YaRN
+    mla.offset = 6;
+    mla.interleaved = true;
+    mla.yarn = true;
+    mla.yarn_factor = 4.0f;
+    mla.yarn_low = 1.0f;
+    mla.yarn_high = 3.0f;
+    mla.attention_factor = 1.1f;
+    cases.push_back(rope_case("rope_interleaved_yarn", mla));
+  }
   cases.push_back(router_case("router", ops::RouterSpec::softmax(true), 8, 2));
   cases.push_back(router_case("router_no_renormalize", ops::RouterSpec::softmax(false), 8, 2));
   // DeepSeek-V3's rule: 4 groups of 2, the 2 best searched, K = 3, weights renormalised x 2.5.

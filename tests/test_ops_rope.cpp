@@ -167,3 +167,65 @@ TEST(OpsRope, OddHeadDimIsAnError) {
 
 }  // namespace
 }  // namespace moetron
+
+// DeepSeek's interleaved pairs (rope.h): transformers rotates (2j, 2j+1) and writes the result
+// de-interleaved; moetron keeps the pairs in place.  The two agree up to that permutation, at an
+// offset inside the head, and the dims outside [offset, offset + R) pass unchanged.
+TEST(RopeSpec, InterleavedIsRotateHalfOfThePermutedDims) {
+  const int N = 5, H = 2, HD = 12, off = 4, R = 8;
+  std::vector<float> x(N * H * HD);
+  for (size_t i = 0; i < x.size(); i++) x[i] = std::sin(0.37f * (float)i) + 0.1f * (float)(i % 7);
+  std::vector<int32_t> pos = {0, 3, 17, 250, 4000};
+  moetron::ops::RopeSpec spec{10000.0f};
+  spec.rotary_dim = R;
+  spec.offset = off;
+  spec.interleaved = true;
+  std::vector<float> y(x.size());
+  moetron::ops::rope_forward(y.data(), x.data(), pos.data(), N, H, HD, spec);
+  // The reference: de-interleave the rotated dims (2j -> j, 2j+1 -> j + R/2) of a copy of x, apply
+  // rotate-half to an R-dim head, interleave back.
+  std::vector<float> xr(N * H * R), yr(xr.size());
+  for (int n = 0; n < N * H; n++)
+    for (int j = 0; j < R / 2; j++) {
+      xr[n * R + j] = x[n * HD + off + 2 * j];
+      xr[n * R + j + R / 2] = x[n * HD + off + 2 * j + 1];
+    }
+  moetron::ops::rope_forward(yr.data(), xr.data(), pos.data(), N, H, R, 10000.0f);
+  for (int n = 0; n < N * H; n++) {
+    for (int d = 0; d < off; d++) {
+      EXPECT_EQ(y[n * HD + d], x[n * HD + d]);
+    }
+    for (int j = 0; j < R / 2; j++) {
+      EXPECT_EQ(y[n * HD + off + 2 * j], yr[n * R + j]) << n << " " << j;
+      EXPECT_EQ(y[n * HD + off + 2 * j + 1], yr[n * R + j + R / 2]) << n << " " << j;
+    }
+  }
+}
+
+// YaRN's frequencies (transformers' _compute_yarn_parameters): dims below the ramp keep theta's,
+// dims above it are divided by the factor, the ramp blends linearly; the attention factor scales
+// the rotation (|y| = af |x| per pair).
+TEST(RopeSpec, YarnFrequenciesAndAttentionFactor) {
+  moetron::ops::RopeSpec spec{10000.0f};
+  spec.yarn = true;
+  spec.yarn_factor = 4.0f;
+  spec.yarn_low = 1.0f;
+  spec.yarn_high = 3.0f;
+  spec.attention_factor = 1.25f;
+  const int R = 10;
+  const std::vector<float> f = moetron::ops::rope_inv_freq(spec, R);
+  const auto plain = [](int j) { return 1.0f / std::pow(10000.0f, (float)(2 * j) / 10.0f); };
+  EXPECT_FLOAT_EQ(f[0], plain(0));
+  EXPECT_FLOAT_EQ(f[1], plain(1));         // ramp 0
+  EXPECT_FLOAT_EQ(f[2], 0.5f * plain(2) + 0.5f * plain(2) / 4.0f);  // ramp 0.5
+  EXPECT_FLOAT_EQ(f[3], plain(3) / 4.0f);  // ramp 1
+  EXPECT_FLOAT_EQ(f[4], plain(4) / 4.0f);
+  std::vector<float> x = {1.0f, 2.0f, -0.5f, 0.25f, 3.0f, 1.0f, 0.0f, -2.0f, 0.5f, 0.5f}, y(10);
+  const int32_t p = 7;
+  moetron::ops::rope_forward(y.data(), x.data(), &p, 1, 1, R, spec);
+  for (int j = 0; j < R / 2; j++) {
+    const double nx = std::hypot(x[j], x[j + 5]), ny = std::hypot(y[j], y[j + 5]);
+    EXPECT_NEAR(ny, 1.25 * nx, 1e-5) << j;
+  }
+}
+

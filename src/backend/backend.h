@@ -38,6 +38,7 @@
 #include "backend/weights.h"
 #include "core/error.h"
 #include "ops/moe_dispatch.h"
+#include "ops/rope.h"
 #include "ops/router.h"
 
 namespace moetron {
@@ -213,9 +214,9 @@ class Backend {
     for (const MatmulTask& t : tasks) matmul_forward(t.out, inp, t.weight, N, IC, t.OC, t.accumulate);
   }
 
-  // ---- RoPE (HF rotate-half, in place; the first R dims of each head: ops/rope.h) ----------------
-  virtual void rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta, int R) = 0;
-  virtual void rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, float theta, int R) = 0;
+  // ---- RoPE (in place; which dims, the pair layout, YaRN: ops/rope.h RopeSpec) -------------------
+  virtual void rope_forward(Tensor x, Tensor pos, long N, int H, int HD, const ops::RopeSpec& spec) = 0;
+  virtual void rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, const ops::RopeSpec& spec) = 0;
 
   // ---- attention (causal GQA; q[B,T,NH,HD], k/v[B,T,NKV,HD], packed) ----------------------------
   // What the forward saves for its own backward is the backend's (probabilities on the CPU, the

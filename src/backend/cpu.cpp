@@ -184,11 +184,11 @@ void CpuBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tenso
   add_inplace(dinp.f32(), t, (long)N * IC);
 }
 
-void CpuBackend::rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta, int R) {
-  ops::rope_forward(x.f32(), x.f32(), pos.i32(), N, H, HD, theta, R);
+void CpuBackend::rope_forward(Tensor x, Tensor pos, long N, int H, int HD, const ops::RopeSpec& spec) {
+  ops::rope_forward(x.f32(), x.f32(), pos.i32(), N, H, HD, spec);
 }
-void CpuBackend::rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, float theta, int R) {
-  ops::rope_backward(dx.f32(), dx.f32(), pos.i32(), N, H, HD, theta, R);
+void CpuBackend::rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, const ops::RopeSpec& spec) {
+  ops::rope_backward(dx.f32(), dx.f32(), pos.i32(), N, H, HD, spec);
 }
 
 size_t CpuBackend::attention_saved_numel(int B, int T, int NH) const { return (size_t)B * NH * T * T; }

@@ -51,13 +51,13 @@ void Bf16CpuBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, T
   finish(dinp);
 }
 
-void Bf16CpuBackend::rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta, int R) {
-  CpuBackend::rope_forward(x, pos, N, H, HD, theta, R);
+void Bf16CpuBackend::rope_forward(Tensor x, Tensor pos, long N, int H, int HD, const ops::RopeSpec& spec) {
+  CpuBackend::rope_forward(x, pos, N, H, HD, spec);
   finish(x);
 }
 
-void Bf16CpuBackend::rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, float theta, int R) {
-  CpuBackend::rope_backward(dx, pos, N, H, HD, theta, R);
+void Bf16CpuBackend::rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, const ops::RopeSpec& spec) {
+  CpuBackend::rope_backward(dx, pos, N, H, HD, spec);
   finish(dx);
 }
 

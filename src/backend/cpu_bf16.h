@@ -25,8 +25,8 @@ class Bf16CpuBackend final : public CpuBackend {
   void matmul_forward(Tensor out, Tensor inp, Tensor weight, int N, int IC, int OC, bool accumulate) override;
   void matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor weight, int N, int IC, int OC,
                        bool accumulate) override;
-  void rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta, int R) override;
-  void rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, float theta, int R) override;
+  void rope_forward(Tensor x, Tensor pos, long N, int H, int HD, const ops::RopeSpec& spec) override;
+  void rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, const ops::RopeSpec& spec) override;
   size_t attention_saved_numel(int B, int T, int NH) const override;
   void attention_forward(Tensor out, Tensor saved, Tensor q, Tensor k, Tensor v, const AttnMask& mask, int B, int T,
                          int NH, int NKV, int HD) override;

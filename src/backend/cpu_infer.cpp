@@ -181,21 +181,21 @@ void CpuInferenceBackend::matmul_forward_group(std::span<const MatmulTask> group
   if (decode_) run_tasks(tasks_, IC);  // every product of the group in one parallel region
 }
 
-void CpuInferenceBackend::rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta, int R) {
-  if (!in_pass_) return CpuBackend::rope_forward(x, pos, N, H, HD, theta, R);
-  if (R == 0) R = HD;
+void CpuInferenceBackend::rope_forward(Tensor x, Tensor pos, long N, int H, int HD, const ops::RopeSpec& spec) {
+  if (!in_pass_) return CpuBackend::rope_forward(x, pos, N, H, HD, spec);
+  const int R = spec.rotated(HD);
   // The angles of the pass's positions once, for every layer's q and k (bitwise rope_forward's).
-  if (rope_pos_ != pos.data || rope_n_ != N || rope_hd_ != R || rope_theta_ != theta) {
+  if (rope_pos_ != pos.data || rope_n_ != N || rope_hd_ != R || !(rope_spec_ == spec)) {
     rope_cs_.resize((size_t)N * (R / 2));
     rope_sn_.resize((size_t)N * (R / 2));
-    ops::rope_angles(rope_cs_.data(), rope_sn_.data(), pos.i32(), N, R, theta);
+    ops::rope_angles(rope_cs_.data(), rope_sn_.data(), pos.i32(), N, R, spec);
     rope_pos_ = pos.data;
     rope_n_ = N;
     rope_hd_ = R;
-    rope_theta_ = theta;
+    rope_spec_ = spec;
   }
   PromptLimit lim(decode_, N * H * HD);
-  ops::rope_forward_angles(x.f32(), x.f32(), rope_cs_.data(), rope_sn_.data(), N, H, HD, R);
+  ops::rope_forward_angles(x.f32(), x.f32(), rope_cs_.data(), rope_sn_.data(), N, H, HD, spec);
 }
 
 void CpuInferenceBackend::add_bias_rows(Tensor x, Tensor bias, long N, int E) {

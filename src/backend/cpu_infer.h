@@ -76,7 +76,7 @@ class CpuInferenceBackend final : public CpuBackend {
   void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, long N, int C, float eps) override;
   void matmul_forward(Tensor out, Tensor inp, Tensor weight, int N, int IC, int OC, bool accumulate) override;
   void matmul_forward_group(std::span<const MatmulTask> tasks, Tensor inp, int N, int IC) override;
-  void rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta, int R) override;
+  void rope_forward(Tensor x, Tensor pos, long N, int H, int HD, const ops::RopeSpec& spec) override;
   void attention_kv_forward(Tensor out, Tensor q, std::span<const KvSeq> seqs, int sliding_window, int NH, int NKV,
                             int HD) override;
   void add_bias_rows(Tensor x, Tensor bias, long N, int E) override;
@@ -140,7 +140,7 @@ class CpuInferenceBackend final : public CpuBackend {
   const void* rope_pos_ = nullptr;
   long rope_n_ = 0;
   int rope_hd_ = 0;
-  float rope_theta_ = 0;
+  ops::RopeSpec rope_spec_{};
   std::vector<float> rope_cs_, rope_sn_;
   // Attention scratch: a prompt's scores and transposed values; decode rows' caches and positions.
   std::vector<float> scores_, values_t_;

@@ -190,13 +190,13 @@ void CudaBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, Tens
     gemm(*ctx_, true, false, OC, IC, N, 1.0f, dout.data, OC, inp.data, IC, 1.0f, dweight.data, IC, ab, DType::F32);
 }
 
-void CudaBackend::rope_forward(Tensor x, Tensor pos, long N, int H, int HD, float theta, int R) {
+void CudaBackend::rope_forward(Tensor x, Tensor pos, long N, int H, int HD, const ops::RopeSpec& spec) {
   expect(x, Store::bf16, "rope_forward", "x");
-  gpu::rope_forward(*ctx_, b16(x), b16(x), 0, i32p(pos), N, H, HD, theta, R);
+  gpu::rope_forward(*ctx_, b16(x), b16(x), 0, i32p(pos), N, H, HD, spec);
 }
-void CudaBackend::rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, float theta, int R) {
+void CudaBackend::rope_backward(Tensor dx, Tensor pos, long N, int H, int HD, const ops::RopeSpec& spec) {
   expect(dx, Store::bf16, "rope_backward", "dx");
-  gpu::rope_backward(*ctx_, b16(dx), b16(dx), 0, i32p(pos), N, H, HD, theta, R);
+  gpu::rope_backward(*ctx_, b16(dx), b16(dx), 0, i32p(pos), N, H, HD, spec);
 }
 
 size_t CudaBackend::attention_saved_numel(int B, int T, int NH) const { return (size_t)B * NH * T; }

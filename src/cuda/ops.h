@@ -22,6 +22,7 @@
 
 #include "core/dtype.h"
 #include "cuda/runtime.h"
+#include "ops/rope.h"
 #include "ops/router.h"
 
 namespace moetron::gpu {
@@ -76,11 +77,19 @@ void rmsnorm_backward_stats(Context& ctx, float* dinp, float* dweight, const flo
 
 // ---- RoPE (HF rotate-half; the angle in fp32 exactly as ops::rope) ---------------------------
 // Rows are `stride` elements apart (0: H*HD), so q and k can live inside one fused qkv buffer.
-// out may alias inp.  R: the rotated dims of each head (partial RoPE, ops/rope.h; 0: HD), the rest kept.
+// out may alias inp.  spec: which dims of each head rotate, the pair layout, YaRN (ops/rope.h).
 void rope_forward(Context& ctx, Bf16* out, const Bf16* inp, long stride, const int32_t* pos, long N, int H, int HD,
-                  float theta, int R = 0);
+                  const ops::RopeSpec& spec);
 void rope_backward(Context& ctx, Bf16* dinp, const Bf16* dout, long stride, const int32_t* pos, long N, int H,
-                   int HD, float theta, int R = 0);
+                   int HD, const ops::RopeSpec& spec);
+inline void rope_forward(Context& ctx, Bf16* out, const Bf16* inp, long stride, const int32_t* pos, long N, int H,
+                         int HD, float theta) {
+  rope_forward(ctx, out, inp, stride, pos, N, H, HD, ops::RopeSpec{theta});
+}
+inline void rope_backward(Context& ctx, Bf16* dinp, const Bf16* dout, long stride, const int32_t* pos, long N, int H,
+                          int HD, float theta) {
+  rope_backward(ctx, dinp, dout, stride, pos, N, H, HD, ops::RopeSpec{theta});
+}
 
 // ---- attention (flash-attention style: tiled online softmax, T x T never stored) -------------
 struct AttentionMask {

@@ -61,10 +61,10 @@ void rmsnorm_backward(Context&, float*, float*, const float*, const float*, cons
                       bool) {
   no_cuda("rmsnorm_backward");
 }
-void rope_forward(Context&, Bf16*, const Bf16*, long, const int32_t*, long, int, int, float, int) {
+void rope_forward(Context&, Bf16*, const Bf16*, long, const int32_t*, long, int, int, const ops::RopeSpec&) {
   no_cuda("rope_forward");
 }
-void rope_backward(Context&, Bf16*, const Bf16*, long, const int32_t*, long, int, int, float, int) {
+void rope_backward(Context&, Bf16*, const Bf16*, long, const int32_t*, long, int, int, const ops::RopeSpec&) {
   no_cuda("rope_backward");
 }
 void attention_forward(Context&, Bf16*, float*, const Bf16*, const Bf16*, const Bf16*, const AttentionMask&, int, int,

@@ -2,6 +2,7 @@
 #include "model/attention_block.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/error.h"
 
@@ -61,6 +62,28 @@ Tensor as_act(Backend& be, Tensor src, Tensor scratch) {
 }
 
 }  // namespace
+
+ops::RopeSpec rope_spec(const ModelConfig& cfg) {
+  ops::RopeSpec s;
+  s.theta = (float)cfg.rope_theta;
+  s.rotary_dim = cfg.rope_dim();
+  s.offset = cfg.is_mla() ? cfg.qk_nope_head_dim : 0;
+  s.interleaved = cfg.rope_interleave;
+  if (cfg.rope_type == "yarn") {
+    // transformers' find_correction_range with truncate: the dims whose wavelengths complete between
+    // beta_fast and beta_slow rotations over the original context.
+    const double R = s.rotary_dim, base = cfg.rope_theta, orig = cfg.yarn_original_max_position_embeddings;
+    const auto dim_of = [&](double rotations) {
+      return R * std::log(orig / (rotations * 2 * M_PI)) / (2 * std::log(base));
+    };
+    s.yarn = true;
+    s.yarn_factor = (float)cfg.yarn_factor;
+    s.yarn_low = (float)std::max(std::floor(dim_of(cfg.yarn_beta_fast)), 0.0);
+    s.yarn_high = (float)std::min(std::ceil(dim_of(cfg.yarn_beta_slow)), R - 1);
+    s.attention_factor = (float)cfg.rope_attention_factor();
+  }
+  return s;
+}
 
 AttentionDims AttentionDims::of(const BlockEnv& env) {
   const ModelConfig& cfg = env.cfg;
@@ -174,8 +197,9 @@ void AttentionBlock::project(const BlockEnv& env, AttentionSaved& a, AttentionSc
     }
   }
   Section t(env, env.sec("fwd.rope", "q/k/v"));
-  be.rope_forward(a.q, positions, N, NH, HD, (float)cfg.rope_theta, cfg.rope_dim());
-  be.rope_forward(a.k, positions, N, NKV, HD, (float)cfg.rope_theta, cfg.rope_dim());
+  const ops::RopeSpec rs = rope_spec(cfg);
+  be.rope_forward(a.q, positions, N, NH, HD, rs);
+  be.rope_forward(a.k, positions, N, NKV, HD, rs);
 }
 
 void AttentionBlock::output(const BlockEnv& env, Tensor h, AttentionSaved& a, AttentionScratch& sc,
@@ -233,7 +257,6 @@ void AttentionBlock::backward(const BlockEnv& env, Tensor dln, Tensor dh_act, co
   const long N = (long)B * T;
   const int C = cfg.hidden_size;
   const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
-  const float theta = (float)cfg.rope_theta;
   {
     Section t(env, "bwd.attn_proj");
     linear_backward(be, sc.datt, sc.du, dh_act, a.att, a.uo, w.o, ident, N, Q, C, false);
@@ -249,8 +272,9 @@ void AttentionBlock::backward(const BlockEnv& env, Tensor dln, Tensor dh_act, co
   }
   {
     Section t(env, "bwd.rope");
-    be.rope_backward(sc.dq, positions, N, NH, HD, theta, cfg.rope_dim());
-    be.rope_backward(sc.dk, positions, N, NKV, HD, theta, cfg.rope_dim());
+    const ops::RopeSpec rs = rope_spec(cfg);
+    be.rope_backward(sc.dq, positions, N, NH, HD, rs);
+    be.rope_backward(sc.dk, positions, N, NKV, HD, rs);
   }
   Tensor dq = sc.dq, dk = sc.dk;  // d(the projections' outputs), in the act store
   if (cfg.clip_qkv > 0) {         // clipped values pass no gradient

@@ -20,6 +20,10 @@
 
 namespace moetron {
 
+// The RoPE of a config (ops/rope.h): rotated width (partial_rotary_factor; MLA's qk_rope_head_dim, at
+// offset qk_nope_head_dim of each query head), pair layout, YaRN's frequencies and attention factor.
+ops::RopeSpec rope_spec(const ModelConfig& cfg);
+
 // This rank's share of the attention heads.
 struct AttentionDims {
   int NH, NKV, HD, Q, KVd;
