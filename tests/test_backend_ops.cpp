@@ -204,6 +204,38 @@ OpCase matmul_case() {
   return c;
 }
 
+// The strided block copy (latent attention's head slices): y[n, h, 0:5] = 1.5 x[n, h*7 + 2 : h*7 + 7]
+// for 3 heads, and y[n, h, 5:9] = r[n] broadcast to every head; the backward is the transposed copy,
+// whose broadcast side sums over the heads.
+OpCase copy_block_case() {
+  const long N = 6;
+  const int H = 3, W = 7, D = 9, Rr = 4;
+  OpCase c;
+  c.name = "copy_block";
+  c.inputs = {{"x", rnd_bf16(N * H * W, 1)}, {"r", rnd_bf16(N * Rr, 2)}};
+  c.act_inputs = {"x", "r"};
+  c.wrt = {"x", "r"};
+  c.outputs = {"y"};
+  c.cot = {{"y", rnd_bf16(N * H * D, 3)}};
+  c.cot_act = {"y"};
+  const ops::BlockCopy slice{N, H, 5, (long)H * D, D, 0, (long)H * W, W, 2};
+  const ops::BlockCopy bcast{N, H, Rr, (long)H * D, D, 5, Rr, 0, 0};
+  c.forward = [=](Env& e) {
+    const Tensor y = e.act("y", N * H * D);
+    e.be().fill_zero(y);
+    e.be().copy_block(y, e["x"], slice, 1.5f, false);
+    e.be().copy_block(y, e["r"], bcast, 1.0f, false);
+  };
+  c.backward = [=](Env& e) {
+    const Tensor gx = e.act("g:x", N * H * W), gr = e.act("g:r", N * Rr);
+    e.be().fill_zero(gx);
+    e.be().fill_zero(gr);
+    e.be().copy_block(gx, e["d:y"], slice.transposed(), 1.5f, true);
+    e.be().copy_block(gr, e["d:y"], bcast.transposed(), 1.0f, true);
+  };
+  return c;
+}
+
 // spec: which dims of each head rotate and how (GLM's partial RoPE, DeepSeek's interleaved pairs at
 // an offset, YaRN's frequencies and attention factor; ops/rope.h).
 OpCase rope_case(const std::string& name = "rope", ops::RopeSpec spec = ops::RopeSpec{10000.0f}) {
@@ -689,6 +721,7 @@ std::vector<OpCase> all_cases() {
     mla.attention_factor = 1.1f;
     cases.push_back(rope_case("rope_interleaved_yarn", mla));
   }
+  cases.push_back(copy_block_case());
   cases.push_back(router_case("router", ops::RouterSpec::softmax(true), 8, 2));
   cases.push_back(router_case("router_no_renormalize", ops::RouterSpec::softmax(false), 8, 2));
   // DeepSeek-V3's rule: 4 groups of 2, the 2 best searched, K = 3, weights renormalised x 2.5.

@@ -126,7 +126,8 @@ INSTANTIATE_TEST_SUITE_P(Transformers, CudaGolden,
                          ::testing::Values("mixtral_gqa", "mixtral_e3_k1", "mixtral_swa_padded", "mistral_dense",
                                            "llama_dense", "qwen3_moe_mixed", "qwen3_moe_norm_topk_padded",
                                            "qwen2_moe_shared", "olmoe_clip", "olmoe_plain", "qwen3_dense",
-                                           "glm4_moe_partial", "glm4_moe_air"));
+                                           "glm4_moe_partial", "glm4_moe_air", "deepseek_v3_mla_yarn",
+                                           "deepseek_v3_plain_q"));
 
 // LoRA on the GPU (tests/golden/lora/, PEFT's references): the adapters over the base kept in fp32
 // masters and over the base kept in bf16 (model.dtype bf16), against the naive bf16 CPU backend by the

@@ -572,6 +572,24 @@ TEST_F(DistTrainArch, Glm4MoeExpertParallel2OfDataParallel2MatchesOneProcess) {
 TEST_F(DistTrainArch, Glm4MoePipelineParallel2MatchesOneProcess) {
   expect_architecture_equivalent(kGlm4Moe, "glm_pp2", 2, {"parallel.pp=2"});
 }
+// DeepSeek-V3: latent attention (q low-rank path, YaRN, interleaved RoPE; under tp the heads split and
+// the replicated down-projections take every head's gradient), grouped sigmoid routing (4 groups of 2,
+// 2 searched), two shared experts, a dense first layer; and a plain-q variant under tp.
+const ArchCase kDeepseekV3{
+    "{architectures: [DeepseekV3ForCausalLM], model_type: deepseek_v3, vocab_size: 256, hidden_size: 32, "
+    "intermediate_size: 48, moe_intermediate_size: 16, num_hidden_layers: 4, num_attention_heads: 4, "
+    "num_key_value_heads: 4, q_lora_rank: 16, kv_lora_rank: 12, qk_nope_head_dim: 8, qk_rope_head_dim: 4, "
+    "v_head_dim: 6, n_routed_experts: 8, num_experts_per_tok: 3, n_group: 4, topk_group: 2, n_shared_experts: 2, "
+    "first_k_dense_replace: 1, routed_scaling_factor: 2.5, norm_topk_prob: true, rms_norm_eps: 1.0e-5, "
+    "max_position_embeddings: 256, tie_word_embeddings: false, rope_scaling: {type: yarn, factor: 4.0, "
+    "original_max_position_embeddings: 64, beta_fast: 32, beta_slow: 1, mscale: 0.8, mscale_all_dim: 0.6}, "
+    "rope_theta: 10000.0}",
+    "deepseek_ref",
+    {},
+    {"model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.self_attn.q_a_layernorm.weight",
+     "model.layers.2.mlp.shared_experts.up_proj.weight", "model.layers.3.mlp.gate.e_score_correction_bias"},
+    {"model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"}};
+
 // Aux-loss-free balancing (moe.bias_update_rate, DeepSeek-V3's rule) checked against this test's own
 // reading of the rule: from each step's expert shares in metrics.jsonl, bias += rate * sign(1/E - share)
 // in f32, layer by layer; the checkpoints must hold exactly that after steps 5 and 10.  Under dp 2 x
@@ -680,6 +698,23 @@ TEST_F(DistTrainArch, BiasUpdateOnASoftmaxRouterIsRefused) {
   EXPECT_NE(read_file(run.parent_path() / "mixtral_bias.log").find("moe.bias_update_rate"), std::string::npos);
 }
 
+TEST_F(DistTrainArch, DeepseekV3TensorParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(kDeepseekV3, "deepseek_tp2", 2, {"parallel.tp=2"});
+}
+TEST_F(DistTrainArch, DeepseekV3PlainQTensorParallel4MatchesOneProcess) {
+  ArchCase plain = kDeepseekV3;
+  plain.model.replace(plain.model.find("q_lora_rank: 16"), 15, "q_lora_rank: null");
+  plain.ref = "deepseek_plain_ref";
+  plain.present = {"model.layers.1.self_attn.q_proj.weight"};
+  plain.absent = {"model.layers.1.self_attn.q_a_proj.weight"};
+  expect_architecture_equivalent(plain, "deepseek_plain_tp4", 4, {"parallel.tp=4"});
+}
+TEST_F(DistTrainArch, DeepseekV3ExpertParallel2OfDataParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(kDeepseekV3, "deepseek_ep2dp2", 2, {"parallel.ep=2", "parallel.zero1=true"});
+}
+TEST_F(DistTrainArch, DeepseekV3PipelineParallel2MatchesOneProcess) {
+  expect_architecture_equivalent(kDeepseekV3, "deepseek_pp2", 2, {"parallel.pp=2"});
+}
 TEST_F(DistTrainArch, Qwen3TiedTensorParallel2MatchesOneProcess) {
   expect_architecture_equivalent(kQwen3Tied, "qwen3_tied_tp2", 2, {"parallel.tp=2"});
 }

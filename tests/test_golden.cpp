@@ -125,7 +125,8 @@ INSTANTIATE_TEST_SUITE_P(Transformers, Golden,
                          ::testing::Values("mixtral_gqa", "mixtral_e3_k1", "mixtral_swa_padded", "mistral_dense",
                                            "llama_dense", "qwen3_moe_mixed", "qwen3_moe_norm_topk_padded",
                                            "qwen2_moe_shared", "olmoe_clip", "olmoe_plain", "qwen3_dense",
-                                           "glm4_moe_partial", "glm4_moe_air"));
+                                           "glm4_moe_partial", "glm4_moe_air", "deepseek_v3_mla_yarn",
+                                           "deepseek_v3_plain_q"));
 
 // The CLI writes exactly what the library computes, in the DESIGN §2 file contract.
 TEST(ForwardCommand, WritesLogitsLossesAndGradients) {

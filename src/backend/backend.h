@@ -38,6 +38,7 @@
 #include "backend/weights.h"
 #include "core/error.h"
 #include "ops/moe_dispatch.h"
+#include "ops/copy_block.h"
 #include "ops/rope.h"
 #include "ops/router.h"
 
@@ -251,6 +252,10 @@ class Backend {
   // over its own cache; causal, with the sliding window (0: none).
   virtual void attention_kv_forward(Tensor out, Tensor q, std::span<const KvSeq> seqs, int sliding_window, int NH,
                                     int NKV, int HD) = 0;
+
+  // ---- strided block copy (ops/copy_block.h: latent attention's head slices) ----------------------
+  // dst (=, or += with accumulate) alpha * src over the geometry; either tensor f32 or the act store.
+  virtual void copy_block(Tensor dst, Tensor src, const ops::BlockCopy& g, float alpha, bool accumulate) = 0;
 
   // ---- biases (ops/bias.h) and the sigmoid gate (ops/sigmoid.h) ------------------------------------
   // x[N,E] += bias[E] (f32): projection biases, and a test aid that skews routing.

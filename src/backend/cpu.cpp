@@ -214,6 +214,11 @@ void CpuBackend::attention_kv_forward(Tensor out, Tensor q, std::span<const KvSe
                               sliding_window, NH, NKV, HD);
 }
 
+void CpuBackend::copy_block(Tensor dst, Tensor src, const ops::BlockCopy& g, float alpha, bool accumulate) {
+  ops::check_block_copy("copy_block", g, (long)dst.numel, (long)src.numel);
+  ops::copy_block(dst.f32(), src.f32(), g, alpha, accumulate);
+}
+
 void CpuBackend::add_bias_rows(Tensor x, Tensor bias, long N, int E) {
   float* p = x.f32();
   const float* b = bias.f32();

@@ -49,6 +49,7 @@ class CpuBackend : public Backend {
                           Tensor v, const AttnMask& mask, int B, int T, int NH, int NKV, int HD) override;
   void attention_kv_forward(Tensor out, Tensor q, std::span<const KvSeq> seqs, int sliding_window, int NH, int NKV,
                             int HD) override;
+  void copy_block(Tensor dst, Tensor src, const ops::BlockCopy& g, float alpha, bool accumulate) override;
   void add_bias_rows(Tensor x, Tensor bias, long N, int E) override;
   void bias_backward(Tensor dbias, Tensor dout, long N, int C) override;
   void sigmoid_forward(Tensor s, Tensor x, long n) override;

@@ -51,6 +51,11 @@ void Bf16CpuBackend::matmul_backward(Tensor dinp, Tensor dweight, Tensor dout, T
   finish(dinp);
 }
 
+void Bf16CpuBackend::copy_block(Tensor dst, Tensor src, const ops::BlockCopy& g, float alpha, bool accumulate) {
+  CpuBackend::copy_block(dst, src, g, alpha, accumulate);
+  finish(dst);  // an act-store destination holds bf16 values
+}
+
 void Bf16CpuBackend::rope_forward(Tensor x, Tensor pos, long N, int H, int HD, const ops::RopeSpec& spec) {
   CpuBackend::rope_forward(x, pos, N, H, HD, spec);
   finish(x);

@@ -19,6 +19,7 @@ class Bf16CpuBackend final : public CpuBackend {
   Store act_store() const override { return Store::bf16; }
 
   void convert(Tensor dst, Tensor src) override;
+  void copy_block(Tensor dst, Tensor src, const ops::BlockCopy& g, float alpha, bool accumulate) override;
   void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, long N, int C, float eps) override;
   void rmsnorm_forward_stats(Tensor out, Tensor rstd, Tensor inp, Tensor weight, Tensor ss, long N, int C, int width,
                              float ss_scale, float eps) override;

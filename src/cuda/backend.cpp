@@ -236,6 +236,10 @@ void CudaBackend::attention_kv_forward(Tensor out, Tensor q, std::span<const KvS
                               sliding_window, NH, NKV, HD);
 }
 
+void CudaBackend::copy_block(Tensor dst, Tensor src, const ops::BlockCopy& g, float alpha, bool accumulate) {
+  ops::check_block_copy("copy_block", g, (long)dst.numel, (long)src.numel);
+  gpu::copy_block(*ctx_, dst.data, dst.store == Store::bf16, src.data, src.store == Store::bf16, g, alpha, accumulate);
+}
 void CudaBackend::add_bias_rows(Tensor x, Tensor bias, long N, int E) {
   gpu::add_bias_rows(*ctx_, f32p(x), f32p(bias), N, E);
 }

@@ -22,6 +22,7 @@
 
 #include "core/dtype.h"
 #include "cuda/runtime.h"
+#include "ops/copy_block.h"
 #include "ops/rope.h"
 #include "ops/router.h"
 
@@ -137,6 +138,10 @@ void grouped_matmul_backward(Context& ctx, void* dinp, DType dinp_dtype, float* 
 void swiglu_forward(Context& ctx, Bf16* out, const Bf16* gate_up, long N, int I);
 // dgate_up[N,2I] (bf16, assign)
 void swiglu_backward(Context& ctx, Bf16* dgate_up, const Bf16* dout, const Bf16* gate_up, long N, int I);
+
+// ---- strided block copy (ops/copy_block.h); dst and src each bf16 (dst_bf16 / src_bf16) or f32 ----
+void copy_block(Context& ctx, void* dst, bool dst_bf16, const void* src, bool src_bf16, const ops::BlockCopy& g,
+                float alpha, bool accumulate);
 
 // ---- router (ops/router.h: softmax over all E in fp32, top-K, renormalised unless !renormalize; or
 // DeepSeek's sigmoid rule with the selection bias [E] (device, or null); E <= 512) ----

@@ -87,6 +87,9 @@ void router_forward(Context&, float*, int32_t*, float*, const float*, const floa
                     const ops::RouterSpec&) {
   no_cuda("router_forward");
 }
+void copy_block(Context&, void*, bool, const void*, bool, const ops::BlockCopy&, float, bool) {
+  no_cuda("copy_block");
+}
 void router_layer_stats(Context&, double*, const float*, const float*, const int32_t*, const uint8_t*, long, int, int) {
   no_cuda("router_layer_stats");
 }

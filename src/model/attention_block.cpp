@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "model/latent_attention.h"
 
 namespace moetron {
 
@@ -95,6 +96,7 @@ AttentionDims AttentionDims::of(const BlockEnv& env) {
 
 void AttentionSaved::carve(TensorCarver& c, const BlockEnv& env, const AttentionWeights& w, int B, int T,
                            bool training) {
+  if (env.cfg.is_mla()) return LatentAttention::carve_saved(*this, c, env, w, B, T, training);
   const long N = (long)B * T;
   const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
   (void)HD;
@@ -122,6 +124,7 @@ void AttentionSaved::carve(TensorCarver& c, const BlockEnv& env, const Attention
 }
 
 void AttentionScratch::carve(TensorCarver& c, const BlockEnv& env, int lora_rank, long N, bool training) {
+  if (env.cfg.is_mla()) return LatentAttention::carve_scratch(*this, c, env, N, training);
   const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
   (void)NH;
   (void)NKV;
@@ -218,6 +221,7 @@ void AttentionBlock::output(const BlockEnv& env, Tensor h, AttentionSaved& a, At
 void AttentionBlock::forward(const BlockEnv& env, Tensor h, AttentionSaved& a, AttentionScratch& sc, Tensor ln,
                              Tensor positions, const AttnMask& mask, const AttentionWeights& w, const PlanView& ident,
                              int B, int T) {
+  if (env.cfg.is_mla()) return LatentAttention::forward(env, h, a, sc, ln, positions, mask, w, ident, B, T);
   const long N = (long)B * T;
   const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
   project(env, a, sc, ln, positions, w, ident, N);
@@ -231,6 +235,7 @@ void AttentionBlock::forward(const BlockEnv& env, Tensor h, AttentionSaved& a, A
 void AttentionBlock::forward_cached(const BlockEnv& env, Tensor h, AttentionSaved& a, AttentionScratch& sc, Tensor ln,
                                     Tensor positions, std::span<const KvRows> seqs, const AttentionWeights& w,
                                     const PlanView& ident, long N) {
+  if (env.cfg.is_mla()) fail("[attention] latent attention over a KV cache is not implemented yet (generate, serve)");
   Backend& be = env.be;
   const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
   project(env, a, sc, ln, positions, w, ident, N);
@@ -252,6 +257,7 @@ void AttentionBlock::forward_cached(const BlockEnv& env, Tensor h, AttentionSave
 void AttentionBlock::backward(const BlockEnv& env, Tensor dln, Tensor dh_act, const AttentionSaved& a,
                               AttentionScratch& sc, Tensor ln, Tensor positions, const AttnMask& mask,
                               const AttentionWeights& w, const PlanView& ident, int B, int T) {
+  if (env.cfg.is_mla()) return LatentAttention::backward(env, dln, dh_act, a, sc, ln, positions, mask, w, ident, B, T);
   Backend& be = env.be;
   const ModelConfig& cfg = env.cfg;
   const long N = (long)B * T;

@@ -37,6 +37,10 @@ struct AttentionWeights {
   LinearWeights q, k, v, o;
   Tensor q_bias, k_bias, v_bias, dq_bias, dk_bias, dv_bias;
   Tensor q_norm, k_norm, dq_norm, dk_norm;
+  // Latent attention (model/latent_attention.cpp): q = q_b(norm(q_a(x))) (q_lora_rank > 0) or q(x);
+  // kv_a(x) = [latent | k_rope]; kv_b(norm(latent)) = per head [k_nope | v].  Norm weights f32.
+  LinearWeights q_a, q_b, kv_a, kv_b;
+  Tensor q_a_norm, kv_a_norm, dq_a_norm, dkv_a_norm;
 };
 
 // What the forward keeps for the backward (one micro-batch, one layer).
@@ -51,6 +55,13 @@ struct AttentionSaved {
   bool recompute_state = false;
   Tensor att;                       // [N,Q] attention output (act store)
   Tensor uq, uk, uv, uo;            // LoRA: x A^T of each adapted projection
+  // Latent attention: q = [N, NH*HD], k the same (the shared k_rope in every head), v [N, NH*HD]
+  // with each head's v_head_dim values then zeros (one head width for the attention op), att
+  // likewise; atv [N, NH*dv] the o_proj input.
+  Tensor qa32, rstd_qa, qan;        // q_a output (f32), its norm's statistics, the normed (act store)
+  Tensor kva32, lat32, rstd_kv, latn;  // kv_a output [N, kvr + dr] (f32), the latent (f32), stats, normed
+  Tensor krope;                     // [N, dr] act store: the shared RoPE key after RoPE
+  Tensor atv;                       // [N, NH*dv] act store
   // Lays the tensors out (TensorCarver's two passes); w tells which projections are adapted.
   // training false: what an inference pass uses (no attention state for a backward).
   void carve(TensorCarver& c, const BlockEnv& env, const AttentionWeights& w, int B, int T, bool training = true);
@@ -65,6 +76,11 @@ struct AttentionScratch {
   Tensor row_stat;          // whole-projection q/k norm under tp: [N] partial row sums, all-reduced
   Tensor du;                // LoRA backward [N, r]
   Tensor tmp;               // [N,C] f32: the o_proj output before its all-reduce (tp); the body's
+  // Latent attention: kv_b's output (forward), and the backward's pieces.
+  Tensor kvb;                          // [N, NH*(dn+dv)] act store
+  Tensor datv, dkvb, dkrope;           // act store
+  Tensor dkrope32, dlatn, dlat32, dkva32, dqan, dqa32;  // f32
+  Tensor dstage;                       // act store: an f32 gradient entering a GEMM (act store not f32)
   // training false: the forward's buffers only (stage32, row_stat).
   void carve(TensorCarver& c, const BlockEnv& env, int lora_rank, long N, bool training = true);
 };

@@ -26,12 +26,14 @@ ParamShard model_shard(const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep, L
                           ep ? ep->size() : 1);
 }
 
-// Families the config reader knows whose blocks the layer body does not run yet.
-void check_body_supports(const ModelConfig& cfg) {
-  if (cfg.is_mla())
-    fail("[Model] {}: multi-head latent attention is not in the layer body yet (plan, config and parameter "
-         "tables work; training and inference do not)",
+// What the layer body does not run yet: latent attention over KV caches (inference), with LoRA.
+void check_body_supports(const ModelConfig& cfg, bool inference, bool lora) {
+  if (cfg.is_mla() && inference)
+    fail("[Model] {}: generate, chat and serve with multi-head latent attention are not implemented yet "
+         "(training is)",
          cfg.architecture);
+  if (cfg.is_mla() && lora)
+    fail("[Model] {}: LoRA on a model with multi-head latent attention is not implemented yet", cfg.architecture);
 }
 
 }  // namespace
@@ -51,7 +53,7 @@ Model::Model(Backend& backend, const WeightProvider& weights)
     : be_(backend), cfg_(weights.config()), table_(cfg_), borrowed_(&weights) {
   lora_ = weights.lora_spec() ? *weights.lora_spec() : LoraSpec{};
   layer_end_ = cfg_.num_hidden_layers;
-  check_body_supports(cfg_);
+  check_body_supports(cfg_, true, lora_.on());
   be_.check_model(cfg_.head_dim, cfg_.is_moe() ? cfg_.num_local_experts : 0);
   if (cfg_.is_moe()) moe_ = std::make_unique<MoeBlock>(be_, cfg_, nullptr, 1);
   gemm_stale_ = lgemm_stale_ = false;  // nothing of its own to refresh
@@ -68,7 +70,7 @@ void Model::init(dist::Comm* tp, dist::Comm* ep, LayerRange layers, const LoraSp
   const int NKV = cfg_.num_key_value_heads;
   if (tp_on() && NKV < tp_size_) kv_comm_ = tp_->split(tp_->rank() / (tp_size_ / NKV), tp_->rank(), "tp-kv");
   const Dims d = dims();
-  check_body_supports(cfg_);
+  check_body_supports(cfg_, false, lora.on());
   be_.check_model(cfg_.head_dim, cfg_.is_moe() ? cfg_.num_local_experts : 0);
   if (cfg_.is_moe()) moe_ = std::make_unique<MoeBlock>(be_, cfg_, ep_, tp_size_);
   for (int l = layer_begin_; l < layer_end_; l++)
@@ -196,6 +198,23 @@ LinearWeights Model::linear_weights(ParamKind kind, int l, bool base) {
 
 AttentionWeights Model::attention_weights(int l, bool base) {
   AttentionWeights w;
+  if (cfg_.is_mla()) {  // latent attention (model/latent_attention.h): no adapters yet
+    if (!base) return w;
+    if (cfg_.q_lora_rank > 0) {
+      w.q_a = linear_weights(ParamKind::q_a_proj, l, base);
+      w.q_b = linear_weights(ParamKind::q_b_proj, l, base);
+      w.q_a_norm = W(ParamKind::q_a_norm, l);
+      w.dq_a_norm = G(ParamKind::q_a_norm, l);
+    } else {
+      w.q = linear_weights(ParamKind::q_proj, l, base);
+    }
+    w.kv_a = linear_weights(ParamKind::kv_a_proj, l, base);
+    w.kv_b = linear_weights(ParamKind::kv_b_proj, l, base);
+    w.o = linear_weights(ParamKind::o_proj, l, base);
+    w.kv_a_norm = W(ParamKind::kv_a_norm, l);
+    w.dkv_a_norm = G(ParamKind::kv_a_norm, l);
+    return w;
+  }
   w.q = linear_weights(ParamKind::q_proj, l, base);
   w.k = linear_weights(ParamKind::k_proj, l, base);
   w.v = linear_weights(ParamKind::v_proj, l, base);
