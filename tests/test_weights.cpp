@@ -109,6 +109,47 @@ TEST(Weights, MissingTensorIsNamed) {
   }
 }
 
+// DeepSeek-V3's checkpoints hold a multi-token-prediction layer past the last one (model.layers.61.*
+// for num_nextn_predict_layers 1): skipped and counted, as transformers skips it; a tensor of a layer
+// past that is still refused.
+TEST(Weights, MultiTokenPredictionLayersAreSkippedAndNamed) {
+  const fs::path golden = fs::path(MOETRON_SOURCE_DIR) / "tests" / "golden" / "deepseek_v3_mla_yarn";
+  const ModelConfig cfg = load_model_config((golden / "config.json").string());
+  ASSERT_EQ(cfg.extra.at("num_nextn_predict_layers"), 1);
+  const ParamTable table(cfg);
+  EXPECT_EQ(table.mtp_layers(), 1);
+  const ModelTensors src = ModelTensors::open(golden.string());
+  std::vector<std::vector<float>> keep;
+  std::vector<ModelTensorToWrite> out;
+  keep.reserve(src.names().size() + 3);
+  for (const std::string& name : src.names()) {
+    keep.push_back(to_f32(src.get(name)));
+    out.push_back({name, DType::F32, src.get(name).shape, keep.back().data()});
+  }
+  keep.push_back(std::vector<float>(32 * 64, 0.5f));
+  out.push_back({"model.layers.3.eh_proj.weight", DType::F32, {32, 64}, keep.back().data()});
+  keep.push_back(std::vector<float>(32, 1.0f));
+  out.push_back({"model.layers.3.enorm.weight", DType::F32, {32}, keep.back().data()});
+  TempDir dir("mtp");
+  write_model_safetensors(dir.path.string(), out);
+  const ModelTensors files = ModelTensors::open(dir.path.string());
+  const size_t skipped = check_weights_size(files, table, dir.path.string());
+  EXPECT_EQ(skipped, 2u);
+  EXPECT_NE(mtp_note(skipped, table, "d").find("model.layers.3.*"), std::string::npos);
+  EXPECT_EQ(load(dir.path, table), load(golden, table));
+  // A layer past the prediction layers is not skipped.
+  keep.push_back(std::vector<float>(32, 1.0f));
+  out.push_back({"model.layers.4.enorm.weight", DType::F32, {32}, keep.back().data()});
+  TempDir bad("mtp_bad");
+  write_model_safetensors(bad.path.string(), out);
+  try {
+    check_weights_size(ModelTensors::open(bad.path.string()), table, bad.path.string());
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.layers.4.enorm.weight"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Weights, Bf16CheckpointsConvertOnLoad) {
   const ModelConfig cfg = load_model_config((kGolden / "config.json").string());
   const ParamTable table(cfg);

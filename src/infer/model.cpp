@@ -260,7 +260,11 @@ std::unique_ptr<InferenceModel> load_inference_model(const std::string& dir, con
   MOETRON_ASSERT(!(widen_to_fp32 && quant != WeightQuant::none));
   const ModelConfig cfg = load_model_config((fs::path(dir) / "config.json").string());
   auto files = std::make_shared<ModelTensors>(ModelTensors::open(dir));
-  check_weights_size(*files, ParamTable(cfg), dir);  // before allocating what config.json asks for
+  {
+    const ParamTable whole(cfg);
+    const size_t mtp = check_weights_size(*files, whole, dir);  // before allocating what config.json asks for
+    if (mtp > 0) fmt::print(stderr, "note: {}\n", mtp_note(mtp, whole, dir));
+  }
   // The adapter is read (and checked against the base) before the base's memory is allocated.
   std::optional<PeftAdapter> adapter;
   if (!lora_dir.empty()) adapter = read_peft_adapter(lora_dir, cfg);

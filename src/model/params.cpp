@@ -116,6 +116,11 @@ std::pair<int64_t, int64_t> shard_range(int64_t n, int parts, int part) {
 
 ParamTable::ParamTable(const ModelConfig& cfg, const ParamShard& shard)
     : num_layers_(cfg.num_hidden_layers), moe_(cfg.is_moe()), shard_(shard), tied_(cfg.tie_word_embeddings) {
+  if (cfg.router_sigmoid && cfg.extra.is_object()) {  // DeepSeek-V3 / GLM-4.5's field, kept verbatim
+    const auto it = cfg.extra.find("num_nextn_predict_layers");
+    if (it != cfg.extra.end() && it->is_number_integer() && it->get<int64_t>() > 0 && it->get<int64_t>() <= 64)
+      mtp_layers_ = (int)it->get<int64_t>();
+  }
   const int64_t C = cfg.hidden_size, V = cfg.vocab_size;
   const int64_t NH = cfg.num_attention_heads, NKV = cfg.num_key_value_heads, HD = cfg.head_dim;
   const int64_t Q = NH * HD;

@@ -151,6 +151,10 @@ class ParamTable {
   // The vocabulary rows [vocab_begin, vocab_end) this shard's embedding and head hold.
   int64_t vocab_begin() const { return vocab_begin_; }
   int64_t vocab_end() const { return vocab_end_; }
+  int num_layers() const { return num_layers_; }
+  // DeepSeek-V3 / GLM-4.5: the multi-token-prediction layers a checkpoint may hold past the last
+  // layer (config num_nextn_predict_layers), which the model does not have.
+  int mtp_layers() const { return mtp_layers_; }
   bool has(ParamKind kind, int layer = -1) const;
   // The head's weight: lm_head, or the embedding when the model ties them.
   ParamKind head_kind() const { return tied_ ? ParamKind::embedding : ParamKind::lm_head; }
@@ -169,6 +173,7 @@ class ParamTable {
   std::vector<HfTensorRef> hf_tensors_;
   size_t total_ = 0;
   int num_layers_ = 0;
+  int mtp_layers_ = 0;
   bool moe_ = false;
   ParamShard shard_;
   bool whole_ = true;

@@ -174,11 +174,39 @@ TensorView hf_tensor_view(const ModelTensors& files, const ParamTable& table, co
   return v;
 }
 
-void check_weights_size(const ModelTensors& files, const ParamTable& table, const std::string& source) {
+namespace {
+
+// A tensor of a multi-token-prediction layer: model.layers.<l>. with l in [L, L + mtp).
+bool is_mtp_tensor(const std::string& name, const ParamTable& table) {
+  if (table.mtp_layers() == 0 || name.rfind("model.layers.", 0) != 0) return false;
+  size_t at = 13;
+  long l = 0;
+  bool digits = false;
+  for (; at < name.size() && name[at] >= '0' && name[at] <= '9' && l < (1L << 20); at++, digits = true)
+    l = l * 10 + (name[at] - '0');
+  return digits && at < name.size() && name[at] == '.' && l >= table.num_layers() &&
+         l < table.num_layers() + table.mtp_layers();
+}
+
+}  // namespace
+
+std::string mtp_note(size_t ignored, const ParamTable& table, const std::string& source) {
+  if (ignored == 0) return "";
+  return fmt::format("{}: {} tensors of the multi-token-prediction layer(s) model.layers.{}.* are not part of the "
+                     "model and were not loaded (transformers ignores them too)",
+                     source, ignored, table.num_layers());
+}
+
+size_t check_weights_size(const ModelTensors& files, const ParamTable& table, const std::string& source) {
   std::set<std::string> used;
   for (const HfTensorRef& ref : table.hf_tensors()) used.insert(locate(files, table, ref, source).name);
+  size_t ignored = 0;
   for (const std::string& name : files.names()) {
     if (used.count(name)) continue;
+    if (is_mtp_tensor(name, table)) {
+      ignored++;
+      continue;
+    }
     if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;  // a buffer, not a parameter
     // Tied embeddings: transformers ignores a saved lm_head.weight (the head IS the embedding).
     if (name == "lm_head.weight" && table.head_kind() == ParamKind::embedding) continue;
@@ -187,6 +215,7 @@ void check_weights_size(const ModelTensors& files, const ParamTable& table, cons
         "or expert count mismatch?)",
         source, name);
   }
+  return ignored;
 }
 
 void load_hf_weights(const ModelTensors& files, const ParamTable& table, float* params, const std::string& source) {

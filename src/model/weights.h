@@ -24,8 +24,12 @@ void load_hf_weights(const ModelTensors& files, const ParamTable& table, float* 
 // Everything load_hf_weights checks, from the tensor headers alone: every parameter present with
 // the shape config.json implies, no tensor the model lacks.  Call it before allocating what
 // config.json asks for (a config of vocab_size 2^22 beside a 300 KB file is refused at once, not
-// after gigabytes are allocated).
-void check_weights_size(const ModelTensors& files, const ParamTable& table, const std::string& source);
+// after gigabytes are allocated).  DeepSeek-V3's and GLM-4.5's multi-token-prediction layers
+// (`model.layers.L.*` .. for the config's num_nextn_predict_layers past num_hidden_layers) are not
+// part of the model and are skipped, as transformers skips them: returns how many tensors were.
+size_t check_weights_size(const ModelTensors& files, const ParamTable& table, const std::string& source);
+// The note a loader logs for them ("" when none).
+std::string mtp_note(size_t ignored, const ParamTable& table, const std::string& source);
 
 // Which part of the model one process of a parallel layout holds (DESIGN §6). The default is the
 // whole model.

@@ -239,6 +239,7 @@ class Training {
   nlohmann::json last_moe_;   // MoE telemetry of the last step
   // The last step's tokens per expert of every layer, summed over every rank (aux-loss-free balancing).
   std::vector<std::vector<double>> last_assigned_;
+  std::string mtp_note_;  // the init directory's skipped multi-token-prediction tensors (logged)
   // Moves this stage's selection biases after an optimizer step (moe.bias_update_rate) and adds
   // each layer's bias range to the telemetry.
   void update_selection_biases();
@@ -261,7 +262,10 @@ void Training::setup() {
           init_dir_);
   }
   // An HF directory's weights must be the size its config.json says, before that size is allocated.
-  if (!init_dir_.empty()) check_weights_size(ModelTensors::open(init_dir_), ParamTable(mcfg_), init_dir_);
+  if (!init_dir_.empty()) {
+    const ParamTable whole(mcfg_);
+    mtp_note_ = mtp_note(check_weights_size(ModelTensors::open(init_dir_), whole, init_dir_), whole, init_dir_);
+  }
   // The layout against the world and the model: the rules `moetron plan` applies.
   layout_ = resolve_layout(cfg_, mcfg_, world_->size());
   // The device: without a usable GPU, device: cuda stops here, before any work.
@@ -328,6 +332,7 @@ void Training::setup() {
     std::string why;
     data_tokenizer_ = prepared_data_tokenizer(cfg_.data.path, why);
     if (!why.empty()) log_.line(fmt::format("note: {}; checkpoints hold no copy of it", why));
+    if (!mtp_note_.empty()) log_.line("note: " + mtp_note_);
   }
   build_model();
   initialise();
