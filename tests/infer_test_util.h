@@ -32,7 +32,8 @@ inline std::vector<std::string> inference_model_dirs() {
   std::vector<std::string> dirs;
   for (const char* c :
        {"mixtral_gqa", "mixtral_e3_k1", "mixtral_swa_padded", "mistral_dense", "llama_dense", "qwen3_moe_mixed",
-        "qwen3_moe_norm_topk_padded", "qwen2_moe_shared", "olmoe_clip", "olmoe_plain", "qwen3_dense"})
+        "qwen3_moe_norm_topk_padded", "qwen2_moe_shared", "olmoe_clip", "olmoe_plain", "qwen3_dense",
+        "glm4_moe_partial", "glm4_moe_air", "deepseek_v3_mla_yarn", "deepseek_v3_plain_q"})
     dirs.push_back((kGoldenDir / c).string());
   for (const char* c : {"mixtral_gqa", "llama_dense", "qwen3_moe", "olmoe"})
     dirs.push_back((kGenerateDir / c).string());

@@ -684,7 +684,7 @@ TEST(Decoder, RowPrefillOfSeveralSequencesIsBitwiseTokenByToken) {
         ASSERT_EQ(0, std::memcmp(lb.data() + (size_t)s * V, la.data(), sizeof(float) * V)) << "chunk " << chunk << " seq " << s;
         ASSERT_EQ(rc[s].tokens(), ac[s].tokens());
         for (int l = 0; l < rc[s].layers(); l++)
-          ASSERT_EQ(0, std::memcmp(rc[s].values(l), ac[s].values(l), sizeof(float) * rc[s].len() * rc[s].kv_dim()));
+          ASSERT_EQ(0, std::memcmp(rc[s].values(l), ac[s].values(l), sizeof(float) * rc[s].len() * rc[s].v_dim()));
       }
     }
   }

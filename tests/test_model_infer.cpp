@@ -87,7 +87,7 @@ TEST(ModelInfer, ChunkedPrefillEqualsTheTrainingForward) {
 // Three sequences of different lengths decoded together, and prefilled together row by row (in passes
 // of 4 rows, so a sequence is split across passes): each gets what it gets alone.
 TEST(ModelInfer, BatchAndRowPrefillGiveEachSequenceWhatItGetsAlone) {
-  for (const char* name : {"qwen2_moe_shared", "mixtral_swa_padded", "qwen3_moe_mixed"}) {
+  for (const char* name : {"qwen2_moe_shared", "mixtral_swa_padded", "qwen3_moe_mixed", "deepseek_v3_mla_yarn"}) {
     const std::string dir = (kGolden / name).string();
     SCOPED_TRACE(dir);
     ModelRunner run = cpu_runner(dir, 4);

@@ -1,6 +1,8 @@
 // The key/value cache of one sequence: for every layer, the RoPE-rotated keys and the values of all
 // positions fed so far, [len, NKV*HD] row-major, in a backend's memory (its act store: fp32 on the CPU,
-// bf16 on CUDA).  Storage grows on demand, twice the rows when it must (reserve() to allocate up
+// bf16 on CUDA).  Latent attention (DeepSeek-V3) caches instead the normed latent [len, kv_lora_rank]
+// as its "keys" and the rotated shared RoPE key [len, qk_rope_head_dim] as its "values"
+// (cache_widths; model/latent_attention.h expands them per pass).  Storage grows on demand, twice the rows when it must (reserve() to allocate up
 // front); positions are 0..len-1, and tokens() remembers what produced them, so a new prompt that
 // shares a prefix with the cached sequence only needs its remaining tokens computed (multi-turn chat).
 #pragma once
@@ -9,22 +11,28 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
 #include "core/error.h"
+#include "io/hf_config.h"
 
 namespace moetron {
 
 class KvCache {
  public:
   // `be` must outlive the cache.
-  KvCache(int layers, int kv_dim, Backend& be)
-      : kv_dim_(kv_dim), be_(&be), ka_(layers), va_(layers), kt_(layers), vt_(layers) {}
+  KvCache(int layers, int kv_dim, Backend& be) : KvCache(layers, kv_dim, kv_dim, be) {}
+  // Keys and values of different widths (latent attention).
+  KvCache(int layers, int kv_dim, int v_dim, Backend& be)
+      : kv_dim_(kv_dim), v_dim_(v_dim), be_(&be), ka_(layers), va_(layers), kt_(layers), vt_(layers) {}
 
   int len() const { return (int)tokens_.size(); }
   int layers() const { return (int)kt_.size(); }
-  int kv_dim() const { return kv_dim_; }
+  int kv_dim() const { return kv_dim_; }  // the keys' width
+  int v_dim() const { return v_dim_; }
   const std::vector<int32_t>& tokens() const { return tokens_; }
   Backend& backend() const { return *be_; }
 
@@ -67,24 +75,31 @@ class KvCache {
   // Storage for at least `rows` positions, keeping the cached ones.
   void reserve_rows(size_t rows) {
     if (capacity() >= rows) return;
-    const size_t keep = tokens_.size() * kv_dim_;
-    for (auto [t, a] : {std::pair{&kt_, &ka_}, std::pair{&vt_, &va_}})
+    for (auto [t, a, width] : {std::tuple{&kt_, &ka_, (size_t)kv_dim_}, std::tuple{&vt_, &va_, (size_t)v_dim_}})
       for (size_t l = 0; l < t->size(); l++) {
+        const size_t keep = tokens_.size() * width;
         std::unique_ptr<Allocation> grown =
-            be_->allocate(rows * kv_dim_ * be_->element_bytes(be_->act_store()), "KV cache");
-        const Tensor g = be_->view(grown->data(), be_->act_store(), rows * kv_dim_);
+            be_->allocate(rows * width * be_->element_bytes(be_->act_store()), "KV cache");
+        const Tensor g = be_->view(grown->data(), be_->act_store(), rows * width);
         if (keep > 0) be_->copy(g.part(0, keep), (*t)[l].part(0, keep));
         (*t)[l] = g;
         (*a)[l] = std::move(grown);
       }
   }
 
-  int kv_dim_;
+  int kv_dim_, v_dim_;
   Backend* be_;
   std::vector<int32_t> tokens_;
   std::vector<std::unique_ptr<Allocation>> ka_, va_;  // [L] allocations
   std::vector<Tensor> kt_, vt_;                       // and their [capacity, kv_dim] views
 };
+
+// The widths a config's cache holds per position and layer: keys and values (NKV x HD each), or latent
+// attention's latent and RoPE key.
+inline std::pair<int, int> cache_widths(const ModelConfig& cfg) {
+  if (cfg.is_mla()) return {cfg.kv_lora_rank, cfg.qk_rope_head_dim};
+  return {cfg.num_key_value_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim};
+}
 
 // Length of the common prefix of the cached tokens and `prompt`, capped so at least one prompt token
 // remains to be computed (its logits start the generation).

@@ -81,7 +81,10 @@ bool InferenceModel::is_small(ParamKind kind) {
     case ParamKind::k_bias:
     case ParamKind::v_bias:
     case ParamKind::router:
+    case ParamKind::router_bias:
     case ParamKind::shared_gate:
+    case ParamKind::q_a_norm:
+    case ParamKind::kv_a_norm:
       return true;
     default:
       return false;

@@ -31,7 +31,7 @@ ModelRunner::ModelRunner(std::unique_ptr<Backend> backend, const std::string& mo
     model_->set_params(params.data());
   }
   if (adapter) model_->set_train_params(adapter->values.data());
-  kv_dim_ = cfg.num_key_value_heads * cfg.head_dim;
+  std::tie(kv_dim_, v_dim_) = cache_widths(cfg);
 }
 
 ModelRunner::ModelRunner(const WeightProvider& weights, int prefill_chunk, long row_attention_max_pairs)
@@ -41,20 +41,23 @@ ModelRunner::ModelRunner(const WeightProvider& weights, int prefill_chunk, long 
   own_backend_ = std::move(be);
   own_model_ = std::make_unique<Model>(*own_backend_, weights);
   model_ = own_model_.get();
-  kv_dim_ = weights.config().num_key_value_heads * weights.config().head_dim;
+  std::tie(kv_dim_, v_dim_) = cache_widths(weights.config());
 }
 
 void ModelRunner::set_profile(Profile* profile) { model_->set_profile(profile); }
 
 ModelRunner::ModelRunner(Model& model, int prefill_chunk)
-    : model_(&model),
-      chunk_(std::max(1, prefill_chunk)),
-      kv_dim_(model.config().num_key_value_heads * model.config().head_dim) {}
+    : model_(&model), chunk_(std::max(1, prefill_chunk)) {
+  std::tie(kv_dim_, v_dim_) = cache_widths(model.config());
+}
 
-KvCache ModelRunner::new_cache() const { return KvCache(config().num_hidden_layers, kv_dim_, model_->backend()); }
+KvCache ModelRunner::new_cache() const {
+  return KvCache(config().num_hidden_layers, kv_dim_, v_dim_, model_->backend());
+}
 
 void ModelRunner::check_cache(const KvCache& c, const char* op, size_t index) const {
-  if (&c.backend() != &model_->backend() || c.layers() != config().num_hidden_layers || c.kv_dim() != kv_dim_)
+  if (&c.backend() != &model_->backend() || c.layers() != config().num_hidden_layers || c.kv_dim() != kv_dim_ ||
+      c.v_dim() != v_dim_)
     fail("[{}] KV cache {} is not one of this model's (new_cache()): {} layers of width {} on another backend", op,
          index, c.layers(), c.kv_dim());
 }

@@ -60,7 +60,7 @@ class ModelRunner : public Runner {
   std::unique_ptr<Model> own_model_;
   Model* model_;
   int chunk_;
-  int kv_dim_;
+  int kv_dim_ = 0, v_dim_ = 0;
   // A pass's sequences, tokens and logit rows (kept: decode steps allocate nothing).
   std::vector<Model::InferSequence> seqs_;
   std::vector<int32_t> tokens_;

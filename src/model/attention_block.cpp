@@ -235,7 +235,7 @@ void AttentionBlock::forward(const BlockEnv& env, Tensor h, AttentionSaved& a, A
 void AttentionBlock::forward_cached(const BlockEnv& env, Tensor h, AttentionSaved& a, AttentionScratch& sc, Tensor ln,
                                     Tensor positions, std::span<const KvRows> seqs, const AttentionWeights& w,
                                     const PlanView& ident, long N) {
-  if (env.cfg.is_mla()) fail("[attention] latent attention over a KV cache is not implemented yet (generate, serve)");
+  if (env.cfg.is_mla()) return LatentAttention::forward_cached(env, h, a, sc, ln, positions, seqs, w, ident, N);
   Backend& be = env.be;
   const auto [NH, NKV, HD, Q, KVd] = AttentionDims::of(env);
   project(env, a, sc, ln, positions, w, ident, N);

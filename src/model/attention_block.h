@@ -81,6 +81,9 @@ struct AttentionScratch {
   Tensor datv, dkvb, dkrope;           // act store
   Tensor dkrope32, dlatn, dlat32, dkva32, dqan, dqa32;  // f32
   Tensor dstage;                       // act store: an f32 gradient entering a GEMM (act store not f32)
+  // Latent attention over caches: one sequence's cached positions expanded (set by the model for a
+  // pass, [rows >= its longest sequence] each): kv_b's output, the keys and the padded values.
+  Tensor xkvb, xk, xv;
   // training false: the forward's buffers only (stage32, row_stat).
   void carve(TensorCarver& c, const BlockEnv& env, int lora_rank, long N, bool training = true);
 };

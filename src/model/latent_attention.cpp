@@ -2,6 +2,7 @@
 #include "model/latent_attention.h"
 
 #include <algorithm>
+#include <span>
 
 #include "core/error.h"
 
@@ -90,17 +91,18 @@ void LatentAttention::carve_scratch(AttentionScratch& s, TensorCarver& c, const 
   s.dstage = act != f32 ? c.take(act, N * std::max<long>(m.kvr + m.dr, m.qr)) : Tensor{};
 }
 
-void LatentAttention::forward(const BlockEnv& env, Tensor h, AttentionSaved& a, AttentionScratch& sc, Tensor ln,
-                              Tensor positions, const AttnMask& mask, const AttentionWeights& w, const PlanView& ident,
-                              int B, int T) {
+namespace {
+
+// q (RoPE'd, scaled), the normed latent and the rotated RoPE key of N rows: the projections both the
+// training forward and the cached one start with.
+void project(const BlockEnv& env, AttentionSaved& a, Tensor ln, Tensor positions, const AttentionWeights& w,
+             const PlanView& ident, long N) {
   Backend& be = env.be;
   const ModelConfig& cfg = env.cfg;
   const Mla m = Mla::of(env);
-  const long N = (long)B * T;
-  const int C = cfg.hidden_size, HD = m.HD;
+  const int C = cfg.hidden_size, kva = m.kvr + m.dr;
   {
     Section t(env, env.sec("fwd.attn_proj", "q/k/v"));
-    // q
     if (m.qr > 0) {
       linear_forward(be, a.qa32, Tensor{}, ln, w.q_a, ident, N, C, m.qr, false);
       be.rmsnorm_forward(a.qan, a.rstd_qa, a.qa32, w.q_a_norm, N, m.qr, kLatentNormEps);
@@ -108,37 +110,83 @@ void LatentAttention::forward(const BlockEnv& env, Tensor h, AttentionSaved& a, 
     } else {
       linear_forward(be, a.q, Tensor{}, ln, w.q, ident, N, C, (int)m.Q(), false);
     }
-    // The latent and the shared RoPE key.
-    const int kva = m.kvr + m.dr;
     linear_forward(be, a.kva32, Tensor{}, ln, w.kv_a, ident, N, C, kva, false);
     be.copy_block(a.lat32, a.kva32, columns_out(N, m.kvr, kva, 0), 1.0f, false);
     be.rmsnorm_forward(a.latn, a.rstd_kv, a.lat32, w.kv_a_norm, N, m.kvr, kLatentNormEps);
     be.copy_block(a.krope, a.kva32, columns_out(N, m.dr, kva, m.kvr), 1.0f, false);
-    linear_forward(be, sc.kvb, Tensor{}, a.latn, w.kv_b, ident, N, m.kvr, (int)m.KVB(), false);
-    // k = [k_nope | k_rope] and v (zero-padded) per head.
-    const int w_kvb = m.dn + m.dv;
-    be.copy_block(a.k, sc.kvb, {N, m.nh, m.dn, m.Q(), HD, 0, m.KVB(), w_kvb, 0}, 1.0f, false);
-    be.fill_zero(a.v);
-    be.copy_block(a.v, sc.kvb, {N, m.nh, m.dv, m.Q(), HD, 0, m.KVB(), w_kvb, m.dn}, 1.0f, false);
   }
-  {
-    Section t(env, env.sec("fwd.rope", "q/k/v"));
-    be.rope_forward(a.krope, positions, N, 1, m.dr, key_rope(cfg));
-    be.copy_block(a.k, a.krope, {N, m.nh, m.dr, m.Q(), HD, m.dn, m.dr, 0, 0}, 1.0f, false);  // to every head
-    be.rope_forward(a.q, positions, N, m.nh, HD, rope_spec(cfg));
-    const float s = (float)cfg.softmax_scale_factor();
-    if (s != 1.0f) be.copy_block(a.q, a.q, {N, 1, (int)m.Q(), m.Q(), 0, 0, m.Q(), 0, 0}, s, false);
-  }
-  {
-    Section t(env, "fwd.attention");
-    be.attention_forward(a.att, a.attn_saved, a.q, a.k, a.v, mask, B, T, m.nh, m.nh, HD);
-    be.copy_block(a.atv, a.att, {N, m.nh, m.dv, m.V(), m.dv, 0, m.Q(), HD, 0}, 1.0f, false);
-  }
+  Section t(env, env.sec("fwd.rope", "q/k/v"));
+  be.rope_forward(a.krope, positions, N, 1, m.dr, key_rope(cfg));
+  be.rope_forward(a.q, positions, N, m.nh, m.HD, rope_spec(cfg));
+  const float s = (float)cfg.softmax_scale_factor();
+  if (s != 1.0f) be.copy_block(a.q, a.q, {N, 1, (int)m.Q(), m.Q(), 0, 0, m.Q(), 0, 0}, s, false);
+}
+
+// k [rows, nh*HD] = per head [k_nope | the shared rope key], v [rows, nh*HD] = per head [v | 0], from
+// kvb [rows, nh*(dn+dv)] and rope [rows, dr].
+void expand(Backend& be, const Mla& m, Tensor k, Tensor v, Tensor kvb, Tensor rope, long rows) {
+  const int w_kvb = m.dn + m.dv, HD = m.HD;
+  be.copy_block(k, kvb, {rows, m.nh, m.dn, m.Q(), HD, 0, m.KVB(), w_kvb, 0}, 1.0f, false);
+  be.copy_block(k, rope, {rows, m.nh, m.dr, m.Q(), HD, m.dn, m.dr, 0, 0}, 1.0f, false);
+  be.fill_zero(v.part(0, (size_t)rows * m.Q()));
+  be.copy_block(v, kvb, {rows, m.nh, m.dv, m.Q(), HD, 0, m.KVB(), w_kvb, m.dn}, 1.0f, false);
+}
+
+// h += o_proj(the attention output's v slices) (all-reduced under tp).
+void output(const BlockEnv& env, Tensor h, AttentionSaved& a, AttentionScratch& sc, const AttentionWeights& w,
+            const PlanView& ident, long N) {
+  Backend& be = env.be;
+  const Mla m = Mla::of(env);
+  const int C = env.cfg.hidden_size;
+  be.copy_block(a.atv, a.att, {N, m.nh, m.dv, m.V(), m.dv, 0, m.Q(), m.HD, 0}, 1.0f, false);
   Section t(env, env.sec("fwd.attn_proj", "o"));
   if (!env.tp_on()) return linear_forward(be, h, Tensor{}, a.atv, w.o, ident, N, (int)m.V(), C, true);
   linear_forward(be, sc.tmp, Tensor{}, a.atv, w.o, ident, N, (int)m.V(), C, false);  // row-parallel: partial
   env.tp_all_reduce(sc.tmp);
   be.add(h, sc.tmp);
+}
+
+}  // namespace
+
+void LatentAttention::forward(const BlockEnv& env, Tensor h, AttentionSaved& a, AttentionScratch& sc, Tensor ln,
+                              Tensor positions, const AttnMask& mask, const AttentionWeights& w, const PlanView& ident,
+                              int B, int T) {
+  const Mla m = Mla::of(env);
+  const long N = (long)B * T;
+  project(env, a, ln, positions, w, ident, N);
+  {
+    Section t(env, "fwd.attention");
+    linear_forward(env.be, sc.kvb, Tensor{}, a.latn, w.kv_b, ident, N, m.kvr, (int)m.KVB(), false);
+    expand(env.be, m, a.k, a.v, sc.kvb, a.krope, N);
+    env.be.attention_forward(a.att, a.attn_saved, a.q, a.k, a.v, mask, B, T, m.nh, m.nh, m.HD);
+  }
+  output(env, h, a, sc, w, ident, N);
+}
+
+void LatentAttention::forward_cached(const BlockEnv& env, Tensor h, AttentionSaved& a, AttentionScratch& sc, Tensor ln,
+                                     Tensor positions, std::span<const KvRows> seqs, const AttentionWeights& w,
+                                     const PlanView& ident, long N) {
+  Backend& be = env.be;
+  const Mla m = Mla::of(env);
+  project(env, a, ln, positions, w, ident, N);
+  Section t(env, env.sec("fwd.attention", "attention"));
+  for (const KvRows& r : seqs) {
+    const long len = (long)r.pos0 + r.rows;
+    MOETRON_ASSERT(r.k.numel >= (size_t)len * m.kvr && r.v.numel >= (size_t)len * m.dr && r.row0 + r.rows <= N);
+    MOETRON_ASSERT(sc.xk.numel >= (size_t)len * m.Q() && sc.xkvb.numel >= (size_t)len * m.KVB());
+    // The rows' latents and RoPE keys join the cache; then every cached position is expanded.
+    be.copy(r.k.part((size_t)r.pos0 * m.kvr, (size_t)r.rows * m.kvr), a.latn.part((size_t)r.row0 * m.kvr, (size_t)r.rows * m.kvr));
+    be.copy(r.v.part((size_t)r.pos0 * m.dr, (size_t)r.rows * m.dr), a.krope.part((size_t)r.row0 * m.dr, (size_t)r.rows * m.dr));
+    linear_forward(be, sc.xkvb, Tensor{}, r.k.part(0, (size_t)len * m.kvr), w.kv_b, ident, len, m.kvr, (int)m.KVB(),
+                   false);
+    expand(be, m, sc.xk, sc.xv, sc.xkvb, r.v, len);
+    // The sequence's rows alone (a backend may take a pass's rows as the sequences' in order).
+    const KvRows one{0, r.rows, r.pos0, sc.xk, sc.xv};
+    const size_t at = (size_t)r.row0 * m.Q(), count = (size_t)r.rows * m.Q();
+    be.attention_kv_forward(a.att.part(at, count), a.q.part(at, count), std::span<const KvRows>(&one, 1), 0, m.nh,
+                            m.nh, m.HD);
+  }
+  output(env, h, a, sc, w, ident, N);
 }
 
 void LatentAttention::backward(const BlockEnv& env, Tensor dln, Tensor dh_act, const AttentionSaved& a,

@@ -28,6 +28,16 @@ struct LatentAttention {
   static void backward(const BlockEnv& env, Tensor dln, Tensor dh_act, const AttentionSaved& a, AttentionScratch& sc,
                        Tensor ln, Tensor positions, const AttnMask& mask, const AttentionWeights& w,
                        const PlanView& ident, int B, int T);
+  // Inference over caches of latents (infer/kv_cache.h cache_widths): each sequence's rows join its
+  // cache (k: the normed latent, v: the rotated RoPE key), then its cached positions are expanded
+  // through kv_b into sc.xk / sc.xv and its rows attend to them.  Memory per cached position and
+  // layer: kv_lora_rank + qk_rope_head_dim values, not heads x (qk head + v head).
+  static void forward_cached(const BlockEnv& env, Tensor h, AttentionSaved& a, AttentionScratch& sc, Tensor ln,
+                             Tensor positions, std::span<const KvRows> seqs, const AttentionWeights& w,
+                             const PlanView& ident, long N);
+  // Elements of each expansion buffer per cached row (xkvb, xk, xv) for a tp-whole model.
+  static long expand_width_kvb(const ModelConfig& cfg) { return (long)cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim); }
+  static long expand_width_kv(const ModelConfig& cfg) { return (long)cfg.num_attention_heads * cfg.head_dim; }
 };
 
 }  // namespace moetron

@@ -13,6 +13,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "model/latent_attention.h"
 #include "dist/comm.h"
 #include "model/batch_io.h"
 #include "ops/cross_entropy.h"
@@ -26,12 +27,9 @@ ParamShard model_shard(const ModelConfig& cfg, dist::Comm* tp, dist::Comm* ep, L
                           ep ? ep->size() : 1);
 }
 
-// What the layer body does not run yet: latent attention over KV caches (inference), with LoRA.
+// What the layer body does not run yet: latent attention with LoRA.
 void check_body_supports(const ModelConfig& cfg, bool inference, bool lora) {
-  if (cfg.is_mla() && inference)
-    fail("[Model] {}: generate, chat and serve with multi-head latent attention are not implemented yet "
-         "(training is)",
-         cfg.architecture);
+  (void)inference;
   if (cfg.is_mla() && lora)
     fail("[Model] {}: LoRA on a model with multi-head latent attention is not implemented yet", cfg.architecture);
 }
@@ -1075,6 +1073,18 @@ void Model::infer(std::span<const InferSequence> seqs, std::span<const int32_t> 
     a.ident_pv = be_.upload_plan(a.ident_plan, a.ident_rt, a.ident_ro);
   }
   if (!a.dense.row_token.empty()) a.dense.build_plan(be_, n);
+  if (cfg_.is_mla()) {  // room to expand the longest sequence's cached latents (model/latent_attention.h)
+    long longest = 0;
+    for (const InferSequence& q : seqs) longest = std::max(longest, (long)q.pos0 + q.rows);
+    const long wkvb = LatentAttention::expand_width_kvb(cfg_), wkv = LatentAttention::expand_width_kv(cfg_);
+    const size_t elem = be_.element_bytes(be_.act_store()), need = (size_t)longest * (wkvb + 2 * wkv) * elem;
+    if (!mla_expand_ || mla_expand_->bytes() < need)
+      mla_expand_ = be_.allocate(std::max(need, mla_expand_ ? 2 * mla_expand_->bytes() : need), "latent expansion");
+    char* p = static_cast<char*>(mla_expand_->data());
+    a.attn_sc.xkvb = be_.view(p, be_.act_store(), (size_t)longest * wkvb);
+    a.attn_sc.xk = be_.view(p + (size_t)longest * wkvb * elem, be_.act_store(), (size_t)longest * wkv);
+    a.attn_sc.xv = be_.view(p + (size_t)longest * (wkvb + wkv) * elem, be_.act_store(), (size_t)longest * wkv);
+  }
   be_.embedding_forward(x, a.tokens, W(ParamKind::embedding), n, C, 0, V, true);
   std::vector<KvRows>& kv = a.kv;
   kv.resize(seqs.size());

@@ -461,6 +461,7 @@ class Model {
   };
   std::vector<InferLayer> infer_w_;
   void allocate_infer(long n);
+  std::unique_ptr<Allocation> mla_expand_;  // latent attention's per-pass cache expansion (infer)
 
   std::vector<ops::RouterLayerStats> router_stats_;  // of the last forward
   Profile* profile_ = nullptr;
