@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "io/hf_config.h"
+#include "model/flops.h"
 #include "model/params.h"
 #include "train/config.h"
 #include "train/plan.h"
@@ -149,6 +150,26 @@ TEST(PlanTotals, DeepSeekKimiGlmMatchTransformers) {
     for (const ParamSpec& s : t.specs()) (s.is_buffer() ? bias : sum) += (int64_t)s.numel;
     EXPECT_EQ(sum, w.total);
     EXPECT_EQ(bias, (int64_t)(m.num_hidden_layers - m.first_k_dense_replace) * m.num_local_experts);
+  }
+}
+
+// FLOPs per token of latent attention and grouped-routing models: twice the multiply-adds of every
+// matrix a token passes through, counted here from the parameter table (active experts only).
+TEST(PlanTotals, FlopsPerTokenCountTheMatricesATokenUses) {
+  for (const char* dir : {"deepseek-v3", "glm-4.5-air"}) {
+    SCOPED_TRACE(dir);
+    const ModelConfig m = load_model_config((kSrc / "configs" / "models" / dir / "config.json").string());
+    const ParamTable t(m);
+    double macs = 0;
+    for (const ParamSpec& s : t.specs()) {
+      if (s.is_norm() || s.is_bias() || s.is_buffer() || s.kind == ParamKind::embedding) continue;
+      macs += s.expert ? (double)s.numel / m.num_local_experts * m.num_experts_per_tok : (double)s.numel;
+    }
+    const FlopCount f = count_flops(m, 4096);
+    EXPECT_NEAR(f.forward_matmul_per_token, 2 * macs, 1e-9 * macs);
+    // Attention over 4096 positions: q.k over head_dim and the sum over the value width, causal half.
+    const double heads = m.num_attention_heads, qk = m.head_dim, v = m.is_mla() ? m.v_head_dim : m.head_dim;
+    EXPECT_DOUBLE_EQ(f.forward_attention_per_token, m.num_hidden_layers * 4096.0 * heads * (qk + v));
   }
 }
 
@@ -584,8 +605,8 @@ TEST(PlanTotals, DenseLayersOfAnMoeModelAreNotExperts) {
 
 // device cuda: Qwen3-MoE's 128 experts fit the CUDA router (up to 256); more are refused naming the limit.
 TEST(PlanRules, CudaExpertLimit) {
-  EXPECT_NO_THROW(small_plan(2, 1, 1, 2, {{"num_local_experts", 256}}));
-  expect_rule(error_of([] { small_plan(2, 1, 1, 2, {{"num_local_experts", 512}}); }), "at most 256 experts");
+  EXPECT_NO_THROW(small_plan(2, 1, 1, 2, {{"num_local_experts", 512}}));  // Kimi-K2 has 384
+  expect_rule(error_of([] { small_plan(2, 1, 1, 2, {{"num_local_experts", 1024}}); }), "at most 512 experts");
 }
 
 // Qwen1.5-MoE-A2.7B (Qwen2MoeForCausalLM) from its Hub config.json: 14.3B parameters, 2.7B active
