@@ -84,6 +84,24 @@ TEST(ModelInfer, ChunkedPrefillEqualsTheTrainingForward) {
   }
 }
 
+// Latent attention caches per position and layer the normed latent and the rotated RoPE key
+// (kv_lora_rank + qk_rope_head_dim values), not every head's key and value: 12 + 4 = 16 values here
+// against 4 x (12 + 12) = 96 for a full cache of the padded heads (DeepSeek-V3: 576 against 40960).
+TEST(ModelInfer, LatentCacheHoldsTheLatentAndTheRopeKeyPerPosition) {
+  const std::string dir = (kGolden / "deepseek_v3_mla_yarn").string();
+  ModelRunner run = cpu_runner(dir);
+  const ModelConfig& c = run.config();
+  KvCache cache = run.new_cache();
+  EXPECT_EQ(cache.kv_dim(), c.kv_lora_rank);
+  EXPECT_EQ(cache.v_dim(), c.qk_rope_head_dim);
+  cache.reserve(100);
+  EXPECT_EQ(cache.bytes(), (size_t)100 * (c.kv_lora_rank + c.qk_rope_head_dim) * sizeof(float) * c.num_hidden_layers);
+  const ModelConfig ds = load_model_config(std::string(MOETRON_SOURCE_DIR) + "/configs/models/deepseek-v3/config.json");
+  const auto [k, v] = cache_widths(ds);
+  EXPECT_EQ(k + v, 576);
+  EXPECT_EQ((long)ds.num_attention_heads * (ds.head_dim + ds.v_head_dim), 40960);
+}
+
 // Three sequences of different lengths decoded together, and prefilled together row by row (in passes
 // of 4 rows, so a sequence is split across passes): each gets what it gets alone.
 TEST(ModelInfer, BatchAndRowPrefillGiveEachSequenceWhatItGetsAlone) {

@@ -1,20 +1,29 @@
 #!/usr/bin/env python3
 """Write the generation references under tests/golden/generate/ (see its README.md).
 
-Tiny random models of the seven families (a Mixtral with GQA and a sliding window shorter than prompt
+Tiny random models of nine families (a Mixtral with GQA and a sliding window shorter than prompt
 + reply, a dense Llama with multi-head attention, Qwen3-MoE, OLMoE, Qwen2-MoE, a Mistral with a sliding
-window, a dense Qwen3 with tied embeddings), saved with save_pretrained in bfloat16 (half the bytes;
-moetron and transformers both compute in float32 on the bf16 values, loaded with dtype=float32),
+window, a dense Qwen3 with tied embeddings, GLM-4.5 (Glm4Moe) and DeepSeek-V3 with multi-head latent
+attention and YaRN), saved with save_pretrained in bfloat16 (half the bytes; moetron and transformers
+both compute in float32 on the saved values, loaded with dtype=float32) -- except the sigmoid routers'
+`mlp.gate.weight` and `mlp.gate.e_score_correction_bias`, which stay float32 in the file as transformers
+keeps them (_keep_in_fp32_modules_strict) in a model it holds in bf16,
 plus a tiny SentencePiece tokenizer in the Mixtral directory so the server tests have a complete
 model directory. For each model, `generate(do_sample=False)` of transformers in float32 gives the
 expected tokens. The script checks, so that an fp32 implementation must reproduce them exactly:
   * the same greedy tokens come from a float64 copy recomputing the whole sequence at every step
     without any cache (so the KV cache and the sliding-window cache of transformers agree with the
     definition);
-  * at every step the float64 top-1 logit exceeds the runner-up by more than MIN_GAP.
+  * at every step the float64 top-1 logit exceeds the runner-up by more than MIN_GAP;
+  * (GLM-4.5, DeepSeek-V3) over the whole float64 sequence, every MoE layer and token, the group and
+    the top-K expert choices (scores + selection bias) are decided by more than MIN_ROUTING_GAP, and
+    without the selection bias the greedy reply differs (so a loader dropping it fails).
 
 Development tool only: the C++ tests read the committed files. Usage:
     python3 tools/make_generate_reference.py --out tests/golden/generate
+    python3 tools/make_generate_reference.py --out tests/golden/generate --cases glm4_moe,deepseek_v3
+(--cases rewrites only the named case directories and their entries of an existing expected.json; the
+other entries are kept as they are.)
 """
 
 import argparse
@@ -26,12 +35,14 @@ import tempfile
 import sentencepiece as spm
 import torch
 import transformers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 NEW_TOKENS = 32
 MIN_GAP = 2e-3  # float64 top-1 minus top-2 logit at every greedy step
+MIN_ROUTING_GAP = 1e-3  # sigmoid routers: K-th minus (K+1)-th biased score (and group score), float64
 TEXT_MAX_TOKENS = 16  # the text exchanges (chat and completion) of the server tests
 
 # The tokenizer's training text: deterministic sentences over a small vocabulary.
@@ -72,7 +83,29 @@ CASES = {
     # its last token (its own embedding's logit dominates); tying is the training golden's.
     "qwen3_dense": dict(arch="qwen3", seed=37, vocab=120, hidden=32, inter=56, layers=2, heads=4, kv_heads=2,
                         head_dim=16, rope_theta=1e6, sliding_window=None, prompt_len=9, tokenizer=False),
+    # GLM-4.5 (Glm4Moe): partial RoPE (the first 8 of 16 head dims, rotate-half), per-head q/k norms, q/k/v
+    # biases (drawn), layer 0 dense (first_k_dense_replace 1), a sigmoid router over 2 groups of 4 experts
+    # (top-1 group) with a drawn selection bias (e_score_correction_bias, float32 in the file), top-2
+    # renormalised x 2.5, one ungated shared expert.
+    "glm4_moe": dict(arch="glm4_moe", seed=32, vocab=160, hidden=32, inter=48, moe_inter=16, layers=3,
+                     heads=4, kv_heads=2, head_dim=16, partial_rotary_factor=0.5, use_qk_norm=True,
+                     attention_bias=True, experts=8, top_k=2, n_group=2, topk_group=1, n_shared=1,
+                     routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense=1, rope_theta=1e6,
+                     sliding_window=None, prompt_len=9, tokenizer=False),
+    # DeepSeek-V3: multi-head latent attention with a q LoRA (q_lora_rank 16, kv_lora_rank 12, qk_nope 8,
+    # qk_rope 4, v_head 6), interleaved YaRN RoPE (attention factor and softmax mscale != 1), layer 0 dense,
+    # a sigmoid router over 4 groups of 2 experts (top-2 groups) with a drawn selection bias, top-3
+    # renormalised x 2.5, shared expert width 2 x 16.
+    "deepseek_v3": dict(arch="deepseek_v3", seed=36, vocab=160, hidden=32, inter=48, moe_inter=16, layers=3,
+                        heads=4, kv_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope=8, qk_rope=4, v_head=6,
+                        experts=8, top_k=3, n_group=4, topk_group=2, n_shared=2, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, first_k_dense=1, rope_interleave=True, rope_theta=1e4,
+                        yarn=dict(factor=4.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1,
+                                  mscale=0.8, mscale_all_dim=0.6),
+                        max_position_embeddings=256, sliding_window=None, prompt_len=9, tokenizer=False),
 }
+SIGMOID_MOE_ARCHS = ("glm4_moe", "deepseek_v3")  # DeepSeek-V3 style routers (mlp.gate with a selection bias)
+EAGER_EXPERT_ARCHS = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe") + SIGMOID_MOE_ARCHS
 TINY_TOKENIZER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data",
                                    "tiny-bytelevel-tokenizer.json")
 # Qwen2.5's ChatML template without its default system prompt (moetron's chatml inserts none).
@@ -81,6 +114,8 @@ CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + 
           "{%- endif %}")
 QK_SCALE = 4.0  # attention far from uniform, so position / cache / window errors change the logits
 GATE_SCALE = 10.0  # decisive routing
+E_BIAS_SCALE = 0.1  # mlp.gate.e_score_correction_bias (HF inits it to 0): N(0, 0.1) so it changes some choices
+MLA_KV_SCALE = 6.0  # MLA: kv_b_proj and kv_a_proj_with_mqa (k_nope, k_rope) scaled like q (as tools/make_golden.py)
 HEAD_SCALE = 40.0  # logits spread over several units: clear greedy choices
 NORM_JITTER = 0.1
 
@@ -94,7 +129,24 @@ def build(c):
                   rms_norm_eps=1e-5, initializer_range=0.02, tie_word_embeddings=False, max_position_embeddings=512,
                   bos_token_id=1, eos_token_id=2, pad_token_id=None,
                   rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]})
-    if c["arch"] == "mixtral":
+    if c["arch"] in SIGMOID_MOE_ARCHS:
+        common["max_position_embeddings"] = c.get("max_position_embeddings", 512)
+        moe = dict(moe_intermediate_size=c["moe_inter"], n_routed_experts=c["experts"], num_experts_per_tok=c["top_k"],
+                   n_shared_experts=c["n_shared"], n_group=c["n_group"], topk_group=c["topk_group"],
+                   routed_scaling_factor=c["routed_scaling_factor"], norm_topk_prob=c["norm_topk_prob"],
+                   first_k_dense_replace=c["first_k_dense"])
+    if c["arch"] == "glm4_moe":
+        common["rope_parameters"]["partial_rotary_factor"] = c["partial_rotary_factor"]
+        cfg = Glm4MoeConfig(**common, **moe, head_dim=c["head_dim"], use_qk_norm=c["use_qk_norm"],
+                            attention_bias=c["attention_bias"])
+        cls = Glm4MoeForCausalLM
+    elif c["arch"] == "deepseek_v3":
+        common["rope_parameters"] = {"rope_type": "yarn", "rope_theta": c["rope_theta"], **c["yarn"]}
+        cfg = DeepseekV3Config(**common, **moe, q_lora_rank=c["q_lora_rank"], kv_lora_rank=c["kv_lora_rank"],
+                               qk_nope_head_dim=c["qk_nope"], qk_rope_head_dim=c["qk_rope"], v_head_dim=c["v_head"],
+                               rope_interleave=c["rope_interleave"], attention_bias=False)
+        cls = DeepseekV3ForCausalLM
+    elif c["arch"] == "mixtral":
         cfg = MixtralConfig(**common, num_local_experts=c["experts"], num_experts_per_tok=c["top_k"],
                             router_aux_loss_coef=0.02, router_jitter_noise=0.0, sliding_window=c["sliding_window"])
         cls = MixtralForCausalLM
@@ -137,9 +189,84 @@ def build(c):
                 p.copy_(0.1 * torch.randn(p.shape))
             elif name == "lm_head.weight":
                 p.mul_(HEAD_SCALE)
-            # bf16 storage: round now so the float32 model is exactly the saved one
-            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+            if c["arch"] == "deepseek_v3" and name.endswith("q_b_proj.weight"):  # MLA's q (with a q LoRA)
+                p.mul_(QK_SCALE)
+            if c["arch"] == "deepseek_v3" and name.endswith(("kv_b_proj.weight", "kv_a_proj_with_mqa.weight")):
+                p.mul_(MLA_KV_SCALE)
+            # bf16 storage: round now so the float32 model is exactly the saved one (the tensors kept in
+            # float32 in the file stay as drawn)
+            if not keeps_fp32(model, name):
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))
+        if c["arch"] in SIGMOID_MOE_ARCHS:  # a persistent float32 buffer, saved with the weights
+            for name, b in model.named_buffers():
+                if name.endswith("mlp.gate.e_score_correction_bias"):
+                    b.copy_(E_BIAS_SCALE * torch.randn(b.shape))
     return model
+
+
+def keeps_fp32(model, name):
+    """Whether transformers keeps this parameter / buffer in float32 in a bf16 model
+    (_keep_in_fp32_modules_strict: the sigmoid routers' gate.weight and e_score_correction_bias)."""
+    keep = type(model)._keep_in_fp32_modules_strict or []
+    return any(name == k or name.endswith("." + k) for k in keep)
+
+
+def save_bf16(model, d):
+    """save_pretrained in bfloat16, but for what transformers keeps in float32 (keeps_fp32); returns the
+    state dict written, in its saved dtypes."""
+    keep = {n: t.detach().clone() for n, t in model.state_dict().items() if keeps_fp32(model, n)}
+    model.to(torch.bfloat16)
+    for n, t in keep.items():
+        owner, _, attr = n.rpartition(".")
+        getattr(model.get_submodule(owner), attr).data = t
+    model.save_pretrained(d, safe_serialization=True)
+    return model.state_dict()
+
+
+def routing_gaps(model64, c, ids):
+    """Sigmoid routers (GLM-4.5, DeepSeek-V3): over a float64 forward of `ids`, every MoE layer and token,
+    transformers' group-limited top-K choice on scores + e_score_correction_bias equals a float64
+    re-derivation; returns the smallest topk_group-th minus next group score, the smallest K-th minus
+    (K+1)-th allowed score, and how many (layer, token) choices the selection bias changes."""
+    seen = []
+    hooks = [m.register_forward_hook(lambda m, i, o: seen.append((m, i[0].detach(), o[2].detach())))
+             for n, m in model64.named_modules() if n.endswith("mlp.gate")]
+    with torch.no_grad():
+        model64(torch.tensor([ids]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    assert len(seen) == c["layers"] - c["first_k_dense"]
+    group_gap, choice_gap, changed = float("inf"), float("inf"), 0
+    for gate, x, hf_idx in seen:
+        scores = torch.sigmoid(x.reshape(-1, c["hidden"]).double() @ gate.weight.double().t())
+        biased = scores + gate.e_score_correction_bias.double()
+        choice, gg, cg = route_sigmoid(biased, c["n_group"], c["topk_group"], c["top_k"])
+        plain, _, _ = route_sigmoid(scores, c["n_group"], c["topk_group"], c["top_k"])
+        assert torch.equal(choice, torch.sort(hf_idx, dim=-1).values), "routing differs from transformers'"
+        if gg is not None:
+            group_gap = min(group_gap, gg.min().item())
+        choice_gap = min(choice_gap, cg.min().item())
+        changed += (choice != plain).any(dim=-1).sum().item()
+    return group_gap, choice_gap, changed
+
+
+def route_sigmoid(scores_for_choice, n_group, topk_group, top_k):
+    """transformers' group-limited top-K (Glm4MoeTopkRouter / DeepseekV3TopkRouter): a group's score is the
+    sum of its two best scores, the topk_group best groups are kept, the top-K scores inside them chosen.
+    Returns the sorted choice [N, K], the topk_group-th minus (topk_group+1)-th group score (None when
+    every group is kept) and the K-th minus (K+1)-th allowed score."""
+    n, e = scores_for_choice.shape
+    group_scores = scores_for_choice.view(n, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_gap = None
+    if n_group > topk_group:
+        gs = torch.sort(group_scores, dim=-1, descending=True).values
+        group_gap = gs[:, topk_group - 1] - gs[:, topk_group]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, topk_group, dim=-1)[1], 1)
+    allowed = group_mask.unsqueeze(-1).expand(-1, n_group, e // n_group).reshape(n, e).bool()
+    masked = scores_for_choice.masked_fill(~allowed, float("-inf"))
+    srt = torch.sort(masked, dim=-1, descending=True).values
+    choice = torch.sort(torch.topk(masked, top_k, dim=-1)[1], dim=-1).values
+    return choice, group_gap, srt[:, top_k - 1] - srt[:, top_k]
 
 
 def train_tokenizer(out_dir, vocab):
@@ -204,12 +331,25 @@ def make_case(name, c, out_root):
         shutil.rmtree(d)
     os.makedirs(d)
     model = build(c)
-    model.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
     cls = type(model)
+    if cls._keep_in_fp32_modules_strict:
+        saved = save_bf16(model, d)
+        # The file holds what transformers holds for the model loaded in bf16: float32 where it keeps float32.
+        held = cls.from_pretrained(d, dtype=torch.bfloat16).state_dict()
+        assert {n: t.dtype for n, t in saved.items()} == {n: t.dtype for n, t in held.items()}, "saved dtypes"
+        assert all(torch.equal(saved[n], held[n]) for n in saved), "a bf16 load changed a value"
+        assert any(t.dtype == torch.float32 for t in saved.values())
+    else:
+        model.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
     model32 = cls.from_pretrained(d, dtype=torch.float32).eval()
     for (n1, p1), (n2, p2) in zip(model.named_parameters(), model32.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2), f"reload changed {n1}"
-    kw = {"experts_implementation": "eager"} if c["arch"] in ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe") else {}  # no float64 grouped_mm
+    if c["arch"] in SIGMOID_MOE_ARCHS:  # the selection bias is a buffer: saved, and loaded back unchanged
+        b1 = {n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+        b2 = {n: b for n, b in model32.named_buffers() if n.endswith("e_score_correction_bias")}
+        assert b1.keys() == b2.keys() and len(b1) == c["layers"] - c["first_k_dense"]
+        assert all(torch.equal(b1[n], b2[n]) and b2[n].abs().min() > 0 for n in b1), "selection bias lost"
+    kw = {"experts_implementation": "eager"} if c["arch"] in EAGER_EXPERT_ARCHS else {}  # no float64 grouped_mm
     model64 = cls.from_pretrained(d, dtype=torch.float32, attn_implementation="eager", **kw).double().eval()
 
     eos = 2
@@ -240,6 +380,24 @@ def make_case(name, c, out_root):
     assert gap > MIN_GAP, f"{name}: smallest greedy gap {gap:.3g}; change the seed"
     assert len(set(gen)) >= 8, f"{name}: only {len(set(gen))} distinct tokens; change the seed"
     case.update(prompt_ids=prompt, expected_ids=gen, min_top1_gap_float64=round(gap, 6))
+    if c["arch"] in SIGMOID_MOE_ARCHS:
+        group_gap, choice_gap, changed = routing_gaps(model64, c, prompt + gen)
+        assert group_gap > MIN_ROUTING_GAP, f"{name}: group gap {group_gap:.3g}; change the seed"
+        assert choice_gap > MIN_ROUTING_GAP, f"{name}: routing gap {choice_gap:.3g}; change the seed"
+        assert changed > 0, f"{name}: the selection bias changes no choice; change the seed"
+        # Without the selection bias (a loader dropping it) the reply differs.
+        biases = [b for n, b in model64.named_buffers() if n.endswith("e_score_correction_bias")]
+        kept = [b.clone() for b in biases]
+        for b in biases:
+            b.zero_()
+        unbiased, _ = greedy_recompute64(model64, prompt, NEW_TOKENS, eos)
+        for b, k in zip(biases, kept):
+            b.copy_(k)
+        assert unbiased != gen, f"{name}: the reply does not depend on the selection bias; change the seed"
+        first = next(i for i in range(NEW_TOKENS) if i >= len(unbiased) or unbiased[i] != gen[i])
+        print(f"{name}: routing gaps: group {group_gap:.4f}, choice {choice_gap:.4f}; the selection bias changes "
+              f"{changed} of {(c['layers'] - c['first_k_dense']) * len(prompt + gen)} (layer, token) choices; "
+              f"without it the reply differs from new token {first} on")
     if c["sliding_window"]:
         assert len(prompt) + NEW_TOKENS > c["sliding_window"] > len(prompt)
 
@@ -288,9 +446,22 @@ def make_case(name, c, out_root):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/golden/generate")
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated case names: rewrite only these, keeping the other entries of the "
+                         "existing expected.json")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    cases = [make_case(n, c, args.out) for n, c in CASES.items()]
+    if args.cases is None:
+        cases = [make_case(n, c, args.out) for n, c in CASES.items()]
+    else:
+        names = args.cases.split(",")
+        assert all(n in CASES for n in names), f"unknown case in {names}; known: {list(CASES)}"
+        with open(os.path.join(args.out, "expected.json")) as f:
+            old = {c["model"]: c for c in json.load(f)["cases"]}
+        missing = [n for n in CASES if n not in names and n not in old]
+        assert not missing, f"expected.json has no {missing}; run without --cases"
+        new = {n: make_case(n, CASES[n], args.out) for n in names}
+        cases = [new[n] if n in new else old[n] for n in CASES]
     meta = {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
             "sentencepiece_version": spm.__version__, "cases": cases}
     with open(os.path.join(args.out, "expected.json"), "w") as f:  # one line per case
@@ -298,7 +469,8 @@ def main():
         f.write(json.dumps(head)[:-1] + ', "cases": [\n')
         f.write(",\n".join(json.dumps(c) for c in cases) + "\n]}\n")
     for c in cases:
-        print(c["model"], "prompt", len(c["prompt_ids"]), "tokens; min gap", c["min_top1_gap_float64"])
+        print(c["model"], "prompt", len(c["prompt_ids"]), "tokens;", len(c["expected_ids"]), "new; min gap",
+              c["min_top1_gap_float64"])
         if "text" in c:
             print("  chat:", repr(c["text"]["chat"]["content"]), c["text"]["chat"]["finish_reason"])
             if "completion" in c["text"]:
