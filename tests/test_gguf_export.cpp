@@ -326,11 +326,14 @@ std::map<std::string, Want> want_tensors(const ModelConfig& cfg, const ParamTabl
       put(b + "attn_q_norm.weight", {HD}, TensorType::F32, whole(ParamKind::q_norm, l));
       put(b + "attn_k_norm.weight", {HD}, TensorType::F32, whole(ParamKind::k_norm, l));
     }
-    put(b + "ffn_norm.weight", {C}, TensorType::F32, whole(ParamKind::post_norm, l));
+    const bool glm = arch == "glm4moe";  // the FFN input norm is post_attention_norm; the selection bias
+    put(b + (glm ? "post_attention_norm.weight" : "ffn_norm.weight"), {C}, TensorType::F32,
+        whole(ParamKind::post_norm, l));
     const int64_t I = cfg.ffn_size(l);
     if (cfg.is_moe_layer(l)) {
       const int64_t E = cfg.num_local_experts;
       put(b + "ffn_gate_inp.weight", {C, E}, TensorType::F32, whole(ParamKind::router, l));
+      if (glm) put(b + "exp_probs_b.bias", {E}, TensorType::F32, whole(ParamKind::router_bias, l));
       std::vector<float> gate, up;  // w13 holds per expert I gate rows, then I up rows
       for (int64_t e = 0; e < E; e++) {
         const auto g = vals(ParamKind::ffn_w13, l, (size_t)(e * 2 * I * C), (size_t)(I * C));
@@ -346,9 +349,10 @@ std::map<std::string, Want> want_tensors(const ModelConfig& cfg, const ParamTabl
       put(b + "ffn_up.weight", {C, I}, mt, vals(ParamKind::ffn_w13, l, (size_t)(I * C), (size_t)(I * C)));
       put(b + "ffn_down.weight", {I, C}, mt, whole(ParamKind::ffn_w2, l));
     }
-    if (cfg.has_shared_expert()) {
+    if (cfg.has_shared_expert() && cfg.is_moe_layer(l)) {
       const int64_t Is = cfg.shared_expert_intermediate_size;
-      put(b + "ffn_gate_inp_shexp.weight", {C}, TensorType::F32, whole(ParamKind::shared_gate, l));
+      if (cfg.shared_expert_gated())
+        put(b + "ffn_gate_inp_shexp.weight", {C}, TensorType::F32, whole(ParamKind::shared_gate, l));
       put(b + "ffn_gate_shexp.weight", {C, Is}, mt, vals(ParamKind::shared_w13, l, 0, (size_t)(Is * C)));
       put(b + "ffn_up_shexp.weight", {C, Is}, mt, vals(ParamKind::shared_w13, l, (size_t)(Is * C), (size_t)(Is * C)));
       put(b + "ffn_down_shexp.weight", {Is, C}, mt, whole(ParamKind::shared_w2, l));
@@ -409,7 +413,7 @@ void check_gguf(const fs::path& path, const fs::path& model_dir, const Expect& x
   EXPECT_EQ(kv_u32(f, A + ".attention.head_count_kv"), (uint64_t)cfg.num_key_value_heads);
   EXPECT_EQ(kv_u32(f, A + ".attention.key_length"), (uint64_t)cfg.head_dim);
   EXPECT_EQ(kv_u32(f, A + ".attention.value_length"), (uint64_t)cfg.head_dim);
-  EXPECT_EQ(kv_u32(f, A + ".rope.dimension_count"), (uint64_t)cfg.head_dim);
+  EXPECT_EQ(kv_u32(f, A + ".rope.dimension_count"), (uint64_t)cfg.rope_dim());
   EXPECT_EQ(kv_f32(f, A + ".rope.freq_base"), (double)(float)cfg.rope_theta);
   EXPECT_EQ(kv_f32(f, A + ".attention.layer_norm_rms_epsilon"), (double)(float)cfg.rms_norm_eps);
   if (cfg.is_moe()) {
@@ -421,7 +425,13 @@ void check_gguf(const fs::path& path, const fs::path& model_dir, const Expect& x
   } else {
     EXPECT_EQ(f.find(A + ".expert_count"), nullptr);
   }
-  if (cfg.has_shared_expert()) {
+  if (A == "glm4moe") {  // llama.cpp's glm4moe keys (src/models/glm4-moe.cpp)
+    EXPECT_EQ(kv_u32(f, A + ".expert_feed_forward_length"), (uint64_t)cfg.expert_intermediate_size());
+    EXPECT_EQ(kv_u32(f, A + ".expert_shared_count"), (uint64_t)cfg.n_shared_experts);
+    EXPECT_EQ(kv_u32(f, A + ".leading_dense_block_count"), (uint64_t)cfg.first_k_dense_replace);
+    EXPECT_EQ(kv_f32(f, A + ".expert_weights_scale"), (double)(float)cfg.routed_scaling_factor);
+    EXPECT_EQ(kv_u32(f, A + ".expert_gating_func"), 2u);  // sigmoid
+  } else if (cfg.has_shared_expert()) {
     EXPECT_EQ(kv_u32(f, A + ".expert_shared_feed_forward_length"), (uint64_t)cfg.shared_expert_intermediate_size);
   }
 
@@ -817,6 +827,30 @@ TEST(GgufExport, Qwen2MoeSharedExpertQwenSplitAndJinjaTemplate) {
   EXPECT_EQ(kv_str(f, "tokenizer.chat_template"), "{{ messages[0]['content'] }}");
   EXPECT_EQ(kv_str(f, "tokenizer.ggml.pre"), "qwen2");
   EXPECT_EQ(f.find_tensor("blk.0.attn_q.bias")->type, TensorType::F32);
+}
+
+// GLM-4.5 as llama.cpp's glm4moe (tools/check_gguf_llama.py runs it there: greedy tokens equal):
+// every tensor under its name, the selection bias as exp_probs_b, partial RoPE's width; the golden's
+// two expert groups (one searched) are refused naming the fields.
+TEST(GgufExport, Glm4MoeWithTheSelectionBiasAndSharedExpert) {
+  Dir d;
+  const fs::path tok = write_small_tokenizer(d.path / "tok", false);
+  const fs::path model = d.path / "glm";
+  derive(kGolden / "generate" / "glm4_moe", model, [](json& c) { c["n_group"] = 1, c["topk_group"] = 1; });
+  const fs::path out = d.path / "glm.gguf";
+  const CliRun r = run_export(d, "--model " + q(model) + " --tokenizer " + q(tok) + " --output " + q(out));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  check_gguf(out, model, {"glm4moe", TensorType::BF16, 0, tok.string()});
+  const gguf::File f = gguf::File::open(out.string());
+  EXPECT_EQ(kv_u32(f, "glm4moe.rope.dimension_count"), 8u);  // head_dim 16 x partial_rotary_factor 0.5
+  EXPECT_NE(f.find_tensor("blk.1.exp_probs_b.bias"), nullptr);
+  EXPECT_EQ(f.find_tensor("blk.0.exp_probs_b.bias"), nullptr);  // layer 0 is dense
+  const fs::path refused = d.path / "refused.gguf";
+  const CliRun g = run_export(d, "--model " + q(kGolden / "generate" / "glm4_moe") + " --tokenizer " + q(tok) +
+                                     " --output " + q(refused));
+  EXPECT_EQ(g.exit_code, 2);
+  EXPECT_NE(g.err.find("'n_group'"), std::string::npos) << g.err;
+  EXPECT_FALSE(fs::exists(refused));
 }
 
 TEST(GgufExport, DenseAndOlmoeModelsWithAGivenTokenizer) {

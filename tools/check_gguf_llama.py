@@ -104,6 +104,11 @@ def small_tokenizer(dst):
         vocab[c] = i
         i += 1
     vocab["\u0120"] = i
+    # The special tokens are vocabulary pieces too, at the ids they declare (Hugging Face tokenizers
+    # gives added tokens that are not pieces the ids after the vocabulary's: moetron refuses a file
+    # whose declared ids disagree).
+    for k, c in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]):
+        vocab[c] = k
     added = [{"id": k, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
               "normalized": False, "special": True}
              for k, c in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])]
@@ -165,6 +170,11 @@ def main():
                keep=[0, 2])
         olmoe = os.path.join(work, "olmoe_no_clip")
         derive(os.path.join(GOLDEN, "olmoe"), olmoe, lambda c: c.update(clip_qkv=None))
+        # GLM-4.5 (glm4moe): llama.cpp's graph searches every expert, so the golden's two groups (one
+        # searched) become one; everything else as committed (sigmoid router with the selection bias,
+        # shared expert, a leading dense layer, partial RoPE, q/k norms and biases).
+        glm = os.path.join(work, "glm4_moe_one_group")
+        derive(os.path.join(GOLDEN, "glm4_moe"), glm, lambda c: c.update(n_group=1, topk_group=1))
         tok = small_tokenizer(work)
 
         mixtral = os.path.join(GOLDEN, "mixtral_gqa")
@@ -183,6 +193,7 @@ def main():
             ("llama_dense", "bf16", os.path.join(GOLDEN, "llama_dense"), "llama_dense", 32, ["--tokenizer", tok],
              own_tok, True),
             ("olmoe, clip_qkv removed", "bf16", olmoe, "olmoe", 32, ["--tokenizer", tok], own_tok, False),
+            ("glm4_moe, one expert group", "bf16", glm, "glm4_moe", 32, ["--tokenizer", tok], own_tok, False),
             # Q8_0: the same int8 weights on both sides (moetron --quantize q8_0 quantizes at load by the
             # rule the export writes); the inputs are quantized per block on both sides too.
             ("mixtral_gqa, sliding_window removed", "q8_0", m_nowin, "mixtral_gqa", 32, [],

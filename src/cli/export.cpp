@@ -162,7 +162,8 @@ std::vector<Planned> plan_tensors(const ModelConfig& cfg, const ParamTable& tabl
       one(b + "attn_q_norm.weight", ParamKind::q_norm, l, true);
       one(b + "attn_k_norm.weight", ParamKind::k_norm, l, true);
     }
-    one(b + "ffn_norm.weight", ParamKind::post_norm, l, true);
+    // glm4moe's graph reads the FFN input norm as post_attention_norm.
+    one(b + (a.sigmoid_router ? "post_attention_norm.weight" : "ffn_norm.weight"), ParamKind::post_norm, l, true);
     const auto& w13 = spec_refs(ParamKind::ffn_w13, l);
     const auto& w2 = spec_refs(ParamKind::ffn_w2, l);
     std::vector<const HfTensorRef*> gates, ups;
@@ -170,6 +171,7 @@ std::vector<Planned> plan_tensors(const ModelConfig& cfg, const ParamTable& tabl
     if (cfg.is_moe_layer(l)) {
       const int64_t E = cfg.num_local_experts, I = cfg.ffn_size(l);
       one(b + "ffn_gate_inp.weight", ParamKind::router, l, true);
+      if (table.has(ParamKind::router_bias, l)) one(b + "exp_probs_b.bias", ParamKind::router_bias, l, true);
       add(b + "ffn_gate_exps.weight", {E, I, C}, gates, false);
       add(b + "ffn_up_exps.weight", {E, I, C}, ups, false);
       add(b + "ffn_down_exps.weight", {E, C, I}, w2, false);
@@ -180,7 +182,8 @@ std::vector<Planned> plan_tensors(const ModelConfig& cfg, const ParamTable& tabl
     }
     if (table.has(ParamKind::shared_w13, l)) {
       const auto& s13 = spec_refs(ParamKind::shared_w13, l);
-      add(b + "ffn_gate_inp_shexp.weight", {C}, spec_refs(ParamKind::shared_gate, l), true);
+      if (table.has(ParamKind::shared_gate, l))
+        add(b + "ffn_gate_inp_shexp.weight", {C}, spec_refs(ParamKind::shared_gate, l), true);
       add(b + "ffn_gate_shexp.weight", s13[0]->shape, {s13[0]}, false);
       add(b + "ffn_up_shexp.weight", s13[1]->shape, {s13[1]}, false);
       add(b + "ffn_down_shexp.weight", spec_refs(ParamKind::shared_w2, l)[0]->shape, spec_refs(ParamKind::shared_w2, l),

@@ -25,9 +25,16 @@ Arch arch_for(const ModelConfig& cfg, const std::string& src) {
     return {
         .name = "olmoe", .moe = true, .qk_norm = 2, .attn_is_hidden = true, .kv_is_heads = true, .needs_output = true};
   if (t == "qwen3") return {.name = "qwen3", .qk_norm = 1};
+  if (t == "glm4_moe")  // either norm choice (expert_weights_norm), q/k norm optional (use_qk_norm)
+    return {.name = "glm4moe",
+            .moe = true,
+            .norm_topk = cfg.norm_topk_prob,
+            .shared_expert = cfg.has_shared_expert(),
+            .qk_norm = cfg.qk_norm ? 1 : 0,
+            .sigmoid_router = true};
   refuse(
       fmt::format("{}: field 'model_type' = '{}' has no GGUF export (supported: mixtral, mistral, llama, qwen3_moe, "
-                  "qwen2_moe, olmoe, qwen3)",
+                  "qwen2_moe, olmoe, qwen3, glm4_moe)",
                   src, t));
 }
 
@@ -37,7 +44,7 @@ int check_expressible(const ModelConfig& cfg, const Arch& a, bool window_as_cont
   if (a.moe) {
     if (!cfg.is_moe()) refuse(fmt::format("{}: the model has no experts (num_experts){}", src, tail));
     for (int l = 0; l < L; l++) {
-      if (cfg.is_moe_layer(l)) continue;
+      if (cfg.is_moe_layer(l) || (a.sigmoid_router && l < cfg.first_k_dense_replace)) continue;
       const bool listed =
           std::find(cfg.mlp_only_layers.begin(), cfg.mlp_only_layers.end(), l) != cfg.mlp_only_layers.end();
       refuse(
@@ -63,7 +70,11 @@ int check_expressible(const ModelConfig& cfg, const Arch& a, bool window_as_cont
   if (cfg.clip_qkv > 0)
     refuse(fmt::format("{}: field 'clip_qkv' = {}: llama.cpp's {} graph does not clamp q, k and v{}", src, cfg.clip_qkv,
                        a.name, tail));
-  if (cfg.qkv_bias && a.name != "qwen2moe" && a.name != "llama")
+  if (a.sigmoid_router && cfg.topk_group < cfg.n_group)
+    refuse(fmt::format("{}: fields 'n_group' = {}, 'topk_group' = {}: llama.cpp's {} graph searches every expert, "
+                       "not the best groups{}",
+                       src, cfg.n_group, cfg.topk_group, a.name, tail));
+  if (cfg.qkv_bias && a.name != "qwen2moe" && a.name != "llama" && a.name != "glm4moe")
     refuse(fmt::format("{}: field 'qkv_bias' = true: llama.cpp's {} graph has no q/k/v biases{}", src, a.name, tail));
   if (a.attn_is_hidden && (int64_t)cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size)
     refuse(
@@ -102,14 +113,23 @@ void add_arch_keys(KeyValues& kv, const ModelConfig& cfg, const Arch& a, int con
   u32("attention.head_count_kv", cfg.num_key_value_heads);
   u32("attention.key_length", cfg.head_dim);
   u32("attention.value_length", cfg.head_dim);
-  u32("rope.dimension_count", cfg.head_dim);
+  u32("rope.dimension_count", cfg.rope_dim());
   kv.emplace_back(A + ".rope.freq_base", Value::f32((float)cfg.rope_theta));
   kv.emplace_back(A + ".attention.layer_norm_rms_epsilon", Value::f32((float)cfg.rms_norm_eps));
   if (cfg.is_moe()) {
     u32("expert_count", cfg.num_local_experts);
     u32("expert_used_count", cfg.num_experts_per_tok);
-    if (A == "qwen3moe" || A == "qwen2moe") u32("expert_feed_forward_length", cfg.expert_intermediate_size());
-    if (cfg.has_shared_expert()) u32("expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size);
+    if (A == "qwen3moe" || A == "qwen2moe" || a.sigmoid_router)
+      u32("expert_feed_forward_length", cfg.expert_intermediate_size());
+    if (a.sigmoid_router) {
+      u32("expert_shared_count", cfg.n_shared_experts);
+      u32("leading_dense_block_count", cfg.first_k_dense_replace);
+      kv.emplace_back(A + ".expert_weights_scale", Value::f32((float)cfg.routed_scaling_factor));
+      kv.emplace_back(A + ".expert_weights_norm", Value::boolean(cfg.norm_topk_prob));
+      u32("expert_gating_func", 2);  // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+    } else if (cfg.has_shared_expert()) {
+      u32("expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size);
+    }
   }
 }
 

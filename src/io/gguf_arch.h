@@ -9,6 +9,12 @@
 //                                          ffn_gate_inp_shexp [C]; expert_(shared_)feed_forward_length
 //   olmoe                       olmoe      attn_{q,k}_norm over all heads [C]
 //   qwen3                       qwen3      attn_{q,k}_norm [head_dim]
+//   glm4_moe                    glm4moe    sigmoid routing with the selection bias exp_probs_b,
+//                                          expert_weights_scale / _norm, expert_gating_func 2; ungated
+//                                          shared experts ffn_*_shexp (expert_shared_count); the first
+//                                          leading_dense_block_count layers dense; partial RoPE
+//                                          (rope.dimension_count); optional attn_{q,k}_norm and q/k/v
+//                                          biases; the FFN input norm is post_attention_norm
 #pragma once
 
 #include <string>
@@ -29,6 +35,7 @@ struct Arch {
   bool attn_is_hidden = false;  // the graph sizes q and o by n_embd (NH * HD must equal C)
   bool kv_is_heads = false;     // k_norm sized n_embd: no GQA
   bool needs_output = false;    // output.weight required (no fallback to token_embd for tied models)
+  bool sigmoid_router = false;  // glm4moe: sigmoid scores, selection bias, scale, leading dense layers
 };
 
 // The architecture of `cfg` (by model_type); InputError naming `src` and the field otherwise.
