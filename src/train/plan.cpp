@@ -29,6 +29,9 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 struct Dims {
   int64_t B, T, N, C, NH, NKV, HD, E, K, M, I, L, V;
   int64_t NHr, Qr, KVr, Ir, Vr;  // per tp rank
+  // Latent attention's per-token extras (model/latent_attention.h), act store and f32: the normed
+  // q_a output and latent, the RoPE key, o_proj's input; the f32 q_a / kv_a outputs, the latent.
+  int64_t mla_a = 0, mla_f32 = 0;
   bool moe;
 };
 
@@ -52,6 +55,11 @@ Dims dims_of(const Plan& p) {
   d.NHr = d.NH / p.tp;
   d.Qr = d.NHr * d.HD;
   d.KVr = (d.NKV >= p.tp ? d.NKV / p.tp : 1) * d.HD;
+  if (c.is_mla()) {  // k and v (v padded to head_dim) of every head: [N, NHr*HD] each
+    d.KVr = d.Qr;
+    d.mla_a = c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim + d.NHr * c.v_head_dim;
+    d.mla_f32 = c.q_lora_rank + 2 * c.kv_lora_rank + c.qk_rope_head_dim + 2;
+  }
   d.Ir = d.I / p.tp;
   d.Vr = d.V / p.tp;
   return d;
@@ -118,11 +126,13 @@ LayerActivationBytes layer_activation_bytes(const Plan& p) {
   const int64_t a = p.activation_dtype_bytes;
   const bool cpu = p.device != "cuda";
   // x, ln1, h, ln2 [N,C]; q, att [N,Qr]; k, v [N,KVr]; MoE: xperm, yperm [M,C]; h13 [M,2Ir], act [M,Ir].
-  const int64_t layer_a = 4 * d.N * d.C + d.N * (2 * d.Qr + 2 * d.KVr) + (d.moe ? 2 * d.M * d.C : 0) + 3 * d.M * d.Ir;
+  const int64_t layer_a = 4 * d.N * d.C + d.N * (2 * d.Qr + 2 * d.KVr + d.mla_a) + (d.moe ? 2 * d.M * d.C : 0) +
+                          3 * d.M * d.Ir;
   // fp32: rstd1, rstd2 [N]; attention state: cpu probabilities [B,NHr,T,T], cuda log-sum-exp
   // [B,NHr,T]; MoE: router logits, probs [N,E], top-k weights and indices [N,K].
   const int64_t probs = cpu ? d.B * d.NHr * d.T * d.T : 0;
-  const int64_t layer_f32 = 2 * d.N + (cpu ? probs : d.B * d.NHr * d.T) + (d.moe ? 2 * d.N * d.E + 2 * d.N * d.K : 0);
+  const int64_t layer_f32 = 2 * d.N + d.N * d.mla_f32 + (cpu ? probs : d.B * d.NHr * d.T) +
+                            (d.moe ? 2 * d.N * d.E + 2 * d.N * d.K : 0);
   return {a * layer_a + 4 * layer_f32, 4 * probs + a * d.M * d.Ir};
 }
 
