@@ -138,7 +138,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"olmoe_clip", true}, Case{"llama_dense", true}, Case{"mixtral_gqa", false, true},
                       Case{"qwen2_moe_shared", false, true}, Case{"qwen3_moe_mixed", false, true},
                       Case{"llama_dense", false, true}, Case{"mixtral_gqa", false, false, 1.0},
-                      Case{"qwen3_moe_mixed", true, false, 1.0}),
+                      Case{"qwen3_moe_mixed", true, false, 1.0}, Case{"glm4_moe_partial"}, Case{"glm4_moe_air"},
+                      Case{"deepseek_v3_mla_yarn"}, Case{"deepseek_v3_plain_q"}, Case{"glm4_moe_partial", true},
+                      Case{"deepseek_v3_mla_yarn", true}),
     case_name);
 
 // The memory each mode keeps, at a stated shape: the training-case Mixtral (hidden 128, 4 heads,
