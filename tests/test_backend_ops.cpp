@@ -395,6 +395,44 @@ OpCase z_loss_case() {
   return c;
 }
 
+// DeepSeek-V3's sequence-wise balance loss (ops/router.h) of sigmoid scores: its value from the row
+// statistics (host), its gradient through the normalised scores (rows of 5 tokens, one padding).
+OpCase sequence_loss_case() {
+  const long N = 10;
+  const int E = 6, K = 2, row = 5;
+  std::vector<uint8_t> mask(N, 1);
+  mask[7] = 0;
+  ops::RouterSpec spec;
+  spec.sigmoid = true;
+  auto grad = std::make_shared<std::vector<float>>();
+  OpCase c;
+  c.name = "router_sequence_loss";
+  std::vector<float> logits((size_t)N * E);
+  for (long n = 0; n < N; n++)
+    for (int e = 0; e < E; e++) logits[n * E + e] = 0.4f * (float)((e * 5 + n * 3) % E) - 1.0f;
+  c.inputs = {{"logits", logits}};
+  c.wrt = {"logits"};
+  c.outputs = {"aux"};
+  c.cot = {{"aux", {1.0f}}};
+  c.forward = [=](Env& e) {
+    Backend& be = e.be();
+    const Tensor probs = e.f32("probs", N * E), idx = e.alloc("idx", Store::i32, N * K), w = e.f32("w", N * K);
+    be.router_forward(probs, idx, w, e["logits"], Tensor{}, N, E, K, spec);
+    ops::RouterLayerStats st;
+    be.router_row_stats(st, probs, idx, e.put_u8("mask", mask), N, E, K, row, true);
+    std::vector<double> g;
+    e.set_scalar("aux", ops::sequence_balance_loss(st, E, K, &g));
+    grad->assign(g.begin(), g.end());
+  };
+  c.backward = [=](Env& e) {
+    const Tensor g = e.f32("g:logits", N * E), rg = e.f32("row_grad", (long)grad->size());
+    e.be().fill_zero(g);
+    e.be().upload(rg, grad->data());
+    e.be().router_sequence_backward(g, rg, e["mask"], e["probs"], N, E, row, true, 1.0f);
+  };
+  return c;
+}
+
 // Permute into plan order and combine back, for a plan built from fixed top-K choices.
 OpCase permute_combine_case(const std::string& name, std::vector<int32_t> topk, long N, int E, int K) {
   const int C = 20;
@@ -722,6 +760,7 @@ std::vector<OpCase> all_cases() {
     cases.push_back(rope_case("rope_interleaved_yarn", mla));
   }
   cases.push_back(copy_block_case());
+  cases.push_back(sequence_loss_case());
   cases.push_back(router_case("router", ops::RouterSpec::softmax(true), 8, 2));
   cases.push_back(router_case("router_no_renormalize", ops::RouterSpec::softmax(false), 8, 2));
   // DeepSeek-V3's rule: 4 groups of 2, the 2 best searched, K = 3, weights renormalised x 2.5.

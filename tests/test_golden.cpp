@@ -121,6 +121,55 @@ TEST_P(Golden, AdamWTrajectoryMatchesTorch) {
   EXPECT_NE(ref.front(), ref.back());
 }
 
+// DeepSeek-V3's sequence-wise balance loss through the whole model (moe.aux_loss sequence): the
+// gradient it adds to the router weights of every MoE layer (the difference of two backwards, with
+// and without it, over its coefficient) against central differences of the loss itself, for the
+// sigmoid router (GLM-4.5 golden) and the softmax one (Mixtral golden).
+TEST(SequenceAuxLoss, RouterGradientMatchesFiniteDifferences) {
+  for (const char* name : {"glm4_moe_partial", "mixtral_gqa"}) {
+    SCOPED_TRACE(name);
+    GoldenCase c = load_case(name);
+    Model model(c.cfg);
+    load_hf_weights(ModelTensors::open(c.dir.string()), model.table(), model.params().data(), c.dir.string());
+    LossWeights w = weights_for(c.cfg, c.batch);
+    w.aux_kind = AuxLossKind::sequence;
+    const double coef = 0.5;
+    std::vector<float> with, without;
+    for (double a : {coef, 0.0}) {
+      w.aux_coef = a;
+      model.zero_grads();
+      model.forward(c.batch, w);
+      model.backward();
+      (a > 0 ? with : without) = model.grads();
+    }
+    w.aux_coef = 0.0;
+    const double aux0 = model.forward(c.batch, w).aux_loss;
+    EXPECT_GT(aux0, 0.5);  // sum over the MoE layers of values near 1 (balanced)
+    size_t checked = 0;
+    double worst = 0, scale = 0;
+    for (int l = 0; l < c.cfg.num_hidden_layers; l++) {
+      if (!c.cfg.is_moe_layer(l)) continue;
+      const ParamSpec& r = model.table().at(ParamKind::router, l);
+      for (size_t i = 0; i < r.numel; i += r.numel / 7 + 1) {
+        const size_t at = r.offset + i;
+        const float keep = model.params()[at], h = 2e-4f;
+        model.params()[at] = keep + h;
+        const double up = model.forward(c.batch, w).aux_loss;
+        model.params()[at] = keep - h;
+        const double down = model.forward(c.batch, w).aux_loss;
+        model.params()[at] = keep;
+        const double fd = (up - down) / (2.0 * h), got = (with[at] - without[at]) / coef;
+        worst = std::max(worst, std::fabs(fd - got));
+        scale = std::max(scale, std::fabs(fd));
+        checked++;
+      }
+    }
+    EXPECT_GT(checked, 10u);
+    EXPECT_GT(scale, 1e-3) << "the loss must depend on the router weights";
+    EXPECT_LE(worst, 2e-2 * scale) << "max |fd - analytic| " << worst << " of " << scale;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Transformers, Golden,
                          ::testing::Values("mixtral_gqa", "mixtral_e3_k1", "mixtral_swa_padded", "mistral_dense",
                                            "llama_dense", "qwen3_moe_mixed", "qwen3_moe_norm_topk_padded",

@@ -370,8 +370,9 @@ TEST(PipelineStages, TwoStagesComputeTheWholeModelBitwise) {
     }
     loss_tokens += count_loss_tokens(b);
   }
-  for (AuxLossKind kind : {AuxLossKind::hf_pooled, AuxLossKind::per_layer}) {
-    const char* what = kind == AuxLossKind::hf_pooled ? "hf_pooled" : "per_layer";
+  for (AuxLossKind kind : {AuxLossKind::hf_pooled, AuxLossKind::per_layer, AuxLossKind::sequence}) {
+    const char* what = kind == AuxLossKind::hf_pooled ? "hf_pooled" : kind == AuxLossKind::per_layer ? "per_layer"
+                                                                                                      : "sequence";
     LossWeights w;
     w.ce_scale = 1.0 / (double)loss_tokens;
     w.aux_coef = 0.02 / 3;

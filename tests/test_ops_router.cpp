@@ -331,6 +331,63 @@ TEST(RouterAuxLoss, PerLayerGradientAllLayers) {
 }
 TEST(RouterAuxLoss, ZLossGradientAllLayers) { check_aux_gradient(Aux::kZ, 2); }
 
+// DeepSeek-V3's sequence-wise balance loss (ops/router.h), for the sigmoid and the softmax router: its
+// value against this test's own reading of the paper's formula, and its gradient through the
+// normalised scores against finite differences (2 rows of 4 tokens, one a padding token).
+void check_sequence_loss(bool sigmoid) {
+  const long N = 8;
+  const int E = 4, K = 2, row = 4;
+  const std::vector<uint8_t> mask = {1, 1, 1, 1, 1, 0, 1, 1};
+  auto logits = separated_logits(N, E, 0.25f, sigmoid ? 71 : 72);
+  ops::RouterSpec spec = ops::RouterSpec::softmax(true);
+  spec.sigmoid = sigmoid;
+  std::vector<float> probs(N * E), w(N * K);
+  std::vector<int32_t> idx(N * K);
+  auto run = [&](std::vector<double>* grad) {
+    ops::router_forward(probs.data(), idx.data(), w.data(), logits.data(), nullptr, N, E, K, spec);
+    ops::RouterLayerStats st;
+    ops::router_row_stats(st, probs.data(), idx.data(), mask.data(), N, E, K, row, sigmoid);
+    return ops::sequence_balance_loss(st, E, K, grad);
+  };
+  std::vector<double> g;
+  const double value = run(&g);
+  const auto idx0 = idx;
+  // The formula: per row, f_e = E / (K T) #{t: e in top-K}, P_e = mean of s'_e; the mean over rows.
+  double want = 0;
+  for (int b = 0; b < 2; b++) {
+    double T = 0, f[4] = {0, 0, 0, 0}, P[4] = {0, 0, 0, 0};
+    for (int t = 0; t < row; t++) {
+      const long n = b * row + t;
+      if (!mask[n]) continue;
+      T += 1;
+      double S = 0;
+      for (int e = 0; e < E; e++) S += probs[n * E + e];
+      for (int e = 0; e < E; e++) P[e] += probs[n * E + e] / (sigmoid ? S : 1.0);
+      for (int k = 0; k < K; k++) f[idx[n * K + k]] += 1;
+    }
+    for (int e = 0; e < E; e++) want += ((double)E / (K * T) * f[e]) * (P[e] / T) / 2;
+  }
+  EXPECT_NEAR(value, want, 1e-12);
+  std::vector<float> row_grad(g.begin(), g.end()), dlogits(N * E, 0.0f);
+  ops::router_sequence_backward(dlogits.data(), row_grad.data(), mask.data(), probs.data(), N, E, row, sigmoid, 1.0f);
+  bool selection_changed = false;
+  auto loss = [&]() {
+    const double v = run(nullptr);
+    if (idx != idx0) selection_changed = true;
+    return v;
+  };
+  auto res = finite_difference(logits, dlogits, loss, 1e-2f);
+  ASSERT_FALSE(selection_changed);
+  for (int e = 0; e < E; e++) EXPECT_EQ(dlogits[5 * E + e], 0.0f);  // the padding token
+  EXPECT_GT(res.max_ref, 1e-4);
+  expect_gradient_close(res, sigmoid ? "sequence loss dlogits (sigmoid)" : "sequence loss dlogits (softmax)");
+}
+
+TEST(RouterAuxLoss, SequenceLossValueAndGradient) {
+  check_sequence_loss(true);
+  check_sequence_loss(false);
+}
+
 // DeepSeek-V3's selection (ops/router.h) on hand-made scores: the best single expert sits in a group
 // whose two best sum less than another group's, so the group limit moves the choice; the selection
 // bias moves it again without changing the weights, which are the unbiased sigmoid scores.

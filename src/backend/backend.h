@@ -285,6 +285,12 @@ class Backend {
   // dlogits += scale * d z / d logits; real_tokens: tokens with token_mask != 0 (N without a mask).
   virtual void router_z_loss_backward(Tensor dlogits, Tensor logits, Tensor probs, Tensor token_mask, long N, int E,
                                       float scale, long real_tokens) = 0;
+  // The sequence-wise balance loss (ops/router.h): st's per-row statistics (host; synchronises), and
+  // dlogits += scale * its gradient from row_grad [B,E] f32 in backend memory.
+  virtual void router_row_stats(ops::RouterLayerStats& st, Tensor probs, Tensor topk_idx, Tensor token_mask, long N,
+                                int E, int K, int row_len, bool sigmoid) = 0;
+  virtual void router_sequence_backward(Tensor dlogits, Tensor row_grad, Tensor token_mask, Tensor probs, long N, int E,
+                                        int row_len, bool sigmoid, float scale) = 0;
 
   // ---- MoE dispatch (ops/moe_dispatch.h) --------------------------------------------------------
   // The plan's index arrays in this backend's memory (copied into row_token / row_of, or -- host

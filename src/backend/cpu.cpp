@@ -257,6 +257,17 @@ void CpuBackend::router_backward(Tensor dlogits, Tensor dtopk_w, const double* d
                        topk_idx.i32(), topk_w.f32(), N, E, K, spec);
 }
 
+void CpuBackend::router_row_stats(ops::RouterLayerStats& st, Tensor probs, Tensor topk_idx, Tensor token_mask, long N,
+                                  int E, int K, int row_len, bool sigmoid) {
+  ops::router_row_stats(st, probs.f32(), topk_idx.i32(), mask_or_null(token_mask), N, E, K, row_len, sigmoid);
+}
+
+void CpuBackend::router_sequence_backward(Tensor dlogits, Tensor row_grad, Tensor token_mask, Tensor probs, long N,
+                                          int E, int row_len, bool sigmoid, float scale) {
+  ops::router_sequence_backward(dlogits.f32(), row_grad.f32(), mask_or_null(token_mask), probs.f32(), N, E, row_len,
+                                sigmoid, scale);
+}
+
 void CpuBackend::router_z_loss_backward(Tensor dlogits, Tensor logits, Tensor probs, Tensor token_mask, long N, int E,
                                         float scale, long real_tokens) {
   (void)real_tokens;  // counted from the mask by the op

@@ -36,8 +36,8 @@ int run_forward(int argc, char** argv) {
                                         "--lora: of every adapter tensor, PEFT's names)");
   std::string lora_dir;
   app.add_option("--lora", lora_dir, "a PEFT LoRA adapter directory for the model, applied unmerged (the base frozen)");
-  app.add_option("--aux-loss", aux_kind, "load-balancing formula: hf_pooled | per_layer")
-      ->check(CLI::IsMember({"hf_pooled", "per_layer"}));
+  app.add_option("--aux-loss", aux_kind, "load-balancing formula: hf_pooled | per_layer | sequence")
+      ->check(CLI::IsMember({"hf_pooled", "per_layer", "sequence"}));
   app.add_option("--z-loss-coef", z_coef, "router z-loss coefficient (default 0)");
   bool force = false;
   app.add_flag("--force", force, "replace an existing --output / --grads file (never replaced otherwise)");
@@ -65,7 +65,9 @@ int run_forward(int argc, char** argv) {
   w.ce_scale = loss_tokens > 0 ? 1.0 / (double)loss_tokens : 0.0;
   w.aux_coef = cfg.router_aux_loss_coef;
   w.z_coef = z_coef;
-  w.aux_kind = aux_kind == "per_layer" ? AuxLossKind::per_layer : AuxLossKind::hf_pooled;
+  w.aux_kind = aux_kind == "per_layer" ? AuxLossKind::per_layer
+               : aux_kind == "sequence"  ? AuxLossKind::sequence
+                                         : AuxLossKind::hf_pooled;
   const ModelTensors files = ModelTensors::open(model_dir);
   {  // --force replaces an earlier output, never an input (the model's files, --input, the adapter)
     InputPaths inputs;

@@ -283,6 +283,24 @@ void CudaBackend::router_z_loss_backward(Tensor dlogits, Tensor logits, Tensor p
                               real_tokens);
 }
 
+void CudaBackend::router_row_stats(ops::RouterLayerStats& st, Tensor probs, Tensor topk_idx, Tensor token_mask, long N,
+                                   int E, int K, int row_len, bool sigmoid) {
+  // Host sums in token order (as the CPU's) over copies: a [N,E] transfer per layer when the loss is on.
+  std::vector<float> p(probs.numel);
+  std::vector<int32_t> idx(topk_idx.numel);
+  std::vector<uint8_t> mask(token_mask.numel);
+  download(p.data(), probs);
+  download(idx.data(), topk_idx);
+  if (!token_mask.empty()) download(mask.data(), token_mask);
+  ops::router_row_stats(st, p.data(), idx.data(), token_mask.empty() ? nullptr : mask.data(), N, E, K, row_len,
+                        sigmoid);
+}
+void CudaBackend::router_sequence_backward(Tensor dlogits, Tensor row_grad, Tensor token_mask, Tensor probs, long N,
+                                           int E, int row_len, bool sigmoid, float scale) {
+  gpu::router_sequence_backward(*ctx_, f32p(dlogits), f32p(row_grad), u8p(token_mask), f32p(probs), N, E, row_len,
+                                sigmoid, scale);
+}
+
 PlanView CudaBackend::upload_plan(const ops::MoePlan& plan, Tensor row_token, Tensor row_of) {
   MOETRON_ASSERT(row_token.numel >= plan.row_token.size() && row_of.numel >= plan.row_of.size());
   PlanView v;

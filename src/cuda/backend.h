@@ -95,6 +95,10 @@ class CudaBackend final : public Backend, public dist::MemorySpace {
                           long N, int E, int K) override;
   void router_backward(Tensor dlogits, Tensor dtopk_w, const double* dprobs_per_expert, Tensor token_mask,
                        Tensor probs, Tensor topk_idx, Tensor topk_w, long N, int E, int K, const ops::RouterSpec& spec) override;
+  void router_row_stats(ops::RouterLayerStats& st, Tensor probs, Tensor topk_idx, Tensor token_mask, long N, int E,
+                        int K, int row_len, bool sigmoid) override;
+  void router_sequence_backward(Tensor dlogits, Tensor row_grad, Tensor token_mask, Tensor probs, long N, int E,
+                                int row_len, bool sigmoid, float scale) override;
   void router_z_loss_backward(Tensor dlogits, Tensor logits, Tensor probs, Tensor token_mask, long N, int E,
                               float scale, long real_tokens) override;
   PlanView upload_plan(const ops::MoePlan& plan, Tensor row_token, Tensor row_of) override;

@@ -155,6 +155,10 @@ void router_layer_stats(Context& ctx, double* stats, const float* logits, const 
 void router_backward(Context& ctx, float* dlogits, const float* dtopk_weight, const double* dprobs_per_expert,
                      const uint8_t* token_mask, const float* probs, const int32_t* topk_idx,
                      const float* topk_weight, long N, int E, int K, const ops::RouterSpec& spec);
+// dlogits += scale * the sequence-wise balance loss's gradient (accumulate), as
+// ops::router_sequence_backward; row_grad [B,E] device f32.
+void router_sequence_backward(Context& ctx, float* dlogits, const float* row_grad, const uint8_t* token_mask,
+                              const float* probs, long N, int E, int row_len, bool sigmoid, float scale);
 // dlogits += scale * d z / d logits (accumulate), as ops::router_z_loss_backward; real_tokens is
 // the number of tokens with token_mask != 0 (all N without a mask).
 void router_z_loss_backward(Context& ctx, float* dlogits, const float* logits, const float* probs,

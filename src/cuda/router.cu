@@ -206,6 +206,26 @@ __global__ void router_z_backward_kernel(float* dlogits, const float* logits, co
   for (int e = 0; e < E; e++) dlogits[n * E + e] += (float)(g * (double)probs[n * E + e]);
 }
 
+// One thread per token: ops::router_sequence_backward's loop body.
+__global__ void router_sequence_backward_kernel(float* dlogits, const float* row_grad, const uint8_t* token_mask,
+                                                const float* probs, long N, int E, int row_len, bool sigmoid,
+                                                float scale) {
+  const long n = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (n >= N || !is_real(token_mask, n)) return;
+  const float* p = probs + n * E;
+  const float* g = row_grad + (n / row_len) * E;
+  double S = 0.0;
+  for (int e = 0; e < E; e++) S += p[e];
+  const double inv = sigmoid ? 1.0 / S : 1.0;
+  double dot = 0.0;
+  for (int e = 0; e < E; e++) dot += (double)g[e] * ((double)p[e] * inv);
+  for (int e = 0; e < E; e++) {
+    const double d = sigmoid ? ((double)g[e] - dot) / S * (double)p[e] * (1.0 - (double)p[e])
+                             : (double)p[e] * ((double)g[e] - dot);
+    dlogits[n * E + e] += (float)((double)scale * d);
+  }
+}
+
 void check_dims(const char* op, long N, int E, int K) {
   MOETRON_OP_CHECK(N >= 0, op, "token count N must be >= 0, got {}", N);
   MOETRON_OP_CHECK(E >= 1 && E <= kMaxE, op, "expert count E must be in [1, {}], got {}", kMaxE, E);
@@ -257,6 +277,20 @@ void router_z_loss_backward(Context& ctx, float* dlogits, const float* logits, c
   router_z_backward_kernel<<<blocks_for(N, 128), 128, 0, stream_of(ctx)>>>(dlogits, logits, probs, token_mask, N, E,
                                                                            c);
   CUDA_LAUNCHED("router_z_loss_backward");
+}
+
+}  // namespace moetron::gpu
+
+namespace moetron::gpu {
+
+void router_sequence_backward(Context& ctx, float* dlogits, const float* row_grad, const uint8_t* token_mask,
+                              const float* probs, long N, int E, int row_len, bool sigmoid, float scale) {
+  MOETRON_OP_CHECK(N >= 0 && E >= 1 && row_len > 0 && N % row_len == 0, "router_sequence_backward",
+                   "bad dimensions N={} E={} row_len={}", N, E, row_len);
+  if (N == 0) return;
+  router_sequence_backward_kernel<<<blocks_for(N, 128), 128, 0, stream_of(ctx)>>>(dlogits, row_grad, token_mask, probs,
+                                                                                   N, E, row_len, sigmoid, scale);
+  CUDA_LAUNCHED("router_sequence_backward");
 }
 
 }  // namespace moetron::gpu

@@ -97,6 +97,10 @@ void router_backward(Context&, float*, const float*, const double*, const uint8_
                      const float*, long, int, int, const ops::RouterSpec&) {
   no_cuda("router_backward");
 }
+void router_sequence_backward(Context&, float*, const float*, const uint8_t*, const float*, long, int, int, bool,
+                              float) {
+  no_cuda("router_sequence_backward");
+}
 void router_z_loss_backward(Context&, float*, const float*, const float*, const uint8_t*, long, int, float, long) {
   no_cuda("router_z_loss_backward");
 }

@@ -1,5 +1,7 @@
 #include "model/losses.h"
 
+#include <cstddef>
+
 namespace moetron {
 
 RouterLossTerms router_loss_terms(const std::vector<ops::RouterLayerStats>& layers,
@@ -29,6 +31,14 @@ RouterLossTerms router_loss_terms(const std::vector<ops::RouterLayerStats>& laye
       r.aux_loss = ops::load_balancing_loss_pooled({r.pooled}, E, K, &d);
       for (int e = 0; e < E; e++) r.aux_grad[e] = w.aux_coef * d[e];
       for (int l = 0; l < L; l++) r.aux_dprobs[l] = r.aux_grad;
+    }
+  } else if (w.aux_kind == AuxLossKind::sequence) {  // each layer's own, per row (no per-expert term)
+    r.seq_row_grad.resize(L);
+    for (int l = 0; l < L; l++) {
+      std::vector<double> g;
+      r.aux_loss += ops::sequence_balance_loss(layers[l], E, K, &g);
+      r.seq_row_grad[l].resize(g.size());
+      for (std::size_t i = 0; i < g.size(); i++) r.seq_row_grad[l][i] = (float)(w.aux_coef * g[i]);
     }
   } else {
     for (int l = 0; l < L; l++) {

@@ -9,7 +9,7 @@
 
 namespace moetron {
 
-enum class AuxLossKind { hf_pooled, per_layer };
+enum class AuxLossKind { hf_pooled, per_layer, sequence };
 
 // How the loss terms are weighted.  For one batch ce_scale = 1 / (loss tokens in the batch); under
 // gradient accumulation the trainer passes 1 / (loss tokens in the global batch) and divides the
@@ -40,6 +40,8 @@ struct RouterLossTerms {
   ops::RouterLayerStats pooled;                 // over this and the earlier stages' layers
   std::vector<double> aux_grad;                 // [E] hf_pooled: d(aux_coef * aux)/d probs
   std::vector<std::vector<double>> aux_dprobs;  // [stage layer][E] d(aux_coef * aux)/d probs
+  // sequence: [stage layer][B*E] aux_coef * d aux / d s' of the real tokens of each row (ops/router.h).
+  std::vector<std::vector<float>> seq_row_grad;
 };
 RouterLossTerms router_loss_terms(const std::vector<ops::RouterLayerStats>& layers,
                                   const ops::RouterLayerStats* pooled_in, const LossWeights& w, int E, int K,

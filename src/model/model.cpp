@@ -901,6 +901,7 @@ void Model::layer_forward(Activations& s, int l, Tensor x_next, bool recomputing
     const Tensor tmask = s.prep.has_token_mask ? s.token_mask : Tensor{};
     const uint8_t* hmask = s.prep.has_token_mask ? s.prep.token_mask.data() : nullptr;
     const int li = l - layer_begin_;
+    moe_->set_sequence_rows(s.weights.aux_kind == AuxLossKind::sequence ? s.T : 0);
     const long dropped = moe_->forward(ev, x_next, a.moe_saved, moe_sc_, a.ln2, a.ln2f, tmask, hmask, moe_weights(l),
                                        s.ident_pv, recomputing ? nullptr : &router_stats_[li]);
     if (!recomputing) dropped_[li] = dropped;
@@ -1134,8 +1135,10 @@ void Model::layer_backward(Activations& s, int l) {
   // FFN block: dres is d(x_next); it flows to h unchanged plus through the FFN.
   if (a.moe) {
     const Tensor tmask = s.prep.has_token_mask ? s.token_mask : Tensor{};
+    moe_->set_sequence_rows(s.weights.aux_kind == AuxLossKind::sequence ? s.T : 0);
     moe_->backward(ev, dln_, dres_, a.moe_saved, moe_sc_, a.ln2, a.ln2f, tmask, s.router.aux_dprobs[li].data(),
-                   s.weights.z_coef, s.prep.real_tokens, moe_weights(l), s.ident_pv);
+                   s.weights.z_coef, s.prep.real_tokens, moe_weights(l), s.ident_pv,
+                   s.router.seq_row_grad.empty() ? nullptr : &s.router.seq_row_grad[li]);
   } else {
     dense_.backward(ev, dln_, as_act(dres_, dres_act_), a.dense, a.ln2, ffn_weights(l, false), ffn_width(l));
   }

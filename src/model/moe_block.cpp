@@ -101,6 +101,8 @@ long MoeBlock::forward(const BlockEnv& env, Tensor out, MoeSaved& a, MoeScratch&
     if (!router_bias_.empty()) be.add_bias_rows(a.rlogits, router_bias_, N, E);
     be.router_forward(a.rprobs, a.topk_idx, a.topk_w, a.rlogits, w.selection_bias, N, E, K, router_spec(cfg));
     if (stats) be.router_layer_stats(*stats, a.rlogits, a.rprobs, a.topk_idx, token_mask, N, E, K);
+    if (stats && seq_row_len_ > 0)
+      be.router_row_stats(*stats, a.rprobs, a.topk_idx, token_mask, N, E, K, seq_row_len_, cfg.router_sigmoid);
     // The plan is built on the host from the router's choices (copies on a device backend).
     const int32_t* idx = nullptr;
     const float *tw = nullptr, *probs = nullptr;
@@ -163,7 +165,7 @@ long MoeBlock::forward(const BlockEnv& env, Tensor out, MoeSaved& a, MoeScratch&
 
 void MoeBlock::backward(const BlockEnv& env, Tensor dln, Tensor dout, MoeSaved& a, MoeScratch& sc, Tensor ln,
                         Tensor lnf, Tensor token_mask, const double* aux_dprobs, double z_coef, long real_tokens,
-                        const MoeWeights& w, const PlanView& ident) {
+                        const MoeWeights& w, const PlanView& ident, const std::vector<float>* seq_row_grad) {
   Backend& be = env.be;
   const ModelConfig& cfg = env.cfg;
   const int C = cfg.hidden_size, E = cfg.num_local_experts, K = cfg.num_experts_per_tok;
@@ -186,6 +188,14 @@ void MoeBlock::backward(const BlockEnv& env, Tensor dln, Tensor dout, MoeSaved& 
                      router_spec(cfg));
   if (z_coef != 0.0)
     be.router_z_loss_backward(sc.drlogits, a.rlogits, a.rprobs, token_mask, N, E, (float)z_coef, real_tokens);
+  if (seq_row_grad != nullptr && !seq_row_grad->empty()) {
+    MOETRON_ASSERT(seq_row_len_ > 0 && (long)seq_row_grad->size() == N / seq_row_len_ * E);
+    const size_t bytes = seq_row_grad->size() * sizeof(float);
+    if (!row_grad_ || row_grad_->bytes() < bytes) row_grad_ = be.allocate(bytes, "sequence loss gradient");
+    const Tensor g = be.view(row_grad_->data(), Store::f32, seq_row_grad->size());
+    be.upload(g, seq_row_grad->data());
+    be.router_sequence_backward(sc.drlogits, g, token_mask, a.rprobs, N, E, seq_row_len_, cfg.router_sigmoid, 1.0f);
+  }
   linear_backward(be, dln, sc.dur, sc.drlogits, lnf, a.ur, w.router, ident, N, C, E, true);
   if (a.shy.empty()) return;
   // The shared expert in reverse: d(shy) = sg * dout, d(sg) = <dout, shy> (a partial sum under tp,

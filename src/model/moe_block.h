@@ -85,6 +85,9 @@ class MoeBlock {
   void set_capacity_factor(double f) { capacity_factor_ = f; }
   // Test hook: bias[E] (f32, backend memory; empty: none) added to the router logits.
   void set_router_bias(Tensor bias) { router_bias_ = bias; }
+  // The sequence-wise balance loss (moe.aux_loss sequence) over rows of row_len tokens: forward then
+  // fills the statistics' per-row part (0: off).
+  void set_sequence_rows(int row_len) { seq_row_len_ = row_len; }
 
   // out[N,C] (f32, assign; all-reduced under tp) = the block's output.  ln [N,C] act store, lnf the
   // same in f32 (ln itself when the act store is f32); token_mask u8 [N] (empty: every token real)
@@ -94,9 +97,11 @@ class MoeBlock {
                const uint8_t* host_mask, const MoeWeights& w, const PlanView& ident, ops::RouterLayerStats* stats);
   // dln[N,C] (f32, assign; all-reduced under tp) from dout[N,C] (f32).  aux_dprobs: host [E] d(aux
   // loss)/d probs of any real token (or null); z_coef and real_tokens: the router z-loss's.
+  // seq_row_grad: host [B*E] (or null): the sequence loss's coefficient-weighted gradient on the
+  // normalised scores of each row (losses.h RouterLossTerms), rows of set_sequence_rows' length.
   void backward(const BlockEnv& env, Tensor dln, Tensor dout, MoeSaved& s, MoeScratch& sc, Tensor ln, Tensor lnf,
                 Tensor token_mask, const double* aux_dprobs, double z_coef, long real_tokens, const MoeWeights& w,
-                const PlanView& ident);
+                const PlanView& ident, const std::vector<float>* seq_row_grad = nullptr);
 
  private:
   // Zeros the rows [M] of plan order past the computed ones (the overflow expert's: capacity drops).
@@ -106,6 +111,8 @@ class MoeBlock {
   ExpertFfn shared_ffn_;  // the shared expert's backward scratch
   double capacity_factor_ = 0.0;
   Tensor router_bias_;
+  int seq_row_len_ = 0;
+  std::unique_ptr<Allocation> row_grad_;  // the sequence loss's [B*E] gradient in backend memory
   // Host copies of one layer's routing (device backends) and its capacity-limited weights.
   std::vector<int32_t> topk_idx_host_;
   std::vector<float> topk_w_host_, probs_host_, combine_host_;

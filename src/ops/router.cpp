@@ -324,3 +324,86 @@ void router_z_loss_backward(float* dlogits, const float* logits, const float* pr
 }
 
 }  // namespace moetron::ops
+
+namespace moetron::ops {
+
+namespace {
+
+// s'_{t,.} of one token: the scores normalised (sigmoid) or as they are (softmax); returns sum_i s_i.
+double normalised_scores(double* out, const float* p, int E, bool sigmoid) {
+  double S = 0.0;
+  for (int e = 0; e < E; e++) S += p[e];
+  const double inv = sigmoid ? 1.0 / S : 1.0;
+  for (int e = 0; e < E; e++) out[e] = p[e] * inv;
+  return S;
+}
+
+}  // namespace
+
+void router_row_stats(RouterLayerStats& st, const float* probs, const int32_t* topk_idx, const uint8_t* token_mask,
+                      long N, int E, int K, int row_len, bool sigmoid) {
+  check_dims("router_row_stats", N, E, K);
+  MOETRON_OP_CHECK(row_len > 0 && N % row_len == 0, "router_row_stats", "N={} is not whole rows of {}", N, row_len);
+  const long B = N / row_len;
+  st.row_assigned.assign(B * E, 0.0);
+  st.row_score_sum.assign(B * E, 0.0);
+  st.row_tokens.assign(B, 0.0);
+  std::vector<double> sn(E);
+  for (long n = 0; n < N; n++) {  // serially, in token order: deterministic sums
+    if (!is_real(token_mask, n)) continue;
+    const long b = n / row_len;
+    st.row_tokens[b] += 1.0;
+    normalised_scores(sn.data(), probs + n * E, E, sigmoid);
+    for (int e = 0; e < E; e++) st.row_score_sum[b * E + e] += sn[e];
+    for (int k = 0; k < K; k++) {
+      const int e = topk_idx[n * K + k];
+      if (e >= 0 && e < E) st.row_assigned[b * E + e] += 1.0;
+    }
+  }
+}
+
+double sequence_balance_loss(const RouterLayerStats& st, int E, int K, std::vector<double>* row_grad) {
+  const long B = (long)st.row_tokens.size();
+  if (row_grad) row_grad->assign(B * E, 0.0);
+  long rows = 0;
+  for (long b = 0; b < B; b++) rows += st.row_tokens[b] > 0;
+  if (rows == 0) return 0.0;
+  double loss = 0.0;
+  for (long b = 0; b < B; b++) {
+    const double T = st.row_tokens[b];
+    if (T <= 0) continue;
+    for (int e = 0; e < E; e++) {
+      const double f = (double)E / ((double)K * T) * st.row_assigned[b * E + e];
+      loss += f * st.row_score_sum[b * E + e] / T;
+      if (row_grad) (*row_grad)[b * E + e] = f / (T * (double)rows);
+    }
+  }
+  return loss / (double)rows;
+}
+
+void router_sequence_backward(float* dlogits, const float* row_grad, const uint8_t* token_mask, const float* probs,
+                              long N, int E, int row_len, bool sigmoid, float scale) {
+  MOETRON_OP_CHECK(N >= 0 && E >= 1 && row_len > 0 && N % row_len == 0, "router_sequence_backward",
+                   "bad dimensions N={} E={} row_len={}", N, E, row_len);
+#pragma omp parallel
+  {
+    std::vector<double> sn(E);
+#pragma omp for schedule(static)
+    for (long n = 0; n < N; n++) {
+      if (!is_real(token_mask, n)) continue;
+      const float* p = probs + n * E;
+      const float* g = row_grad + (n / row_len) * E;
+      const double S = normalised_scores(sn.data(), p, E, sigmoid);
+      double dot = 0.0;  // sum_i g_i s'_i
+      for (int e = 0; e < E; e++) dot += (double)g[e] * sn[e];
+      float* dl = dlogits + n * E;
+      for (int e = 0; e < E; e++) {
+        const double d = sigmoid ? ((double)g[e] - dot) / S * (double)p[e] * (1.0 - (double)p[e])
+                                 : (double)p[e] * ((double)g[e] - dot);
+        dl[e] += (float)((double)scale * d);
+      }
+    }
+  }
+}
+
+}  // namespace moetron::ops

@@ -23,6 +23,13 @@
 //  - per_layer (Switch / Megatron): aux_l = E / (N_l^2 * K) * sum_e prob_sum_l[e] * assigned_l[e],
 //    and the total is the SUM over layers (Megatron applies the coefficient per layer).
 //    Gradient: d aux_l / d probs[n,e] = E * assigned_l[e] / (N_l^2 * K).
+//  - sequence (DeepSeek-V3's complementary sequence-wise balance loss): per row b of the batch (a
+//    sequence, or a packed block of them) with T_b real tokens,
+//      s'_{t,e} = s_{t,e} / sum_j s_{t,j}  (the sigmoid scores normalised; softmax probs as they are),
+//      f_{b,e} = E / (K T_b) * #{t in b: e in top-K of t},   P_{b,e} = (1/T_b) sum_{t in b} s'_{t,e},
+//      aux_l = mean over rows with real tokens of sum_e f_{b,e} P_{b,e};  the total is the SUM over layers.
+//    Gradient: d aux_l / d s'_{t,e} = f_{b,e} / (T_b * rows) for every real token t of row b (the
+//    top-K counts are not differentiated).
 //  - router z-loss (ST-MoE): z_l = mean over real tokens of logsumexp(logits[n])^2; total = SUM
 //    over layers.  Gradient: d z_l / d logits[n,e] = 2 * lse[n] * probs[n,e] / N_l.
 #pragma once
@@ -81,7 +88,25 @@ struct RouterLayerStats {
   std::vector<double> prob_sum;  // [E] sum of probs[., e]
   double tokens = 0;             // real tokens
   double z_sum = 0;              // sum of logsumexp(logits[n])^2
+  // Per row (the sequence loss; empty unless router_row_stats ran): [B*E] top-K counts, [B*E] sums of
+  // the normalised scores s', [B] real tokens.
+  std::vector<double> row_assigned, row_score_sum, row_tokens;
 };
+
+// Fills st's per-row statistics over rows of row_len tokens (N a multiple of row_len); sigmoid: probs
+// are sigmoid scores, normalised per token (else softmax probs, used as they are).
+void router_row_stats(RouterLayerStats& st, const float* probs, const int32_t* topk_idx, const uint8_t* token_mask,
+                      long N, int E, int K, int row_len, bool sigmoid);
+
+// The sequence-wise balance loss of one layer from its row statistics; row_grad (if not null)
+// receives [B*E]: d aux / d s'_{t,e} for the real tokens t of row b.
+double sequence_balance_loss(const RouterLayerStats& st, int E, int K, std::vector<double>* row_grad);
+
+// dlogits[N,E] += scale * d aux / d logits through s' (accumulate): for a real token t of row b with
+// g = row_grad[b], sigmoid: ds_j = (g_j - sum_i g_i s'_i) / sum_i s_i, dlogit_j = ds_j s_j (1 - s_j);
+// softmax: dlogit_j = p_j (g_j - sum_i p_i g_i).
+void router_sequence_backward(float* dlogits, const float* row_grad, const uint8_t* token_mask, const float* probs,
+                              long N, int E, int row_len, bool sigmoid, float scale);
 
 // Overwrites st with the statistics of one layer.
 void router_layer_stats(RouterLayerStats& st, const float* logits, const float* probs,

@@ -658,7 +658,7 @@ void validate(const TrainConfig& c, const std::string& source, const std::map<st
     fail("{}: train.exit_interval: must be >= 0 (0: never), got {}", at("train.exit_interval"), c.train.exit_interval);
 
   if (c.moe.aux_loss_coef) at_least("moe.aux_loss_coef", *c.moe.aux_loss_coef, 0.0, " (or null: the model's)");
-  one_of("moe.aux_loss", c.moe.aux_loss, {"hf_pooled", "per_layer"});
+  one_of("moe.aux_loss", c.moe.aux_loss, {"hf_pooled", "per_layer", "sequence"});
   if (c.lora.rank < 0 || c.lora.rank > 65536)
     fail("{}: lora.rank: must be in [0, 65536] (0: no LoRA, the whole model trains), got {}", at("lora.rank"),
          c.lora.rank);

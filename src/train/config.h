@@ -14,7 +14,7 @@
 // Validation (after the overrides), beyond types: global_batch_size divisible by micro_batch_size
 // (division by the data-parallel size is the trainer's check); exactly one of max_steps > 0 or
 // epochs > 0 (epochs at most kMaxEpochs); enums (device cpu|cuda, model.dtype fp32|bf16, data.over_long split|drop,
-// train.schedule cosine|linear|constant, moe.aux_loss hf_pooled|per_layer); lr >= min_lr >= 0;
+// train.schedule cosine|linear|constant, moe.aux_loss hf_pooled|per_layer|sequence); lr >= min_lr >= 0;
 // warmup_steps >= 0; betas in [0, 1); adam_eps > 0; weight_decay, grad_clip (0: no clipping),
 // z_loss_coef and aux_loss_coef >= 0; capacity_factor in (0, kMaxCapacityFactor]; positive sizes (seq_length, batch sizes,
 // tp/pp/ep, layers_per_stage entries, keep_last, nan_skip_limit, log.every_steps, eval.batches);
@@ -77,7 +77,7 @@ struct TrainConfig {
 
   struct Moe {
     std::optional<double> aux_loss_coef;  // null: the model config's router_aux_loss_coef
-    std::string aux_loss = "hf_pooled";   // hf_pooled | per_layer
+    std::string aux_loss = "hf_pooled";   // hf_pooled | per_layer | sequence (DeepSeek-V3's, per batch row)
     double z_loss_coef = 0.0;
     std::optional<double> capacity_factor;  // null: dropless
     // Aux-loss-free balancing (DeepSeek-V3's gamma): after each optimizer step every MoE layer's

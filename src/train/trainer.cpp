@@ -309,7 +309,9 @@ void Training::setup() {
   schedule_.decay = lr_decay_from_string(cfg_.train.schedule);
 
   aux_coef_ = cfg_.moe.aux_loss_coef ? *cfg_.moe.aux_loss_coef : mcfg_.router_aux_loss_coef;
-  weights_.aux_kind = cfg_.moe.aux_loss == "per_layer" ? AuxLossKind::per_layer : AuxLossKind::hf_pooled;
+  weights_.aux_kind = cfg_.moe.aux_loss == "per_layer" ? AuxLossKind::per_layer
+                      : cfg_.moe.aux_loss == "sequence" ? AuxLossKind::sequence
+                                                        : AuxLossKind::hf_pooled;
   flops_ = count_flops(mcfg_, cfg_.data.seq_length);
 
   // The run directory and the resolved config (the root rank's; the directory must be shared by
