@@ -250,7 +250,8 @@ TEST(TrainConfig, EveryValidationRuleHasItsMessage) {
       {{"train.nan_skip_limit=0"}, "train.nan_skip_limit: must be a positive integer, got 0"},
       {{"train.exit_interval=-1"}, "train.exit_interval: must be >= 0 (0: never), got -1"},
       {{"moe.aux_loss_coef=-0.01"}, "moe.aux_loss_coef: must be >= 0 (or null: the model's), got -0.01"},
-      {{"moe.aux_loss=switch"}, "moe.aux_loss: expected one of hf_pooled | per_layer, got 'switch'"},
+      {{"moe.aux_loss=switch"}, "moe.aux_loss: expected one of hf_pooled | per_layer | sequence, got 'switch'"},
+      {{"moe.bias_update_rate=-0.1"}, "moe.bias_update_rate: must be in [0, 1] (0: off; DeepSeek-V3 used 1e-3), got -0.1"},
       {{"moe.z_loss_coef=-1"}, "moe.z_loss_coef: must be >= 0, got -1"},
       {{"moe.capacity_factor=0"}, "moe.capacity_factor: must be in (0, 4096] (or null: dropless), got 0"},
       {{"moe.capacity_factor=1e300"}, "moe.capacity_factor: must be in (0, 4096] (or null: dropless), got 1e+300"},
@@ -354,7 +355,8 @@ TEST(TrainConfig, JsonHasEveryKeyInItsSection) {
   EXPECT_EQ(j["moe"]["capacity_factor"], 2.0);
   EXPECT_TRUE(j["moe"]["aux_loss_coef"].is_null());
   EXPECT_EQ(j["model"]["config"]["hidden_size"], 64);
-  EXPECT_EQ(train_config_keys().size(), 49u);  // update with the key table
+  EXPECT_EQ(train_config_keys().size(), 50u);  // update with the key table
+  EXPECT_EQ(j["moe"]["bias_update_rate"], 0.0);
   EXPECT_EQ(j["lora"]["rank"], 0);
   EXPECT_EQ(j["lora"]["targets"], json({"attention", "experts"}));
 }

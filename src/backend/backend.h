@@ -211,6 +211,12 @@ class Backend {
     int OC = 0;
     bool accumulate = false;
   };
+  // out[N,OC] (assign) = inp[N,IC] @ weight^T with every row computed as it would be alone, whatever
+  // the pass (latent attention re-expands its cached positions each pass, and a position's keys must
+  // not depend on how many rows the pass has).  The default: matmul_forward (row-independent already).
+  virtual void matmul_forward_rowwise(Tensor out, Tensor inp, Tensor weight, int N, int IC, int OC) {
+    matmul_forward(out, inp, weight, N, IC, OC, false);
+  }
   virtual void matmul_forward_group(std::span<const MatmulTask> tasks, Tensor inp, int N, int IC) {
     for (const MatmulTask& t : tasks) matmul_forward(t.out, inp, t.weight, N, IC, t.OC, t.accumulate);
   }

@@ -167,6 +167,15 @@ void CpuInferenceBackend::matmul_forward(Tensor out, Tensor inp, Tensor weight, 
   matmul_forward_group(std::span(&t, 1), inp, N, IC);
 }
 
+void CpuInferenceBackend::matmul_forward_rowwise(Tensor out, Tensor inp, Tensor weight, int N, int IC, int OC) {
+  if (!in_pass_) return CpuBackend::matmul_forward(out, inp, weight, N, IC, OC, false);
+  float* y = out.f32();
+  for_each_piece(weight, OC, IC, [&](WeightRef W, int r0, int rows) {
+    add_row_tasks(tasks_, y + r0, OC, W, inp.f32(), IC, N, rows, false);
+  });
+  run_tasks(tasks_, IC);
+}
+
 void CpuInferenceBackend::matmul_forward_group(std::span<const MatmulTask> group, Tensor inp, int N, int IC) {
   const float* x = inp.f32();
   for (const MatmulTask& t : group) {

@@ -76,6 +76,8 @@ class CpuInferenceBackend final : public CpuBackend {
   void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, long N, int C, float eps) override;
   void matmul_forward(Tensor out, Tensor inp, Tensor weight, int N, int IC, int OC, bool accumulate) override;
   void matmul_forward_group(std::span<const MatmulTask> tasks, Tensor inp, int N, int IC) override;
+  // The decode kernels (each row alone) in every pass.
+  void matmul_forward_rowwise(Tensor out, Tensor inp, Tensor weight, int N, int IC, int OC) override;
   void rope_forward(Tensor x, Tensor pos, long N, int H, int HD, const ops::RopeSpec& spec) override;
   void attention_kv_forward(Tensor out, Tensor q, std::span<const KvSeq> seqs, int sliding_window, int NH, int NKV,
                             int HD) override;

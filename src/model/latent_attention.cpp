@@ -177,8 +177,8 @@ void LatentAttention::forward_cached(const BlockEnv& env, Tensor h, AttentionSav
     // The rows' latents and RoPE keys join the cache; then every cached position is expanded.
     be.copy(r.k.part((size_t)r.pos0 * m.kvr, (size_t)r.rows * m.kvr), a.latn.part((size_t)r.row0 * m.kvr, (size_t)r.rows * m.kvr));
     be.copy(r.v.part((size_t)r.pos0 * m.dr, (size_t)r.rows * m.dr), a.krope.part((size_t)r.row0 * m.dr, (size_t)r.rows * m.dr));
-    linear_forward(be, sc.xkvb, Tensor{}, r.k.part(0, (size_t)len * m.kvr), w.kv_b, ident, len, m.kvr, (int)m.KVB(),
-                   false);
+    // Row by row as alone: a position's expansion must not depend on the pass (bitwise decoding).
+    be.matmul_forward_rowwise(sc.xkvb, r.k.part(0, (size_t)len * m.kvr), w.kv_b.w, (int)len, m.kvr, (int)m.KVB());
     expand(be, m, sc.xk, sc.xv, sc.xkvb, r.v, len);
     // The sequence's rows alone (a backend may take a pass's rows as the sequences' in order).
     const KvRows one{0, r.rows, r.pos0, sc.xk, sc.xv};
