@@ -705,8 +705,16 @@ TEST(ServeModelTemplate, QwenAndGptOssStyleDirectoriesRenderToolsAsTransformers)
     }
     const auto model = load_inference_model(dir.string());
     const auto tok = load_model_tokenizer(dir.string(), "", model->cfg, true);
-    const TemplateChoice tc = choose_chat_template(dir.string(), "auto", tok->byte_level());
+    TemplateChoice tc = choose_chat_template(dir.string(), "auto", tok->byte_level());
     ASSERT_TRUE(tc.jinja) << tc.source;
+    // The date the references froze (tools/chat_template_ids_refs.py): GPT-OSS's template prints it.
+    std::tm day{};
+    day.tm_year = 2026 - 1900;
+    day.tm_mon = 11;
+    day.tm_mday = 7;
+    day.tm_hour = 12;
+    std::mktime(&day);  // fills the weekday and day of the year
+    tc.now = day;
     std::vector<int32_t> eos = model_eos_ids(dir.string(), model->cfg, tok.get());
     add_chat_stop_ids(eos, tc, *tok, model->cfg);
     server::ServerOptions o;

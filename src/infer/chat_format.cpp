@@ -15,7 +15,9 @@ std::vector<int32_t> chat_prompt_tokens(const TemplateChoice& tc, const Tokenize
     in.kwargs = conv.kwargs.is_null() ? nlohmann::ordered_json::object() : conv.kwargs;
     in.add_generation_prompt = true;
     in.special_tokens = tc.special_tokens;
-    return tok.encode(jinja::render_chat(*tc.jinja, in));
+    jinja::RenderOptions opts;
+    opts.now = tc.now;
+    return tok.encode(jinja::render_chat(*tc.jinja, in, opts));
   }
   if (!conv.tools.is_null() && !(conv.tools.is_array() && conv.tools.empty()))
     throw ChatError(ChatErrorKind::unknown_role,

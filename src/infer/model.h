@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <ctime>
 #include <memory>
 #include <optional>
 #include <string>
@@ -154,6 +155,9 @@ struct TemplateChoice {
   std::string source;
   std::shared_ptr<const jinja::Template> jinja = {};
   std::vector<std::pair<std::string, std::string>> special_tokens = {};  // what the Jinja template sees
+  // What the template's strftime_now() formats (unset: the local time when rendering): a fixed date
+  // makes a dated template's prompts reproducible (the tests compare them with transformers').
+  std::optional<std::tm> now = {};
   std::string name() const { return jinja ? "jinja" : chat_template_name(tmpl); }
 };
 
