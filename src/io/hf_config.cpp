@@ -498,7 +498,10 @@ ModelConfig model_config_from_json(const json& j, const std::string& source) {
   };
   auto read_rope = [&](const char* field, const json& rp) {
     if (!rp.is_object()) fail("{}: field '{}' must be an object, got {}", source, field, json_preview(rp));
-    for (const auto& [k, v] : rp.items()) {
+    for (const auto& item : rp.items()) {
+      // Named copies, not structured bindings: clang before 16 cannot capture those in the lambda below.
+      const std::string k = item.key();
+      const json& v = item.value();
       const std::string key = k == "type" ? "rope_type" : k;
       auto number = [&]() {
         if (!v.is_number() || !std::isfinite(v.get<double>()))
